@@ -1,0 +1,1 @@
+//! Demos of regions (DESIGN.md, "examples/"); they arrive with the demo issue.

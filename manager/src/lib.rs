@@ -1,0 +1,26 @@
+//! The regions manager (DESIGN.md, "Control plane"; paper 003 §6.5–6.10):
+//! the namespace, region maps, hosts and pools, the cluster allocator and
+//! the fixed-virtual-address allocator, durable in an embedded store and
+//! served over gRPC. It is never on the data path.
+//!
+//! [`Manager`] is the core that tests drive directly; [`service`] adapts it
+//! to the gRPC services of `regions-proto`; [`server::serve`] runs them.
+
+pub mod access;
+pub mod allocator;
+pub mod cluster;
+pub mod error;
+pub mod manager;
+pub mod model;
+pub mod namespace;
+pub mod regions;
+pub mod server;
+pub mod service;
+pub mod state;
+pub mod store;
+pub mod vaddr;
+pub mod xattr;
+
+pub use access::Caller;
+pub use error::ManagerError;
+pub use manager::{Config, Manager};

@@ -1,0 +1,94 @@
+//! `regions-manager`: the cluster's control plane.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use regions_manager::{Config, Manager, server};
+use regions_proto::auth::Secret;
+use tokio::signal::unix::{SignalKind, signal};
+
+/// The regions manager: namespace, region maps, hosts, pools and fixed
+/// virtual addresses, durable under --data-dir, served over gRPC.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    /// Address to serve gRPC on (port 0 picks a free port).
+    #[arg(long, env = "REGIONS_MANAGER_LISTEN", default_value = "127.0.0.1:7070")]
+    listen: SocketAddr,
+    /// Directory of the durable store.
+    #[arg(
+        long,
+        env = "REGIONS_DATA_DIR",
+        default_value = "/var/lib/regions/manager"
+    )]
+    data_dir: PathBuf,
+    /// File holding the cluster secret that every node component presents.
+    #[arg(
+        long,
+        env = "REGIONS_SECRET_FILE",
+        default_value = "/etc/regions/secret"
+    )]
+    secret_file: PathBuf,
+    /// Milliseconds a host stays live without a heartbeat.
+    #[arg(long, env = "REGIONS_LEASE_MS", default_value_t = 10_000)]
+    lease_ms: u64,
+    /// Write the bound address to this file once serving (for scripts and tests).
+    #[arg(long, env = "REGIONS_READY_FILE")]
+    ready_file: Option<PathBuf>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let secret = Secret::from_file(&args.secret_file)?;
+    let config = Config {
+        lease: Duration::from_millis(args.lease_ms.max(100)),
+        ..Config::default()
+    };
+    let manager = Manager::open(&args.data_dir, config)?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| {
+            format!(
+                "cannot listen on {}: is another manager running? pick another --listen",
+                args.listen
+            )
+        })?;
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, data_dir = %args.data_dir.display(), "manager serving");
+    if let Some(path) = &args.ready_file {
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, addr.to_string())
+            .and_then(|()| std::fs::rename(&tmp, path))
+            .with_context(|| format!("cannot write the ready file {}", path.display()))?;
+    }
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut fatal = manager.fatal();
+    let mut failure = None;
+    let shutdown = async {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+            _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+            reason = fatal.wait_for(Option::is_some) => {
+                failure = reason.ok().and_then(|r| r.clone());
+            }
+        }
+    };
+    server::serve(manager, listener, secret, shutdown).await?;
+    if let Some(reason) = failure {
+        anyhow::bail!("stopped because the store failed: {reason}; fix the disk and restart");
+    }
+    tracing::info!("manager stopped");
+    Ok(())
+}

@@ -1,0 +1,838 @@
+//! The manager core: one lock around the state, every change committed to
+//! the store before the caller hears of it, daemon events published after.
+//! The gRPC layer ([`crate::service`]) is a thin adapter over this.
+
+use std::collections::{HashMap, VecDeque};
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use regions_proto::v1::{self, host_event::Event};
+use tokio::sync::{Notify, watch};
+
+use crate::access::Caller;
+use crate::cluster::HostRegistration;
+use crate::error::{ManagerError, Result};
+use crate::model::{Inode, Kind};
+use crate::namespace::SetAttr;
+use crate::state::State;
+use crate::store::{Store, StoreError};
+
+/// Settings of a manager.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// How long a host stays live without a heartbeat.
+    pub lease: Duration,
+    /// Mode of a new store's root directory.
+    pub root_mode: u32,
+    /// How long to wait for a daemon to add a pool when asked.
+    pub grow_timeout: Duration,
+    /// Daemon events kept per host for streams that reconnect.
+    pub event_backlog: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            lease: Duration::from_secs(10),
+            root_mode: 0o1777,
+            grow_timeout: Duration::from_secs(3),
+            event_backlog: 1 << 16,
+        }
+    }
+}
+
+struct Inner {
+    state: State,
+    store: Store,
+    /// Set when a commit failed: the state in memory may be ahead of the
+    /// store, so nothing more is served until a restart reloads it.
+    failed: Option<String>,
+}
+
+/// Events for daemons, numbered.
+struct EventLog {
+    /// Sequence number of the first event of this manager run.
+    base: u64,
+    next: u64,
+    /// Per host, the newest sequence number dropped from the backlog.
+    dropped: HashMap<u32, u64>,
+    per_host: HashMap<u32, VecDeque<v1::HostEvent>>,
+    backlog: usize,
+}
+
+/// The manager.
+pub struct Manager {
+    inner: Mutex<Inner>,
+    events: Mutex<EventLog>,
+    /// The sequence number of the newest event.
+    event_seq: watch::Sender<u64>,
+    /// Wakes callers waiting for a daemon to add a pool.
+    pool_added: Notify,
+    /// Becomes `Some(reason)` when the store fails.
+    fatal: watch::Sender<Option<String>>,
+    config: Config,
+}
+
+impl Manager {
+    /// Opens the store in `data_dir` and loads the state.
+    pub fn open(data_dir: &Path, config: Config) -> Result<Arc<Manager>, StoreError> {
+        let (store, mut state) = Store::open(data_dir, config.lease, config.root_mode)?;
+        state.free_orphans();
+        store.commit(&mut state)?;
+        state.events.clear();
+        // Sequence numbers start from the clock so that a daemon holding a
+        // number from an earlier manager run asks for a full resync.
+        let base = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64);
+        Ok(Arc::new(Manager {
+            inner: Mutex::new(Inner {
+                state,
+                store,
+                failed: None,
+            }),
+            events: Mutex::new(EventLog {
+                base,
+                next: base,
+                dropped: HashMap::new(),
+                per_host: HashMap::new(),
+                backlog: config.event_backlog,
+            }),
+            event_seq: watch::channel(base - 1).0,
+            pool_added: Notify::new(),
+            fatal: watch::channel(None).0,
+            config,
+        }))
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Resolves to the reason once the store has failed.
+    pub fn fatal(&self) -> watch::Receiver<Option<String>> {
+        self.fatal.subscribe()
+    }
+
+    fn lock(&self) -> Result<MutexGuard<'_, Inner>> {
+        let inner = self
+            .inner
+            .lock()
+            .map_err(|_| ManagerError::Store("the manager's state lock was poisoned".into()))?;
+        if let Some(reason) = &inner.failed {
+            return Err(ManagerError::Store(reason.clone()));
+        }
+        Ok(inner)
+    }
+
+    /// Runs a read-only operation.
+    pub fn read<T>(&self, f: impl FnOnce(&State) -> Result<T>) -> Result<T> {
+        let inner = self.lock()?;
+        f(&inner.state)
+    }
+
+    /// Runs an operation that may change state, commits what it changed,
+    /// then publishes its daemon events.
+    pub fn write<T>(&self, f: impl FnOnce(&mut State) -> Result<T>) -> Result<T> {
+        let mut inner = self.lock()?;
+        let result = f(&mut inner.state);
+        let Inner {
+            state,
+            store,
+            failed,
+        } = &mut *inner;
+        if let Err(e) = store.commit(state) {
+            let reason = e.to_string();
+            tracing::error!(error = %reason, "commit to the store failed; refusing further requests until restart");
+            *failed = Some(reason.clone());
+            self.fatal.send_replace(Some(reason.clone()));
+            return Err(ManagerError::Store(reason));
+        }
+        let events = std::mem::take(&mut state.events);
+        drop(inner);
+        if !events.is_empty() {
+            self.publish(events);
+        }
+        result
+    }
+
+    /// [`Manager::write`] for operations that allocate: when a host is short
+    /// of pool memory but offers more, asks its daemon for a pool, waits for
+    /// it (bounded by `grow_timeout`) and tries again; else `ENOSPC`.
+    pub async fn write_allocating<T, F>(self: &Arc<Self>, f: F) -> Result<T>
+    where
+        F: Fn(&mut State) -> Result<T> + Send + Sync + 'static,
+        T: Send + 'static,
+    {
+        let f = Arc::new(f);
+        for attempt in 0..3 {
+            let added = self.pool_added.notified();
+            tokio::pin!(added);
+            added.as_mut().enable();
+            let this = Arc::clone(self);
+            let op = Arc::clone(&f);
+            let result = tokio::task::spawn_blocking(move || this.write(|s| op(s)))
+                .await
+                .map_err(|e| ManagerError::Store(format!("manager task failed: {e}")))?;
+            match result {
+                Err(ManagerError::NeedPool { host, bytes }) if attempt < 2 => {
+                    tracing::info!(host, bytes, "asking the daemon for another pool");
+                    self.publish(vec![(host, Event::GrowPool(bytes))]);
+                    if tokio::time::timeout(self.config.grow_timeout, added)
+                        .await
+                        .is_err()
+                    {
+                        return Err(ManagerError::NoSpace(format!(
+                            "host {host} did not add a pool of {bytes} bytes within {:?}",
+                            self.config.grow_timeout
+                        )));
+                    }
+                }
+                Err(ManagerError::NeedPool { host, bytes }) => {
+                    return Err(ManagerError::NoSpace(format!(
+                        "host {host} is still {bytes} bytes short after adding pools"
+                    )));
+                }
+                other => return other,
+            }
+        }
+        Err(ManagerError::NoSpace("allocation did not succeed".into()))
+    }
+
+    fn publish(&self, events: Vec<(u32, Event)>) {
+        let Ok(mut log) = self.events.lock() else {
+            return;
+        };
+        let backlog = log.backlog;
+        let mut last = 0;
+        for (host, event) in events {
+            let sequence = log.next;
+            log.next += 1;
+            last = sequence;
+            let queue = log.per_host.entry(host).or_default();
+            queue.push_back(v1::HostEvent {
+                sequence,
+                event: Some(event),
+            });
+            let mut dropped = None;
+            while queue.len() > backlog {
+                dropped = queue.pop_front().map(|e| e.sequence);
+            }
+            if let Some(seq) = dropped {
+                log.dropped.insert(host, seq);
+            }
+        }
+        drop(log);
+        self.event_seq.send_replace(last);
+    }
+
+    /// Events for `host` after `after`; `Err` when some of them are no
+    /// longer kept (dropped from the backlog, or from an earlier manager
+    /// run): the daemon must resync with `PoolChunks`. Events may repeat
+    /// what `PoolChunks` returned; daemons apply them idempotently.
+    pub fn events_after(&self, host: u32, after: u64) -> Result<Vec<v1::HostEvent>> {
+        let log = self
+            .events
+            .lock()
+            .map_err(|_| ManagerError::Store("the event log lock was poisoned".into()))?;
+        let lost = log.dropped.get(&host).copied().unwrap_or(0);
+        if after.saturating_add(1) < log.base || after < lost {
+            return Err(ManagerError::Invalid(format!(
+                "events after {after} for host {host} are no longer kept; call PoolChunks and watch again"
+            )));
+        }
+        Ok(log
+            .per_host
+            .get(&host)
+            .map(|q| q.iter().filter(|e| e.sequence > after).cloned().collect())
+            .unwrap_or_default())
+    }
+
+    /// The sequence number of the newest event.
+    pub fn current_sequence(&self) -> u64 {
+        *self.event_seq.borrow()
+    }
+
+    /// Wakes when new events are published.
+    pub fn subscribe_events(&self) -> watch::Receiver<u64> {
+        self.event_seq.subscribe()
+    }
+
+    // ---- namespace ----
+
+    pub fn lookup(&self, caller: &Caller, parent: u64, name: &str) -> Result<v1::Attr> {
+        self.read(|s| s.lookup(caller, parent, name).map(|i| s.attr(i)))
+    }
+
+    pub fn getattr(&self, ino: u64) -> Result<v1::Attr> {
+        self.read(|s| s.inode(ino).map(|i| s.attr(i)))
+    }
+
+    pub fn mkdir(&self, caller: &Caller, parent: u64, name: &str, mode: u32) -> Result<v1::Attr> {
+        self.write(|s| s.mkdir(caller, parent, name, mode).map(|i| s.attr(&i)))
+    }
+
+    pub fn rmdir(&self, caller: &Caller, parent: u64, name: &str) -> Result<()> {
+        self.write(|s| s.rmdir(caller, parent, name))
+    }
+
+    pub fn unlink(&self, caller: &Caller, parent: u64, name: &str) -> Result<()> {
+        self.write(|s| s.unlink(caller, parent, name))
+    }
+
+    pub fn rename(
+        &self,
+        caller: &Caller,
+        parent: u64,
+        name: &str,
+        new_parent: u64,
+        new_name: &str,
+        flags: u32,
+    ) -> Result<()> {
+        self.write(|s| s.rename(caller, parent, name, new_parent, new_name, flags))
+    }
+
+    pub fn readdir(
+        &self,
+        caller: &Caller,
+        ino: u64,
+        offset: u64,
+        limit: usize,
+    ) -> Result<v1::ReadDirReply> {
+        self.read(|s| {
+            let (entries, end) = s.readdir(caller, ino, offset, limit)?;
+            Ok(v1::ReadDirReply {
+                entries: entries
+                    .into_iter()
+                    .map(|e| v1::DirEntry {
+                        attr: Some(s.attr(e.inode)),
+                        name: e.name,
+                        offset: e.cookie,
+                    })
+                    .collect(),
+                end,
+            })
+        })
+    }
+
+    pub fn getxattr(&self, caller: &Caller, ino: u64, name: &str) -> Result<Vec<u8>> {
+        self.read(|s| s.getxattr(caller, ino, name))
+    }
+
+    pub fn listxattr(&self, caller: &Caller, ino: u64) -> Result<Vec<String>> {
+        self.read(|s| s.listxattr(caller, ino))
+    }
+
+    pub fn setxattr(
+        &self,
+        caller: &Caller,
+        ino: u64,
+        name: &str,
+        value: &[u8],
+        flags: u32,
+    ) -> Result<()> {
+        self.write(|s| s.setxattr(caller, ino, name, value, flags))
+    }
+
+    pub fn removexattr(&self, caller: &Caller, ino: u64, name: &str) -> Result<()> {
+        self.write(|s| s.removexattr(caller, ino, name))
+    }
+
+    pub fn access(&self, caller: &Caller, ino: u64, mask: u32) -> Result<()> {
+        self.read(|s| s.access(caller, ino, mask))
+    }
+
+    pub fn statfs(&self) -> Result<v1::StatFsReply> {
+        self.read(|s| {
+            let stats = s.stats();
+            Ok(v1::StatFsReply {
+                total_bytes: stats.total_bytes,
+                free_bytes: stats.free_bytes,
+                inodes: s.inodes.len() as u64,
+                free_inodes: u64::from(u32::MAX).saturating_sub(s.inodes.len() as u64),
+                block_size: regions_proto::layout::CHUNK_SIZE as u32,
+                max_name_len: crate::model::MAX_NAME_LEN as u32,
+            })
+        })
+    }
+
+    /// setattr: mode, owner, times, and size (which allocates or frees).
+    pub async fn setattr(
+        self: &Arc<Self>,
+        caller: Caller,
+        ino: u64,
+        change: SetAttr,
+        size: Option<u64>,
+    ) -> Result<v1::Attr> {
+        self.write_allocating(move |s| {
+            if size.is_some() {
+                let inode = s.inode(ino)?;
+                if inode.kind == Kind::Directory {
+                    return Err(ManagerError::IsDir(format!(
+                        "inode {ino}; directories have no size to set"
+                    )));
+                }
+                crate::access::check(&caller, inode, crate::access::WRITE, "truncate this region")?;
+            }
+            // Validate the attribute change on a copy before resizing.
+            let before = s.inode(ino)?.clone();
+            let after = s.setattr(&caller, ino, &change)?;
+            if let Some(size) = size
+                && let Err(e) = s.resize(ino, Some(size), 0, true)
+            {
+                restore_inode(s, before);
+                return Err(e);
+            }
+            let _ = after;
+            s.inode(ino).map(|i| s.attr(i))
+        })
+        .await
+    }
+
+    /// Creates a region, allocating `preallocate` bytes (and a fixed address
+    /// when FIXVADDR is inherited or asked for). All or nothing.
+    pub async fn create(
+        self: &Arc<Self>,
+        caller: Caller,
+        parent: u64,
+        name: String,
+        mode: u32,
+        overrides: Option<v1::RegionAttrOverrides>,
+        preallocate: u64,
+    ) -> Result<v1::Attr> {
+        self.write_allocating(move |s| {
+            let parent_before = s.inode(parent)?.clone();
+            let inode = s.create_entry(&caller, parent, &name, mode, overrides.as_ref())?;
+            if (preallocate > 0 || inode.attrs.fixvaddr)
+                && let Err(e) = s.resize(inode.ino, None, preallocate, false)
+            {
+                // Undo the entry: the region must not exist half made.
+                s.remove_entry(parent, &name);
+                s.maps.remove(&inode.ino);
+                s.inodes.remove(&inode.ino);
+                restore_inode(s, parent_before);
+                return Err(e);
+            }
+            s.inode(inode.ino).map(|i| s.attr(i))
+        })
+        .await
+    }
+
+    // ---- regions ----
+
+    pub fn open_region(&self, caller: &Caller, ino: u64, write: bool) -> Result<v1::RegionInfo> {
+        self.write(|s| {
+            let handle = s.open_region(caller, ino, write)?;
+            let mut info = s.region_info(ino, None)?;
+            info.handle = handle.id;
+            Ok(info)
+        })
+    }
+
+    /// Grows a region to at least `size` bytes.
+    pub async fn extend(
+        self: &Arc<Self>,
+        caller: Caller,
+        ino: u64,
+        size: u64,
+    ) -> Result<v1::RegionInfo> {
+        self.write_allocating(move |s| {
+            let inode = s.region(ino)?;
+            crate::access::check(&caller, inode, crate::access::WRITE, "extend this region")?;
+            let size = size.max(inode.size);
+            s.resize(ino, Some(size), size, false)?;
+            s.region_info(ino, None)
+        })
+        .await
+    }
+
+    /// Sets a region's size.
+    pub async fn truncate(
+        self: &Arc<Self>,
+        caller: Caller,
+        ino: u64,
+        size: u64,
+    ) -> Result<v1::RegionInfo> {
+        self.write_allocating(move |s| {
+            let inode = s.region(ino)?;
+            crate::access::check(&caller, inode, crate::access::WRITE, "truncate this region")?;
+            s.resize(ino, Some(size), 0, true)?;
+            s.region_info(ino, None)
+        })
+        .await
+    }
+
+    pub fn get_map(&self, caller: &Caller, ino: u64, known_version: u64) -> Result<v1::RegionInfo> {
+        self.read(|s| {
+            let inode = s.region(ino)?;
+            crate::access::check(
+                caller,
+                inode,
+                crate::access::READ,
+                "read the map of this region",
+            )?;
+            s.region_info(ino, Some(known_version))
+        })
+    }
+
+    pub fn close(&self, caller: &Caller, handle: u64) -> Result<bool> {
+        self.write(|s| s.close_handle(caller, handle))
+    }
+
+    // ---- cluster ----
+
+    pub fn register_host(&self, r: &HostRegistration) -> Result<(u64, Vec<v1::PoolRecord>)> {
+        let restarted = self.write(|s| s.register_host(r))?;
+        if let Some(previous) = restarted {
+            tracing::warn!(
+                host = r.host_id,
+                previous,
+                incarnation = r.incarnation,
+                "daemon restarted: memory of its previous incarnation is gone"
+            );
+        }
+        self.read(|s| {
+            let pools = s
+                .alloc
+                .host_pools(r.host_id)
+                .filter_map(|p| s.pool_record(p.pool.gid))
+                .collect();
+            Ok((s.lease.as_millis() as u64, pools))
+        })
+    }
+
+    pub fn heartbeat(&self, host: u32, incarnation: u64) -> Result<u64> {
+        // Leases are not stored: no commit needed, but use write for the lock.
+        self.write(|s| {
+            s.heartbeat(host, incarnation)
+                .map(|()| s.lease.as_millis() as u64)
+        })
+    }
+
+    pub fn register_pool(&self, host: u32, gid: u32, size: u64) -> Result<v1::PoolRecord> {
+        let record = self.write(|s| {
+            let pool = s.register_pool(host, gid, size)?;
+            s.pool_record(pool.gid)
+                .ok_or_else(|| ManagerError::NotFound(format!("pool {}", pool.gid)))
+        })?;
+        tracing::info!(
+            host,
+            gid = record.gid,
+            size = record.size,
+            "pool registered"
+        );
+        self.pool_added.notify_waiters();
+        Ok(record)
+    }
+
+    pub fn list_hosts(&self) -> Result<Vec<v1::HostRecord>> {
+        self.read(|s| Ok(s.hosts.values().map(|h| s.host_record(h)).collect()))
+    }
+
+    pub fn list_pools(&self, host: u32) -> Result<Vec<v1::PoolRecord>> {
+        self.read(|s| {
+            Ok(s.alloc
+                .pools()
+                .filter(|p| host == 0 || p.pool.host_id == host)
+                .filter_map(|p| s.pool_record(p.pool.gid))
+                .collect())
+        })
+    }
+
+    pub fn pool_chunks(&self, gid: u32) -> Result<v1::PoolChunksReply> {
+        // The sequence is read under the state lock, so every event up to it
+        // is reflected in the chunks (events are published after commit).
+        self.read(|s| {
+            Ok(v1::PoolChunksReply {
+                chunks: s.pool_chunks(gid)?,
+                sequence: self.current_sequence(),
+            })
+        })
+    }
+
+    pub fn stats(&self) -> Result<v1::StatsReply> {
+        self.read(|s| Ok(s.stats()))
+    }
+}
+
+/// Puts back an inode as it was before a refused change.
+fn restore_inode(s: &mut State, inode: Inode) {
+    s.put_inode(inode);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use regions_proto::layout::CHUNK_SIZE;
+
+    use super::*;
+    use crate::model::ROOT_INO;
+
+    const MIB: u64 = 1 << 20;
+
+    fn config() -> Config {
+        Config {
+            lease: Duration::from_secs(60),
+            grow_timeout: Duration::from_secs(2),
+            ..Config::default()
+        }
+    }
+
+    fn user(host: u32) -> Caller {
+        Caller {
+            uid: 1000,
+            gid: 1000,
+            groups: vec![],
+            pid: 42,
+            host_id: host,
+        }
+    }
+
+    fn add_host(m: &Manager, host: u32, offered: u64, pool: u64) {
+        m.register_host(&HostRegistration {
+            host_id: host,
+            transport_addr: format!("127.0.0.1:{}", 7000 + host),
+            agent_socket: String::new(),
+            memory_offered: offered,
+            incarnation: 1,
+        })
+        .unwrap();
+        if pool > 0 {
+            m.register_pool(host, 0, pool).unwrap();
+        }
+    }
+
+    #[tokio::test]
+    async fn acknowledged_changes_survive_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let (region, vaddr, map) = {
+            let m = Manager::open(dir.path(), config()).unwrap();
+            add_host(&m, 1, 64 * MIB, 64 * MIB);
+            let d = m.mkdir(&user(1), ROOT_INO, "dir", 0o750).unwrap();
+            m.setxattr(&user(1), d.ino, "user.regions.fixvaddr", b"1", 0)
+                .unwrap();
+            m.setxattr(&user(1), d.ino, "user.colour", b"blue", 0)
+                .unwrap();
+            let r = m
+                .create(user(1), d.ino, "r".into(), 0o640, None, 3 * MIB)
+                .await
+                .unwrap();
+            let info = m.extend(user(1), r.ino, 5 * MIB + 1).await.unwrap();
+            m.open_region(&user(1), r.ino, true).unwrap();
+            m.mkdir(&user(1), ROOT_INO, "gone", 0o755).unwrap();
+            m.rmdir(&user(1), ROOT_INO, "gone").unwrap();
+            (r.ino, info.attr.unwrap().vaddr, info.map)
+        };
+        let m = Manager::open(dir.path(), config()).unwrap();
+        let d = m.lookup(&user(1), ROOT_INO, "dir").unwrap();
+        assert_eq!(d.mode, 0o750);
+        assert_eq!(m.getxattr(&user(1), d.ino, "user.colour").unwrap(), b"blue");
+        let r = m.lookup(&user(1), d.ino, "r").unwrap();
+        assert_eq!(r.ino, region);
+        assert_eq!(r.size, 5 * MIB + 1);
+        assert_eq!(r.vaddr, vaddr);
+        assert!(r.region_attrs.unwrap().fixvaddr);
+        let info = m.get_map(&user(1), region, 0).unwrap();
+        assert_eq!(info.map, map);
+        assert_eq!(
+            m.lookup(&user(1), ROOT_INO, "gone").unwrap_err().errno(),
+            libc::ENOENT
+        );
+        assert_eq!(m.stats().unwrap().open_handles, 1);
+        // Pool free space was rebuilt from the stored maps.
+        let pools = m.list_pools(1).unwrap();
+        assert_eq!(pools[0].free, 64 * MIB - map.len() as u64 * CHUNK_SIZE);
+        // New inode numbers do not reuse old ones.
+        let n = m.mkdir(&user(1), ROOT_INO, "new", 0o755).unwrap();
+        assert!(n.ino > region);
+    }
+
+    #[tokio::test]
+    async fn unlinked_open_regions_are_freed_after_a_restart_without_handles() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let m = Manager::open(dir.path(), config()).unwrap();
+            add_host(&m, 1, 16 * MIB, 16 * MIB);
+            let r = m
+                .create(user(1), ROOT_INO, "r".into(), 0o644, None, 4 * MIB)
+                .await
+                .unwrap();
+            let info = m.open_region(&user(1), r.ino, false).unwrap();
+            m.unlink(&user(1), ROOT_INO, "r").unwrap();
+            // Closing the handle would free it; pretend the client vanished
+            // and the handle was dropped by hand while the manager was down.
+            m.write(|s| {
+                s.handles.remove(&info.handle);
+                s.open.remove(&r.ino);
+                s.dirty.handles.insert(info.handle);
+                Ok(())
+            })
+            .unwrap();
+        }
+        let m = Manager::open(dir.path(), config()).unwrap();
+        assert_eq!(m.list_pools(1).unwrap()[0].free, 16 * MIB);
+    }
+
+    #[tokio::test]
+    async fn create_is_all_or_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = Manager::open(dir.path(), config()).unwrap();
+        add_host(&m, 1, 4 * MIB, 4 * MIB);
+        let err = m
+            .create(user(1), ROOT_INO, "big".into(), 0o644, None, 5 * MIB)
+            .await
+            .unwrap_err();
+        assert_eq!(err.errno(), libc::ENOSPC);
+        assert_eq!(
+            m.lookup(&user(1), ROOT_INO, "big").unwrap_err().errno(),
+            libc::ENOENT
+        );
+        assert_eq!(m.list_pools(1).unwrap()[0].free, 4 * MIB);
+        drop(m);
+        let m = Manager::open(dir.path(), config()).unwrap();
+        assert_eq!(
+            m.lookup(&user(1), ROOT_INO, "big").unwrap_err().errno(),
+            libc::ENOENT
+        );
+        assert_eq!(
+            m.readdir(&user(1), ROOT_INO, 0, 10).unwrap().entries.len(),
+            0
+        );
+    }
+
+    #[tokio::test]
+    async fn truncate_through_setattr_needs_write_and_fails_cleanly() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = Manager::open(dir.path(), config()).unwrap();
+        add_host(&m, 1, 4 * MIB, 4 * MIB);
+        let r = m
+            .create(user(1), ROOT_INO, "r".into(), 0o644, None, 0)
+            .await
+            .unwrap();
+        let other = Caller {
+            uid: 2000,
+            ..user(1)
+        };
+        let err = m
+            .setattr(other, r.ino, SetAttr::default(), Some(MIB))
+            .await
+            .unwrap_err();
+        assert_eq!(err.errno(), libc::EACCES);
+        let chmod = SetAttr {
+            mode: Some(0o600),
+            ..SetAttr::default()
+        };
+        let err = m
+            .setattr(user(1), r.ino, chmod.clone(), Some(64 * MIB))
+            .await
+            .unwrap_err();
+        assert_eq!(err.errno(), libc::ENOSPC);
+        assert_eq!(
+            m.getattr(r.ino).unwrap().mode,
+            0o644,
+            "mode change rolled back with the size"
+        );
+        let a = m.setattr(user(1), r.ino, chmod, Some(MIB)).await.unwrap();
+        assert_eq!((a.mode, a.size, a.allocated), (0o600, MIB, MIB));
+    }
+
+    #[tokio::test]
+    async fn a_short_host_is_asked_for_a_pool() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = Manager::open(dir.path(), config()).unwrap();
+        add_host(&m, 1, 64 * MIB, 2 * MIB);
+        let start = m.current_sequence();
+        // A stand-in daemon: adds a pool when asked.
+        let daemon = {
+            let m = Arc::clone(&m);
+            let mut wake = m.subscribe_events();
+            tokio::spawn(async move {
+                let mut cursor = start;
+                loop {
+                    for e in m.events_after(1, cursor).unwrap() {
+                        cursor = e.sequence;
+                        if let Some(Event::GrowPool(bytes)) = e.event {
+                            m.register_pool(1, 0, bytes.max(8 * MIB)).unwrap();
+                            return bytes;
+                        }
+                    }
+                    if wake.changed().await.is_err() {
+                        return 0;
+                    }
+                }
+            })
+        };
+        let r = m
+            .create(user(1), ROOT_INO, "r".into(), 0o644, None, 6 * MIB)
+            .await
+            .unwrap();
+        assert_eq!(r.allocated, 6 * MIB);
+        assert_eq!(daemon.await.unwrap(), 4 * MIB);
+        assert_eq!(m.list_pools(1).unwrap().len(), 2);
+        // Beyond what the host offers: a clean ENOSPC, without asking.
+        let err = m
+            .create(user(1), ROOT_INO, "huge".into(), 0o644, None, 128 * MIB)
+            .await
+            .unwrap_err();
+        assert_eq!(err.errno(), libc::ENOSPC);
+    }
+
+    #[tokio::test]
+    async fn a_daemon_that_never_adds_a_pool_gives_enospc_in_bounded_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = Config {
+            grow_timeout: Duration::from_millis(200),
+            ..config()
+        };
+        let m = Manager::open(dir.path(), cfg).unwrap();
+        add_host(&m, 1, 64 * MIB, 2 * MIB);
+        let t = std::time::Instant::now();
+        let err = m
+            .create(user(1), ROOT_INO, "r".into(), 0o644, None, 6 * MIB)
+            .await
+            .unwrap_err();
+        assert_eq!(err.errno(), libc::ENOSPC);
+        assert!(t.elapsed() < Duration::from_secs(5));
+        assert_eq!(
+            m.lookup(&user(1), ROOT_INO, "r").unwrap_err().errno(),
+            libc::ENOENT
+        );
+    }
+
+    #[tokio::test]
+    async fn daemons_see_their_events_in_order_and_resync_when_needed() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = Manager::open(dir.path(), config()).unwrap();
+        add_host(&m, 1, 16 * MIB, 16 * MIB);
+        add_host(&m, 2, 16 * MIB, 16 * MIB);
+        let start = m.current_sequence();
+        let r = m
+            .create(user(1), ROOT_INO, "r".into(), 0o644, None, MIB)
+            .await
+            .unwrap();
+        m.truncate(user(1), r.ino, 0).await.unwrap();
+        let events = m.events_after(1, start).unwrap();
+        assert_eq!(events.len(), 2);
+        assert!(events[0].sequence < events[1].sequence);
+        assert!(
+            matches!(events[0].event, Some(Event::Assigned(ref b)) if b.ino == r.ino && b.len == MIB)
+        );
+        assert!(matches!(events[1].event, Some(Event::Released(_))));
+        assert!(m.events_after(2, start).unwrap().is_empty());
+        assert!(m.events_after(1, events[1].sequence).unwrap().is_empty());
+        // A sequence from an earlier manager run must resync.
+        assert_eq!(m.events_after(1, 5).unwrap_err().errno(), libc::EINVAL);
+        // PoolChunks reflects state at its sequence.
+        let r2 = m
+            .create(user(1), ROOT_INO, "r2".into(), 0o644, None, MIB)
+            .await
+            .unwrap();
+        let gid = m.list_pools(1).unwrap()[0].gid;
+        let chunks = m.pool_chunks(gid).unwrap();
+        assert_eq!(chunks.chunks.len(), 1);
+        assert_eq!(chunks.chunks[0].ino, r2.ino);
+        assert!(m.events_after(1, chunks.sequence).unwrap().is_empty());
+    }
+}

@@ -1,0 +1,407 @@
+//! The gRPC services: a thin adapter from requests to [`Manager`] calls,
+//! and from [`ManagerError`] to statuses (with the errno in metadata).
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use regions_proto::v1::{
+    self, cluster_server::Cluster, namespace_server::Namespace, regions_server::Regions,
+};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+use crate::access::Caller;
+use crate::cluster::HostRegistration;
+use crate::error::{ManagerError, Result};
+use crate::manager::Manager;
+use crate::namespace::{SetAttr, TimeChange};
+
+/// Most entries one ReadDir returns.
+const READDIR_MAX: usize = 1024;
+
+/// The manager's services, sharing one [`Manager`].
+#[derive(Clone)]
+pub struct Services {
+    pub manager: Arc<Manager>,
+}
+
+/// Turns a manager result into a reply, logging refusals.
+fn reply<T>(op: &'static str, result: Result<T>) -> Result<Response<T>, Status> {
+    match result {
+        Ok(v) => Ok(Response::new(v)),
+        Err(e) => {
+            match &e {
+                ManagerError::Store(_) => tracing::error!(op, error = %e, "request failed"),
+                _ => tracing::debug!(op, error = %e, "request refused"),
+            }
+            Err(e.into())
+        }
+    }
+}
+
+/// Runs a manager call off the async workers (it may wait for a commit).
+async fn blocking<T: Send + 'static>(
+    op: &'static str,
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<Response<T>, Status> {
+    let result = tokio::task::spawn_blocking(f)
+        .await
+        .unwrap_or_else(|e| Err(ManagerError::Store(format!("manager task failed: {e}"))));
+    reply(op, result)
+}
+
+fn caller(c: Option<&v1::Caller>) -> Result<Caller, Status> {
+    Caller::from_proto(c).map_err(Status::from)
+}
+
+#[tonic::async_trait]
+impl Namespace for Services {
+    async fn lookup(&self, r: Request<v1::LookupRequest>) -> Result<Response<v1::Attr>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let m = Arc::clone(&self.manager);
+        blocking("lookup", move || m.lookup(&c, r.parent, &r.name)).await
+    }
+
+    async fn get_attr(&self, r: Request<v1::GetAttrRequest>) -> Result<Response<v1::Attr>, Status> {
+        let r = r.into_inner();
+        caller(r.caller.as_ref())?;
+        let m = Arc::clone(&self.manager);
+        blocking("getattr", move || m.getattr(r.ino)).await
+    }
+
+    async fn set_attr(&self, r: Request<v1::SetAttrRequest>) -> Result<Response<v1::Attr>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let change = SetAttr {
+            mode: r.mode,
+            uid: r.uid,
+            gid: r.gid,
+            atime: TimeChange::from_proto(r.atime.as_ref()),
+            mtime: TimeChange::from_proto(r.mtime.as_ref()),
+        };
+        reply(
+            "setattr",
+            self.manager.setattr(c, r.ino, change, r.size).await,
+        )
+    }
+
+    async fn mkdir(&self, r: Request<v1::MkdirRequest>) -> Result<Response<v1::Attr>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let m = Arc::clone(&self.manager);
+        blocking("mkdir", move || m.mkdir(&c, r.parent, &r.name, r.mode)).await
+    }
+
+    async fn rmdir(&self, r: Request<v1::RemoveRequest>) -> Result<Response<v1::Empty>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let m = Arc::clone(&self.manager);
+        blocking("rmdir", move || {
+            m.rmdir(&c, r.parent, &r.name).map(|()| v1::Empty {})
+        })
+        .await
+    }
+
+    async fn create(&self, r: Request<v1::CreateRequest>) -> Result<Response<v1::Attr>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let result = self
+            .manager
+            .create(c, r.parent, r.name, r.mode, r.attrs, r.preallocate)
+            .await;
+        reply("create", result)
+    }
+
+    async fn unlink(&self, r: Request<v1::RemoveRequest>) -> Result<Response<v1::Empty>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let m = Arc::clone(&self.manager);
+        blocking("unlink", move || {
+            m.unlink(&c, r.parent, &r.name).map(|()| v1::Empty {})
+        })
+        .await
+    }
+
+    async fn rename(&self, r: Request<v1::RenameRequest>) -> Result<Response<v1::Empty>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let m = Arc::clone(&self.manager);
+        blocking("rename", move || {
+            m.rename(&c, r.parent, &r.name, r.new_parent, &r.new_name, r.flags)
+                .map(|()| v1::Empty {})
+        })
+        .await
+    }
+
+    async fn read_dir(
+        &self,
+        r: Request<v1::ReadDirRequest>,
+    ) -> Result<Response<v1::ReadDirReply>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let limit = match r.limit as usize {
+            0 => READDIR_MAX,
+            n => n.min(READDIR_MAX),
+        };
+        let m = Arc::clone(&self.manager);
+        blocking("readdir", move || m.readdir(&c, r.ino, r.offset, limit)).await
+    }
+
+    async fn get_xattr(
+        &self,
+        r: Request<v1::GetXattrRequest>,
+    ) -> Result<Response<v1::GetXattrReply>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let m = Arc::clone(&self.manager);
+        blocking("getxattr", move || {
+            m.getxattr(&c, r.ino, &r.name)
+                .map(|value| v1::GetXattrReply { value })
+        })
+        .await
+    }
+
+    async fn set_xattr(
+        &self,
+        r: Request<v1::SetXattrRequest>,
+    ) -> Result<Response<v1::Empty>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let m = Arc::clone(&self.manager);
+        blocking("setxattr", move || {
+            m.setxattr(&c, r.ino, &r.name, &r.value, r.flags)
+                .map(|()| v1::Empty {})
+        })
+        .await
+    }
+
+    async fn list_xattr(
+        &self,
+        r: Request<v1::ListXattrRequest>,
+    ) -> Result<Response<v1::ListXattrReply>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let m = Arc::clone(&self.manager);
+        blocking("listxattr", move || {
+            m.listxattr(&c, r.ino)
+                .map(|names| v1::ListXattrReply { names })
+        })
+        .await
+    }
+
+    async fn remove_xattr(
+        &self,
+        r: Request<v1::RemoveXattrRequest>,
+    ) -> Result<Response<v1::Empty>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let m = Arc::clone(&self.manager);
+        blocking("removexattr", move || {
+            m.removexattr(&c, r.ino, &r.name).map(|()| v1::Empty {})
+        })
+        .await
+    }
+
+    async fn stat_fs(
+        &self,
+        r: Request<v1::StatFsRequest>,
+    ) -> Result<Response<v1::StatFsReply>, Status> {
+        caller(r.get_ref().caller.as_ref())?;
+        let m = Arc::clone(&self.manager);
+        blocking("statfs", move || m.statfs()).await
+    }
+
+    async fn access(&self, r: Request<v1::AccessRequest>) -> Result<Response<v1::Empty>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let m = Arc::clone(&self.manager);
+        blocking("access", move || {
+            m.access(&c, r.ino, r.mask).map(|()| v1::Empty {})
+        })
+        .await
+    }
+}
+
+#[tonic::async_trait]
+impl Regions for Services {
+    async fn open(&self, r: Request<v1::OpenRequest>) -> Result<Response<v1::RegionInfo>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let m = Arc::clone(&self.manager);
+        blocking("open", move || m.open_region(&c, r.ino, r.write)).await
+    }
+
+    async fn extend(
+        &self,
+        r: Request<v1::ExtendRequest>,
+    ) -> Result<Response<v1::RegionInfo>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        reply("extend", self.manager.extend(c, r.ino, r.size).await)
+    }
+
+    async fn truncate(
+        &self,
+        r: Request<v1::TruncateRequest>,
+    ) -> Result<Response<v1::RegionInfo>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        reply("truncate", self.manager.truncate(c, r.ino, r.size).await)
+    }
+
+    async fn get_map(
+        &self,
+        r: Request<v1::GetMapRequest>,
+    ) -> Result<Response<v1::RegionInfo>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let m = Arc::clone(&self.manager);
+        blocking("getmap", move || m.get_map(&c, r.ino, r.known_version)).await
+    }
+
+    async fn close(
+        &self,
+        r: Request<v1::CloseRequest>,
+    ) -> Result<Response<v1::CloseReply>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let m = Arc::clone(&self.manager);
+        blocking("close", move || {
+            m.close(&c, r.handle).map(|freed| v1::CloseReply { freed })
+        })
+        .await
+    }
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<v1::HostEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Cluster for Services {
+    async fn register_host(
+        &self,
+        r: Request<v1::RegisterHostRequest>,
+    ) -> Result<Response<v1::RegisterHostReply>, Status> {
+        let r = r.into_inner();
+        let reg = HostRegistration {
+            host_id: r.host_id,
+            transport_addr: r.transport_addr,
+            agent_socket: r.agent_socket,
+            memory_offered: r.memory_offered,
+            incarnation: r.incarnation,
+        };
+        let m = Arc::clone(&self.manager);
+        blocking("register_host", move || {
+            let (lease_ms, pools) = m.register_host(&reg)?;
+            tracing::info!(host = reg.host_id, addr = %reg.transport_addr, "host registered");
+            Ok(v1::RegisterHostReply { lease_ms, pools })
+        })
+        .await
+    }
+
+    async fn heartbeat(
+        &self,
+        r: Request<v1::HeartbeatRequest>,
+    ) -> Result<Response<v1::HeartbeatReply>, Status> {
+        let r = r.into_inner();
+        let m = Arc::clone(&self.manager);
+        blocking("heartbeat", move || {
+            m.heartbeat(r.host_id, r.incarnation)
+                .map(|lease_ms| v1::HeartbeatReply { lease_ms })
+        })
+        .await
+    }
+
+    async fn register_pool(
+        &self,
+        r: Request<v1::RegisterPoolRequest>,
+    ) -> Result<Response<v1::PoolRecord>, Status> {
+        let r = r.into_inner();
+        let m = Arc::clone(&self.manager);
+        blocking("register_pool", move || {
+            m.register_pool(r.host_id, r.gid, r.size)
+        })
+        .await
+    }
+
+    async fn list_hosts(
+        &self,
+        _: Request<v1::ListHostsRequest>,
+    ) -> Result<Response<v1::ListHostsReply>, Status> {
+        let m = Arc::clone(&self.manager);
+        blocking("list_hosts", move || {
+            m.list_hosts().map(|hosts| v1::ListHostsReply { hosts })
+        })
+        .await
+    }
+
+    async fn list_pools(
+        &self,
+        r: Request<v1::ListPoolsRequest>,
+    ) -> Result<Response<v1::ListPoolsReply>, Status> {
+        let host = r.into_inner().host_id;
+        let m = Arc::clone(&self.manager);
+        blocking("list_pools", move || {
+            m.list_pools(host).map(|pools| v1::ListPoolsReply { pools })
+        })
+        .await
+    }
+
+    async fn pool_chunks(
+        &self,
+        r: Request<v1::PoolChunksRequest>,
+    ) -> Result<Response<v1::PoolChunksReply>, Status> {
+        let gid = r.into_inner().gid;
+        let m = Arc::clone(&self.manager);
+        blocking("pool_chunks", move || m.pool_chunks(gid)).await
+    }
+
+    async fn stats(
+        &self,
+        _: Request<v1::StatsRequest>,
+    ) -> Result<Response<v1::StatsReply>, Status> {
+        let m = Arc::clone(&self.manager);
+        blocking("stats", move || m.stats()).await
+    }
+
+    type WatchHostStream = EventStream;
+
+    async fn watch_host(
+        &self,
+        r: Request<v1::WatchHostRequest>,
+    ) -> Result<Response<EventStream>, Status> {
+        let r = r.into_inner();
+        let manager = Arc::clone(&self.manager);
+        // Refuse at once when the daemon must resync.
+        manager
+            .events_after(r.host_id, r.after_sequence)
+            .map_err(Status::from)?;
+        let (tx, rx) = tokio::sync::mpsc::channel(256);
+        tokio::spawn(async move {
+            let mut wake = manager.subscribe_events();
+            let mut cursor = r.after_sequence;
+            loop {
+                let events = match manager.events_after(r.host_id, cursor) {
+                    Ok(events) => events,
+                    Err(e) => {
+                        let _ = tx.send(Err(Status::from(e))).await;
+                        return;
+                    }
+                };
+                for event in events {
+                    cursor = event.sequence;
+                    if tx.send(Ok(event)).await.is_err() {
+                        return; // the daemon went away
+                    }
+                }
+                tokio::select! {
+                    changed = wake.changed() => if changed.is_err() { return },
+                    () = tx.closed() => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+}

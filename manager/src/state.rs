@@ -1,0 +1,374 @@
+//! The manager's state in memory, and the set of records each operation
+//! changed (written to the store before the reply).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+use regions_proto::layout::{CHUNK_SIZE, MapEntry};
+use regions_proto::v1::{self, host_event::Event};
+
+use crate::access::{Caller, S_ISGID};
+use crate::allocator::{Allocator, Piece, pieces_of};
+use crate::error::{ManagerError, Result};
+use crate::model::{Dirent, FIRST_COOKIE, Handle, Host, Inode, Kind, ROOT_INO, RegionAttrs, Time};
+use crate::vaddr::VaddrSpace;
+
+/// Entries of one directory, by name and by readdir cookie.
+#[derive(Clone, Debug, Default)]
+pub struct DirIndex {
+    pub by_name: BTreeMap<String, Dirent>,
+    pub by_cookie: BTreeMap<u64, String>,
+}
+
+/// Records changed since the last commit.
+#[derive(Debug, Default)]
+pub struct Dirty {
+    pub inodes: BTreeSet<u64>,
+    pub dirents: BTreeSet<(u64, String)>,
+    /// (region, first chunk index, end chunk index) whose map entries changed.
+    pub chunks: Vec<(u64, u64, u64)>,
+    pub hosts: BTreeSet<u32>,
+    pub pools: BTreeSet<u32>,
+    pub handles: BTreeSet<u64>,
+    pub counters: bool,
+}
+
+impl Dirty {
+    pub fn is_empty(&self) -> bool {
+        self.inodes.is_empty()
+            && self.dirents.is_empty()
+            && self.chunks.is_empty()
+            && self.hosts.is_empty()
+            && self.pools.is_empty()
+            && self.handles.is_empty()
+            && !self.counters
+    }
+}
+
+/// Counters that hand out identifiers (stored).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Counters {
+    pub next_ino: u64,
+    pub next_handle: u64,
+    pub next_gid: u32,
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Counters {
+            next_ino: ROOT_INO + 1,
+            next_handle: 1,
+            next_gid: 1,
+        }
+    }
+}
+
+/// Everything the manager knows.
+#[derive(Debug)]
+pub struct State {
+    pub inodes: HashMap<u64, Inode>,
+    pub dirs: HashMap<u64, DirIndex>,
+    /// Region map of every region: one entry per chunk.
+    pub maps: HashMap<u64, Vec<u64>>,
+    pub hosts: BTreeMap<u32, Host>,
+    /// When each host's lease ends (not stored: hosts re-earn it).
+    pub leases: HashMap<u32, Instant>,
+    pub alloc: Allocator,
+    pub vaddrs: VaddrSpace,
+    pub handles: BTreeMap<u64, Handle>,
+    /// Open handles of each region.
+    pub open: HashMap<u64, BTreeSet<u64>>,
+    pub counters: Counters,
+    pub lease: Duration,
+    pub dirty: Dirty,
+    /// Work for daemons, sent once the change is committed.
+    pub events: Vec<(u32, Event)>,
+}
+
+impl State {
+    /// An empty namespace with only the root directory.
+    pub fn new(lease: Duration, root_mode: u32) -> State {
+        let mut s = State::empty(lease);
+        let now = Time::now();
+        let root = Inode {
+            ino: ROOT_INO,
+            kind: Kind::Directory,
+            mode: root_mode,
+            nlink: 2,
+            uid: 0,
+            gid: 0,
+            size: 0,
+            atime: now,
+            mtime: now,
+            ctime: now,
+            crtime: now,
+            parent: ROOT_INO,
+            attrs: RegionAttrs {
+                persistent: true,
+                ..RegionAttrs::default()
+            },
+            owner_pid: 0,
+            owner_host: 0,
+            vaddr: 0,
+            vaddr_len: 0,
+            xattrs: BTreeMap::new(),
+            next_cookie: FIRST_COOKIE,
+            map_version: 0,
+        };
+        s.put_inode(root);
+        s.dirs.insert(ROOT_INO, DirIndex::default());
+        s.dirty.counters = true;
+        s
+    }
+
+    /// A state with nothing in it (loading fills it).
+    pub fn empty(lease: Duration) -> State {
+        State {
+            inodes: HashMap::new(),
+            dirs: HashMap::new(),
+            maps: HashMap::new(),
+            hosts: BTreeMap::new(),
+            leases: HashMap::new(),
+            alloc: Allocator::default(),
+            vaddrs: VaddrSpace::default(),
+            handles: BTreeMap::new(),
+            open: HashMap::new(),
+            counters: Counters::default(),
+            lease,
+            dirty: Dirty::default(),
+            events: Vec::new(),
+        }
+    }
+
+    pub fn inode(&self, ino: u64) -> Result<&Inode> {
+        self.inodes
+            .get(&ino)
+            .filter(|i| i.nlink > 0 || self.open.contains_key(&ino))
+            .ok_or_else(|| ManagerError::NotFound(format!("inode {ino}")))
+    }
+
+    /// The inode, for changing; marks it dirty.
+    pub fn inode_mut(&mut self, ino: u64) -> Result<&mut Inode> {
+        let inode = self
+            .inodes
+            .get_mut(&ino)
+            .ok_or_else(|| ManagerError::NotFound(format!("inode {ino}")))?;
+        self.dirty.inodes.insert(ino);
+        Ok(inode)
+    }
+
+    pub fn dir(&self, ino: u64) -> Result<&Inode> {
+        let inode = self.inode(ino)?;
+        if inode.is_dir() {
+            Ok(inode)
+        } else {
+            Err(ManagerError::NotDir(format!("inode {ino}")))
+        }
+    }
+
+    pub fn region(&self, ino: u64) -> Result<&Inode> {
+        let inode = self.inode(ino)?;
+        if inode.is_dir() {
+            Err(ManagerError::IsDir(format!("inode {ino}")))
+        } else {
+            Ok(inode)
+        }
+    }
+
+    pub fn put_inode(&mut self, inode: Inode) {
+        self.dirty.inodes.insert(inode.ino);
+        self.inodes.insert(inode.ino, inode);
+    }
+
+    pub fn child(&self, parent: u64, name: &str) -> Option<Dirent> {
+        self.dirs.get(&parent)?.by_name.get(name).copied()
+    }
+
+    pub fn is_empty_dir(&self, ino: u64) -> bool {
+        self.dirs.get(&ino).is_none_or(|d| d.by_name.is_empty())
+    }
+
+    /// Adds `name` → `ino` to `parent` with the parent's next cookie.
+    pub fn add_entry(&mut self, parent: u64, name: &str, ino: u64) -> Result<()> {
+        let dir = self.inode_mut(parent)?;
+        let cookie = dir.next_cookie;
+        dir.next_cookie += 1;
+        let index = self.dirs.entry(parent).or_default();
+        index
+            .by_name
+            .insert(name.to_owned(), Dirent { ino, cookie });
+        index.by_cookie.insert(cookie, name.to_owned());
+        self.dirty.dirents.insert((parent, name.to_owned()));
+        Ok(())
+    }
+
+    /// Loads a stored entry (no dirty marking).
+    pub fn load_entry(&mut self, parent: u64, name: String, dirent: Dirent) {
+        let index = self.dirs.entry(parent).or_default();
+        index.by_cookie.insert(dirent.cookie, name.clone());
+        index.by_name.insert(name, dirent);
+    }
+
+    pub fn remove_entry(&mut self, parent: u64, name: &str) -> Option<Dirent> {
+        let index = self.dirs.get_mut(&parent)?;
+        let dirent = index.by_name.remove(name)?;
+        index.by_cookie.remove(&dirent.cookie);
+        self.dirty.dirents.insert((parent, name.to_owned()));
+        Some(dirent)
+    }
+
+    /// Allocates an inode number.
+    pub fn next_ino(&mut self) -> u64 {
+        let ino = self.counters.next_ino;
+        self.counters.next_ino += 1;
+        self.dirty.counters = true;
+        ino
+    }
+
+    /// A new inode made by `caller` in directory `parent`: group from a
+    /// setgid parent, region attributes inherited from the parent.
+    pub fn new_inode(&mut self, kind: Kind, mode: u32, caller: &Caller, parent: &Inode) -> Inode {
+        let now = Time::now();
+        let setgid_parent = parent.mode & S_ISGID != 0;
+        let gid = if setgid_parent {
+            parent.gid
+        } else {
+            caller.gid
+        };
+        let mut mode = mode & 0o7777;
+        if kind == Kind::Directory && setgid_parent {
+            mode |= S_ISGID;
+        }
+        if kind == Kind::Region && mode & S_ISGID != 0 && !caller.is_root() && !caller.in_group(gid)
+        {
+            mode &= !S_ISGID;
+        }
+        let (owner_pid, owner_host) = match kind {
+            Kind::Region => (caller.pid, caller.host_id),
+            Kind::Directory => (0, 0),
+        };
+        Inode {
+            ino: self.next_ino(),
+            kind,
+            mode,
+            nlink: if kind == Kind::Directory { 2 } else { 1 },
+            uid: caller.uid,
+            gid,
+            size: 0,
+            atime: now,
+            mtime: now,
+            ctime: now,
+            crtime: now,
+            parent: parent.ino,
+            attrs: parent.attrs.clone(),
+            owner_pid,
+            owner_host,
+            vaddr: 0,
+            vaddr_len: 0,
+            xattrs: BTreeMap::new(),
+            next_cookie: FIRST_COOKIE,
+            map_version: 0,
+        }
+    }
+
+    /// Records that map entries `[from, to)` of `ino` changed.
+    pub fn mark_chunks(&mut self, ino: u64, from: u64, to: u64) {
+        if from < to {
+            self.dirty.chunks.push((ino, from, to));
+        }
+    }
+
+    pub fn is_live(&self, host: u32) -> bool {
+        self.leases.get(&host).is_some_and(|t| *t > Instant::now())
+    }
+
+    /// Live hosts that have pool memory, in id order.
+    pub fn live_pool_hosts(&self) -> Vec<u32> {
+        self.hosts
+            .keys()
+            .copied()
+            .filter(|h| self.is_live(*h) && self.alloc.host_total(*h) > 0)
+            .collect()
+    }
+
+    /// Host of a pool.
+    pub fn pool_host(&self, gid: u32) -> Option<u32> {
+        self.alloc.pool(gid).map(|p| p.pool.host_id)
+    }
+
+    /// Hosts holding data of a region, in order of first use.
+    pub fn region_hosts(&self, ino: u64) -> Vec<u32> {
+        let mut hosts = Vec::new();
+        for piece in pieces_of(self.maps.get(&ino).map_or(&[][..], Vec::as_slice)) {
+            if let Some(h) = self.pool_host(piece.gid)
+                && !hosts.contains(&h)
+            {
+                hosts.push(h);
+            }
+        }
+        hosts
+    }
+
+    /// Queues daemon events for pieces assigned to or released from a region;
+    /// `first_chunk` is the region chunk index of the first piece.
+    pub fn queue_backing(&mut self, ino: u64, first_chunk: u64, entries: &[u64], assigned: bool) {
+        let mut chunk = first_chunk;
+        for piece in pieces_of(entries) {
+            let backing = backing_of(ino, chunk, piece);
+            chunk += piece.len;
+            let Some(host) = self.pool_host(piece.gid) else {
+                continue;
+            };
+            let event = if assigned {
+                Event::Assigned(backing)
+            } else {
+                Event::Released(backing)
+            };
+            self.events.push((host, event));
+        }
+    }
+
+    /// The public view of an inode.
+    pub fn attr(&self, inode: &Inode) -> v1::Attr {
+        let allocated = self
+            .maps
+            .get(&inode.ino)
+            .map_or(0, |m| m.len() as u64 * CHUNK_SIZE);
+        v1::Attr {
+            ino: inode.ino,
+            kind: match inode.kind {
+                Kind::Directory => v1::FileKind::Directory as i32,
+                Kind::Region => v1::FileKind::Region as i32,
+            },
+            mode: inode.mode,
+            nlink: inode.nlink,
+            uid: inode.uid,
+            gid: inode.gid,
+            size: inode.size,
+            atime: Some(inode.atime.to_proto()),
+            mtime: Some(inode.mtime.to_proto()),
+            ctime: Some(inode.ctime.to_proto()),
+            crtime: Some(inode.crtime.to_proto()),
+            region_attrs: Some(inode.attrs.to_proto()),
+            owner_pid: inode.owner_pid,
+            owner_host: inode.owner_host,
+            vaddr: inode.vaddr,
+            allocated,
+        }
+    }
+}
+
+/// The backing of `piece`, which holds region chunks from `chunk` on.
+pub fn backing_of(ino: u64, chunk: u64, piece: Piece) -> v1::ChunkBacking {
+    v1::ChunkBacking {
+        pool_offset: piece.chunk * CHUNK_SIZE,
+        ino,
+        region_offset: chunk * CHUNK_SIZE,
+        len: piece.len * CHUNK_SIZE,
+    }
+}
+
+/// Decodes a map entry's pool, for callers that only need the gid.
+pub fn entry_gid(entry: u64) -> Option<u32> {
+    MapEntry::decode(entry).map(|e| e.gid)
+}

@@ -1,0 +1,1306 @@
+//! The binary frame codec of the tcp data transport between clients and daemons.
+//!
+//! Every frame is a fixed 64-byte little-endian [`Header`] followed by `payload_len` bytes of
+//! payload. Requests carry an [`Op`]; replies reuse the request's op with [`FLAG_REPLY`] set and
+//! a `status` (0 = ok, else a POSIX errno). Many requests may be in flight on one connection;
+//! `request_id` matches replies to requests.
+//!
+//! Header layout (byte offsets):
+//!
+//! | off | field        | type | notes                                         |
+//! |-----|--------------|------|-----------------------------------------------|
+//! | 0   | magic        | u16  | [`MAGIC`]                                     |
+//! | 2   | version      | u8   | [`VERSION`]                                   |
+//! | 3   | op           | u8   | [`Op`]                                        |
+//! | 4   | flags        | u16  | [`FLAG_REPLY`]                                |
+//! | 6   | reserved     | u16  | must be 0                                     |
+//! | 8   | request_id   | u64  |                                               |
+//! | 16  | capability   | u64  | token id; 0 = connection-authenticated        |
+//! | 24  | pool         | u32  | pool global id, at most [`MAX_POOL`]          |
+//! | 28  | status       | u32  | replies: 0 = ok, else a POSIX errno           |
+//! | 32  | offset       | u64  |                                               |
+//! | 40  | length       | u64  |                                               |
+//! | 48  | object_id    | u64  |                                               |
+//! | 56  | payload_len  | u32  |                                               |
+//! | 60  | reserved     | u32  | must be 0                                     |
+//!
+//! Decoding never panics: a bad frame yields a [`FrameError`] whose message says what was
+//! wrong, so the daemon can close the connection with a logged reason.
+
+use std::fmt;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+
+/// Size of the fixed frame header in bytes.
+pub const HEADER_LEN: usize = 64;
+/// Magic number at the start of every frame ("RG" little-endian).
+pub const MAGIC: u16 = 0x5247;
+/// The protocol version this codec speaks.
+pub const VERSION: u8 = 1;
+/// Flag bit marking a reply frame.
+pub const FLAG_REPLY: u16 = 1;
+/// All flag bits this version knows.
+const KNOWN_FLAGS: u16 = FLAG_REPLY;
+/// Largest pool global id (17 bits).
+pub const MAX_POOL: u32 = 0x1FFFF;
+/// Encoded size of one [`Range`] in a vector payload.
+pub const RANGE_LEN: usize = 24;
+/// Size of the count + reserved prefix of a `WriteV` payload.
+const WRITEV_PREFIX_LEN: usize = 8;
+/// `EIO`, substituted when [`Frame::reply_err`] is given a zero errno.
+const EIO: u32 = 5;
+
+/// Errors of decoding or validating a frame. Each one means the peer sent a bad frame.
+#[derive(thiserror::Error, Debug, PartialEq, Eq)]
+pub enum FrameError {
+    /// A complete buffer is shorter than the structure it should hold.
+    #[error("truncated frame: need {needed} bytes, have only {have}")]
+    Short {
+        /// Bytes required.
+        needed: usize,
+        /// Bytes available.
+        have: usize,
+    },
+    /// The frame does not start with [`MAGIC`].
+    #[error(
+        "bad frame magic {0:#06x} (expected 0x5247): the peer does not speak the regions \
+         transport or the stream lost sync"
+    )]
+    BadMagic(u16),
+    /// The frame's version is not [`VERSION`].
+    #[error("unsupported frame version {0} (this build speaks version 1): upgrade the older side")]
+    UnsupportedVersion(u8),
+    /// The op byte names no known [`Op`].
+    #[error("unknown frame op {0} (known ops are 1..=8)")]
+    UnknownOp(u8),
+    /// Flag bits other than [`FLAG_REPLY`] are set.
+    #[error("unknown frame flags {0:#06x} (only 0x0001 = reply is defined)")]
+    UnknownFlags(u16),
+    /// A payload (or the reply a read would need) is larger than the configured limit.
+    #[error("frame payload of {len} bytes exceeds the limit of {max} bytes")]
+    Oversized {
+        /// Size asked for.
+        len: u64,
+        /// Configured limit ([`Limits::max_payload`]).
+        max: u32,
+    },
+    /// A size in the frame is inconsistent with its op.
+    #[error("malformed {op} frame: {what} is {actual}, expected {expected}")]
+    BadLength {
+        /// The frame's op.
+        op: Op,
+        /// Which size was wrong.
+        what: &'static str,
+        /// What the op requires.
+        expected: u64,
+        /// What the frame holds.
+        actual: u64,
+    },
+    /// An atomic op (CAS, fetch-add) targets an offset that is not 8-byte aligned.
+    #[error("atomic operation at offset {offset:#x} is not 8-byte aligned")]
+    Misaligned {
+        /// The offending offset.
+        offset: u64,
+    },
+    /// A vector frame lists more ranges than allowed.
+    #[error("vector frame of {count} ranges exceeds the limit of {max} ranges")]
+    TooManyRanges {
+        /// Ranges in the frame.
+        count: u64,
+        /// Configured limit ([`Limits::max_ranges`]).
+        max: u32,
+    },
+    /// A pool id does not fit in 17 bits.
+    #[error("pool id {0:#x} does not fit in 17 bits (largest pool id is 0x1ffff)")]
+    BadPool(u32),
+    /// A reserved field is not zero.
+    #[error("reserved frame field is not zero: the peer is newer or the frame is corrupt")]
+    NonZeroReserved,
+    /// `offset + len` of a range does not fit in 64 bits.
+    #[error("range at offset {offset:#x} of {len} bytes runs past the end of the 64-bit space")]
+    Overflow {
+        /// Start of the range.
+        offset: u64,
+        /// Length of the range.
+        len: u64,
+    },
+    /// A reply frame was given where a request was expected.
+    #[error("got a {0} reply frame where a request was expected")]
+    UnexpectedReply(Op),
+}
+
+/// Operation of a frame.
+#[repr(u8)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// Authenticate the connection; payload = auth token (cluster secret or capability).
+    Hello = 1,
+    /// Read `length` bytes at `offset`; reply payload = the bytes.
+    Read = 2,
+    /// Write the payload at `offset`; `length` must equal the payload length.
+    Write = 3,
+    /// Vector read; payload = 24-byte ranges, reply payload = their concatenated data.
+    ReadV = 4,
+    /// Vector write; payload = count u32 + reserved u32, the ranges, then the data.
+    WriteV = 5,
+    /// 8-byte compare-and-swap; payload = expected u64 + new u64, reply payload = old u64.
+    Cas = 6,
+    /// 8-byte fetch-add; payload = addend u64, reply payload = old u64.
+    FetchAdd = 7,
+    /// Liveness check, no payload.
+    Ping = 8,
+}
+
+impl TryFrom<u8> for Op {
+    type Error = FrameError;
+
+    fn try_from(v: u8) -> Result<Self, FrameError> {
+        Ok(match v {
+            1 => Op::Hello,
+            2 => Op::Read,
+            3 => Op::Write,
+            4 => Op::ReadV,
+            5 => Op::WriteV,
+            6 => Op::Cas,
+            7 => Op::FetchAdd,
+            8 => Op::Ping,
+            other => return Err(FrameError::UnknownOp(other)),
+        })
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Op::Hello => "hello",
+            Op::Read => "read",
+            Op::Write => "write",
+            Op::ReadV => "readv",
+            Op::WriteV => "writev",
+            Op::Cas => "cas",
+            Op::FetchAdd => "fetch-add",
+            Op::Ping => "ping",
+        })
+    }
+}
+
+/// Limits the decoder enforces on untrusted frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest payload of a frame, and largest data a read or vector read may ask for.
+    pub max_payload: u32,
+    /// Largest number of ranges in a vector frame.
+    pub max_ranges: u32,
+}
+
+impl Default for Limits {
+    /// 64 MiB payloads, 65,536 ranges.
+    fn default() -> Self {
+        Limits {
+            max_payload: 64 << 20,
+            max_ranges: 65_536,
+        }
+    }
+}
+
+/// The fixed 64-byte frame header. Magic, version and reserved fields are implicit: they are
+/// written by [`Header::encode`] and checked by [`Header::decode`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// Operation (a reply repeats its request's op).
+    pub op: Op,
+    /// Flag bits ([`FLAG_REPLY`]).
+    pub flags: u16,
+    /// Chosen by the client; echoed in the reply.
+    pub request_id: u64,
+    /// Capability token id; 0 = connection-authenticated.
+    pub capability: u64,
+    /// Pool global id (at most [`MAX_POOL`]).
+    pub pool: u32,
+    /// Replies: 0 = ok, else a POSIX errno.
+    pub status: u32,
+    /// Byte offset in the pool.
+    pub offset: u64,
+    /// Length of the operation in bytes.
+    pub length: u64,
+    /// Object id.
+    pub object_id: u64,
+    /// Length of the payload that follows the header.
+    pub payload_len: u32,
+}
+
+impl Header {
+    /// A request header for `op` with every other field zero.
+    pub fn new(op: Op, request_id: u64) -> Header {
+        Header {
+            op,
+            flags: 0,
+            request_id,
+            capability: 0,
+            pool: 0,
+            status: 0,
+            offset: 0,
+            length: 0,
+            object_id: 0,
+            payload_len: 0,
+        }
+    }
+
+    /// Appends the 64-byte encoding of this header to `dst`, `payload_len` as stored.
+    pub fn encode(&self, dst: &mut BytesMut) {
+        dst.reserve(HEADER_LEN);
+        dst.put_u16_le(MAGIC);
+        dst.put_u8(VERSION);
+        dst.put_u8(self.op as u8);
+        dst.put_u16_le(self.flags);
+        dst.put_u16_le(0);
+        dst.put_u64_le(self.request_id);
+        dst.put_u64_le(self.capability);
+        dst.put_u32_le(self.pool);
+        dst.put_u32_le(self.status);
+        dst.put_u64_le(self.offset);
+        dst.put_u64_le(self.length);
+        dst.put_u64_le(self.object_id);
+        dst.put_u32_le(self.payload_len);
+        dst.put_u32_le(0);
+    }
+
+    /// Decodes and validates the header at the start of `src` (magic, version, op, flags,
+    /// reserved fields, pool). Bytes after the first [`HEADER_LEN`] are ignored.
+    pub fn decode(src: &[u8]) -> Result<Header, FrameError> {
+        if src.len() < HEADER_LEN {
+            return Err(FrameError::Short {
+                needed: HEADER_LEN,
+                have: src.len(),
+            });
+        }
+        let mut b = &src[..HEADER_LEN];
+        let magic = b.get_u16_le();
+        if magic != MAGIC {
+            return Err(FrameError::BadMagic(magic));
+        }
+        let version = b.get_u8();
+        if version != VERSION {
+            return Err(FrameError::UnsupportedVersion(version));
+        }
+        let op = Op::try_from(b.get_u8())?;
+        let flags = b.get_u16_le();
+        let reserved16 = b.get_u16_le();
+        let header = Header {
+            op,
+            flags,
+            request_id: b.get_u64_le(),
+            capability: b.get_u64_le(),
+            pool: b.get_u32_le(),
+            status: b.get_u32_le(),
+            offset: b.get_u64_le(),
+            length: b.get_u64_le(),
+            object_id: b.get_u64_le(),
+            payload_len: b.get_u32_le(),
+        };
+        if reserved16 != 0 || b.get_u32_le() != 0 {
+            return Err(FrameError::NonZeroReserved);
+        }
+        header.validate()?;
+        Ok(header)
+    }
+
+    /// Checks the fields a decoded [`Header`] can still get wrong: flags and pool.
+    fn validate(&self) -> Result<(), FrameError> {
+        if self.flags & !KNOWN_FLAGS != 0 {
+            return Err(FrameError::UnknownFlags(self.flags));
+        }
+        check_pool(self.pool)
+    }
+}
+
+/// A header and its payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    /// The header; [`Frame::encode`] overrides its `payload_len`.
+    pub header: Header,
+    /// The payload.
+    pub payload: Bytes,
+}
+
+impl Frame {
+    /// Appends the encoded frame to `dst`, setting `payload_len` from the payload.
+    ///
+    /// A payload longer than `u32::MAX` bytes is a caller bug; its length is encoded as
+    /// `u32::MAX`, which every decoder rejects as oversized.
+    pub fn encode(&self, dst: &mut BytesMut) {
+        let mut header = self.header;
+        header.payload_len = u32::try_from(self.payload.len()).unwrap_or(u32::MAX);
+        dst.reserve(HEADER_LEN + self.payload.len());
+        header.encode(dst);
+        dst.extend_from_slice(&self.payload);
+    }
+
+    /// Whether this frame is a reply ([`FLAG_REPLY`] set).
+    pub fn is_reply(&self) -> bool {
+        self.header.flags & FLAG_REPLY != 0
+    }
+
+    /// A successful reply to the request `req`, carrying `payload`.
+    pub fn reply_ok(req: &Header, payload: Bytes) -> Frame {
+        Frame::reply(req, 0, payload)
+    }
+
+    /// A failed reply to the request `req`: status `errno` (a zero errno becomes `EIO`, so the
+    /// reply is never mistaken for success) and `msg` as the payload (may be empty).
+    pub fn reply_err(req: &Header, errno: u32, msg: &str) -> Frame {
+        let status = if errno == 0 { EIO } else { errno };
+        Frame::reply(req, status, Bytes::copy_from_slice(msg.as_bytes()))
+    }
+
+    /// The message of a failed reply, if it has a valid UTF-8 one.
+    pub fn error_message(&self) -> Option<&str> {
+        if !self.is_reply() || self.header.status == 0 || self.payload.is_empty() {
+            return None;
+        }
+        std::str::from_utf8(&self.payload).ok()
+    }
+
+    fn reply(req: &Header, status: u32, payload: Bytes) -> Frame {
+        let header = Header {
+            flags: req.flags | FLAG_REPLY,
+            capability: 0,
+            status,
+            payload_len: u32::try_from(payload.len()).unwrap_or(u32::MAX),
+            ..*req
+        };
+        Frame { header, payload }
+    }
+}
+
+/// Decodes one frame from the front of a stream buffer.
+///
+/// Returns `Ok(None)` while the header or the payload is incomplete (reserving room for the
+/// rest of the payload). The header is validated as soon as its 64 bytes are there, so an
+/// oversized `payload_len` is rejected before any of it is buffered. A complete frame is split
+/// off the front of `buf`.
+pub fn decode_frame(buf: &mut BytesMut, limits: &Limits) -> Result<Option<Frame>, FrameError> {
+    if buf.len() < HEADER_LEN {
+        return Ok(None);
+    }
+    let header = Header::decode(buf)?;
+    let oversized = FrameError::Oversized {
+        len: u64::from(header.payload_len),
+        max: limits.max_payload,
+    };
+    if header.payload_len > limits.max_payload {
+        return Err(oversized);
+    }
+    let total = usize::try_from(header.payload_len)
+        .ok()
+        .and_then(|n| n.checked_add(HEADER_LEN))
+        .ok_or(oversized)?;
+    if buf.len() < total {
+        buf.reserve(total - buf.len());
+        return Ok(None);
+    }
+    let mut bytes = buf.split_to(total);
+    bytes.advance(HEADER_LEN);
+    Ok(Some(Frame {
+        header,
+        payload: bytes.freeze(),
+    }))
+}
+
+/// One range of a vector op.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Range {
+    /// Pool global id.
+    pub pool: u32,
+    /// Byte offset in the pool.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+impl Range {
+    fn encode(&self, dst: &mut BytesMut) {
+        dst.put_u32_le(self.pool);
+        dst.put_u32_le(0);
+        dst.put_u64_le(self.offset);
+        dst.put_u64_le(self.len);
+    }
+
+    /// Decodes and validates one range; `src` must be exactly [`RANGE_LEN`] bytes.
+    fn decode(mut src: &[u8]) -> Result<Range, FrameError> {
+        if src.len() != RANGE_LEN {
+            return Err(FrameError::Short {
+                needed: RANGE_LEN,
+                have: src.len(),
+            });
+        }
+        let pool = src.get_u32_le();
+        if src.get_u32_le() != 0 {
+            return Err(FrameError::NonZeroReserved);
+        }
+        let range = Range {
+            pool,
+            offset: src.get_u64_le(),
+            len: src.get_u64_le(),
+        };
+        check_pool(range.pool)?;
+        check_span(range.offset, range.len)?;
+        Ok(range)
+    }
+}
+
+/// A typed view of a request frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    /// Authenticate with a token (cluster secret or capability).
+    Hello {
+        /// The token bytes.
+        token: Bytes,
+    },
+    /// Read `len` bytes at `offset` of `pool`.
+    Read {
+        /// Pool global id.
+        pool: u32,
+        /// Byte offset.
+        offset: u64,
+        /// Bytes to read.
+        len: u64,
+    },
+    /// Write `data` at `offset` of `pool`.
+    Write {
+        /// Pool global id.
+        pool: u32,
+        /// Byte offset.
+        offset: u64,
+        /// The bytes to write.
+        data: Bytes,
+    },
+    /// Read many ranges; the reply holds their data concatenated.
+    ReadV {
+        /// The ranges, in reply order.
+        ranges: Vec<Range>,
+    },
+    /// Write many ranges; `data` is their data concatenated.
+    WriteV {
+        /// The ranges, in data order.
+        ranges: Vec<Range>,
+        /// Concatenated data, as long as the sum of the range lengths.
+        data: Bytes,
+    },
+    /// 8-byte compare-and-swap at an aligned offset.
+    Cas {
+        /// Pool global id.
+        pool: u32,
+        /// 8-byte aligned offset.
+        offset: u64,
+        /// Value expected at `offset`.
+        expected: u64,
+        /// Value stored if the expected one was there.
+        new: u64,
+    },
+    /// 8-byte fetch-add at an aligned offset.
+    FetchAdd {
+        /// Pool global id.
+        pool: u32,
+        /// 8-byte aligned offset.
+        offset: u64,
+        /// Value added (wrapping).
+        addend: u64,
+    },
+    /// Liveness check.
+    Ping,
+}
+
+impl Request {
+    /// The op of this request.
+    pub fn op(&self) -> Op {
+        match self {
+            Request::Hello { .. } => Op::Hello,
+            Request::Read { .. } => Op::Read,
+            Request::Write { .. } => Op::Write,
+            Request::ReadV { .. } => Op::ReadV,
+            Request::WriteV { .. } => Op::WriteV,
+            Request::Cas { .. } => Op::Cas,
+            Request::FetchAdd { .. } => Op::FetchAdd,
+            Request::Ping => Op::Ping,
+        }
+    }
+
+    /// Parses and validates a request frame against every length rule of its op.
+    ///
+    /// Header fields an op does not use (e.g. `pool` of vector ops, `length` of CAS) are
+    /// ignored.
+    pub fn parse(frame: &Frame, limits: &Limits) -> Result<Request, FrameError> {
+        let h = &frame.header;
+        let op = h.op;
+        if frame.is_reply() {
+            return Err(FrameError::UnexpectedReply(op));
+        }
+        h.validate()?;
+        let payload = &frame.payload;
+        let plen = payload.len() as u64;
+        check_size(plen, limits)?;
+        expect_len(op, "payload_len field", plen, u64::from(h.payload_len))?;
+        let (pool, offset) = (h.pool, h.offset);
+        Ok(match op {
+            Op::Hello => Request::Hello {
+                token: payload.clone(),
+            },
+            Op::Ping => {
+                expect_len(op, "payload length", 0, plen)?;
+                Request::Ping
+            }
+            Op::Read => {
+                expect_len(op, "payload length", 0, plen)?;
+                check_size(h.length, limits)?;
+                check_span(offset, h.length)?;
+                Request::Read {
+                    pool,
+                    offset,
+                    len: h.length,
+                }
+            }
+            Op::Write => {
+                expect_len(
+                    op,
+                    "length field (must equal payload length)",
+                    plen,
+                    h.length,
+                )?;
+                check_span(offset, plen)?;
+                Request::Write {
+                    pool,
+                    offset,
+                    data: payload.clone(),
+                }
+            }
+            Op::ReadV => {
+                let rem = plen % RANGE_LEN as u64;
+                expect_len(op, "payload length modulo 24 (the range size)", 0, rem)?;
+                check_count(plen / RANGE_LEN as u64, limits)?;
+                let ranges = parse_ranges(payload)?;
+                let total = check_total(&ranges, limits)?;
+                expect_len(op, "length field (sum of range lengths)", total, h.length)?;
+                Request::ReadV { ranges }
+            }
+            Op::WriteV => {
+                let Some((mut prefix, rest)) = payload.split_at_checked(WRITEV_PREFIX_LEN) else {
+                    return Err(bad_length(
+                        op,
+                        "payload length (range count prefix)",
+                        8,
+                        plen,
+                    ));
+                };
+                let count = prefix.get_u32_le();
+                if prefix.get_u32_le() != 0 {
+                    return Err(FrameError::NonZeroReserved);
+                }
+                check_count(u64::from(count), limits)?;
+                // `count` fits in u32, so `table` cannot overflow even on 32-bit targets' u64.
+                let table = u64::from(count) * RANGE_LEN as u64;
+                let Some((table, data)) = usize::try_from(table)
+                    .ok()
+                    .and_then(|table| rest.split_at_checked(table))
+                else {
+                    let actual = rest.len() as u64;
+                    return Err(bad_length(op, "range table length", table, actual));
+                };
+                let ranges = parse_ranges(table)?;
+                let total = check_total(&ranges, limits)?;
+                let what = "data length (sum of range lengths)";
+                expect_len(op, what, total, data.len() as u64)?;
+                expect_len(op, "length field (sum of range lengths)", total, h.length)?;
+                let data = payload.slice_ref(data);
+                Request::WriteV { ranges, data }
+            }
+            Op::Cas => {
+                expect_len(op, "payload length (expected u64 + new u64)", 16, plen)?;
+                check_atomic(offset)?;
+                let mut p = &payload[..];
+                let (expected, new) = (p.get_u64_le(), p.get_u64_le());
+                Request::Cas {
+                    pool,
+                    offset,
+                    expected,
+                    new,
+                }
+            }
+            Op::FetchAdd => {
+                expect_len(op, "payload length (addend u64)", 8, plen)?;
+                check_atomic(offset)?;
+                let addend = (&payload[..]).get_u64_le();
+                Request::FetchAdd {
+                    pool,
+                    offset,
+                    addend,
+                }
+            }
+        })
+    }
+
+    /// Builds the request frame. A request that would not parse (e.g. a pool id over 17 bits)
+    /// still encodes; the receiving side rejects it.
+    pub fn to_frame(&self, request_id: u64, capability: u64) -> Frame {
+        let mut h = Header {
+            capability,
+            ..Header::new(self.op(), request_id)
+        };
+        let mut buf = BytesMut::new();
+        let payload = match self {
+            Request::Hello { token } => token.clone(),
+            Request::Ping => Bytes::new(),
+            &Request::Read { pool, offset, len } => {
+                (h.pool, h.offset, h.length) = (pool, offset, len);
+                Bytes::new()
+            }
+            Request::Write { pool, offset, data } => {
+                (h.pool, h.offset, h.length) = (*pool, *offset, data.len() as u64);
+                data.clone()
+            }
+            Request::ReadV { ranges } => {
+                h.length = sum_lengths(ranges);
+                buf.reserve(ranges.len() * RANGE_LEN);
+                ranges.iter().for_each(|r| r.encode(&mut buf));
+                buf.freeze()
+            }
+            Request::WriteV { ranges, data } => {
+                h.length = sum_lengths(ranges);
+                buf.reserve(WRITEV_PREFIX_LEN + ranges.len() * RANGE_LEN + data.len());
+                buf.put_u32_le(u32::try_from(ranges.len()).unwrap_or(u32::MAX));
+                buf.put_u32_le(0);
+                ranges.iter().for_each(|r| r.encode(&mut buf));
+                buf.extend_from_slice(data);
+                buf.freeze()
+            }
+            &Request::Cas {
+                pool,
+                offset,
+                expected,
+                new,
+            } => {
+                (h.pool, h.offset, h.length) = (pool, offset, 8);
+                buf.put_u64_le(expected);
+                buf.put_u64_le(new);
+                buf.freeze()
+            }
+            &Request::FetchAdd {
+                pool,
+                offset,
+                addend,
+            } => {
+                (h.pool, h.offset, h.length) = (pool, offset, 8);
+                buf.put_u64_le(addend);
+                buf.freeze()
+            }
+        };
+        h.payload_len = u32::try_from(payload.len()).unwrap_or(u32::MAX);
+        Frame { header: h, payload }
+    }
+}
+
+fn bad_length(op: Op, what: &'static str, expected: u64, actual: u64) -> FrameError {
+    FrameError::BadLength {
+        op,
+        what,
+        expected,
+        actual,
+    }
+}
+
+fn expect_len(op: Op, what: &'static str, expected: u64, actual: u64) -> Result<(), FrameError> {
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(bad_length(op, what, expected, actual))
+    }
+}
+
+/// Checks a payload size (or the reply size a read asks for) against the limit.
+fn check_size(len: u64, limits: &Limits) -> Result<(), FrameError> {
+    let max = limits.max_payload;
+    if len > u64::from(max) {
+        Err(FrameError::Oversized { len, max })
+    } else {
+        Ok(())
+    }
+}
+
+fn check_pool(pool: u32) -> Result<(), FrameError> {
+    if pool > MAX_POOL {
+        Err(FrameError::BadPool(pool))
+    } else {
+        Ok(())
+    }
+}
+
+fn check_span(offset: u64, len: u64) -> Result<(), FrameError> {
+    match offset.checked_add(len) {
+        Some(_) => Ok(()),
+        None => Err(FrameError::Overflow { offset, len }),
+    }
+}
+
+fn check_atomic(offset: u64) -> Result<(), FrameError> {
+    if !offset.is_multiple_of(8) {
+        return Err(FrameError::Misaligned { offset });
+    }
+    check_span(offset, 8)
+}
+
+fn check_count(count: u64, limits: &Limits) -> Result<(), FrameError> {
+    let max = limits.max_ranges;
+    if count > u64::from(max) {
+        Err(FrameError::TooManyRanges { count, max })
+    } else {
+        Ok(())
+    }
+}
+
+/// Parses a table of ranges (a whole number of [`RANGE_LEN`]-byte entries).
+fn parse_ranges(table: &[u8]) -> Result<Vec<Range>, FrameError> {
+    table.chunks_exact(RANGE_LEN).map(Range::decode).collect()
+}
+
+/// Sum of range lengths, saturating (a saturated sum is rejected as oversized anyway).
+fn sum_lengths(ranges: &[Range]) -> u64 {
+    ranges.iter().fold(0u64, |acc, r| acc.saturating_add(r.len))
+}
+
+/// The total data of a vector op, which must fit in one frame payload.
+fn check_total(ranges: &[Range], limits: &Limits) -> Result<u64, FrameError> {
+    let total = sum_lengths(ranges);
+    check_size(total, limits)?;
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn rg(pool: u32, offset: u64, len: u64) -> Range {
+        Range { pool, offset, len }
+    }
+
+    fn read(pool: u32, offset: u64, len: u64) -> Request {
+        Request::Read { pool, offset, len }
+    }
+
+    fn write(offset: u64, data: &'static [u8]) -> Request {
+        Request::Write {
+            pool: 1,
+            offset,
+            data: Bytes::from_static(data),
+        }
+    }
+
+    fn writev(ranges: Vec<Range>, data: &'static [u8]) -> Request {
+        Request::WriteV {
+            ranges,
+            data: Bytes::from_static(data),
+        }
+    }
+
+    fn cas(offset: u64) -> Request {
+        Request::Cas {
+            pool: 9,
+            offset,
+            expected: 1,
+            new: u64::MAX,
+        }
+    }
+
+    fn limits(max_payload: u32, max_ranges: u32) -> Limits {
+        Limits {
+            max_payload,
+            max_ranges,
+        }
+    }
+
+    fn samples() -> Vec<Request> {
+        vec![
+            Request::Hello {
+                token: Bytes::from_static(b"cluster-secret"),
+            },
+            read(3, 4096, 8192),
+            write(7, b"hello"),
+            Request::ReadV {
+                ranges: vec![rg(1, 0, 4096), rg(2, 8192, 10)],
+            },
+            writev(vec![rg(1, 0, 3), rg(2, 100, 2), rg(0, 5, 0)], b"abcde"),
+            cas(64),
+            Request::FetchAdd {
+                pool: 9,
+                offset: 128,
+                addend: 42,
+            },
+            Request::Ping,
+        ]
+    }
+
+    fn encode(frame: &Frame) -> BytesMut {
+        let mut buf = BytesMut::new();
+        frame.encode(&mut buf);
+        buf
+    }
+
+    /// Decodes exactly one complete frame.
+    fn decode_one(mut buf: BytesMut, limits: &Limits) -> Result<Frame, FrameError> {
+        let frame = decode_frame(&mut buf, limits)?.expect("a complete frame");
+        assert!(buf.is_empty(), "exactly one frame");
+        Ok(frame)
+    }
+
+    /// Encodes `req` after `edit_frame`, corrupts the bytes with `edit_bytes`, then decodes and
+    /// parses them.
+    fn mangled(
+        req: &Request,
+        edit_frame: impl FnOnce(&mut Frame),
+        edit_bytes: impl FnOnce(&mut BytesMut),
+    ) -> Result<Request, FrameError> {
+        let mut frame = req.to_frame(1, 0);
+        edit_frame(&mut frame);
+        let mut buf = encode(&frame);
+        edit_bytes(&mut buf);
+        let limits = Limits::default();
+        Request::parse(&decode_one(buf, &limits)?, &limits)
+    }
+
+    fn parse_req(req: &Request) -> Result<Request, FrameError> {
+        mangled(req, |_| (), |_| ())
+    }
+
+    fn with_bytes(req: &Request, edit: impl FnOnce(&mut BytesMut)) -> Result<Request, FrameError> {
+        mangled(req, |_| (), edit)
+    }
+
+    /// The `(op, expected, actual)` of a `BadLength` error.
+    fn bad_len(result: Result<Request, FrameError>) -> (Op, u64, u64) {
+        match result {
+            Err(FrameError::BadLength {
+                op,
+                expected,
+                actual,
+                ..
+            }) => (op, expected, actual),
+            other => panic!("expected BadLength, got {other:?}"),
+        }
+    }
+
+    fn stream() -> (Vec<Frame>, BytesMut) {
+        let mut frames: Vec<Frame> = samples()
+            .iter()
+            .zip(0..)
+            .map(|(r, id)| r.to_frame(id, 77))
+            .collect();
+        let data = Bytes::from_static(b"data");
+        let replies: Vec<Frame> = frames
+            .iter()
+            .map(|f| Frame::reply_ok(&f.header, data.clone()))
+            .chain([Frame::reply_err(&frames[1].header, 2, "no such region")])
+            .collect();
+        frames.extend(replies);
+        let mut buf = BytesMut::new();
+        frames.iter().for_each(|f| f.encode(&mut buf));
+        (frames, buf)
+    }
+
+    /// Feeds `bytes` to the streaming decoder in chunks of the given sizes (cycled).
+    fn feed_in_chunks(bytes: &[u8], sizes: &[usize]) -> Vec<Frame> {
+        let limits = Limits::default();
+        let (mut buf, mut out, mut pos) = (BytesMut::new(), Vec::new(), 0);
+        for size in sizes.iter().cycle() {
+            if pos == bytes.len() {
+                break;
+            }
+            let end = (pos + size.max(&1)).min(bytes.len());
+            buf.extend_from_slice(&bytes[pos..end]);
+            pos = end;
+            while let Some(frame) = decode_frame(&mut buf, &limits).unwrap() {
+                out.push(frame);
+            }
+        }
+        assert!(buf.is_empty());
+        out
+    }
+
+    #[test]
+    fn every_op_round_trips() {
+        for req in samples() {
+            let frame = req.to_frame(99, 5);
+            let decoded = decode_one(encode(&frame), &Limits::default()).unwrap();
+            assert_eq!(decoded, frame);
+            assert_eq!(decoded.header.capability, 5);
+            assert_eq!(Request::parse(&decoded, &Limits::default()).unwrap(), req);
+        }
+    }
+
+    #[test]
+    fn header_layout_is_fixed() {
+        let buf = encode(&read(0x1_2345, 0x10, 0x20).to_frame(7, 8));
+        assert_eq!(buf.len(), HEADER_LEN);
+        assert_eq!(&buf[0..4], &[0x47, 0x52, 1, 2]);
+        assert_eq!((buf[8], buf[16], buf[32], buf[40]), (7, 8, 0x10, 0x20));
+        assert_eq!(&buf[24..28], &0x1_2345u32.to_le_bytes());
+    }
+
+    #[test]
+    fn replies() {
+        let req = Request::FetchAdd {
+            pool: 1,
+            offset: 8,
+            addend: 1,
+        }
+        .to_frame(42, 9);
+        let ok = Frame::reply_ok(&req.header, Bytes::copy_from_slice(&5u64.to_le_bytes()));
+        assert!(ok.is_reply() && !req.is_reply());
+        let h = ok.header;
+        assert_eq!(
+            (h.op, h.request_id, h.status, h.capability),
+            (Op::FetchAdd, 42, 0, 0)
+        );
+        assert_eq!(ok.error_message(), None);
+        let err = Frame::reply_err(&req.header, 13, "denied");
+        let err = decode_one(encode(&err), &Limits::default()).unwrap();
+        assert_eq!(
+            (err.header.status, err.error_message()),
+            (13, Some("denied"))
+        );
+        assert_eq!(Frame::reply_err(&req.header, 0, "").header.status, EIO);
+        let parsed = Request::parse(&ok, &Limits::default());
+        assert_eq!(parsed, Err(FrameError::UnexpectedReply(Op::FetchAdd)));
+    }
+
+    #[test]
+    fn streaming_one_byte_at_a_time() {
+        let (frames, buf) = stream();
+        assert_eq!(feed_in_chunks(&buf, &[1]), frames);
+    }
+
+    #[test]
+    fn short_buffers() {
+        let buf = encode(&Request::Ping.to_frame(1, 0));
+        let short = FrameError::Short {
+            needed: 64,
+            have: 10,
+        };
+        assert_eq!(Header::decode(&buf[..10]), Err(short));
+        let full = encode(&write(0, b"xyz").to_frame(1, 0));
+        for cut in 0..full.len() {
+            let mut partial = BytesMut::from(&full[..cut]);
+            assert_eq!(decode_frame(&mut partial, &Limits::default()), Ok(None));
+            assert_eq!(partial.len(), cut, "incomplete frames stay buffered");
+        }
+    }
+
+    #[test]
+    fn oversized_payload_rejected_from_header_alone() {
+        let header = Header {
+            payload_len: 1000,
+            ..Header::new(Op::Write, 1)
+        };
+        let mut buf = BytesMut::new();
+        header.encode(&mut buf);
+        let limits = limits(999, 4);
+        let err = decode_frame(&mut buf, &limits).unwrap_err();
+        assert_eq!(
+            err,
+            FrameError::Oversized {
+                len: 1000,
+                max: 999
+            }
+        );
+        let msg = "frame payload of 1000 bytes exceeds the limit of 999 bytes";
+        assert_eq!(err.to_string(), msg);
+        let parsed = Request::parse(&read(0, 0, 1000).to_frame(1, 0), &limits);
+        assert_eq!(
+            parsed,
+            Err(FrameError::Oversized {
+                len: 1000,
+                max: 999
+            })
+        );
+    }
+
+    #[test]
+    fn bad_header_fields() {
+        let ping = Request::Ping;
+        assert_eq!(
+            with_bytes(&ping, |b| b[3] = 0),
+            Err(FrameError::UnknownOp(0))
+        );
+        assert_eq!(
+            with_bytes(&ping, |b| b[3] = 9),
+            Err(FrameError::UnknownOp(9))
+        );
+        assert_eq!(
+            with_bytes(&ping, |b| b[0] = 0),
+            Err(FrameError::BadMagic(0x5200))
+        );
+        let bad_version = with_bytes(&ping, |b| b[2] = 2);
+        assert_eq!(bad_version, Err(FrameError::UnsupportedVersion(2)));
+        assert_eq!(
+            with_bytes(&ping, |b| b[6] = 1),
+            Err(FrameError::NonZeroReserved)
+        );
+        assert_eq!(
+            with_bytes(&ping, |b| b[63] = 1),
+            Err(FrameError::NonZeroReserved)
+        );
+        assert_eq!(
+            with_bytes(&ping, |b| b[4] = 2),
+            Err(FrameError::UnknownFlags(2))
+        );
+        assert_eq!(
+            with_bytes(&ping, |b| b[26] = 2),
+            Err(FrameError::BadPool(0x20000))
+        );
+        let read = read(MAX_POOL + 1, 0, 1);
+        assert_eq!(parse_req(&read), Err(FrameError::BadPool(0x20000)));
+        let parsed = Request::parse(&read.to_frame(1, 0), &Limits::default());
+        assert_eq!(parsed, Err(FrameError::BadPool(0x20000)));
+        let ranged = Request::ReadV {
+            ranges: vec![rg(1 << 17, 0, 1)],
+        };
+        assert_eq!(parse_req(&ranged), Err(FrameError::BadPool(1 << 17)));
+        let ranged = Request::ReadV {
+            ranges: vec![rg(1, 0, 1)],
+        };
+        assert_eq!(
+            with_bytes(&ranged, |b| b[68] = 1),
+            Err(FrameError::NonZeroReserved)
+        );
+        let mut lying = Request::Ping.to_frame(1, 0);
+        lying.header.payload_len = 3;
+        let lying = Request::parse(&lying, &Limits::default());
+        assert_eq!(bad_len(lying), (Op::Ping, 0, 3));
+    }
+
+    #[test]
+    fn atomics() {
+        assert_eq!(
+            parse_req(&cas(12)),
+            Err(FrameError::Misaligned { offset: 12 })
+        );
+        let fadd = Request::FetchAdd {
+            pool: 1,
+            offset: u64::MAX - 7,
+            addend: 1,
+        };
+        let overflow = FrameError::Overflow {
+            offset: u64::MAX - 7,
+            len: 8,
+        };
+        assert_eq!(parse_req(&fadd), Err(overflow));
+        let short_cas = mangled(&cas(8), |f| f.payload.truncate(8), |_| ());
+        assert_eq!(bad_len(short_cas), (Op::Cas, 16, 8));
+        let long_fadd = Request::FetchAdd {
+            pool: 1,
+            offset: 0,
+            addend: 1,
+        };
+        let long_fadd = mangled(&long_fadd, |f| f.payload = Bytes::from(vec![0; 9]), |_| ());
+        assert_eq!(bad_len(long_fadd), (Op::FetchAdd, 8, 9));
+    }
+
+    #[test]
+    fn vector_length_rules() {
+        let readv = Request::ReadV {
+            ranges: vec![rg(1, 0, 8)],
+        };
+        let cut = mangled(&readv, |f| f.payload.truncate(23), |_| ());
+        assert_eq!(bad_len(cut), (Op::ReadV, 0, 23));
+        let wrong_total = mangled(&readv, |f| f.header.length = 9, |_| ());
+        assert_eq!(bad_len(wrong_total), (Op::ReadV, 8, 9));
+
+        assert_eq!(
+            bad_len(parse_req(&writev(vec![rg(1, 0, 4)], b"abc"))),
+            (Op::WriteV, 4, 3)
+        );
+        let no_prefix = mangled(&writev(vec![], b""), |f| f.payload.truncate(4), |_| ());
+        assert_eq!(bad_len(no_prefix), (Op::WriteV, 8, 4));
+        let two = writev(vec![rg(1, 0, 1), rg(1, 1, 1)], b"ab");
+        let no_table = mangled(&two, |f| f.payload.truncate(8), |_| ());
+        assert_eq!(bad_len(no_table), (Op::WriteV, 48, 0));
+        assert_eq!(
+            with_bytes(&two, |b| b[68] = 1),
+            Err(FrameError::NonZeroReserved)
+        );
+    }
+
+    #[test]
+    fn too_many_ranges() {
+        let limits = limits(1 << 20, 2);
+        let too_many = Err(FrameError::TooManyRanges { count: 3, max: 2 });
+        let ranges = vec![rg(0, 0, 1); 3];
+        let readv = Request::ReadV {
+            ranges: ranges.clone(),
+        }
+        .to_frame(1, 0);
+        assert_eq!(Request::parse(&readv, &limits), too_many);
+        let writev = writev(ranges, b"abc").to_frame(1, 0);
+        assert_eq!(Request::parse(&writev, &limits), too_many);
+    }
+
+    #[test]
+    fn offset_plus_len_overflow() {
+        let overflow = |offset, len| Err(FrameError::Overflow { offset, len });
+        assert_eq!(parse_req(&read(0, u64::MAX, 1)), overflow(u64::MAX, 1));
+        assert_eq!(
+            parse_req(&write(u64::MAX - 1, b"ab")),
+            overflow(u64::MAX - 1, 2)
+        );
+        let readv = Request::ReadV {
+            ranges: vec![rg(0, u64::MAX - 2, 3)],
+        };
+        assert_eq!(parse_req(&readv), overflow(u64::MAX - 2, 3));
+        let big = rg(0, 0, u64::MAX);
+        let readv = Request::ReadV {
+            ranges: vec![big, big],
+        };
+        let oversized = FrameError::Oversized {
+            len: u64::MAX,
+            max: 64 << 20,
+        };
+        assert_eq!(parse_req(&readv), Err(oversized));
+    }
+
+    fn arb_range() -> impl Strategy<Value = Range> + Clone {
+        (0..=MAX_POOL, any::<u64>(), 0u64..300)
+            .prop_map(|(pool, offset, len)| rg(pool, offset.min(u64::MAX - len), len))
+    }
+
+    fn arb_bytes(max: usize) -> impl Strategy<Value = Bytes> {
+        prop::collection::vec(any::<u8>(), 0..max).prop_map(Bytes::from)
+    }
+
+    fn arb_request() -> impl Strategy<Value = Request> {
+        let pool = 0..=MAX_POOL;
+        let max_read = u64::from(Limits::default().max_payload);
+        let aligned = any::<u64>().prop_map(|o| (o & !7).min(u64::MAX - 15));
+        let ranges = prop::collection::vec(arb_range(), 0..8);
+        prop_oneof![
+            arb_bytes(64).prop_map(|token| Request::Hello { token }),
+            (pool.clone(), any::<u64>(), 0..=max_read).prop_map(|(pool, offset, len)| read(
+                pool,
+                offset.min(u64::MAX - len),
+                len
+            )),
+            (pool.clone(), any::<u64>(), arb_bytes(300)).prop_map(|(pool, offset, data)| {
+                let offset = offset.min(u64::MAX - data.len() as u64);
+                Request::Write { pool, offset, data }
+            }),
+            ranges.clone().prop_map(|ranges| Request::ReadV { ranges }),
+            ranges
+                .prop_flat_map(|ranges| {
+                    let total = sum_lengths(&ranges) as usize;
+                    (Just(ranges), prop::collection::vec(any::<u8>(), total))
+                })
+                .prop_map(|(ranges, data)| Request::WriteV {
+                    ranges,
+                    data: data.into()
+                }),
+            (pool.clone(), aligned.clone(), any::<u64>(), any::<u64>()).prop_map(
+                |(pool, offset, expected, new)| Request::Cas {
+                    pool,
+                    offset,
+                    expected,
+                    new
+                }
+            ),
+            (pool, aligned, any::<u64>()).prop_map(|(pool, offset, addend)| Request::FetchAdd {
+                pool,
+                offset,
+                addend
+            }),
+            Just(Request::Ping),
+        ]
+    }
+
+    /// Streams of valid requests and of frames with a valid header and a random payload
+    /// (mostly zero bytes, so random ranges are often well formed), sometimes with one
+    /// corrupted byte, so that random input reaches the op-specific checks.
+    fn plausible_stream() -> impl Strategy<Value = Vec<u8>> {
+        let plen = prop_oneof![Just(0u32), Just(8), Just(16), Just(24), Just(56), 0u32..300];
+        let flags = prop_oneof![3 => Just(0u16), 1 => 0u16..3];
+        let header = (1u8..=8, flags, any::<[u64; 4]>(), any::<bool>(), plen);
+        let frame = header.prop_flat_map(|(op, flags, [id, offset, length, pool], tame, plen)| {
+            let op = Op::try_from(op).unwrap_or(Op::Ping);
+            let header = Header {
+                flags,
+                pool: if tame {
+                    pool as u32 & MAX_POOL
+                } else {
+                    pool as u32
+                },
+                offset: if tame { offset & 0xff8 } else { offset },
+                length: if tame { u64::from(plen) } else { length },
+                payload_len: plen,
+                ..Header::new(op, id)
+            };
+            let byte = prop_oneof![3 => Just(0u8), 1 => any::<u8>()];
+            prop::collection::vec(byte, plen as usize).prop_map(move |payload| {
+                let mut b = BytesMut::new();
+                header.encode(&mut b);
+                b.extend_from_slice(&payload);
+                b.to_vec()
+            })
+        });
+        let valid = arb_request().prop_map(|req| encode(&req.to_frame(7, 0)).to_vec());
+        let frame = prop_oneof![valid, frame];
+        let flip = (
+            prop::bool::weighted(0.3),
+            any::<prop::sample::Index>(),
+            any::<u8>(),
+        );
+        (prop::collection::vec(frame, 1..4), flip).prop_map(|(frames, (corrupt, at, xor))| {
+            let mut bytes = frames.concat();
+            if corrupt {
+                let i = at.index(bytes.len());
+                bytes[i] ^= xor;
+            }
+            bytes
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn any_request_round_trips(req in arb_request(), id in any::<u64>(), cap in any::<u64>()) {
+            let frame = req.to_frame(id, cap);
+            let decoded = decode_one(encode(&frame), &Limits::default()).unwrap();
+            prop_assert_eq!(&decoded, &frame);
+            prop_assert_eq!(Request::parse(&decoded, &Limits::default()).unwrap(), req);
+        }
+
+        #[test]
+        fn random_splits_decode_the_same_frames(
+            sizes in prop::collection::vec(1usize..200, 1..20),
+        ) {
+            let (frames, buf) = stream();
+            prop_assert_eq!(feed_in_chunks(&buf, &sizes), frames);
+        }
+
+        #[test]
+        fn random_bytes_never_panic(
+            bytes in prop_oneof![prop::collection::vec(any::<u8>(), 0..600), plausible_stream()],
+        ) {
+            let limits = limits(256, 4);
+            let mut buf = BytesMut::from(&bytes[..]);
+            while let Ok(Some(frame)) = decode_frame(&mut buf, &limits) {
+                prop_assert!(frame.payload.len() <= 256);
+                prop_assert_eq!(frame.payload.len(), frame.header.payload_len as usize);
+                let Ok(req) = Request::parse(&frame, &limits) else { continue };
+                match &req {
+                    Request::Read { len, .. } => prop_assert!(*len <= 256),
+                    Request::ReadV { ranges } | Request::WriteV { ranges, .. } => {
+                        prop_assert!(ranges.len() <= 4);
+                        prop_assert!(sum_lengths(ranges) <= 256);
+                    }
+                    _ => {}
+                }
+                prop_assert_eq!(Request::parse(&req.to_frame(1, 0), &limits), Ok(req));
+            }
+        }
+    }
+}

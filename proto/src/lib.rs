@@ -1,0 +1,18 @@
+//! Every wire format of regions.
+//!
+//! - [`v1`]: the manager's gRPC services (namespace, regions, cluster, sync),
+//!   generated from `proto/regions/v1/*.proto`.
+//! - [`errno`]: how POSIX errnos travel inside gRPC statuses.
+//! - [`auth`]: the cluster secret in request metadata.
+//! - [`frame`]: the binary frame codec of the tcp data transport.
+
+pub mod auth;
+pub mod errno;
+pub mod frame;
+pub mod layout;
+
+/// Generated messages, clients and servers of the manager's services.
+pub mod v1 {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("regions.v1");
+}
