@@ -7,6 +7,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "proto/regions/v1/regions.proto",
         "proto/regions/v1/cluster.proto",
         "proto/regions/v1/sync.proto",
+        "proto/regions/v1/agent.proto",
     ];
     for file in files {
         println!("cargo:rerun-if-changed={file}");

@@ -1,2 +1,31 @@
-//! The regions client core (DESIGN.md, "Client side"). Built by the data-plane
-//! and libregions issues; this crate holds the place in the workspace layout.
+//! The regions client core (DESIGN.md, "Client side"), used by regionfs and
+//! by applications: the manager client, open regions with cached maps, and
+//! the transports that move region bytes.
+//!
+//! ```no_run
+//! use regions::{Client, ClientConfig};
+//! use regions_proto::auth::Secret;
+//!
+//! let secret = Secret::from_file("/etc/regions/secret".as_ref())?;
+//! let client = Client::connect(ClientConfig::new("http://127.0.0.1:7070", secret, 1))?;
+//! let attr = client.create_path("data", 0o644, None, 0)?;
+//! let region = client.open(attr.ino, true)?;
+//! region.write_at(0, b"hello")?;
+//! let mut buf = [0u8; 5];
+//! region.read_at(0, &mut buf)?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! Calls are blocking; make them from ordinary threads.
+
+pub mod agent;
+pub mod client;
+pub mod error;
+pub mod manager_client;
+pub mod region;
+pub mod transport;
+
+pub use client::{Client, ClientConfig, ROOT_INO};
+pub use error::{RegionsError, Result};
+pub use region::Region;
+pub use transport::{StatsSnapshot, Transport};

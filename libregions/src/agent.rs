@@ -1,0 +1,157 @@
+//! The client side of the host agent (the daemon's Unix socket): segment
+//! fds for zero-copy access to regions held on this host, and daemon stats.
+
+use std::io::{IoSliceMut, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+use prost::Message;
+use regions_proto::v1::{self, agent_reply::Body, agent_request::Request};
+
+use crate::error::{RegionsError, Result};
+
+/// Largest agent reply accepted.
+const MAX_REPLY: usize = 256 << 20;
+
+/// A connection to a host agent.
+pub struct AgentClient {
+    path: PathBuf,
+    stream: UnixStream,
+}
+
+/// A segment fd handed over by the agent.
+pub struct Segment {
+    pub fd: OwnedFd,
+    pub size: u64,
+    pub writable: bool,
+}
+
+impl AgentClient {
+    pub fn connect(path: &Path) -> Result<AgentClient> {
+        let stream = UnixStream::connect(path).map_err(|e| RegionsError::Agent {
+            path: path.display().to_string(),
+            errno: e.raw_os_error().unwrap_or(libc::EIO),
+            message: format!(
+                "cannot connect: {e}; is regions-daemon running with --socket {}?",
+                path.display()
+            ),
+        })?;
+        let timeout = Some(Duration::from_secs(30));
+        stream
+            .set_read_timeout(timeout)
+            .and_then(|()| stream.set_write_timeout(timeout))
+            .map_err(|e| RegionsError::io("cannot set agent socket timeouts", e))?;
+        Ok(AgentClient {
+            path: path.to_owned(),
+            stream,
+        })
+    }
+
+    fn error(&self, errno: i32, message: impl Into<String>) -> RegionsError {
+        RegionsError::Agent {
+            path: self.path.display().to_string(),
+            errno,
+            message: message.into(),
+        }
+    }
+
+    /// Sends a request; returns the reply and the fd that came with it.
+    fn call(&mut self, request: Request) -> Result<(v1::AgentReply, Option<OwnedFd>)> {
+        let body = v1::AgentRequest {
+            request: Some(request),
+        }
+        .encode_to_vec();
+        let mut frame = Vec::with_capacity(4 + body.len());
+        frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        frame.extend_from_slice(&body);
+        self.stream
+            .write_all(&frame)
+            .map_err(|e| self.error(libc::EIO, format!("cannot send: {e}")))?;
+        // The length prefix arrives with any fd attached.
+        let mut len = [0u8; 4];
+        let mut cmsg = nix::cmsg_space!([RawFd; 1]);
+        let mut got = 0usize;
+        let mut fd = None;
+        while got < 4 {
+            let mut iov = [IoSliceMut::new(&mut len[got..])];
+            let msg = recvmsg::<()>(
+                self.stream.as_raw_fd(),
+                &mut iov,
+                Some(&mut cmsg),
+                MsgFlags::MSG_CMSG_CLOEXEC,
+            )
+            .map_err(|e| self.error(e as i32, format!("cannot receive: {e}")))?;
+            for c in msg
+                .cmsgs()
+                .map_err(|e| self.error(libc::EIO, format!("bad control message: {e}")))?
+            {
+                if let ControlMessageOwned::ScmRights(fds) = c {
+                    for raw in fds {
+                        // SAFETY: the kernel installed this descriptor in our
+                        // table for us; we take sole ownership of it.
+                        let owned = unsafe { OwnedFd::from_raw_fd(raw) };
+                        fd.get_or_insert(owned);
+                    }
+                }
+            }
+            if msg.bytes == 0 {
+                return Err(self.error(libc::EIO, "the agent closed the connection"));
+            }
+            got += msg.bytes;
+        }
+        let len = u32::from_le_bytes(len) as usize;
+        if len > MAX_REPLY {
+            return Err(self.error(libc::EIO, format!("reply of {len} bytes is too large")));
+        }
+        let mut buf = vec![0u8; len];
+        self.stream
+            .read_exact(&mut buf)
+            .map_err(|e| self.error(libc::EIO, format!("cannot receive: {e}")))?;
+        let reply = v1::AgentReply::decode(&buf[..])
+            .map_err(|e| self.error(libc::EIO, format!("undecodable reply: {e}")))?;
+        if reply.errno != 0 {
+            return Err(self.error(reply.errno, reply.message));
+        }
+        Ok((reply, fd))
+    }
+
+    /// The region's segment on this host, if this host holds any of it.
+    pub fn segment(&mut self, ino: u64, write: bool) -> Result<Option<Segment>> {
+        let (reply, fd) = self.call(Request::Segment(v1::AgentSegment { ino, write }))?;
+        let Some(Body::Segment(seg)) = reply.body else {
+            return Err(self.error(libc::EIO, "segment reply without a segment"));
+        };
+        match (seg.has_fd, fd) {
+            (true, Some(fd)) => Ok(Some(Segment {
+                fd,
+                size: seg.size,
+                writable: seg.writable,
+            })),
+            (true, None) => {
+                Err(self.error(libc::EIO, "segment reply promised an fd but none came"))
+            }
+            (false, _) => Ok(None),
+        }
+    }
+
+    /// Opens a region as this process (the agent vouches for the caller).
+    pub fn open(&mut self, ino: u64, write: bool) -> Result<v1::RegionInfo> {
+        let (reply, _) = self.call(Request::Open(v1::AgentOpen { ino, write }))?;
+        match reply.body {
+            Some(Body::Region(info)) => Ok(info),
+            _ => Err(self.error(libc::EIO, "open reply without region info")),
+        }
+    }
+
+    /// The daemon's counters.
+    pub fn stats(&mut self) -> Result<v1::DaemonStats> {
+        let (reply, _) = self.call(Request::Stats(v1::AgentStats {}))?;
+        match reply.body {
+            Some(Body::Stats(stats)) => Ok(stats),
+            _ => Err(self.error(libc::EIO, "stats reply without stats")),
+        }
+    }
+}

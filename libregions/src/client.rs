@@ -1,0 +1,201 @@
+//! The client: who it acts for, its manager connection, its transports.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use regions_proto::auth::Secret;
+use regions_proto::v1;
+
+use crate::error::{RegionsError, Result};
+use crate::manager_client::ManagerClient;
+use crate::region::Region;
+use crate::transport::tcp::{RetryPolicy, TcpTransport};
+use crate::transport::{StatsSnapshot, TransportStats};
+
+/// Inode number of the root directory.
+pub const ROOT_INO: u64 = 1;
+
+/// How a node component (regionfs, a test, a benchmark) reaches a cluster.
+#[derive(Clone, Debug)]
+pub struct ClientConfig {
+    /// Manager address, e.g. `http://127.0.0.1:7070`.
+    pub manager: String,
+    pub secret: Secret,
+    /// This host's id.
+    pub host_id: u32,
+    /// Identity requests are made for (defaults to this process).
+    pub uid: u32,
+    pub gid: u32,
+    pub groups: Vec<u32>,
+    pub pid: u32,
+    /// This host's agent socket, for zero-copy access to regions held here.
+    pub agent_socket: Option<PathBuf>,
+    /// Bound on retrying an unreachable daemon before `EIO`.
+    pub retry: RetryPolicy,
+    pub connect_timeout: Duration,
+}
+
+impl ClientConfig {
+    /// A configuration acting as the current process.
+    pub fn new(manager: &str, secret: Secret, host_id: u32) -> ClientConfig {
+        // SAFETY: getuid/getgid/getpid cannot fail and touch no memory.
+        let (uid, gid, pid) = unsafe { (libc::getuid(), libc::getgid(), libc::getpid()) };
+        ClientConfig {
+            manager: manager.to_owned(),
+            secret,
+            host_id,
+            uid,
+            gid,
+            groups: Vec::new(),
+            pid: pid as u32,
+            agent_socket: None,
+            retry: RetryPolicy::default(),
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What regions and the client share.
+pub(crate) struct Shared {
+    pub(crate) manager: ManagerClient,
+    pub(crate) caller: v1::Caller,
+    pub(crate) config: ClientConfig,
+    pub(crate) stats: Arc<TransportStats>,
+    transports: Mutex<HashMap<String, Arc<TcpTransport>>>,
+}
+
+impl Shared {
+    /// The tcp transport to the daemon at `addr` (one per daemon, shared).
+    pub(crate) fn transport(&self, addr: &str) -> Arc<TcpTransport> {
+        let make = || {
+            Arc::new(TcpTransport::new(
+                addr,
+                self.config.secret.token().as_bytes(),
+                self.config.retry,
+                Arc::clone(&self.stats),
+            ))
+        };
+        match self.transports.lock() {
+            Ok(mut map) => Arc::clone(map.entry(addr.to_owned()).or_insert_with(make)),
+            Err(_) => make(),
+        }
+    }
+}
+
+/// A connection to a regions cluster.
+#[derive(Clone)]
+pub struct Client {
+    shared: Arc<Shared>,
+}
+
+impl Client {
+    pub fn connect(config: ClientConfig) -> Result<Client> {
+        let manager =
+            ManagerClient::connect(&config.manager, &config.secret, config.connect_timeout)?;
+        let caller = v1::Caller {
+            uid: config.uid,
+            gid: config.gid,
+            groups: config.groups.clone(),
+            pid: config.pid,
+            host_id: config.host_id,
+        };
+        Ok(Client {
+            shared: Arc::new(Shared {
+                manager,
+                caller,
+                config,
+                stats: Arc::default(),
+                transports: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    pub fn manager(&self) -> &ManagerClient {
+        &self.shared.manager
+    }
+
+    pub fn caller(&self) -> &v1::Caller {
+        &self.shared.caller
+    }
+
+    /// Traffic counters of this client's transports.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.shared.stats.snapshot()
+    }
+
+    /// Resolves a path relative to the root ("a/b/c").
+    pub fn lookup_path(&self, path: &str) -> Result<v1::Attr> {
+        let mut attr = self.shared.manager.getattr(&self.shared.caller, ROOT_INO)?;
+        for name in path.split('/').filter(|n| !n.is_empty()) {
+            attr = self
+                .shared
+                .manager
+                .lookup(&self.shared.caller, attr.ino, name)?;
+        }
+        Ok(attr)
+    }
+
+    /// The parent directory and last name of `path`.
+    fn split_path<'a>(&self, path: &'a str) -> Result<(u64, &'a str)> {
+        let trimmed = path.trim_end_matches('/');
+        let (dir, name) = match trimmed.rsplit_once('/') {
+            Some((dir, name)) => (dir, name),
+            None => ("", trimmed),
+        };
+        if name.is_empty() {
+            return Err(RegionsError::Invalid(format!(
+                "path {path:?} names no entry"
+            )));
+        }
+        Ok((self.lookup_path(dir)?.ino, name))
+    }
+
+    /// Creates a region at `path` (its directory must exist).
+    pub fn create_path(
+        &self,
+        path: &str,
+        mode: u32,
+        attrs: Option<v1::RegionAttrOverrides>,
+        preallocate: u64,
+    ) -> Result<v1::Attr> {
+        let (parent, name) = self.split_path(path)?;
+        self.shared.manager.create(v1::CreateRequest {
+            caller: Some(self.shared.caller.clone()),
+            parent,
+            name: name.to_owned(),
+            mode,
+            attrs,
+            preallocate,
+        })
+    }
+
+    /// Creates a directory at `path`.
+    pub fn mkdir_path(&self, path: &str, mode: u32) -> Result<v1::Attr> {
+        let (parent, name) = self.split_path(path)?;
+        self.shared
+            .manager
+            .mkdir(&self.shared.caller, parent, name, mode)
+    }
+
+    /// Removes the region at `path`.
+    pub fn unlink_path(&self, path: &str) -> Result<()> {
+        let (parent, name) = self.split_path(path)?;
+        self.shared
+            .manager
+            .unlink(&self.shared.caller, parent, name)
+    }
+
+    /// Opens a region by inode.
+    pub fn open(&self, ino: u64, write: bool) -> Result<Region> {
+        let info = self.shared.manager.open(&self.shared.caller, ino, write)?;
+        Region::new(Arc::clone(&self.shared), info, write)
+    }
+
+    /// Opens a region by path.
+    pub fn open_path(&self, path: &str, write: bool) -> Result<Region> {
+        let attr = self.lookup_path(path)?;
+        self.open(attr.ino, write)
+    }
+}

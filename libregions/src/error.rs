@@ -1,0 +1,81 @@
+//! Errors of the client core, each with the errno an application sees.
+
+use regions_proto::errno;
+
+/// Everything a client operation can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum RegionsError {
+    /// The manager refused or failed the request.
+    #[error("manager: {message}")]
+    Manager { errno: i32, message: String },
+    /// The manager could not be reached.
+    #[error("cannot reach the manager at {addr}: {reason}; is regions-manager running there?")]
+    ManagerUnreachable { addr: String, reason: String },
+    /// A daemon answered a transport request with an error.
+    #[error("daemon {addr}: {message}")]
+    Daemon {
+        addr: String,
+        errno: i32,
+        message: String,
+    },
+    /// A daemon could not be reached within the retry bound.
+    #[error("daemon {addr} unreachable after {attempts} attempts over {elapsed_ms} ms: {reason}")]
+    DaemonUnreachable {
+        addr: String,
+        attempts: u32,
+        elapsed_ms: u64,
+        reason: String,
+    },
+    /// The host agent (daemon Unix socket) failed.
+    #[error("host agent {path}: {message}")]
+    Agent {
+        path: String,
+        errno: i32,
+        message: String,
+    },
+    /// The data a daemon sent back does not fit the request.
+    #[error("protocol error with {peer}: {reason}")]
+    Protocol { peer: String, reason: String },
+    /// Bad arguments from the caller.
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+    /// A local system call failed.
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+}
+
+impl RegionsError {
+    /// The POSIX errno for this error.
+    pub fn errno(&self) -> i32 {
+        match self {
+            RegionsError::Manager { errno, .. }
+            | RegionsError::Daemon { errno, .. }
+            | RegionsError::Agent { errno, .. } => *errno,
+            RegionsError::ManagerUnreachable { .. }
+            | RegionsError::DaemonUnreachable { .. }
+            | RegionsError::Protocol { .. } => libc::EIO,
+            RegionsError::Invalid(_) => libc::EINVAL,
+            RegionsError::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
+        }
+    }
+
+    pub(crate) fn from_status(status: tonic::Status) -> RegionsError {
+        RegionsError::Manager {
+            errno: errno::errno_of(&status),
+            message: status.message().to_owned(),
+        }
+    }
+
+    pub(crate) fn io(what: impl Into<String>, source: std::io::Error) -> RegionsError {
+        RegionsError::Io {
+            what: what.into(),
+            source,
+        }
+    }
+}
+
+/// Result of client operations.
+pub type Result<T, E = RegionsError> = std::result::Result<T, E>;

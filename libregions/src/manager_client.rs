@@ -1,0 +1,222 @@
+//! The manager's gRPC services as blocking calls, for node components that
+//! hold the cluster secret (regionfs, daemons, tests).
+
+use std::future::Future;
+use std::time::Duration;
+
+use regions_proto::auth::{AttachSecret, Secret};
+use regions_proto::v1::{
+    self, cluster_client::ClusterClient, namespace_client::NamespaceClient,
+    regions_client::RegionsClient,
+};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::error::{RegionsError, Result};
+
+type Authed = InterceptedService<Channel, AttachSecret>;
+
+/// Largest gRPC message accepted (region maps of large regions).
+const MAX_MESSAGE: usize = 256 << 20;
+
+/// Blocking access to the manager. Calls must come from plain threads, not
+/// from inside an async runtime.
+pub struct ManagerClient {
+    addr: String,
+    runtime: tokio::runtime::Runtime,
+    namespace: NamespaceClient<Authed>,
+    regions: RegionsClient<Authed>,
+    cluster: ClusterClient<Authed>,
+}
+
+impl ManagerClient {
+    /// Connects to the manager at `addr` (e.g. `http://127.0.0.1:7070`).
+    pub fn connect(addr: &str, secret: &Secret, timeout: Duration) -> Result<ManagerClient> {
+        let unreachable = |reason: String| RegionsError::ManagerUnreachable {
+            addr: addr.to_owned(),
+            reason,
+        };
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("regions-grpc")
+            .enable_all()
+            .build()
+            .map_err(|e| RegionsError::io("cannot start the gRPC runtime", e))?;
+        let endpoint = Endpoint::from_shared(addr.to_owned())
+            .map_err(|e| unreachable(e.to_string()))?
+            .connect_timeout(timeout)
+            .timeout(Duration::from_secs(30))
+            .tcp_nodelay(true);
+        let channel = runtime
+            .block_on(endpoint.connect())
+            .map_err(|e| unreachable(e.to_string()))?;
+        let auth = AttachSecret::new(secret);
+        let svc = || InterceptedService::new(channel.clone(), auth.clone());
+        Ok(ManagerClient {
+            addr: addr.to_owned(),
+            namespace: NamespaceClient::new(svc())
+                .max_decoding_message_size(MAX_MESSAGE)
+                .max_encoding_message_size(MAX_MESSAGE),
+            regions: RegionsClient::new(svc())
+                .max_decoding_message_size(MAX_MESSAGE)
+                .max_encoding_message_size(MAX_MESSAGE),
+            cluster: ClusterClient::new(svc())
+                .max_decoding_message_size(MAX_MESSAGE)
+                .max_encoding_message_size(MAX_MESSAGE),
+            runtime,
+        })
+    }
+
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    fn call<T>(
+        &self,
+        fut: impl Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    ) -> Result<T> {
+        self.runtime
+            .block_on(fut)
+            .map(tonic::Response::into_inner)
+            .map_err(|status| match status.code() {
+                tonic::Code::Unavailable
+                    if status
+                        .metadata()
+                        .get(regions_proto::errno::ERRNO_KEY)
+                        .is_none() =>
+                {
+                    RegionsError::ManagerUnreachable {
+                        addr: self.addr.clone(),
+                        reason: status.message().to_owned(),
+                    }
+                }
+                _ => RegionsError::from_status(status),
+            })
+    }
+
+    /// The namespace service (clone is cheap).
+    pub fn namespace(&self) -> NamespaceClient<Authed> {
+        self.namespace.clone()
+    }
+
+    pub fn lookup(&self, caller: &v1::Caller, parent: u64, name: &str) -> Result<v1::Attr> {
+        let mut c = self.namespace();
+        self.call(c.lookup(v1::LookupRequest {
+            caller: Some(caller.clone()),
+            parent,
+            name: name.to_owned(),
+        }))
+    }
+
+    pub fn getattr(&self, caller: &v1::Caller, ino: u64) -> Result<v1::Attr> {
+        let mut c = self.namespace();
+        self.call(c.get_attr(v1::GetAttrRequest {
+            caller: Some(caller.clone()),
+            ino,
+        }))
+    }
+
+    pub fn mkdir(
+        &self,
+        caller: &v1::Caller,
+        parent: u64,
+        name: &str,
+        mode: u32,
+    ) -> Result<v1::Attr> {
+        let mut c = self.namespace();
+        self.call(c.mkdir(v1::MkdirRequest {
+            caller: Some(caller.clone()),
+            parent,
+            name: name.to_owned(),
+            mode,
+        }))
+    }
+
+    pub fn create(&self, request: v1::CreateRequest) -> Result<v1::Attr> {
+        let mut c = self.namespace();
+        self.call(c.create(request))
+    }
+
+    pub fn unlink(&self, caller: &v1::Caller, parent: u64, name: &str) -> Result<()> {
+        let mut c = self.namespace();
+        self.call(c.unlink(v1::RemoveRequest {
+            caller: Some(caller.clone()),
+            parent,
+            name: name.to_owned(),
+        }))
+        .map(|_| ())
+    }
+
+    pub fn setxattr(&self, caller: &v1::Caller, ino: u64, name: &str, value: &[u8]) -> Result<()> {
+        let mut c = self.namespace();
+        self.call(c.set_xattr(v1::SetXattrRequest {
+            caller: Some(caller.clone()),
+            ino,
+            name: name.to_owned(),
+            value: value.to_vec(),
+            flags: 0,
+        }))
+        .map(|_| ())
+    }
+
+    pub fn open(&self, caller: &v1::Caller, ino: u64, write: bool) -> Result<v1::RegionInfo> {
+        let mut c = self.regions.clone();
+        self.call(c.open(v1::OpenRequest {
+            caller: Some(caller.clone()),
+            ino,
+            write,
+        }))
+    }
+
+    pub fn extend(&self, caller: &v1::Caller, ino: u64, size: u64) -> Result<v1::RegionInfo> {
+        let mut c = self.regions.clone();
+        self.call(c.extend(v1::ExtendRequest {
+            caller: Some(caller.clone()),
+            ino,
+            size,
+        }))
+    }
+
+    pub fn truncate(&self, caller: &v1::Caller, ino: u64, size: u64) -> Result<v1::RegionInfo> {
+        let mut c = self.regions.clone();
+        self.call(c.truncate(v1::TruncateRequest {
+            caller: Some(caller.clone()),
+            ino,
+            size,
+        }))
+    }
+
+    pub fn get_map(
+        &self,
+        caller: &v1::Caller,
+        ino: u64,
+        known_version: u64,
+    ) -> Result<v1::RegionInfo> {
+        let mut c = self.regions.clone();
+        self.call(c.get_map(v1::GetMapRequest {
+            caller: Some(caller.clone()),
+            ino,
+            known_version,
+        }))
+    }
+
+    pub fn close(&self, caller: &v1::Caller, handle: u64) -> Result<bool> {
+        let mut c = self.regions.clone();
+        self.call(c.close(v1::CloseRequest {
+            caller: Some(caller.clone()),
+            handle,
+        }))
+        .map(|r| r.freed)
+    }
+
+    pub fn list_hosts(&self) -> Result<Vec<v1::HostRecord>> {
+        let mut c = self.cluster.clone();
+        self.call(c.list_hosts(v1::ListHostsRequest {}))
+            .map(|r| r.hosts)
+    }
+
+    pub fn stats(&self) -> Result<v1::StatsReply> {
+        let mut c = self.cluster.clone();
+        self.call(c.stats(v1::StatsRequest {}))
+    }
+}

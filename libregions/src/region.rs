@@ -1,0 +1,460 @@
+//! An open region: its cached map, and reads, writes and atomics at any
+//! offset, split by chunk and host and issued to each host in parallel.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+
+use regions_proto::layout::{CHUNK_SIZE, MapEntry};
+use regions_proto::v1;
+
+use crate::client::Shared;
+use crate::error::{RegionsError, Result};
+use crate::transport::local::LocalSegment;
+use crate::transport::{Span, Transport};
+
+/// Reads and writes smaller than this stay on the calling thread even when
+/// they span hosts (a thread costs more than it saves).
+const PARALLEL_MIN: usize = 256 << 10;
+
+/// What a client knows of a region's placement.
+struct MapState {
+    size: u64,
+    version: u64,
+    entries: Vec<u64>,
+    pools: HashMap<u32, v1::PoolInfo>,
+    /// This host's segment, mapped (same-host access).
+    local: Option<Arc<LocalSegment>>,
+    /// Map version at which the agent was last asked for the segment.
+    local_checked: Option<u64>,
+}
+
+impl MapState {
+    fn from_info(info: v1::RegionInfo) -> MapState {
+        let mut s = MapState {
+            size: 0,
+            version: 0,
+            entries: Vec::new(),
+            pools: HashMap::new(),
+            local: None,
+            local_checked: None,
+        };
+        s.apply(info);
+        s
+    }
+
+    fn apply(&mut self, info: v1::RegionInfo) {
+        if let Some(attr) = &info.attr {
+            self.size = attr.size;
+        }
+        if info.map_included {
+            self.entries = info.map;
+            for p in info.pools {
+                self.pools.insert(p.gid, p);
+            }
+        }
+        self.version = info.map_version;
+    }
+}
+
+/// Where a run of spans is served from.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum Target {
+    Local,
+    Remote(String),
+}
+
+/// Consecutive spans (consecutive in the caller's buffer) on one target.
+struct Run {
+    target: Target,
+    spans: Vec<Span>,
+    len: usize,
+}
+
+/// An open region.
+pub struct Region {
+    shared: Arc<Shared>,
+    ino: u64,
+    handle: u64,
+    write: bool,
+    state: RwLock<MapState>,
+    closed: AtomicBool,
+}
+
+impl Region {
+    pub(crate) fn new(shared: Arc<Shared>, info: v1::RegionInfo, write: bool) -> Result<Region> {
+        let ino = info
+            .attr
+            .as_ref()
+            .map(|a| a.ino)
+            .ok_or_else(|| RegionsError::Protocol {
+                peer: shared.manager.addr().to_owned(),
+                reason: "open reply without attributes".into(),
+            })?;
+        let handle = info.handle;
+        Ok(Region {
+            shared,
+            ino,
+            handle,
+            write,
+            state: RwLock::new(MapState::from_info(info)),
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    pub fn ino(&self) -> u64 {
+        self.ino
+    }
+
+    /// Size in bytes as last seen.
+    pub fn size(&self) -> u64 {
+        self.state.read().map_or(0, |s| s.size)
+    }
+
+    pub fn map_version(&self) -> u64 {
+        self.state.read().map_or(0, |s| s.version)
+    }
+
+    /// Whether same-host access goes through a mapped segment.
+    pub fn has_local_segment(&self) -> bool {
+        self.state.read().is_ok_and(|s| s.local.is_some())
+    }
+
+    fn poisoned() -> RegionsError {
+        RegionsError::Invalid("region state lock poisoned by a panic in another thread".into())
+    }
+
+    /// Fetches the map again if it changed.
+    pub fn refresh(&self) -> Result<()> {
+        let known = self.map_version();
+        let info = self
+            .shared
+            .manager
+            .get_map(&self.shared.caller, self.ino, known)?;
+        let mut state = self.state.write().map_err(|_| Self::poisoned())?;
+        state.apply(info);
+        Ok(())
+    }
+
+    /// Maps this host's segment if the host agent has one and it is stale
+    /// or missing.
+    fn ensure_local(&self, needed_end: u64) {
+        let Some(agent) = &self.shared.config.agent_socket else {
+            return;
+        };
+        let (version, covered, mine) = match self.state.read() {
+            Ok(s) => (
+                s.version,
+                s.local.as_ref().is_some_and(|l| l.len() >= needed_end)
+                    || s.local_checked == Some(s.version),
+                s.pools
+                    .values()
+                    .any(|p| p.host_id == self.shared.caller.host_id),
+            ),
+            Err(_) => return,
+        };
+        if covered || !mine {
+            return;
+        }
+        let segment = crate::agent::AgentClient::connect(agent)
+            .and_then(|mut a| a.segment(self.ino, self.write));
+        let Ok(mut state) = self.state.write() else {
+            return;
+        };
+        state.local_checked = Some(version);
+        match segment {
+            Ok(Some(seg)) => match LocalSegment::map(
+                seg.fd,
+                seg.size,
+                seg.writable,
+                Arc::clone(&self.shared.stats),
+            ) {
+                Ok(l) => state.local = Some(Arc::new(l)),
+                Err(e) => {
+                    tracing::debug!(ino = self.ino, error = %e, "cannot map the local segment; using tcp")
+                }
+            },
+            Ok(None) => {}
+            Err(e) => {
+                tracing::debug!(ino = self.ino, error = %e, "host agent gave no segment; using tcp")
+            }
+        }
+    }
+
+    /// Splits `[offset, offset + len)` into runs of spans per target.
+    fn locate(&self, state: &MapState, offset: u64, len: u64) -> Result<Vec<Run>> {
+        let mut runs: Vec<Run> = Vec::new();
+        let mut at = offset;
+        let end = offset + len;
+        while at < end {
+            let index = (at / CHUNK_SIZE) as usize;
+            let within = at % CHUNK_SIZE;
+            let n = (CHUNK_SIZE - within).min(end - at);
+            let entry = state
+                .entries
+                .get(index)
+                .and_then(|e| MapEntry::decode(*e))
+                .ok_or_else(|| RegionsError::Protocol {
+                    peer: self.shared.manager.addr().to_owned(),
+                    reason: format!("region {} has no chunk {index} in its map", self.ino),
+                })?;
+            let pool = state
+                .pools
+                .get(&entry.gid)
+                .ok_or_else(|| RegionsError::Protocol {
+                    peer: self.shared.manager.addr().to_owned(),
+                    reason: format!("region {} names unknown pool {}", self.ino, entry.gid),
+                })?;
+            let span = Span {
+                region_offset: at,
+                pool: entry.gid,
+                pool_offset: entry.pool_offset + within,
+                len: n,
+            };
+            let target = match &state.local {
+                Some(l) if pool.host_id == self.shared.caller.host_id && l.covers(at, n) => {
+                    Target::Local
+                }
+                _ => Target::Remote(pool.transport_addr.clone()),
+            };
+            match runs.last_mut() {
+                Some(run) if run.target == target => {
+                    match run.spans.last_mut() {
+                        Some(last)
+                            if last.pool == span.pool
+                                && last.pool_offset + last.len == span.pool_offset
+                                && last.region_offset + last.len == span.region_offset =>
+                        {
+                            last.len += n
+                        }
+                        _ => run.spans.push(span),
+                    }
+                    run.len += n as usize;
+                }
+                _ => runs.push(Run {
+                    target,
+                    spans: vec![span],
+                    len: n as usize,
+                }),
+            }
+            at += n;
+        }
+        Ok(runs)
+    }
+
+    fn transport(&self, state: &MapState, target: &Target) -> Result<Arc<dyn Transport>> {
+        match target {
+            Target::Local => state
+                .local
+                .clone()
+                .map(|l| l as Arc<dyn Transport>)
+                .ok_or_else(|| RegionsError::Invalid("local segment vanished".into())),
+            Target::Remote(addr) => Ok(self.shared.transport(addr)),
+        }
+    }
+
+    /// Runs `io` for every run, hosts in parallel when worth it. `buf` is
+    /// split into the runs' disjoint pieces.
+    fn each_run<B: SplitBuf>(
+        &self,
+        state: &MapState,
+        runs: Vec<Run>,
+        buf: B,
+        io: impl Fn(&dyn Transport, &[Span], B) -> Result<()> + Sync,
+    ) -> Result<()> {
+        let total: usize = runs.iter().map(|r| r.len).sum();
+        let mut groups: Vec<(Arc<dyn Transport>, Vec<(Vec<Span>, B)>)> = Vec::new();
+        let mut index: HashMap<Target, usize> = HashMap::new();
+        let mut rest = buf;
+        for run in runs {
+            let (piece, tail) = rest.split(run.len);
+            rest = tail;
+            let slot = match index.get(&run.target) {
+                Some(i) => *i,
+                None => {
+                    groups.push((self.transport(state, &run.target)?, Vec::new()));
+                    index.insert(run.target.clone(), groups.len() - 1);
+                    groups.len() - 1
+                }
+            };
+            groups[slot].1.push((run.spans, piece));
+        }
+        let serve = |(t, runs): (Arc<dyn Transport>, Vec<(Vec<Span>, B)>)| -> Result<()> {
+            for (spans, piece) in runs {
+                io(t.as_ref(), &spans, piece)?;
+            }
+            Ok(())
+        };
+        if groups.len() == 1 || total < PARALLEL_MIN {
+            return groups.into_iter().try_for_each(serve);
+        }
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .map(|g| scope.spawn(|| serve(g)))
+                .collect();
+            handles.into_iter().try_for_each(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(RegionsError::Invalid("a transfer thread panicked".into()))
+                })
+            })
+        })
+    }
+
+    /// Runs `op` and, if a daemon says the range is not allocated (a stale
+    /// map), refreshes the map and tries once more.
+    fn with_fresh_map<T>(&self, op: impl Fn() -> Result<T>) -> Result<T> {
+        match op() {
+            Err(RegionsError::Daemon { errno, .. }) if errno == libc::EFAULT => {
+                self.refresh()?;
+                op()
+            }
+            other => other,
+        }
+    }
+
+    /// Reads up to `buf.len()` bytes at `offset`; returns how many (short at
+    /// the end of the region, 0 past it).
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<usize> {
+        let size = self.size();
+        if offset >= size || buf.is_empty() {
+            return Ok(0);
+        }
+        let n = (size - offset).min(buf.len() as u64) as usize;
+        self.ensure_local(offset + n as u64);
+        let buf = &mut buf[..n];
+        // The buffer is re-borrowed per attempt.
+        let cell = std::sync::Mutex::new(buf);
+        self.with_fresh_map(|| {
+            let state = self.state.read().map_err(|_| Self::poisoned())?;
+            let runs = self.locate(&state, offset, n as u64)?;
+            let mut guard = cell.lock().map_err(|_| Self::poisoned())?;
+            self.each_run(
+                &state,
+                runs,
+                &mut guard[..],
+                |t, spans, piece: &mut [u8]| t.read(spans, piece),
+            )
+        })?;
+        Ok(n)
+    }
+
+    /// Writes `data` at `offset`, growing the region first when needed.
+    pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let end = offset
+            .checked_add(data.len() as u64)
+            .ok_or_else(|| RegionsError::Invalid(format!("write at {offset} overflows")))?;
+        let grow = self.state.read().map_err(|_| Self::poisoned())?.size < end;
+        if grow {
+            let info = self
+                .shared
+                .manager
+                .extend(&self.shared.caller, self.ino, end)?;
+            self.state
+                .write()
+                .map_err(|_| Self::poisoned())?
+                .apply(info);
+        }
+        self.ensure_local(end);
+        self.with_fresh_map(|| {
+            let state = self.state.read().map_err(|_| Self::poisoned())?;
+            let runs = self.locate(&state, offset, data.len() as u64)?;
+            self.each_run(&state, runs, data, |t, spans, piece: &[u8]| {
+                t.write(spans, piece)
+            })
+        })
+    }
+
+    /// Sets the region's size (holes read as zeros).
+    pub fn set_len(&self, size: u64) -> Result<()> {
+        let info = self
+            .shared
+            .manager
+            .truncate(&self.shared.caller, self.ino, size)?;
+        self.state
+            .write()
+            .map_err(|_| Self::poisoned())?
+            .apply(info);
+        Ok(())
+    }
+
+    fn word_span(&self, offset: u64) -> Result<(Arc<dyn Transport>, Span)> {
+        if offset % 8 != 0 {
+            return Err(RegionsError::Invalid(format!(
+                "atomic at offset {offset} is not 8-byte aligned"
+            )));
+        }
+        if offset + 8 > self.size() {
+            return Err(RegionsError::Invalid(format!(
+                "atomic at offset {offset} is past the end of the region ({} bytes)",
+                self.size()
+            )));
+        }
+        self.ensure_local(offset + 8);
+        let state = self.state.read().map_err(|_| Self::poisoned())?;
+        let mut runs = self.locate(&state, offset, 8)?;
+        let run = runs
+            .pop()
+            .ok_or_else(|| RegionsError::Invalid("empty atomic range".into()))?;
+        let span = run.spans[0];
+        Ok((self.transport(&state, &run.target)?, span))
+    }
+
+    /// Atomic compare-and-swap of the 8-byte word at `offset`; returns the
+    /// value before.
+    pub fn compare_and_swap(&self, offset: u64, expected: u64, new: u64) -> Result<u64> {
+        self.with_fresh_map(|| {
+            let (t, span) = self.word_span(offset)?;
+            t.compare_and_swap(&span, expected, new)
+        })
+    }
+
+    /// Atomic fetch-and-add of the 8-byte word at `offset`; returns the
+    /// value before.
+    pub fn fetch_add(&self, offset: u64, addend: u64) -> Result<u64> {
+        self.with_fresh_map(|| {
+            let (t, span) = self.word_span(offset)?;
+            t.fetch_add(&span, addend)
+        })
+    }
+
+    /// Closes the handle at the manager.
+    pub fn close(self) -> Result<()> {
+        self.closed.store(true, Ordering::Relaxed);
+        self.shared
+            .manager
+            .close(&self.shared.caller, self.handle)
+            .map(|_| ())
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        if self.closed.load(Ordering::Relaxed) {
+            return;
+        }
+        if let Err(e) = self.shared.manager.close(&self.shared.caller, self.handle) {
+            tracing::debug!(ino = self.ino, error = %e, "closing region handle failed");
+        }
+    }
+}
+
+/// A buffer that can be cut into consecutive disjoint pieces.
+trait SplitBuf: Send + Sized {
+    fn split(self, at: usize) -> (Self, Self);
+}
+
+impl SplitBuf for &mut [u8] {
+    fn split(self, at: usize) -> (Self, Self) {
+        self.split_at_mut(at)
+    }
+}
+
+impl SplitBuf for &[u8] {
+    fn split(self, at: usize) -> (Self, Self) {
+        self.split_at(at)
+    }
+}

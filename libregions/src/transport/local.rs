@@ -1,0 +1,278 @@
+//! The local transport: a region's segment memfd, received from the host
+//! agent, mapped into this process. Reads and writes are memory copies;
+//! atomics are CPU atomics on the shared pages.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::{Span, Transport, TransportStats};
+use crate::error::{RegionsError, Result};
+
+/// A segment memfd mapped `MAP_SHARED`; region offset = offset in the map.
+pub struct LocalSegment {
+    ptr: NonNull<u8>,
+    len: usize,
+    writable: bool,
+    _fd: OwnedFd,
+    stats: Arc<TransportStats>,
+}
+
+// SAFETY: the mapping is plain shared memory owned by this value; concurrent
+// access through &self only copies bytes or uses atomics, like any other
+// shared-memory window (callers coordinate their own data races, exactly as
+// with a MAP_SHARED file).
+unsafe impl Send for LocalSegment {}
+// SAFETY: see Send.
+unsafe impl Sync for LocalSegment {}
+
+impl LocalSegment {
+    /// Maps `len` bytes of `fd` (read-only unless `writable`).
+    pub fn map(
+        fd: OwnedFd,
+        len: u64,
+        writable: bool,
+        stats: Arc<TransportStats>,
+    ) -> Result<LocalSegment> {
+        let len = usize::try_from(len)
+            .map_err(|_| RegionsError::Invalid(format!("segment of {len} bytes")))?;
+        if len == 0 {
+            return Err(RegionsError::Invalid("cannot map an empty segment".into()));
+        }
+        let prot = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
+        // SAFETY: a fresh shared mapping of a file descriptor we own; the
+        // kernel picks the address; the result is checked before use.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                prot,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(RegionsError::io(
+                "cannot map the region's segment",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let ptr = NonNull::new(ptr.cast::<u8>())
+            .ok_or_else(|| RegionsError::Invalid("mmap returned a null mapping".into()))?;
+        Ok(LocalSegment {
+            ptr,
+            len,
+            writable,
+            _fd: fd,
+            stats,
+        })
+    }
+
+    /// Bytes mapped.
+    pub fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn writable(&self) -> bool {
+        self.writable
+    }
+
+    /// Whether `[offset, offset + len)` lies inside the mapping.
+    pub fn covers(&self, offset: u64, len: u64) -> bool {
+        offset
+            .checked_add(len)
+            .is_some_and(|end| end <= self.len as u64)
+    }
+
+    fn check(&self, offset: u64, len: u64) -> Result<usize> {
+        if self.covers(offset, len) {
+            Ok(offset as usize)
+        } else {
+            Err(RegionsError::Invalid(format!(
+                "range {offset}+{len} is outside the local segment of {} bytes",
+                self.len
+            )))
+        }
+    }
+
+    fn word(&self, offset: u64) -> Result<&AtomicU64> {
+        if offset % 8 != 0 {
+            return Err(RegionsError::Invalid(format!(
+                "atomic at unaligned offset {offset}"
+            )));
+        }
+        if !self.writable {
+            return Err(RegionsError::Agent {
+                path: String::from("local segment"),
+                errno: libc::EACCES,
+                message: "segment mapped read-only".into(),
+            });
+        }
+        let at = self.check(offset, 8)?;
+        // SAFETY: in bounds (checked), 8-byte aligned (mapping is page
+        // aligned and offset % 8 == 0), and the memory lives as long as self.
+        Ok(unsafe { AtomicU64::from_ptr(self.ptr.as_ptr().add(at).cast::<u64>()) })
+    }
+}
+
+impl Drop for LocalSegment {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping made in `map`; no references
+        // into it outlive self.
+        unsafe {
+            libc::munmap(self.ptr.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+impl Transport for LocalSegment {
+    fn read(&self, spans: &[Span], dst: &mut [u8]) -> Result<()> {
+        let mut at = 0usize;
+        for s in spans {
+            let from = self.check(s.region_offset, s.len)?;
+            let n = s.len as usize;
+            // SAFETY: the source range is inside the mapping (checked), the
+            // destination is a distinct caller buffer of at least `n` bytes
+            // from `at` (spans sum to dst.len()).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.ptr.as_ptr().add(from),
+                    dst[at..at + n].as_mut_ptr(),
+                    n,
+                );
+            }
+            at += n;
+        }
+        TransportStats::add(&self.stats.local_bytes_read, at as u64);
+        Ok(())
+    }
+
+    fn write(&self, spans: &[Span], src: &[u8]) -> Result<()> {
+        if !self.writable {
+            return Err(RegionsError::Agent {
+                path: String::from("local segment"),
+                errno: libc::EACCES,
+                message: "segment mapped read-only".into(),
+            });
+        }
+        let mut at = 0usize;
+        for s in spans {
+            let to = self.check(s.region_offset, s.len)?;
+            let n = s.len as usize;
+            // SAFETY: the destination range is inside the writable mapping
+            // (checked); the source is the caller's buffer.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    src[at..at + n].as_ptr(),
+                    self.ptr.as_ptr().add(to),
+                    n,
+                );
+            }
+            at += n;
+        }
+        TransportStats::add(&self.stats.local_bytes_written, at as u64);
+        Ok(())
+    }
+
+    fn compare_and_swap(&self, at: &Span, expected: u64, new: u64) -> Result<u64> {
+        let word = self.word(at.region_offset)?;
+        Ok(
+            match word.compare_exchange(expected, new, Ordering::SeqCst, Ordering::SeqCst) {
+                Ok(old) | Err(old) => old,
+            },
+        )
+    }
+
+    fn fetch_add(&self, at: &Span, addend: u64) -> Result<u64> {
+        Ok(self
+            .word(at.region_offset)?
+            .fetch_add(addend, Ordering::SeqCst))
+    }
+
+    fn describe(&self) -> String {
+        String::from("local")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::FromRawFd;
+
+    use super::*;
+
+    fn memfd(len: u64) -> OwnedFd {
+        // SAFETY: memfd_create with a valid C string; the fd is checked and
+        // then owned by the OwnedFd.
+        let fd = unsafe { libc::memfd_create(c"test-segment".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: fd is a fresh descriptor we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: ftruncate on an owned memfd.
+        assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), len as i64) }, 0);
+        fd
+    }
+
+    fn span(off: u64, len: u64) -> Span {
+        Span {
+            region_offset: off,
+            pool: 0,
+            pool_offset: 0,
+            len,
+        }
+    }
+
+    #[test]
+    fn two_mappings_of_one_memfd_share_bytes() {
+        let fd = memfd(1 << 20);
+        let dup = fd.try_clone().unwrap();
+        let stats = Arc::new(TransportStats::default());
+        let a = LocalSegment::map(fd, 1 << 20, true, stats.clone()).unwrap();
+        let b = LocalSegment::map(dup, 1 << 20, false, stats.clone()).unwrap();
+        a.write(&[span(4096, 5), span(100, 3)], b"helloabc")
+            .unwrap();
+        let mut out = [0u8; 8];
+        b.read(&[span(4096, 5), span(100, 3)], &mut out).unwrap();
+        assert_eq!(&out, b"helloabc");
+        assert_eq!(stats.snapshot().local_bytes_read, 8);
+        assert!(
+            b.write(&[span(0, 1)], b"x").is_err(),
+            "read-only mapping refuses writes"
+        );
+        assert!(
+            a.read(&[span((1 << 20) - 2, 4)], &mut out[..4]).is_err(),
+            "bounds checked"
+        );
+    }
+
+    #[test]
+    fn atomics_are_exact_under_threads() {
+        let seg = Arc::new(LocalSegment::map(memfd(4096), 4096, true, Arc::default()).unwrap());
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                let seg = Arc::clone(&seg);
+                s.spawn(move || {
+                    for _ in 0..10_000 {
+                        seg.fetch_add(&span(8, 8), 1).unwrap();
+                    }
+                });
+            }
+        });
+        assert_eq!(seg.fetch_add(&span(8, 8), 0).unwrap(), 40_000);
+        assert_eq!(
+            seg.compare_and_swap(&span(8, 8), 40_000, 7).unwrap(),
+            40_000
+        );
+        assert_eq!(seg.compare_and_swap(&span(8, 8), 1, 9).unwrap(), 7);
+        assert!(seg.fetch_add(&span(3, 8), 1).is_err(), "unaligned");
+    }
+}

@@ -1,0 +1,82 @@
+//! The data plane between a client and the memory of a region (DESIGN.md,
+//! "Transport"): one-sided reads, writes and 8-byte atomics.
+//!
+//! Backends: [`tcp`] (a daemon serves the ops; the default without RDMA) and
+//! [`local`] (the region's segment memfd mapped into this process). An
+//! `rdma` backend (feature `rdma`) plugs in behind the same trait.
+
+pub mod local;
+pub mod tcp;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::error::Result;
+
+/// One contiguous piece of a region: where it is in the region and where
+/// its bytes live in a pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    pub region_offset: u64,
+    pub pool: u32,
+    pub pool_offset: u64,
+    pub len: u64,
+}
+
+/// One-sided access to region memory.
+pub trait Transport: Send + Sync {
+    /// Fills `dst` (whose length is the sum of the spans' lengths) with the
+    /// spans' bytes, in order.
+    fn read(&self, spans: &[Span], dst: &mut [u8]) -> Result<()>;
+    /// Writes `src` (the spans' bytes, in order).
+    fn write(&self, spans: &[Span], src: &[u8]) -> Result<()>;
+    /// Compares the 8-byte word at `at` with `expected` and, if equal,
+    /// replaces it with `new`; returns the old value.
+    fn compare_and_swap(&self, at: &Span, expected: u64, new: u64) -> Result<u64>;
+    /// Adds `addend` to the 8-byte word at `at`; returns the old value.
+    fn fetch_add(&self, at: &Span, addend: u64) -> Result<u64>;
+    /// Short name for logs ("tcp 127.0.0.1:7101", "local").
+    fn describe(&self) -> String;
+}
+
+/// Counters of traffic through transports.
+#[derive(Debug, Default)]
+pub struct TransportStats {
+    /// Requests sent to daemons (vector ops count once).
+    pub remote_requests: AtomicU64,
+    pub remote_bytes_read: AtomicU64,
+    pub remote_bytes_written: AtomicU64,
+    /// Bytes moved through locally mapped segments.
+    pub local_bytes_read: AtomicU64,
+    pub local_bytes_written: AtomicU64,
+    /// Connections opened to daemons.
+    pub connections: AtomicU64,
+}
+
+/// A copy of [`TransportStats`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StatsSnapshot {
+    pub remote_requests: u64,
+    pub remote_bytes_read: u64,
+    pub remote_bytes_written: u64,
+    pub local_bytes_read: u64,
+    pub local_bytes_written: u64,
+    pub connections: u64,
+}
+
+impl TransportStats {
+    pub fn snapshot(&self) -> StatsSnapshot {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        StatsSnapshot {
+            remote_requests: get(&self.remote_requests),
+            remote_bytes_read: get(&self.remote_bytes_read),
+            remote_bytes_written: get(&self.remote_bytes_written),
+            local_bytes_read: get(&self.local_bytes_read),
+            local_bytes_written: get(&self.local_bytes_written),
+            connections: get(&self.connections),
+        }
+    }
+
+    pub(crate) fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+}

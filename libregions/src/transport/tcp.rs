@@ -1,0 +1,576 @@
+//! The tcp transport client: blocking sockets (lowest latency for one
+//! request), a pool of authenticated connections per daemon, pipelined
+//! requests for large or many ranges, bounded retries on broken connections.
+
+use std::collections::VecDeque;
+use std::io::{IoSlice, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use regions_proto::frame::{FLAG_REPLY, HEADER_LEN, Header, Op, RANGE_LEN};
+use std::borrow::Cow;
+
+use super::{Span, Transport, TransportStats};
+use crate::error::{RegionsError, Result};
+
+/// Largest payload of one READ or WRITE request.
+const MAX_IO: u64 = 4 << 20;
+/// Ranges smaller than this are batched into vector requests.
+const SMALL_RANGE: u64 = 64 << 10;
+/// Most ranges in one vector request.
+const MAX_VECTOR_RANGES: usize = 4096;
+/// Most bytes one vector request moves.
+const MAX_VECTOR_BYTES: u64 = 1 << 20;
+/// Requests in flight on one connection.
+const PIPELINE: usize = 8;
+/// Idle connections kept per daemon.
+const MAX_IDLE: usize = 16;
+
+/// How long and how often to retry a daemon that does not answer.
+#[derive(Clone, Copy, Debug)]
+pub struct RetryPolicy {
+    /// Give up (EIO) once this much time has passed.
+    pub deadline: Duration,
+    /// First pause between attempts (doubles, at most 500 ms).
+    pub backoff: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            deadline: Duration::from_secs(5),
+            backoff: Duration::from_millis(20),
+        }
+    }
+}
+
+/// One authenticated connection.
+struct Conn {
+    stream: TcpStream,
+}
+
+/// Why an attempt failed: worth retrying on a new connection, or final.
+enum Failure {
+    Retry(String),
+    Final(RegionsError),
+}
+
+impl From<std::io::Error> for Failure {
+    fn from(e: std::io::Error) -> Failure {
+        Failure::Retry(e.to_string())
+    }
+}
+
+/// A request waiting for its reply.
+struct Pending {
+    id: u64,
+    /// Where the reply's payload goes in the caller's buffer.
+    dst: std::ops::Range<usize>,
+}
+
+/// The tcp transport to one daemon.
+pub struct TcpTransport {
+    addr: String,
+    token: Bytes,
+    idle: Mutex<Vec<Conn>>,
+    next_id: AtomicU64,
+    retry: RetryPolicy,
+    stats: Arc<TransportStats>,
+}
+
+impl TcpTransport {
+    /// A transport to the daemon at `addr` ("host:port") that authenticates
+    /// with `token` (the cluster secret).
+    pub fn new(
+        addr: &str,
+        token: &[u8],
+        retry: RetryPolicy,
+        stats: Arc<TransportStats>,
+    ) -> TcpTransport {
+        TcpTransport {
+            addr: addr.to_owned(),
+            token: Bytes::copy_from_slice(token),
+            idle: Mutex::new(Vec::new()),
+            next_id: AtomicU64::new(1),
+            retry,
+            stats,
+        }
+    }
+
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    fn id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn connect(&self, timeout: Duration) -> Result<Conn, Failure> {
+        let addr = self
+            .addr
+            .to_socket_addrs()
+            .map_err(|e| {
+                Failure::Final(RegionsError::io(
+                    format!("cannot resolve daemon address {}", self.addr),
+                    e,
+                ))
+            })?
+            .next()
+            .ok_or_else(|| {
+                Failure::Final(RegionsError::Invalid(format!(
+                    "daemon address {} resolves to nothing",
+                    self.addr
+                )))
+            })?;
+        let stream = TcpStream::connect_timeout(&addr, timeout.max(Duration::from_millis(10)))?;
+        stream.set_nodelay(true)?;
+        stream.set_read_timeout(Some(self.retry.deadline))?;
+        stream.set_write_timeout(Some(self.retry.deadline))?;
+        let mut conn = Conn { stream };
+        let mut hello = Header::new(Op::Hello, self.id());
+        hello.payload_len = self.token.len() as u32;
+        send(&mut conn.stream, &hello, &[&self.token])?;
+        let reply = recv_header(&mut conn.stream)?;
+        if reply.status != 0 {
+            let msg = recv_message(&mut conn.stream, &reply)?;
+            return Err(Failure::Final(self.daemon_error(reply.status, &msg)));
+        }
+        skip_payload(&mut conn.stream, &reply)?;
+        TransportStats::add(&self.stats.connections, 1);
+        Ok(conn)
+    }
+
+    fn daemon_error(&self, status: u32, message: &str) -> RegionsError {
+        RegionsError::Daemon {
+            addr: self.addr.clone(),
+            errno: status as i32,
+            message: if message.is_empty() {
+                format!("error {status}")
+            } else {
+                message.to_owned()
+            },
+        }
+    }
+
+    /// Runs `op` on a pooled connection, retrying on a fresh connection
+    /// while the deadline allows. `idempotent` ops are retried after a
+    /// failure mid-request; others only when the connection failed before
+    /// anything was sent.
+    fn with_conn<T>(
+        &self,
+        idempotent: bool,
+        mut op: impl FnMut(&mut Conn) -> Result<T, Failure>,
+    ) -> Result<T> {
+        let start = Instant::now();
+        let mut backoff = self.retry.backoff;
+        let mut attempts = 0u32;
+        loop {
+            attempts += 1;
+            let remaining = self.retry.deadline.saturating_sub(start.elapsed());
+            let pooled = self.idle.lock().ok().and_then(|mut idle| idle.pop());
+            let (conn, fresh) = match pooled {
+                Some(c) => (Ok(c), false),
+                None => (self.connect(remaining), true),
+            };
+            let reason = match conn {
+                Ok(mut conn) => match op(&mut conn) {
+                    Ok(v) => {
+                        if let Ok(mut idle) = self.idle.lock()
+                            && idle.len() < MAX_IDLE
+                        {
+                            idle.push(conn);
+                        }
+                        return Ok(v);
+                    }
+                    Err(Failure::Final(e)) => return Err(e),
+                    // A pooled connection may have gone stale: one free retry.
+                    Err(Failure::Retry(r)) if !fresh && attempts == 1 => {
+                        tracing::debug!(addr = %self.addr, reason = %r, "stale connection, reconnecting");
+                        continue;
+                    }
+                    Err(Failure::Retry(r)) if !idempotent => {
+                        return Err(RegionsError::DaemonUnreachable {
+                            addr: self.addr.clone(),
+                            attempts,
+                            elapsed_ms: start.elapsed().as_millis() as u64,
+                            reason: format!("{r} (not retried: the operation is not idempotent)"),
+                        });
+                    }
+                    Err(Failure::Retry(r)) => r,
+                },
+                Err(Failure::Final(e)) => return Err(e),
+                Err(Failure::Retry(r)) => r,
+            };
+            if start.elapsed() + backoff >= self.retry.deadline {
+                tracing::warn!(addr = %self.addr, attempts, reason = %reason, "daemon unreachable; giving up");
+                return Err(RegionsError::DaemonUnreachable {
+                    addr: self.addr.clone(),
+                    attempts,
+                    elapsed_ms: start.elapsed().as_millis() as u64,
+                    reason,
+                });
+            }
+            tracing::debug!(addr = %self.addr, attempts, reason = %reason, "retrying daemon");
+            std::thread::sleep(backoff);
+            backoff = (backoff * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    /// Sends the requests built by `requests` with up to [`PIPELINE`] in
+    /// flight and reads each reply's payload into `dst`.
+    fn pipeline(
+        &self,
+        conn: &mut Conn,
+        requests: &[IoRequest<'_>],
+        dst: &mut [u8],
+    ) -> Result<(), Failure> {
+        let mut pending: VecDeque<Pending> = VecDeque::new();
+        let mut next = 0;
+        while next < requests.len() || !pending.is_empty() {
+            while next < requests.len() && pending.len() < PIPELINE {
+                let r = &requests[next];
+                let id = self.id();
+                let mut header = r.header.clone();
+                header.request_id = id;
+                let payload: Vec<&[u8]> = r.payload.iter().map(|p| &p[..]).collect();
+                send(&mut conn.stream, &header, &payload)?;
+                TransportStats::add(&self.stats.remote_requests, 1);
+                pending.push_back(Pending {
+                    id,
+                    dst: r.reply_into.clone(),
+                });
+                next += 1;
+            }
+            let Some(p) = pending.pop_front() else { break };
+            let reply = recv_header(&mut conn.stream)?;
+            if reply.request_id != p.id {
+                return Err(Failure::Retry(format!(
+                    "reply to request {} while waiting for {}",
+                    reply.request_id, p.id
+                )));
+            }
+            if reply.status != 0 {
+                let msg = recv_message(&mut conn.stream, &reply)?;
+                // Drain the other replies so the connection stays usable.
+                for q in pending.drain(..) {
+                    let h = recv_header(&mut conn.stream)?;
+                    let _ = q;
+                    skip_payload(&mut conn.stream, &h)?;
+                }
+                return Err(Failure::Final(self.daemon_error(reply.status, &msg)));
+            }
+            let want = p.dst.len();
+            if reply.payload_len as usize != want {
+                return Err(Failure::Retry(format!(
+                    "reply of {} bytes to a request for {want}",
+                    reply.payload_len
+                )));
+            }
+            conn.stream.read_exact(&mut dst[p.dst])?;
+        }
+        Ok(())
+    }
+}
+
+/// One request to send: a header and its payload pieces, and where its
+/// reply's payload goes.
+struct IoRequest<'a> {
+    header: Header,
+    payload: Vec<Cow<'a, [u8]>>,
+    reply_into: std::ops::Range<usize>,
+}
+
+/// Splits spans into READ/WRITE requests of at most [`MAX_IO`] bytes, and
+/// batches small spans into vector requests.
+fn plan_requests<'a>(spans: &[Span], write: Option<&'a [u8]>) -> Vec<IoRequest<'a>> {
+    let mut out = Vec::new();
+    let mut cursor = 0usize; // offset in the caller's buffer
+    let mut batch: Vec<(Span, usize)> = Vec::new();
+    let mut batch_bytes = 0u64;
+    let flush =
+        |batch: &mut Vec<(Span, usize)>, batch_bytes: &mut u64, out: &mut Vec<IoRequest<'a>>| {
+            if batch.is_empty() {
+                return;
+            }
+            out.push(vector_request(batch, write));
+            batch.clear();
+            *batch_bytes = 0;
+        };
+    for span in spans {
+        if span.len < SMALL_RANGE {
+            if batch.len() >= MAX_VECTOR_RANGES || batch_bytes + span.len > MAX_VECTOR_BYTES {
+                flush(&mut batch, &mut batch_bytes, &mut out);
+            }
+            batch.push((*span, cursor));
+            batch_bytes += span.len;
+            cursor += span.len as usize;
+            continue;
+        }
+        flush(&mut batch, &mut batch_bytes, &mut out);
+        let mut done = 0u64;
+        while done < span.len {
+            let len = (span.len - done).min(MAX_IO);
+            let at = cursor + done as usize;
+            let mut header = Header::new(if write.is_some() { Op::Write } else { Op::Read }, 0);
+            header.pool = span.pool;
+            header.offset = span.pool_offset + done;
+            header.length = len;
+            let (payload, reply_into) = match write {
+                Some(src) => {
+                    header.payload_len = len as u32;
+                    (vec![Cow::Borrowed(&src[at..at + len as usize])], 0..0)
+                }
+                None => (Vec::new(), at..at + len as usize),
+            };
+            out.push(IoRequest {
+                header,
+                payload,
+                reply_into,
+            });
+            done += len;
+        }
+        cursor += span.len as usize;
+    }
+    flush(&mut batch, &mut batch_bytes, &mut out);
+    out
+}
+
+/// A READV or WRITEV of small spans; `at` is each span's place in the buffer.
+fn vector_request<'a>(batch: &[(Span, usize)], write: Option<&'a [u8]>) -> IoRequest<'a> {
+    let total: u64 = batch.iter().map(|(s, _)| s.len).sum();
+    let mut table = BytesMut::with_capacity(8 + batch.len() * RANGE_LEN);
+    if write.is_some() {
+        table.extend_from_slice(&(batch.len() as u32).to_le_bytes());
+        table.extend_from_slice(&0u32.to_le_bytes());
+    }
+    for (s, _) in batch {
+        table.extend_from_slice(&s.pool.to_le_bytes());
+        table.extend_from_slice(&0u32.to_le_bytes());
+        table.extend_from_slice(&s.pool_offset.to_le_bytes());
+        table.extend_from_slice(&s.len.to_le_bytes());
+    }
+    let mut header = Header::new(
+        if write.is_some() {
+            Op::WriteV
+        } else {
+            Op::ReadV
+        },
+        0,
+    );
+    header.length = total;
+    let first = batch.first().map_or(0, |(_, at)| *at);
+    // Spans of a batch are consecutive in the caller's buffer.
+    let contiguous = batch
+        .windows(2)
+        .all(|w| w[0].1 + w[0].0.len as usize == w[1].1);
+    match write {
+        Some(src) => {
+            let mut payload = vec![Cow::Owned(table.to_vec())];
+            if contiguous {
+                payload.push(Cow::Borrowed(&src[first..first + total as usize]));
+            } else {
+                for (s, at) in batch {
+                    payload.push(Cow::Borrowed(&src[*at..*at + s.len as usize]));
+                }
+            }
+            header.payload_len = payload.iter().map(|p| p.len()).sum::<usize>() as u32;
+            IoRequest {
+                header,
+                payload,
+                reply_into: 0..0,
+            }
+        }
+        None => {
+            header.payload_len = table.len() as u32;
+            IoRequest {
+                header,
+                payload: vec![Cow::Owned(table.to_vec())],
+                reply_into: first..first + total as usize,
+            }
+        }
+    }
+}
+
+/// Writes a header and payload pieces with as few system calls as possible.
+fn send(stream: &mut TcpStream, header: &Header, payload: &[&[u8]]) -> std::io::Result<()> {
+    let mut head = BytesMut::with_capacity(HEADER_LEN);
+    header.encode(&mut head);
+    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(1 + payload.len());
+    slices.push(IoSlice::new(&head));
+    slices.extend(
+        payload
+            .iter()
+            .filter(|p| !p.is_empty())
+            .map(|p| IoSlice::new(p)),
+    );
+    let mut slices = &mut slices[..];
+    while !slices.is_empty() {
+        let n = stream.write_vectored(slices)?;
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::WriteZero,
+                "daemon closed the connection",
+            ));
+        }
+        IoSlice::advance_slices(&mut slices, n);
+    }
+    Ok(())
+}
+
+fn recv_header(stream: &mut TcpStream) -> Result<Header, Failure> {
+    let mut buf = [0u8; HEADER_LEN];
+    stream.read_exact(&mut buf)?;
+    let header =
+        Header::decode(&buf).map_err(|e| Failure::Retry(format!("bad reply header: {e}")))?;
+    if header.flags & FLAG_REPLY == 0 {
+        return Err(Failure::Retry("daemon sent a request, not a reply".into()));
+    }
+    Ok(header)
+}
+
+fn recv_message(stream: &mut TcpStream, header: &Header) -> Result<String, Failure> {
+    let mut buf = vec![0u8; (header.payload_len as usize).min(64 << 10)];
+    stream.read_exact(&mut buf)?;
+    skip(stream, header.payload_len as u64 - buf.len() as u64)?;
+    Ok(String::from_utf8_lossy(&buf).into_owned())
+}
+
+fn skip_payload(stream: &mut TcpStream, header: &Header) -> Result<(), Failure> {
+    skip(stream, u64::from(header.payload_len))
+}
+
+fn skip(stream: &mut TcpStream, mut n: u64) -> Result<(), Failure> {
+    let mut sink = [0u8; 4096];
+    while n > 0 {
+        let k = n.min(sink.len() as u64) as usize;
+        stream.read_exact(&mut sink[..k])?;
+        n -= k as u64;
+    }
+    Ok(())
+}
+
+fn read_word(stream: &mut TcpStream, header: &Header) -> Result<u64, Failure> {
+    if header.payload_len != 8 {
+        return Err(Failure::Retry(format!(
+            "atomic reply of {} bytes",
+            header.payload_len
+        )));
+    }
+    let mut word = [0u8; 8];
+    stream.read_exact(&mut word)?;
+    Ok(u64::from_le_bytes(word))
+}
+
+impl TcpTransport {
+    fn atomic(&self, op: Op, at: &Span, operands: &[u64]) -> Result<u64> {
+        let payload: Vec<u8> = operands.iter().flat_map(|w| w.to_le_bytes()).collect();
+        self.with_conn(false, |conn| {
+            let mut header = Header::new(op, self.id());
+            header.pool = at.pool;
+            header.offset = at.pool_offset;
+            header.length = 8;
+            header.payload_len = payload.len() as u32;
+            send(&mut conn.stream, &header, &[&payload])?;
+            TransportStats::add(&self.stats.remote_requests, 1);
+            let reply = recv_header(&mut conn.stream)?;
+            if reply.request_id != header.request_id {
+                return Err(Failure::Retry("reply to another request".into()));
+            }
+            if reply.status != 0 {
+                let msg = recv_message(&mut conn.stream, &reply)?;
+                return Err(Failure::Final(self.daemon_error(reply.status, &msg)));
+            }
+            read_word(&mut conn.stream, &reply)
+        })
+    }
+}
+
+impl Transport for TcpTransport {
+    fn read(&self, spans: &[Span], dst: &mut [u8]) -> Result<()> {
+        let requests = plan_requests(spans, None);
+        self.with_conn(true, |conn| self.pipeline(conn, &requests, dst))?;
+        TransportStats::add(&self.stats.remote_bytes_read, dst.len() as u64);
+        Ok(())
+    }
+
+    fn write(&self, spans: &[Span], src: &[u8]) -> Result<()> {
+        let requests = plan_requests(spans, Some(src));
+        self.with_conn(true, |conn| self.pipeline(conn, &requests, &mut []))?;
+        TransportStats::add(&self.stats.remote_bytes_written, src.len() as u64);
+        Ok(())
+    }
+
+    fn compare_and_swap(&self, at: &Span, expected: u64, new: u64) -> Result<u64> {
+        self.atomic(Op::Cas, at, &[expected, new])
+    }
+
+    fn fetch_add(&self, at: &Span, addend: u64) -> Result<u64> {
+        self.atomic(Op::FetchAdd, at, &[addend])
+    }
+
+    fn describe(&self) -> String {
+        format!("tcp {}", self.addr)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(region_offset: u64, pool_offset: u64, len: u64) -> Span {
+        Span {
+            region_offset,
+            pool: 3,
+            pool_offset,
+            len,
+        }
+    }
+
+    #[test]
+    fn large_spans_split_into_bounded_requests() {
+        let spans = [span(0, 0, 10 << 20)];
+        let reqs = plan_requests(&spans, None);
+        assert_eq!(reqs.len(), 3);
+        assert!(
+            reqs.iter()
+                .all(|r| r.header.op == Op::Read && r.header.length <= MAX_IO)
+        );
+        assert_eq!(reqs[1].header.offset, MAX_IO);
+        assert_eq!(reqs[2].reply_into, (2 * MAX_IO as usize)..(10 << 20));
+    }
+
+    #[test]
+    fn small_spans_are_batched_into_vectors() {
+        let spans: Vec<Span> = (0..5000).map(|i| span(i * 64, i * 4096, 64)).collect();
+        let reqs = plan_requests(&spans, None);
+        assert_eq!(reqs.len(), 2, "4096 ranges per vector");
+        assert_eq!(reqs[0].header.op, Op::ReadV);
+        assert_eq!(reqs[0].header.length, 4096 * 64);
+        assert_eq!(reqs[0].header.payload_len as usize, 4096 * RANGE_LEN);
+        assert_eq!(reqs[1].reply_into, 4096 * 64..5000 * 64);
+        let data = vec![7u8; 5000 * 64];
+        let w = plan_requests(&spans, Some(&data));
+        assert_eq!(w[0].header.op, Op::WriteV);
+        assert_eq!(
+            w[0].header.payload_len as usize,
+            8 + 4096 * RANGE_LEN + 4096 * 64
+        );
+    }
+
+    #[test]
+    fn mixed_spans_keep_buffer_order() {
+        let spans = [
+            span(0, 0, 100),
+            span(100, 1 << 20, 1 << 20),
+            span(100 + (1 << 20), 0, 50),
+        ];
+        let reqs = plan_requests(&spans, None);
+        assert_eq!(reqs.len(), 3);
+        assert_eq!(reqs[0].reply_into, 0..100);
+        assert_eq!(reqs[1].reply_into, 100..100 + (1 << 20));
+        assert_eq!(reqs[2].reply_into, 100 + (1 << 20)..150 + (1 << 20));
+    }
+}
