@@ -19,7 +19,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
 use rand::seq::IndexedRandom;
@@ -840,6 +840,7 @@ async fn acknowledged_namespace_ops_survive_sigkill() {
 
     for cycle in 0..CYCLES {
         let kill_at = rng.random_range(OPS_BEFORE_KILL);
+        let started = Instant::now();
         for step in 0..kill_at {
             let op = random_op(&model, &mut rng);
             let reply = send(&clients, &model, &op).await;
@@ -857,10 +858,14 @@ async fn acknowledged_namespace_ops_survive_sigkill() {
         }
         total_ops += kill_at;
 
-        // One more operation, with SIGKILL racing it.
+        // One more operation, with SIGKILL racing it: the kill comes after a
+        // random delay of up to twice the mean latency of this cycle's
+        // operations, so that it lands before, during or after the commit.
+        let mean = started.elapsed() / kill_at as u32;
+        let delay = mean.mul_f64(rng.random_range(0.0..2.0));
         let op = random_op(&model, &mut rng);
         let task = tokio::spawn(send(&clients, &model, &op));
-        std::thread::sleep(Duration::from_micros(rng.random_range(0..=4000)));
+        std::thread::sleep(delay);
         manager.sigkill().unwrap();
         let reply = tokio::time::timeout(Duration::from_secs(30), task)
             .await
@@ -885,7 +890,7 @@ async fn acknowledged_namespace_ops_survive_sigkill() {
         let (found, applied) =
             verify(&mut clients, &mut rng, &model, in_flight.as_ref(), cycle).await;
         eprintln!(
-            "cycle {cycle}: killed after {kill_at} ops during {} ({outcome}{}); {} inodes verified",
+            "cycle {cycle}: killed after {kill_at} ops (mean {mean:?}) {delay:?} into {} ({outcome}{}); {} inodes verified",
             op.label(),
             if in_flight.is_some() {
                 if applied {
