@@ -263,7 +263,7 @@ impl Region {
         io: impl Fn(&dyn Transport, &[Span], B) -> Result<()> + Sync,
     ) -> Result<()> {
         let total: usize = runs.iter().map(|r| r.len).sum();
-        let mut groups: Vec<(Arc<dyn Transport>, Vec<(Vec<Span>, B)>)> = Vec::new();
+        let mut groups: Vec<Group<B>> = Vec::new();
         let mut index: HashMap<Target, usize> = HashMap::new();
         let mut rest = buf;
         for run in runs {
@@ -279,7 +279,7 @@ impl Region {
             };
             groups[slot].1.push((run.spans, piece));
         }
-        let serve = |(t, runs): (Arc<dyn Transport>, Vec<(Vec<Span>, B)>)| -> Result<()> {
+        let serve = |(t, runs): Group<B>| -> Result<()> {
             for (spans, piece) in runs {
                 io(t.as_ref(), &spans, piece)?;
             }
@@ -382,7 +382,7 @@ impl Region {
     }
 
     fn word_span(&self, offset: u64) -> Result<(Arc<dyn Transport>, Span)> {
-        if offset % 8 != 0 {
+        if !offset.is_multiple_of(8) {
             return Err(RegionsError::Invalid(format!(
                 "atomic at offset {offset} is not 8-byte aligned"
             )));
@@ -441,6 +441,9 @@ impl Drop for Region {
         }
     }
 }
+
+/// One transport and the runs (spans and their piece of the buffer) it serves.
+type Group<B> = (Arc<dyn Transport>, Vec<(Vec<Span>, B)>);
 
 /// A buffer that can be cut into consecutive disjoint pieces.
 trait SplitBuf: Send + Sized {

@@ -19,6 +19,7 @@ pub mod service;
 pub mod state;
 pub mod store;
 pub mod vaddr;
+pub mod wal;
 pub mod xattr;
 
 pub use access::Caller;

@@ -40,7 +40,7 @@ struct Args {
     ready_file: Option<PathBuf>,
 }
 
-#[tokio::main]
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -74,14 +74,14 @@ async fn main() -> anyhow::Result<()> {
     }
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    let mut fatal = manager.fatal();
+    let mut durability = manager.durability();
     let mut failure = None;
     let shutdown = async {
         tokio::select! {
             _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
             _ = int.recv() => tracing::info!("SIGINT: shutting down"),
-            reason = fatal.wait_for(Option::is_some) => {
-                failure = reason.ok().and_then(|r| r.clone());
+            state = durability.wait_for(|d| d.failed.is_some()) => {
+                failure = state.ok().and_then(|d| d.failed.clone());
             }
         }
     };

@@ -1,10 +1,14 @@
-//! The manager core: one lock around the state, every change committed to
-//! the store before the caller hears of it, daemon events published after.
-//! The gRPC layer ([`crate::service`]) is a thin adapter over this.
+//! The manager core. Operations change the state under one short lock, and
+//! their changed records are committed to the store by a committer thread
+//! that batches everything pending into one transaction (group commit).
+//! Nobody hears of an operation, nor of anything it observed, before the
+//! change is durable; daemon events are published only after that too. The
+//! gRPC layer ([`crate::service`]) is a thin adapter over this.
 
 use std::collections::{HashMap, VecDeque};
 use std::path::Path;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use regions_proto::v1::{self, host_event::Event};
@@ -16,7 +20,7 @@ use crate::error::{ManagerError, Result};
 use crate::model::{Inode, Kind};
 use crate::namespace::SetAttr;
 use crate::state::State;
-use crate::store::{Store, StoreError};
+use crate::store::{self, Record, Store, StoreError};
 
 /// Settings of a manager.
 #[derive(Clone, Debug)]
@@ -44,10 +48,31 @@ impl Default for Config {
 
 struct Inner {
     state: State,
-    store: Store,
-    /// Set when a commit failed: the state in memory may be ahead of the
-    /// store, so nothing more is served until a restart reloads it.
+    /// Sequence number of the last change applied to `state`.
+    applied: u64,
+    /// Set when a commit failed: the state in memory is ahead of the store,
+    /// so nothing more is served until a restart reloads it.
     failed: Option<String>,
+}
+
+/// Changes waiting for the committer.
+struct Batch {
+    seq: u64,
+    records: Vec<Record>,
+    events: Vec<(u32, Event)>,
+}
+
+/// What the committer has made durable.
+#[derive(Clone, Debug, Default)]
+pub struct Durable {
+    pub seq: u64,
+    pub failed: Option<String>,
+}
+
+/// The queue between operations and the committer thread.
+struct CommitQueue {
+    batches: Mutex<(VecDeque<Batch>, bool)>,
+    wake: Condvar,
 }
 
 /// Events for daemons, numbered.
@@ -64,20 +89,24 @@ struct EventLog {
 /// The manager.
 pub struct Manager {
     inner: Mutex<Inner>,
-    events: Mutex<EventLog>,
+    queue: Arc<CommitQueue>,
+    durable: watch::Sender<Durable>,
+    committer: Mutex<Option<JoinHandle<()>>>,
+    events: Arc<Mutex<EventLog>>,
     /// The sequence number of the newest event.
     event_seq: watch::Sender<u64>,
     /// Wakes callers waiting for a daemon to add a pool.
     pool_added: Notify,
-    /// Becomes `Some(reason)` when the store fails.
-    fatal: watch::Sender<Option<String>>,
+    /// Becomes true when the server begins shutting down.
+    closing: watch::Sender<bool>,
     config: Config,
 }
 
 impl Manager {
-    /// Opens the store in `data_dir` and loads the state.
+    /// Opens the store in `data_dir`, loads the state and starts the
+    /// committer thread.
     pub fn open(data_dir: &Path, config: Config) -> Result<Arc<Manager>, StoreError> {
-        let (store, mut state) = Store::open(data_dir, config.lease, config.root_mode)?;
+        let (mut store, mut state) = Store::open(data_dir, config.lease, config.root_mode)?;
         state.free_orphans();
         store.commit(&mut state)?;
         state.events.clear();
@@ -86,22 +115,42 @@ impl Manager {
         let base = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(1, |d| d.as_nanos() as u64);
+        let queue = Arc::new(CommitQueue {
+            batches: Mutex::new((VecDeque::new(), false)),
+            wake: Condvar::new(),
+        });
+        let durable = watch::channel(Durable::default()).0;
+        let events = Arc::new(Mutex::new(EventLog {
+            base,
+            next: base,
+            dropped: HashMap::new(),
+            per_host: HashMap::new(),
+            backlog: config.event_backlog,
+        }));
+        let event_seq = watch::channel(base - 1).0;
+        let committer = {
+            let queue = Arc::clone(&queue);
+            let durable = durable.clone();
+            let events = Arc::clone(&events);
+            let event_seq = event_seq.clone();
+            std::thread::Builder::new()
+                .name("regions-commit".into())
+                .spawn(move || commit_loop(store, &queue, &durable, &events, &event_seq))
+                .map_err(|e| StoreError::Db(redb::Error::Io(e)))?
+        };
         Ok(Arc::new(Manager {
             inner: Mutex::new(Inner {
                 state,
-                store,
+                applied: 0,
                 failed: None,
             }),
-            events: Mutex::new(EventLog {
-                base,
-                next: base,
-                dropped: HashMap::new(),
-                per_host: HashMap::new(),
-                backlog: config.event_backlog,
-            }),
-            event_seq: watch::channel(base - 1).0,
+            queue,
+            durable,
+            committer: Mutex::new(Some(committer)),
+            events,
+            event_seq,
             pool_added: Notify::new(),
-            fatal: watch::channel(None).0,
+            closing: watch::channel(false).0,
             config,
         }))
     }
@@ -110,9 +159,9 @@ impl Manager {
         &self.config
     }
 
-    /// Resolves to the reason once the store has failed.
-    pub fn fatal(&self) -> watch::Receiver<Option<String>> {
-        self.fatal.subscribe()
+    /// Follows what is durable; `failed` is set once the store has failed.
+    pub fn durability(&self) -> watch::Receiver<Durable> {
+        self.durable.subscribe()
     }
 
     fn lock(&self) -> Result<MutexGuard<'_, Inner>> {
@@ -123,62 +172,91 @@ impl Manager {
         if let Some(reason) = &inner.failed {
             return Err(ManagerError::Store(reason.clone()));
         }
+        if let Some(reason) = &self.durable.borrow().failed {
+            return Err(ManagerError::Store(reason.clone()));
+        }
         Ok(inner)
     }
 
-    /// Runs a read-only operation.
-    pub fn read<T>(&self, f: impl FnOnce(&State) -> Result<T>) -> Result<T> {
-        let inner = self.lock()?;
-        f(&inner.state)
-    }
-
-    /// Runs an operation that may change state, commits what it changed,
-    /// then publishes its daemon events.
-    pub fn write<T>(&self, f: impl FnOnce(&mut State) -> Result<T>) -> Result<T> {
+    /// Runs `f` on the state; queues what it changed for the committer.
+    /// Returns its result and the sequence number that must be durable
+    /// before anyone hears of it.
+    fn apply<T>(&self, f: impl FnOnce(&mut State) -> Result<T>) -> Result<(Result<T>, u64)> {
         let mut inner = self.lock()?;
         let result = f(&mut inner.state);
-        let Inner {
-            state,
-            store,
-            failed,
-        } = &mut *inner;
-        if let Err(e) = store.commit(state) {
-            let reason = e.to_string();
-            tracing::error!(error = %reason, "commit to the store failed; refusing further requests until restart");
-            *failed = Some(reason.clone());
-            self.fatal.send_replace(Some(reason.clone()));
-            return Err(ManagerError::Store(reason));
+        if inner.state.dirty.is_empty() && inner.state.events.is_empty() {
+            return Ok((result, inner.applied));
         }
-        let events = std::mem::take(&mut state.events);
-        drop(inner);
-        if !events.is_empty() {
-            self.publish(events);
+        let records = match store::collect(&mut inner.state) {
+            Ok(r) => r,
+            Err(e) => {
+                let reason = e.to_string();
+                inner.failed = Some(reason.clone());
+                return Err(ManagerError::Store(reason));
+            }
+        };
+        inner.applied += 1;
+        let batch = Batch {
+            seq: inner.applied,
+            records,
+            events: std::mem::take(&mut inner.state.events),
+        };
+        let seq = batch.seq;
+        // Queue under the state lock so batches reach the store in order.
+        if let Ok(mut q) = self.queue.batches.lock() {
+            q.0.push_back(batch);
+            self.queue.wake.notify_one();
         }
+        Ok((result, seq))
+    }
+
+    /// Waits until `seq` is durable.
+    async fn settle(&self, seq: u64) -> Result<()> {
+        let mut rx = self.durable.subscribe();
+        let d = rx
+            .wait_for(|d| d.seq >= seq || d.failed.is_some())
+            .await
+            .map_err(|_| ManagerError::Store("the committer stopped".into()))?;
+        match &d.failed {
+            Some(reason) if d.seq < seq => Err(ManagerError::Store(reason.clone())),
+            _ => Ok(()),
+        }
+    }
+
+    /// Runs an operation that may change state; returns once its change
+    /// (and everything it observed) is durable.
+    pub async fn write<T>(&self, f: impl FnOnce(&mut State) -> Result<T>) -> Result<T> {
+        let (result, seq) = self.apply(f)?;
+        self.settle(seq).await?;
+        result
+    }
+
+    /// Runs a read-only operation; returns once what it saw is durable.
+    pub async fn read<T>(&self, f: impl FnOnce(&State) -> Result<T>) -> Result<T> {
+        let (result, seq) = {
+            let inner = self.lock()?;
+            (f(&inner.state), inner.applied)
+        };
+        self.settle(seq).await?;
         result
     }
 
     /// [`Manager::write`] for operations that allocate: when a host is short
     /// of pool memory but offers more, asks its daemon for a pool, waits for
     /// it (bounded by `grow_timeout`) and tries again; else `ENOSPC`.
-    pub async fn write_allocating<T, F>(self: &Arc<Self>, f: F) -> Result<T>
-    where
-        F: Fn(&mut State) -> Result<T> + Send + Sync + 'static,
-        T: Send + 'static,
-    {
-        let f = Arc::new(f);
+    pub async fn write_allocating<T>(&self, f: impl Fn(&mut State) -> Result<T>) -> Result<T> {
         for attempt in 0..3 {
             let added = self.pool_added.notified();
             tokio::pin!(added);
             added.as_mut().enable();
-            let this = Arc::clone(self);
-            let op = Arc::clone(&f);
-            let result = tokio::task::spawn_blocking(move || this.write(|s| op(s)))
-                .await
-                .map_err(|e| ManagerError::Store(format!("manager task failed: {e}")))?;
-            match result {
+            match self.write(&f).await {
                 Err(ManagerError::NeedPool { host, bytes }) if attempt < 2 => {
                     tracing::info!(host, bytes, "asking the daemon for another pool");
-                    self.publish(vec![(host, Event::GrowPool(bytes))]);
+                    publish(
+                        &self.events,
+                        &self.event_seq,
+                        vec![(host, Event::GrowPool(bytes))],
+                    );
                     if tokio::time::timeout(self.config.grow_timeout, added)
                         .await
                         .is_err()
@@ -198,33 +276,6 @@ impl Manager {
             }
         }
         Err(ManagerError::NoSpace("allocation did not succeed".into()))
-    }
-
-    fn publish(&self, events: Vec<(u32, Event)>) {
-        let Ok(mut log) = self.events.lock() else {
-            return;
-        };
-        let backlog = log.backlog;
-        let mut last = 0;
-        for (host, event) in events {
-            let sequence = log.next;
-            log.next += 1;
-            last = sequence;
-            let queue = log.per_host.entry(host).or_default();
-            queue.push_back(v1::HostEvent {
-                sequence,
-                event: Some(event),
-            });
-            let mut dropped = None;
-            while queue.len() > backlog {
-                dropped = queue.pop_front().map(|e| e.sequence);
-            }
-            if let Some(seq) = dropped {
-                log.dropped.insert(host, seq);
-            }
-        }
-        drop(log);
-        self.event_seq.send_replace(last);
     }
 
     /// Events for `host` after `after`; `Err` when some of them are no
@@ -254,34 +305,147 @@ impl Manager {
         *self.event_seq.borrow()
     }
 
+    /// Ends long-lived calls (daemon event streams): the server is stopping.
+    pub fn begin_shutdown(&self) {
+        self.closing.send_replace(true);
+    }
+
+    /// Resolves to true once shutdown has begun.
+    pub fn closing(&self) -> watch::Receiver<bool> {
+        self.closing.subscribe()
+    }
+
     /// Wakes when new events are published.
     pub fn subscribe_events(&self) -> watch::Receiver<u64> {
         self.event_seq.subscribe()
     }
+}
 
+impl Drop for Manager {
+    fn drop(&mut self) {
+        if let Ok(mut q) = self.queue.batches.lock() {
+            q.1 = true;
+            self.queue.wake.notify_one();
+        }
+        if let Some(handle) = self.committer.lock().ok().and_then(|mut h| h.take()) {
+            let _ = handle.join();
+        }
+    }
+}
+
+/// The committer: writes every queued batch in one transaction, then marks
+/// them durable and publishes their events. Stops when asked and drained,
+/// or at the first store failure (which stops the manager).
+fn commit_loop(
+    mut store: Store,
+    queue: &CommitQueue,
+    durable: &watch::Sender<Durable>,
+    events: &Mutex<EventLog>,
+    event_seq: &watch::Sender<u64>,
+) {
+    loop {
+        let batches: Vec<Batch> = {
+            let Ok(mut q) = queue.batches.lock() else {
+                return;
+            };
+            while q.0.is_empty() && !q.1 {
+                q = match queue.wake.wait(q) {
+                    Ok(q) => q,
+                    Err(_) => return,
+                };
+            }
+            if q.0.is_empty() {
+                return; // closing and drained
+            }
+            q.0.drain(..).collect()
+        };
+        let records: Vec<Record> = batches
+            .iter()
+            .flat_map(|b| b.records.iter().cloned())
+            .collect();
+        let last = batches.last().map_or(0, |b| b.seq);
+        let fail = |e: StoreError| {
+            let reason = e.to_string();
+            tracing::error!(error = %reason, "commit to the store failed; refusing further requests until restart");
+            durable.send_modify(|d| d.failed = Some(reason));
+        };
+        let logged = match store.log(&records) {
+            Ok(logged) => logged,
+            Err(e) => return fail(e),
+        };
+        // Durable now. Events first, so a caller that hears its change is
+        // durable also finds the change's events.
+        let evs: Vec<(u32, Event)> = batches.into_iter().flat_map(|b| b.events).collect();
+        if !evs.is_empty() {
+            publish(events, event_seq, evs);
+        }
+        durable.send_modify(|d| d.seq = last);
+        if logged && let Err(e) = store.apply_logged(&records) {
+            return fail(e);
+        }
+    }
+}
+
+/// Numbers events and appends them to their hosts' logs.
+fn publish(events: &Mutex<EventLog>, event_seq: &watch::Sender<u64>, batch: Vec<(u32, Event)>) {
+    let Ok(mut log) = events.lock() else {
+        return;
+    };
+    let backlog = log.backlog;
+    let mut last = 0;
+    for (host, event) in batch {
+        let sequence = log.next;
+        log.next += 1;
+        last = sequence;
+        let queue = log.per_host.entry(host).or_default();
+        queue.push_back(v1::HostEvent {
+            sequence,
+            event: Some(event),
+        });
+        let mut dropped = None;
+        while queue.len() > backlog {
+            dropped = queue.pop_front().map(|e| e.sequence);
+        }
+        if let Some(seq) = dropped {
+            log.dropped.insert(host, seq);
+        }
+    }
+    drop(log);
+    event_seq.send_replace(last);
+}
+
+impl Manager {
     // ---- namespace ----
 
-    pub fn lookup(&self, caller: &Caller, parent: u64, name: &str) -> Result<v1::Attr> {
+    pub async fn lookup(&self, caller: &Caller, parent: u64, name: &str) -> Result<v1::Attr> {
         self.read(|s| s.lookup(caller, parent, name).map(|i| s.attr(i)))
+            .await
     }
 
-    pub fn getattr(&self, ino: u64) -> Result<v1::Attr> {
-        self.read(|s| s.inode(ino).map(|i| s.attr(i)))
+    pub async fn getattr(&self, ino: u64) -> Result<v1::Attr> {
+        self.read(|s| s.inode(ino).map(|i| s.attr(i))).await
     }
 
-    pub fn mkdir(&self, caller: &Caller, parent: u64, name: &str, mode: u32) -> Result<v1::Attr> {
+    pub async fn mkdir(
+        &self,
+        caller: &Caller,
+        parent: u64,
+        name: &str,
+        mode: u32,
+    ) -> Result<v1::Attr> {
         self.write(|s| s.mkdir(caller, parent, name, mode).map(|i| s.attr(&i)))
+            .await
     }
 
-    pub fn rmdir(&self, caller: &Caller, parent: u64, name: &str) -> Result<()> {
-        self.write(|s| s.rmdir(caller, parent, name))
+    pub async fn rmdir(&self, caller: &Caller, parent: u64, name: &str) -> Result<()> {
+        self.write(|s| s.rmdir(caller, parent, name)).await
     }
 
-    pub fn unlink(&self, caller: &Caller, parent: u64, name: &str) -> Result<()> {
-        self.write(|s| s.unlink(caller, parent, name))
+    pub async fn unlink(&self, caller: &Caller, parent: u64, name: &str) -> Result<()> {
+        self.write(|s| s.unlink(caller, parent, name)).await
     }
 
-    pub fn rename(
+    pub async fn rename(
         &self,
         caller: &Caller,
         parent: u64,
@@ -291,9 +455,10 @@ impl Manager {
         flags: u32,
     ) -> Result<()> {
         self.write(|s| s.rename(caller, parent, name, new_parent, new_name, flags))
+            .await
     }
 
-    pub fn readdir(
+    pub async fn readdir(
         &self,
         caller: &Caller,
         ino: u64,
@@ -314,17 +479,18 @@ impl Manager {
                 end,
             })
         })
+        .await
     }
 
-    pub fn getxattr(&self, caller: &Caller, ino: u64, name: &str) -> Result<Vec<u8>> {
-        self.read(|s| s.getxattr(caller, ino, name))
+    pub async fn getxattr(&self, caller: &Caller, ino: u64, name: &str) -> Result<Vec<u8>> {
+        self.read(|s| s.getxattr(caller, ino, name)).await
     }
 
-    pub fn listxattr(&self, caller: &Caller, ino: u64) -> Result<Vec<String>> {
-        self.read(|s| s.listxattr(caller, ino))
+    pub async fn listxattr(&self, caller: &Caller, ino: u64) -> Result<Vec<String>> {
+        self.read(|s| s.listxattr(caller, ino)).await
     }
 
-    pub fn setxattr(
+    pub async fn setxattr(
         &self,
         caller: &Caller,
         ino: u64,
@@ -333,17 +499,18 @@ impl Manager {
         flags: u32,
     ) -> Result<()> {
         self.write(|s| s.setxattr(caller, ino, name, value, flags))
+            .await
     }
 
-    pub fn removexattr(&self, caller: &Caller, ino: u64, name: &str) -> Result<()> {
-        self.write(|s| s.removexattr(caller, ino, name))
+    pub async fn removexattr(&self, caller: &Caller, ino: u64, name: &str) -> Result<()> {
+        self.write(|s| s.removexattr(caller, ino, name)).await
     }
 
-    pub fn access(&self, caller: &Caller, ino: u64, mask: u32) -> Result<()> {
-        self.read(|s| s.access(caller, ino, mask))
+    pub async fn access(&self, caller: &Caller, ino: u64, mask: u32) -> Result<()> {
+        self.read(|s| s.access(caller, ino, mask)).await
     }
 
-    pub fn statfs(&self) -> Result<v1::StatFsReply> {
+    pub async fn statfs(&self) -> Result<v1::StatFsReply> {
         self.read(|s| {
             let stats = s.stats();
             Ok(v1::StatFsReply {
@@ -355,11 +522,12 @@ impl Manager {
                 max_name_len: crate::model::MAX_NAME_LEN as u32,
             })
         })
+        .await
     }
 
     /// setattr: mode, owner, times, and size (which allocates or frees).
     pub async fn setattr(
-        self: &Arc<Self>,
+        &self,
         caller: Caller,
         ino: u64,
         change: SetAttr,
@@ -393,7 +561,7 @@ impl Manager {
     /// Creates a region, allocating `preallocate` bytes (and a fixed address
     /// when FIXVADDR is inherited or asked for). All or nothing.
     pub async fn create(
-        self: &Arc<Self>,
+        &self,
         caller: Caller,
         parent: u64,
         name: String,
@@ -421,22 +589,23 @@ impl Manager {
 
     // ---- regions ----
 
-    pub fn open_region(&self, caller: &Caller, ino: u64, write: bool) -> Result<v1::RegionInfo> {
+    pub async fn open_region(
+        &self,
+        caller: &Caller,
+        ino: u64,
+        write: bool,
+    ) -> Result<v1::RegionInfo> {
         self.write(|s| {
             let handle = s.open_region(caller, ino, write)?;
             let mut info = s.region_info(ino, None)?;
             info.handle = handle.id;
             Ok(info)
         })
+        .await
     }
 
     /// Grows a region to at least `size` bytes.
-    pub async fn extend(
-        self: &Arc<Self>,
-        caller: Caller,
-        ino: u64,
-        size: u64,
-    ) -> Result<v1::RegionInfo> {
+    pub async fn extend(&self, caller: Caller, ino: u64, size: u64) -> Result<v1::RegionInfo> {
         self.write_allocating(move |s| {
             let inode = s.region(ino)?;
             crate::access::check(&caller, inode, crate::access::WRITE, "extend this region")?;
@@ -448,12 +617,7 @@ impl Manager {
     }
 
     /// Sets a region's size.
-    pub async fn truncate(
-        self: &Arc<Self>,
-        caller: Caller,
-        ino: u64,
-        size: u64,
-    ) -> Result<v1::RegionInfo> {
+    pub async fn truncate(&self, caller: Caller, ino: u64, size: u64) -> Result<v1::RegionInfo> {
         self.write_allocating(move |s| {
             let inode = s.region(ino)?;
             crate::access::check(&caller, inode, crate::access::WRITE, "truncate this region")?;
@@ -463,7 +627,12 @@ impl Manager {
         .await
     }
 
-    pub fn get_map(&self, caller: &Caller, ino: u64, known_version: u64) -> Result<v1::RegionInfo> {
+    pub async fn get_map(
+        &self,
+        caller: &Caller,
+        ino: u64,
+        known_version: u64,
+    ) -> Result<v1::RegionInfo> {
         self.read(|s| {
             let inode = s.region(ino)?;
             crate::access::check(
@@ -474,16 +643,17 @@ impl Manager {
             )?;
             s.region_info(ino, Some(known_version))
         })
+        .await
     }
 
-    pub fn close(&self, caller: &Caller, handle: u64) -> Result<bool> {
-        self.write(|s| s.close_handle(caller, handle))
+    pub async fn close(&self, caller: &Caller, handle: u64) -> Result<bool> {
+        self.write(|s| s.close_handle(caller, handle)).await
     }
 
     // ---- cluster ----
 
-    pub fn register_host(&self, r: &HostRegistration) -> Result<(u64, Vec<v1::PoolRecord>)> {
-        let restarted = self.write(|s| s.register_host(r))?;
+    pub async fn register_host(&self, r: &HostRegistration) -> Result<(u64, Vec<v1::PoolRecord>)> {
+        let restarted = self.write(|s| s.register_host(r)).await?;
         if let Some(previous) = restarted {
             tracing::warn!(
                 host = r.host_id,
@@ -500,22 +670,26 @@ impl Manager {
                 .collect();
             Ok((s.lease.as_millis() as u64, pools))
         })
+        .await
     }
 
-    pub fn heartbeat(&self, host: u32, incarnation: u64) -> Result<u64> {
+    pub async fn heartbeat(&self, host: u32, incarnation: u64) -> Result<u64> {
         // Leases are not stored: no commit needed, but use write for the lock.
         self.write(|s| {
             s.heartbeat(host, incarnation)
                 .map(|()| s.lease.as_millis() as u64)
         })
+        .await
     }
 
-    pub fn register_pool(&self, host: u32, gid: u32, size: u64) -> Result<v1::PoolRecord> {
-        let record = self.write(|s| {
-            let pool = s.register_pool(host, gid, size)?;
-            s.pool_record(pool.gid)
-                .ok_or_else(|| ManagerError::NotFound(format!("pool {}", pool.gid)))
-        })?;
+    pub async fn register_pool(&self, host: u32, gid: u32, size: u64) -> Result<v1::PoolRecord> {
+        let record = self
+            .write(|s| {
+                let pool = s.register_pool(host, gid, size)?;
+                s.pool_record(pool.gid)
+                    .ok_or_else(|| ManagerError::NotFound(format!("pool {}", pool.gid)))
+            })
+            .await?;
         tracing::info!(
             host,
             gid = record.gid,
@@ -526,11 +700,12 @@ impl Manager {
         Ok(record)
     }
 
-    pub fn list_hosts(&self) -> Result<Vec<v1::HostRecord>> {
+    pub async fn list_hosts(&self) -> Result<Vec<v1::HostRecord>> {
         self.read(|s| Ok(s.hosts.values().map(|h| s.host_record(h)).collect()))
+            .await
     }
 
-    pub fn list_pools(&self, host: u32) -> Result<Vec<v1::PoolRecord>> {
+    pub async fn list_pools(&self, host: u32) -> Result<Vec<v1::PoolRecord>> {
         self.read(|s| {
             Ok(s.alloc
                 .pools()
@@ -538,9 +713,10 @@ impl Manager {
                 .filter_map(|p| s.pool_record(p.pool.gid))
                 .collect())
         })
+        .await
     }
 
-    pub fn pool_chunks(&self, gid: u32) -> Result<v1::PoolChunksReply> {
+    pub async fn pool_chunks(&self, gid: u32) -> Result<v1::PoolChunksReply> {
         // The sequence is read under the state lock, so every event up to it
         // is reflected in the chunks (events are published after commit).
         self.read(|s| {
@@ -549,10 +725,11 @@ impl Manager {
                 sequence: self.current_sequence(),
             })
         })
+        .await
     }
 
-    pub fn stats(&self) -> Result<v1::StatsReply> {
-        self.read(|s| Ok(s.stats()))
+    pub async fn stats(&self) -> Result<v1::StatsReply> {
+        self.read(|s| Ok(s.stats())).await
     }
 }
 
@@ -590,7 +767,7 @@ mod tests {
         }
     }
 
-    fn add_host(m: &Manager, host: u32, offered: u64, pool: u64) {
+    async fn add_host(m: &Manager, host: u32, offered: u64, pool: u64) {
         m.register_host(&HostRegistration {
             host_id: host,
             transport_addr: format!("127.0.0.1:{}", 7000 + host),
@@ -598,9 +775,10 @@ mod tests {
             memory_offered: offered,
             incarnation: 1,
         })
+        .await
         .unwrap();
         if pool > 0 {
-            m.register_pool(host, 0, pool).unwrap();
+            m.register_pool(host, 0, pool).await.unwrap();
         }
     }
 
@@ -609,43 +787,51 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (region, vaddr, map) = {
             let m = Manager::open(dir.path(), config()).unwrap();
-            add_host(&m, 1, 64 * MIB, 64 * MIB);
-            let d = m.mkdir(&user(1), ROOT_INO, "dir", 0o750).unwrap();
+            add_host(&m, 1, 64 * MIB, 64 * MIB).await;
+            let d = m.mkdir(&user(1), ROOT_INO, "dir", 0o750).await.unwrap();
             m.setxattr(&user(1), d.ino, "user.regions.fixvaddr", b"1", 0)
+                .await
                 .unwrap();
             m.setxattr(&user(1), d.ino, "user.colour", b"blue", 0)
+                .await
                 .unwrap();
             let r = m
                 .create(user(1), d.ino, "r".into(), 0o640, None, 3 * MIB)
                 .await
                 .unwrap();
             let info = m.extend(user(1), r.ino, 5 * MIB + 1).await.unwrap();
-            m.open_region(&user(1), r.ino, true).unwrap();
-            m.mkdir(&user(1), ROOT_INO, "gone", 0o755).unwrap();
-            m.rmdir(&user(1), ROOT_INO, "gone").unwrap();
+            m.open_region(&user(1), r.ino, true).await.unwrap();
+            m.mkdir(&user(1), ROOT_INO, "gone", 0o755).await.unwrap();
+            m.rmdir(&user(1), ROOT_INO, "gone").await.unwrap();
             (r.ino, info.attr.unwrap().vaddr, info.map)
         };
         let m = Manager::open(dir.path(), config()).unwrap();
-        let d = m.lookup(&user(1), ROOT_INO, "dir").unwrap();
+        let d = m.lookup(&user(1), ROOT_INO, "dir").await.unwrap();
         assert_eq!(d.mode, 0o750);
-        assert_eq!(m.getxattr(&user(1), d.ino, "user.colour").unwrap(), b"blue");
-        let r = m.lookup(&user(1), d.ino, "r").unwrap();
+        assert_eq!(
+            m.getxattr(&user(1), d.ino, "user.colour").await.unwrap(),
+            b"blue"
+        );
+        let r = m.lookup(&user(1), d.ino, "r").await.unwrap();
         assert_eq!(r.ino, region);
         assert_eq!(r.size, 5 * MIB + 1);
         assert_eq!(r.vaddr, vaddr);
         assert!(r.region_attrs.unwrap().fixvaddr);
-        let info = m.get_map(&user(1), region, 0).unwrap();
+        let info = m.get_map(&user(1), region, 0).await.unwrap();
         assert_eq!(info.map, map);
         assert_eq!(
-            m.lookup(&user(1), ROOT_INO, "gone").unwrap_err().errno(),
+            m.lookup(&user(1), ROOT_INO, "gone")
+                .await
+                .unwrap_err()
+                .errno(),
             libc::ENOENT
         );
-        assert_eq!(m.stats().unwrap().open_handles, 1);
+        assert_eq!(m.stats().await.unwrap().open_handles, 1);
         // Pool free space was rebuilt from the stored maps.
-        let pools = m.list_pools(1).unwrap();
+        let pools = m.list_pools(1).await.unwrap();
         assert_eq!(pools[0].free, 64 * MIB - map.len() as u64 * CHUNK_SIZE);
         // New inode numbers do not reuse old ones.
-        let n = m.mkdir(&user(1), ROOT_INO, "new", 0o755).unwrap();
+        let n = m.mkdir(&user(1), ROOT_INO, "new", 0o755).await.unwrap();
         assert!(n.ino > region);
     }
 
@@ -654,13 +840,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         {
             let m = Manager::open(dir.path(), config()).unwrap();
-            add_host(&m, 1, 16 * MIB, 16 * MIB);
+            add_host(&m, 1, 16 * MIB, 16 * MIB).await;
             let r = m
                 .create(user(1), ROOT_INO, "r".into(), 0o644, None, 4 * MIB)
                 .await
                 .unwrap();
-            let info = m.open_region(&user(1), r.ino, false).unwrap();
-            m.unlink(&user(1), ROOT_INO, "r").unwrap();
+            let info = m.open_region(&user(1), r.ino, false).await.unwrap();
+            m.unlink(&user(1), ROOT_INO, "r").await.unwrap();
             // Closing the handle would free it; pretend the client vanished
             // and the handle was dropped by hand while the manager was down.
             m.write(|s| {
@@ -669,35 +855,46 @@ mod tests {
                 s.dirty.handles.insert(info.handle);
                 Ok(())
             })
+            .await
             .unwrap();
         }
         let m = Manager::open(dir.path(), config()).unwrap();
-        assert_eq!(m.list_pools(1).unwrap()[0].free, 16 * MIB);
+        assert_eq!(m.list_pools(1).await.unwrap()[0].free, 16 * MIB);
     }
 
     #[tokio::test]
     async fn create_is_all_or_nothing() {
         let dir = tempfile::tempdir().unwrap();
         let m = Manager::open(dir.path(), config()).unwrap();
-        add_host(&m, 1, 4 * MIB, 4 * MIB);
+        add_host(&m, 1, 4 * MIB, 4 * MIB).await;
         let err = m
             .create(user(1), ROOT_INO, "big".into(), 0o644, None, 5 * MIB)
             .await
             .unwrap_err();
         assert_eq!(err.errno(), libc::ENOSPC);
         assert_eq!(
-            m.lookup(&user(1), ROOT_INO, "big").unwrap_err().errno(),
+            m.lookup(&user(1), ROOT_INO, "big")
+                .await
+                .unwrap_err()
+                .errno(),
             libc::ENOENT
         );
-        assert_eq!(m.list_pools(1).unwrap()[0].free, 4 * MIB);
+        assert_eq!(m.list_pools(1).await.unwrap()[0].free, 4 * MIB);
         drop(m);
         let m = Manager::open(dir.path(), config()).unwrap();
         assert_eq!(
-            m.lookup(&user(1), ROOT_INO, "big").unwrap_err().errno(),
+            m.lookup(&user(1), ROOT_INO, "big")
+                .await
+                .unwrap_err()
+                .errno(),
             libc::ENOENT
         );
         assert_eq!(
-            m.readdir(&user(1), ROOT_INO, 0, 10).unwrap().entries.len(),
+            m.readdir(&user(1), ROOT_INO, 0, 10)
+                .await
+                .unwrap()
+                .entries
+                .len(),
             0
         );
     }
@@ -706,7 +903,7 @@ mod tests {
     async fn truncate_through_setattr_needs_write_and_fails_cleanly() {
         let dir = tempfile::tempdir().unwrap();
         let m = Manager::open(dir.path(), config()).unwrap();
-        add_host(&m, 1, 4 * MIB, 4 * MIB);
+        add_host(&m, 1, 4 * MIB, 4 * MIB).await;
         let r = m
             .create(user(1), ROOT_INO, "r".into(), 0o644, None, 0)
             .await
@@ -730,7 +927,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(err.errno(), libc::ENOSPC);
         assert_eq!(
-            m.getattr(r.ino).unwrap().mode,
+            m.getattr(r.ino).await.unwrap().mode,
             0o644,
             "mode change rolled back with the size"
         );
@@ -742,7 +939,7 @@ mod tests {
     async fn a_short_host_is_asked_for_a_pool() {
         let dir = tempfile::tempdir().unwrap();
         let m = Manager::open(dir.path(), config()).unwrap();
-        add_host(&m, 1, 64 * MIB, 2 * MIB);
+        add_host(&m, 1, 64 * MIB, 2 * MIB).await;
         let start = m.current_sequence();
         // A stand-in daemon: adds a pool when asked.
         let daemon = {
@@ -754,7 +951,7 @@ mod tests {
                     for e in m.events_after(1, cursor).unwrap() {
                         cursor = e.sequence;
                         if let Some(Event::GrowPool(bytes)) = e.event {
-                            m.register_pool(1, 0, bytes.max(8 * MIB)).unwrap();
+                            m.register_pool(1, 0, bytes.max(8 * MIB)).await.unwrap();
                             return bytes;
                         }
                     }
@@ -770,7 +967,7 @@ mod tests {
             .unwrap();
         assert_eq!(r.allocated, 6 * MIB);
         assert_eq!(daemon.await.unwrap(), 4 * MIB);
-        assert_eq!(m.list_pools(1).unwrap().len(), 2);
+        assert_eq!(m.list_pools(1).await.unwrap().len(), 2);
         // Beyond what the host offers: a clean ENOSPC, without asking.
         let err = m
             .create(user(1), ROOT_INO, "huge".into(), 0o644, None, 128 * MIB)
@@ -787,7 +984,7 @@ mod tests {
             ..config()
         };
         let m = Manager::open(dir.path(), cfg).unwrap();
-        add_host(&m, 1, 64 * MIB, 2 * MIB);
+        add_host(&m, 1, 64 * MIB, 2 * MIB).await;
         let t = std::time::Instant::now();
         let err = m
             .create(user(1), ROOT_INO, "r".into(), 0o644, None, 6 * MIB)
@@ -796,7 +993,7 @@ mod tests {
         assert_eq!(err.errno(), libc::ENOSPC);
         assert!(t.elapsed() < Duration::from_secs(5));
         assert_eq!(
-            m.lookup(&user(1), ROOT_INO, "r").unwrap_err().errno(),
+            m.lookup(&user(1), ROOT_INO, "r").await.unwrap_err().errno(),
             libc::ENOENT
         );
     }
@@ -805,8 +1002,8 @@ mod tests {
     async fn daemons_see_their_events_in_order_and_resync_when_needed() {
         let dir = tempfile::tempdir().unwrap();
         let m = Manager::open(dir.path(), config()).unwrap();
-        add_host(&m, 1, 16 * MIB, 16 * MIB);
-        add_host(&m, 2, 16 * MIB, 16 * MIB);
+        add_host(&m, 1, 16 * MIB, 16 * MIB).await;
+        add_host(&m, 2, 16 * MIB, 16 * MIB).await;
         let start = m.current_sequence();
         let r = m
             .create(user(1), ROOT_INO, "r".into(), 0o644, None, MIB)
@@ -829,8 +1026,8 @@ mod tests {
             .create(user(1), ROOT_INO, "r2".into(), 0o644, None, MIB)
             .await
             .unwrap();
-        let gid = m.list_pools(1).unwrap()[0].gid;
-        let chunks = m.pool_chunks(gid).unwrap();
+        let gid = m.list_pools(1).await.unwrap()[0].gid;
+        let chunks = m.pool_chunks(gid).await.unwrap();
         assert_eq!(chunks.chunks.len(), 1);
         assert_eq!(chunks.chunks[0].ino, r2.ino);
         assert!(m.events_after(1, chunks.sequence).unwrap().is_empty());

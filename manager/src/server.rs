@@ -2,6 +2,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use regions_proto::auth::{RequireSecret, Secret};
 use regions_proto::v1::{
@@ -19,15 +20,22 @@ use crate::service::Services;
 /// Largest gRPC message (a region map of 1 TiB is 64 MiB of entries).
 pub const MAX_MESSAGE: usize = 256 << 20;
 
-/// Serves every manager service on `listener` until `shutdown` resolves.
-/// Every call must carry the cluster secret.
+/// How long open calls may take to finish once shutdown begins.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);
+
+/// Serves every manager service on `listener` until `shutdown` resolves,
+/// then lets open calls finish for at most [`SHUTDOWN_GRACE`] (daemons hold
+/// event streams open indefinitely; they are ended first). Every call must
+/// carry the cluster secret.
 pub async fn serve(
     manager: Arc<Manager>,
     listener: TcpListener,
     secret: Secret,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
-    let services = Services { manager };
+    let services = Services {
+        manager: Arc::clone(&manager),
+    };
     let auth = RequireSecret(secret);
     let incoming = TcpListenerStream::new(listener).map(|stream| {
         if let Ok(s) = &stream
@@ -37,7 +45,8 @@ pub async fn serve(
         }
         stream
     });
-    Server::builder()
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = Server::builder()
         .add_service(InterceptedService::new(
             NamespaceServer::new(services.clone())
                 .max_decoding_message_size(MAX_MESSAGE)
@@ -56,6 +65,23 @@ pub async fn serve(
                 .max_encoding_message_size(MAX_MESSAGE),
             auth,
         ))
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await
+        .serve_with_incoming_shutdown(incoming, async {
+            let _ = stop_rx.await;
+        });
+    tokio::pin!(server);
+    tokio::select! {
+        result = &mut server => return result,
+        () = shutdown => {}
+    }
+    manager.begin_shutdown();
+    let _ = stop_tx.send(());
+    match tokio::time::timeout(SHUTDOWN_GRACE, server).await {
+        Ok(result) => result,
+        Err(_) => {
+            tracing::warn!(
+                "calls still open {SHUTDOWN_GRACE:?} after shutdown began; closing them"
+            );
+            Ok(())
+        }
+    }
 }

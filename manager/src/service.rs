@@ -39,17 +39,6 @@ fn reply<T>(op: &'static str, result: Result<T>) -> Result<Response<T>, Status> 
     }
 }
 
-/// Runs a manager call off the async workers (it may wait for a commit).
-async fn blocking<T: Send + 'static>(
-    op: &'static str,
-    f: impl FnOnce() -> Result<T> + Send + 'static,
-) -> Result<Response<T>, Status> {
-    let result = tokio::task::spawn_blocking(f)
-        .await
-        .unwrap_or_else(|e| Err(ManagerError::Store(format!("manager task failed: {e}"))));
-    reply(op, result)
-}
-
 fn caller(c: Option<&v1::Caller>) -> Result<Caller, Status> {
     Caller::from_proto(c).map_err(Status::from)
 }
@@ -59,15 +48,13 @@ impl Namespace for Services {
     async fn lookup(&self, r: Request<v1::LookupRequest>) -> Result<Response<v1::Attr>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        let m = Arc::clone(&self.manager);
-        blocking("lookup", move || m.lookup(&c, r.parent, &r.name)).await
+        reply("lookup", self.manager.lookup(&c, r.parent, &r.name).await)
     }
 
     async fn get_attr(&self, r: Request<v1::GetAttrRequest>) -> Result<Response<v1::Attr>, Status> {
         let r = r.into_inner();
         caller(r.caller.as_ref())?;
-        let m = Arc::clone(&self.manager);
-        blocking("getattr", move || m.getattr(r.ino)).await
+        reply("getattr", self.manager.getattr(r.ino).await)
     }
 
     async fn set_attr(&self, r: Request<v1::SetAttrRequest>) -> Result<Response<v1::Attr>, Status> {
@@ -89,18 +76,22 @@ impl Namespace for Services {
     async fn mkdir(&self, r: Request<v1::MkdirRequest>) -> Result<Response<v1::Attr>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        let m = Arc::clone(&self.manager);
-        blocking("mkdir", move || m.mkdir(&c, r.parent, &r.name, r.mode)).await
+        reply(
+            "mkdir",
+            self.manager.mkdir(&c, r.parent, &r.name, r.mode).await,
+        )
     }
 
     async fn rmdir(&self, r: Request<v1::RemoveRequest>) -> Result<Response<v1::Empty>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        let m = Arc::clone(&self.manager);
-        blocking("rmdir", move || {
-            m.rmdir(&c, r.parent, &r.name).map(|()| v1::Empty {})
-        })
-        .await
+        reply(
+            "rmdir",
+            self.manager
+                .rmdir(&c, r.parent, &r.name)
+                .await
+                .map(|()| v1::Empty {}),
+        )
     }
 
     async fn create(&self, r: Request<v1::CreateRequest>) -> Result<Response<v1::Attr>, Status> {
@@ -116,22 +107,25 @@ impl Namespace for Services {
     async fn unlink(&self, r: Request<v1::RemoveRequest>) -> Result<Response<v1::Empty>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        let m = Arc::clone(&self.manager);
-        blocking("unlink", move || {
-            m.unlink(&c, r.parent, &r.name).map(|()| v1::Empty {})
-        })
-        .await
+        reply(
+            "unlink",
+            self.manager
+                .unlink(&c, r.parent, &r.name)
+                .await
+                .map(|()| v1::Empty {}),
+        )
     }
 
     async fn rename(&self, r: Request<v1::RenameRequest>) -> Result<Response<v1::Empty>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        let m = Arc::clone(&self.manager);
-        blocking("rename", move || {
-            m.rename(&c, r.parent, &r.name, r.new_parent, &r.new_name, r.flags)
-                .map(|()| v1::Empty {})
-        })
-        .await
+        reply(
+            "rename",
+            self.manager
+                .rename(&c, r.parent, &r.name, r.new_parent, &r.new_name, r.flags)
+                .await
+                .map(|()| v1::Empty {}),
+        )
     }
 
     async fn read_dir(
@@ -144,8 +138,10 @@ impl Namespace for Services {
             0 => READDIR_MAX,
             n => n.min(READDIR_MAX),
         };
-        let m = Arc::clone(&self.manager);
-        blocking("readdir", move || m.readdir(&c, r.ino, r.offset, limit)).await
+        reply(
+            "readdir",
+            self.manager.readdir(&c, r.ino, r.offset, limit).await,
+        )
     }
 
     async fn get_xattr(
@@ -154,12 +150,13 @@ impl Namespace for Services {
     ) -> Result<Response<v1::GetXattrReply>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        let m = Arc::clone(&self.manager);
-        blocking("getxattr", move || {
-            m.getxattr(&c, r.ino, &r.name)
-                .map(|value| v1::GetXattrReply { value })
-        })
-        .await
+        reply(
+            "getxattr",
+            self.manager
+                .getxattr(&c, r.ino, &r.name)
+                .await
+                .map(|value| v1::GetXattrReply { value }),
+        )
     }
 
     async fn set_xattr(
@@ -168,12 +165,13 @@ impl Namespace for Services {
     ) -> Result<Response<v1::Empty>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        let m = Arc::clone(&self.manager);
-        blocking("setxattr", move || {
-            m.setxattr(&c, r.ino, &r.name, &r.value, r.flags)
-                .map(|()| v1::Empty {})
-        })
-        .await
+        reply(
+            "setxattr",
+            self.manager
+                .setxattr(&c, r.ino, &r.name, &r.value, r.flags)
+                .await
+                .map(|()| v1::Empty {}),
+        )
     }
 
     async fn list_xattr(
@@ -182,12 +180,13 @@ impl Namespace for Services {
     ) -> Result<Response<v1::ListXattrReply>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        let m = Arc::clone(&self.manager);
-        blocking("listxattr", move || {
-            m.listxattr(&c, r.ino)
-                .map(|names| v1::ListXattrReply { names })
-        })
-        .await
+        reply(
+            "listxattr",
+            self.manager
+                .listxattr(&c, r.ino)
+                .await
+                .map(|names| v1::ListXattrReply { names }),
+        )
     }
 
     async fn remove_xattr(
@@ -196,11 +195,13 @@ impl Namespace for Services {
     ) -> Result<Response<v1::Empty>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        let m = Arc::clone(&self.manager);
-        blocking("removexattr", move || {
-            m.removexattr(&c, r.ino, &r.name).map(|()| v1::Empty {})
-        })
-        .await
+        reply(
+            "removexattr",
+            self.manager
+                .removexattr(&c, r.ino, &r.name)
+                .await
+                .map(|()| v1::Empty {}),
+        )
     }
 
     async fn stat_fs(
@@ -208,18 +209,19 @@ impl Namespace for Services {
         r: Request<v1::StatFsRequest>,
     ) -> Result<Response<v1::StatFsReply>, Status> {
         caller(r.get_ref().caller.as_ref())?;
-        let m = Arc::clone(&self.manager);
-        blocking("statfs", move || m.statfs()).await
+        reply("statfs", self.manager.statfs().await)
     }
 
     async fn access(&self, r: Request<v1::AccessRequest>) -> Result<Response<v1::Empty>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        let m = Arc::clone(&self.manager);
-        blocking("access", move || {
-            m.access(&c, r.ino, r.mask).map(|()| v1::Empty {})
-        })
-        .await
+        reply(
+            "access",
+            self.manager
+                .access(&c, r.ino, r.mask)
+                .await
+                .map(|()| v1::Empty {}),
+        )
     }
 }
 
@@ -228,8 +230,7 @@ impl Regions for Services {
     async fn open(&self, r: Request<v1::OpenRequest>) -> Result<Response<v1::RegionInfo>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        let m = Arc::clone(&self.manager);
-        blocking("open", move || m.open_region(&c, r.ino, r.write)).await
+        reply("open", self.manager.open_region(&c, r.ino, r.write).await)
     }
 
     async fn extend(
@@ -256,8 +257,10 @@ impl Regions for Services {
     ) -> Result<Response<v1::RegionInfo>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        let m = Arc::clone(&self.manager);
-        blocking("getmap", move || m.get_map(&c, r.ino, r.known_version)).await
+        reply(
+            "getmap",
+            self.manager.get_map(&c, r.ino, r.known_version).await,
+        )
     }
 
     async fn close(
@@ -266,11 +269,13 @@ impl Regions for Services {
     ) -> Result<Response<v1::CloseReply>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        let m = Arc::clone(&self.manager);
-        blocking("close", move || {
-            m.close(&c, r.handle).map(|freed| v1::CloseReply { freed })
-        })
-        .await
+        reply(
+            "close",
+            self.manager
+                .close(&c, r.handle)
+                .await
+                .map(|freed| v1::CloseReply { freed }),
+        )
     }
 }
 
@@ -290,13 +295,15 @@ impl Cluster for Services {
             memory_offered: r.memory_offered,
             incarnation: r.incarnation,
         };
-        let m = Arc::clone(&self.manager);
-        blocking("register_host", move || {
-            let (lease_ms, pools) = m.register_host(&reg)?;
-            tracing::info!(host = reg.host_id, addr = %reg.transport_addr, "host registered");
-            Ok(v1::RegisterHostReply { lease_ms, pools })
-        })
-        .await
+        reply(
+            "register_host",
+            (async {
+                let (lease_ms, pools) = self.manager.register_host(&reg).await?;
+                tracing::info!(host = reg.host_id, addr = %reg.transport_addr, "host registered");
+                Ok(v1::RegisterHostReply { lease_ms, pools })
+            })
+            .await,
+        )
     }
 
     async fn heartbeat(
@@ -304,12 +311,16 @@ impl Cluster for Services {
         r: Request<v1::HeartbeatRequest>,
     ) -> Result<Response<v1::HeartbeatReply>, Status> {
         let r = r.into_inner();
-        let m = Arc::clone(&self.manager);
-        blocking("heartbeat", move || {
-            m.heartbeat(r.host_id, r.incarnation)
-                .map(|lease_ms| v1::HeartbeatReply { lease_ms })
-        })
-        .await
+        reply(
+            "heartbeat",
+            (async {
+                self.manager
+                    .heartbeat(r.host_id, r.incarnation)
+                    .await
+                    .map(|lease_ms| v1::HeartbeatReply { lease_ms })
+            })
+            .await,
+        )
     }
 
     async fn register_pool(
@@ -317,22 +328,23 @@ impl Cluster for Services {
         r: Request<v1::RegisterPoolRequest>,
     ) -> Result<Response<v1::PoolRecord>, Status> {
         let r = r.into_inner();
-        let m = Arc::clone(&self.manager);
-        blocking("register_pool", move || {
-            m.register_pool(r.host_id, r.gid, r.size)
-        })
-        .await
+        reply(
+            "register_pool",
+            self.manager.register_pool(r.host_id, r.gid, r.size).await,
+        )
     }
 
     async fn list_hosts(
         &self,
         _: Request<v1::ListHostsRequest>,
     ) -> Result<Response<v1::ListHostsReply>, Status> {
-        let m = Arc::clone(&self.manager);
-        blocking("list_hosts", move || {
-            m.list_hosts().map(|hosts| v1::ListHostsReply { hosts })
-        })
-        .await
+        reply(
+            "list_hosts",
+            self.manager
+                .list_hosts()
+                .await
+                .map(|hosts| v1::ListHostsReply { hosts }),
+        )
     }
 
     async fn list_pools(
@@ -340,11 +352,13 @@ impl Cluster for Services {
         r: Request<v1::ListPoolsRequest>,
     ) -> Result<Response<v1::ListPoolsReply>, Status> {
         let host = r.into_inner().host_id;
-        let m = Arc::clone(&self.manager);
-        blocking("list_pools", move || {
-            m.list_pools(host).map(|pools| v1::ListPoolsReply { pools })
-        })
-        .await
+        reply(
+            "list_pools",
+            self.manager
+                .list_pools(host)
+                .await
+                .map(|pools| v1::ListPoolsReply { pools }),
+        )
     }
 
     async fn pool_chunks(
@@ -352,16 +366,14 @@ impl Cluster for Services {
         r: Request<v1::PoolChunksRequest>,
     ) -> Result<Response<v1::PoolChunksReply>, Status> {
         let gid = r.into_inner().gid;
-        let m = Arc::clone(&self.manager);
-        blocking("pool_chunks", move || m.pool_chunks(gid)).await
+        reply("pool_chunks", self.manager.pool_chunks(gid).await)
     }
 
     async fn stats(
         &self,
         _: Request<v1::StatsRequest>,
     ) -> Result<Response<v1::StatsReply>, Status> {
-        let m = Arc::clone(&self.manager);
-        blocking("stats", move || m.stats()).await
+        reply("stats", self.manager.stats().await)
     }
 
     type WatchHostStream = EventStream;
@@ -379,6 +391,7 @@ impl Cluster for Services {
         let (tx, rx) = tokio::sync::mpsc::channel(256);
         tokio::spawn(async move {
             let mut wake = manager.subscribe_events();
+            let mut closing = manager.closing();
             let mut cursor = r.after_sequence;
             loop {
                 let events = match manager.events_after(r.host_id, cursor) {
@@ -396,6 +409,7 @@ impl Cluster for Services {
                 }
                 tokio::select! {
                     changed = wake.changed() => if changed.is_err() { return },
+                    _ = closing.wait_for(|c| *c) => return,
                     () = tx.closed() => return,
                 }
             }

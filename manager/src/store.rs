@@ -4,10 +4,12 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
+use serde::{Deserialize, Serialize};
 
 use crate::model::{Dirent, Handle, Host, Inode, Pool, ROOT_INO, decode, encode};
 use crate::state::{Counters, State};
+use crate::wal::{WAL_SIZE, Wal};
 
 const INODES: TableDefinition<u64, &[u8]> = TableDefinition::new("inodes");
 /// (parent, name) → (inode, cookie).
@@ -58,10 +60,16 @@ impl From<postcard::Error> for StoreError {
     }
 }
 
-/// The embedded transactional store.
+/// The embedded transactional store: redb behind a write-ahead log.
 pub struct Store {
     db: Database,
+    wal: Wal,
+    /// Epoch of the log's current entries (stored in redb at checkpoints).
+    epoch: u64,
 }
+
+/// Counter holding the write-ahead log's epoch.
+const WAL_EPOCH: &str = "wal_epoch";
 
 impl Store {
     /// Opens (or creates) the store in `dir` and loads the state.
@@ -73,13 +81,70 @@ impl Store {
         };
         std::fs::create_dir_all(dir).map_err(|e| open_err(redb::Error::Io(e)))?;
         let db = Database::create(&path).map_err(|e| open_err(e.into()))?;
-        let store = Store { db };
+        let wal_path = dir.join("manager.wal");
+        let wal = Wal::open(&wal_path).map_err(|e| StoreError::Open {
+            path: wal_path.display().to_string(),
+            source: redb::Error::Io(e),
+        })?;
+        let mut store = Store { db, wal, epoch: 0 };
+        store.create_tables()?;
+        store.recover()?;
         let mut state = store.load(lease)?;
         if !state.inodes.contains_key(&ROOT_INO) {
             state = State::new(lease, root_mode);
             store.commit(&mut state)?;
         }
         Ok((store, state))
+    }
+
+    /// Applies the log's entries of the stored epoch to redb, then
+    /// checkpoints so the log starts empty.
+    fn recover(&mut self) -> Result<(), StoreError> {
+        let txn = self.db.begin_read()?;
+        self.epoch = txn
+            .open_table(COUNTERS)?
+            .get(WAL_EPOCH)?
+            .map_or(0, |v| v.value());
+        drop(txn);
+        let entries = self
+            .wal
+            .replay(self.epoch)
+            .map_err(|e| StoreError::Db(redb::Error::Io(e)))?;
+        if !entries.is_empty() {
+            tracing::info!(entries = entries.len(), "replaying the write-ahead log");
+        }
+        for entry in entries {
+            let records: Vec<Record> = decode(&entry)?;
+            self.apply(&records, Durability::None)?;
+        }
+        self.checkpoint()
+    }
+
+    /// Makes everything applied to redb durable there and starts the log
+    /// over under a new epoch.
+    pub fn checkpoint(&mut self) -> Result<(), StoreError> {
+        let next = self.epoch + 1;
+        self.apply(
+            &[Record::Counter(WAL_EPOCH.to_owned(), next)],
+            Durability::Immediate,
+        )?;
+        self.epoch = next;
+        self.wal.restart(next);
+        Ok(())
+    }
+
+    /// Makes sure every table exists (a new store has none).
+    fn create_tables(&self) -> Result<(), StoreError> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(INODES)?;
+        txn.open_table(DIRENTS)?;
+        txn.open_table(CHUNKS)?;
+        txn.open_table(HOSTS)?;
+        txn.open_table(POOLS)?;
+        txn.open_table(HANDLES)?;
+        txn.open_table(COUNTERS)?;
+        txn.commit()?;
+        Ok(())
     }
 
     fn load(&self, lease: Duration) -> Result<State, StoreError> {
@@ -162,92 +227,212 @@ impl Store {
         Ok(state)
     }
 
-    /// Writes every dirty record of `state` in one transaction and waits for
-    /// it to be durable. Clears the dirty set on success.
-    pub fn commit(&self, state: &mut State) -> Result<(), StoreError> {
-        if state.dirty.is_empty() {
-            return Ok(());
+    /// Writes every dirty record of `state` now (start-up, tests).
+    pub fn commit(&mut self, state: &mut State) -> Result<(), StoreError> {
+        let records = collect(state)?;
+        self.write(&records)
+    }
+
+    /// Makes records durable and applies them to redb.
+    pub fn write(&mut self, records: &[Record]) -> Result<(), StoreError> {
+        if self.log(records)? {
+            self.apply_logged(records)?;
         }
-        let txn = self.db.begin_write()?;
-        {
+        Ok(())
+    }
+
+    /// Makes records durable: appended to the log with one flush (returns
+    /// true: [`Store::apply_logged`] must follow), or, for a group too
+    /// large for the log, written to redb durably (returns false).
+    pub fn log(&mut self, records: &[Record]) -> Result<bool, StoreError> {
+        if records.is_empty() {
+            return Ok(false);
+        }
+        let payload = encode(&records.to_vec())?;
+        if !self.wal.fits(payload.len()) {
+            self.checkpoint()?;
+        }
+        if self.wal.fits(payload.len()) {
+            self.wal
+                .append(&payload)
+                .map_err(|e| StoreError::Db(redb::Error::Io(e)))?;
+            Ok(true)
+        } else {
+            self.apply(records, Durability::Immediate)?;
+            Ok(false)
+        }
+    }
+
+    /// Applies logged records to redb (not waiting for the disk: the log
+    /// has them), checkpointing when the log runs full.
+    pub fn apply_logged(&mut self, records: &[Record]) -> Result<(), StoreError> {
+        self.apply(records, Durability::None)?;
+        if self.wal.used() > WAL_SIZE / 4 * 3 {
+            self.checkpoint()?;
+        }
+        Ok(())
+    }
+
+    /// Writes records to redb in one transaction.
+    fn apply(&self, records: &[Record], durability: Durability) -> Result<(), StoreError> {
+        let mut txn = self.db.begin_write()?;
+        txn.set_durability(durability)
+            .map_err(|e| StoreError::Corrupt(format!("cannot set durability: {e}")))?;
+        // One pass per table, each opened only when a record needs it;
+        // records of one table keep their order.
+        let any = |f: fn(&Record) -> bool| records.iter().any(f);
+        if any(|r| matches!(r, Record::Inode(..))) {
             let mut t = txn.open_table(INODES)?;
-            for ino in &state.dirty.inodes {
-                match state.inodes.get(ino) {
-                    Some(inode) => {
-                        t.insert(*ino, encode(inode)?.as_slice())?;
-                    }
-                    None => {
-                        t.remove(*ino)?;
+            for r in records {
+                if let Record::Inode(k, v) = r {
+                    match v {
+                        Some(v) => drop(t.insert(*k, v.as_slice())?),
+                        None => drop(t.remove(*k)?),
                     }
                 }
             }
+        }
+        if any(|r| matches!(r, Record::Dirent(..))) {
             let mut t = txn.open_table(DIRENTS)?;
-            for (parent, name) in &state.dirty.dirents {
-                match state.child(*parent, name) {
-                    Some(d) => {
-                        t.insert((*parent, name.as_str()), (d.ino, d.cookie))?;
-                    }
-                    None => {
-                        t.remove((*parent, name.as_str()))?;
+            for r in records {
+                if let Record::Dirent(parent, name, v) = r {
+                    match v {
+                        Some(v) => drop(t.insert((*parent, name.as_str()), *v)?),
+                        None => drop(t.remove((*parent, name.as_str()))?),
                     }
                 }
             }
+        }
+        if any(|r| matches!(r, Record::Chunk(..))) {
             let mut t = txn.open_table(CHUNKS)?;
-            for &(ino, from, to) in &state.dirty.chunks {
-                let map = state.maps.get(&ino).map_or(&[][..], Vec::as_slice);
-                for index in from..to {
-                    match map.get(index as usize) {
-                        Some(entry) => {
-                            t.insert((ino, index), *entry)?;
-                        }
-                        None => {
-                            t.remove((ino, index))?;
-                        }
+            for r in records {
+                if let Record::Chunk(ino, index, v) = r {
+                    match v {
+                        Some(v) => drop(t.insert((*ino, *index), *v)?),
+                        None => drop(t.remove((*ino, *index))?),
                     }
                 }
             }
-            let mut t = txn.open_table(HOSTS)?;
-            for id in &state.dirty.hosts {
-                match state.hosts.get(id) {
-                    Some(h) => {
-                        t.insert(*id, encode(h)?.as_slice())?;
-                    }
-                    None => {
-                        t.remove(*id)?;
+        }
+        for (table, pick) in [
+            (
+                HOSTS,
+                (|r: &Record| match r {
+                    Record::Host(k, v) => Some((*k, v.as_deref())),
+                    _ => None,
+                }) as fn(&Record) -> Option<(u32, Option<&[u8]>)>,
+            ),
+            (POOLS, |r: &Record| match r {
+                Record::Pool(k, v) => Some((*k, v.as_deref())),
+                _ => None,
+            }),
+        ] {
+            if records.iter().any(|r| pick(r).is_some()) {
+                let mut t = txn.open_table(table)?;
+                for (k, v) in records.iter().filter_map(pick) {
+                    match v {
+                        Some(v) => drop(t.insert(k, v)?),
+                        None => drop(t.remove(k)?),
                     }
                 }
             }
-            let mut t = txn.open_table(POOLS)?;
-            for gid in &state.dirty.pools {
-                match state.alloc.pool(*gid) {
-                    Some(p) => {
-                        t.insert(*gid, encode(&p.pool)?.as_slice())?;
-                    }
-                    None => {
-                        t.remove(*gid)?;
-                    }
-                }
-            }
+        }
+        if any(|r| matches!(r, Record::Handle(..))) {
             let mut t = txn.open_table(HANDLES)?;
-            for id in &state.dirty.handles {
-                match state.handles.get(id) {
-                    Some(h) => {
-                        t.insert(*id, encode(h)?.as_slice())?;
-                    }
-                    None => {
-                        t.remove(*id)?;
+            for r in records {
+                if let Record::Handle(k, v) = r {
+                    match v {
+                        Some(v) => drop(t.insert(*k, v.as_slice())?),
+                        None => drop(t.remove(*k)?),
                     }
                 }
             }
+        }
+        if any(|r| matches!(r, Record::Counter(..))) {
             let mut t = txn.open_table(COUNTERS)?;
-            if state.dirty.counters {
-                t.insert("next_ino", state.counters.next_ino)?;
-                t.insert("next_handle", state.counters.next_handle)?;
-                t.insert("next_gid", u64::from(state.counters.next_gid))?;
+            for r in records {
+                if let Record::Counter(name, v) = r {
+                    t.insert(name.as_str(), *v)?;
+                }
             }
         }
         txn.commit()?;
-        state.dirty = Default::default();
         Ok(())
+    }
+}
+
+/// One change to a stored record (`None`: delete it).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Record {
+    Inode(u64, Option<Vec<u8>>),
+    Dirent(u64, String, Option<(u64, u64)>),
+    Chunk(u64, u64, Option<u64>),
+    Host(u32, Option<Vec<u8>>),
+    Pool(u32, Option<Vec<u8>>),
+    Handle(u64, Option<Vec<u8>>),
+    Counter(String, u64),
+}
+
+/// Serialises every dirty record of `state` and clears the dirty set.
+pub fn collect(state: &mut State) -> Result<Vec<Record>, StoreError> {
+    let dirty = std::mem::take(&mut state.dirty);
+    let mut out = Vec::new();
+    for ino in &dirty.inodes {
+        let v = match state.inodes.get(ino) {
+            Some(inode) => Some(encode(inode)?),
+            None => None,
+        };
+        out.push(Record::Inode(*ino, v));
+    }
+    for (parent, name) in dirty.dirents {
+        let v = state.child(parent, &name).map(|d| (d.ino, d.cookie));
+        out.push(Record::Dirent(parent, name, v));
+    }
+    for &(ino, from, to) in &dirty.chunks {
+        let map = state.maps.get(&ino).map_or(&[][..], Vec::as_slice);
+        for index in from..to {
+            out.push(Record::Chunk(ino, index, map.get(index as usize).copied()));
+        }
+    }
+    for id in &dirty.hosts {
+        let v = match state.hosts.get(id) {
+            Some(h) => Some(encode(h)?),
+            None => None,
+        };
+        out.push(Record::Host(*id, v));
+    }
+    for gid in &dirty.pools {
+        let v = match state.alloc.pool(*gid) {
+            Some(p) => Some(encode(&p.pool)?),
+            None => None,
+        };
+        out.push(Record::Pool(*gid, v));
+    }
+    for id in &dirty.handles {
+        let v = match state.handles.get(id) {
+            Some(h) => Some(encode(h)?),
+            None => None,
+        };
+        out.push(Record::Handle(*id, v));
+    }
+    if dirty.counters {
+        out.push(Record::Counter("next_ino".into(), state.counters.next_ino));
+        out.push(Record::Counter(
+            "next_handle".into(),
+            state.counters.next_handle,
+        ));
+        out.push(Record::Counter(
+            "next_gid".into(),
+            u64::from(state.counters.next_gid),
+        ));
+    }
+    Ok(out)
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        if let Err(e) = self.checkpoint() {
+            tracing::warn!(error = %e, "checkpoint at close failed; the log will be replayed at the next start");
+        }
     }
 }

@@ -139,6 +139,18 @@ fn ops_from_env() -> anyhow::Result<usize> {
     }
 }
 
+/// Requests in flight in the concurrent phase (`BENCH_CONCURRENCY`, default 8).
+fn concurrency_from_env() -> anyhow::Result<usize> {
+    match std::env::var("BENCH_CONCURRENCY") {
+        Ok(v) => v
+            .parse::<usize>()
+            .ok()
+            .filter(|n| *n > 0)
+            .with_context(|| format!("BENCH_CONCURRENCY must be a positive integer, not {v:?}")),
+        Err(_) => Ok(8),
+    }
+}
+
 async fn bench() -> anyhow::Result<()> {
     let iterations = ops_from_env()?;
     let base = match std::env::var_os("BENCH_DIR") {
@@ -241,6 +253,50 @@ async fn bench() -> anyhow::Result<()> {
         unlink.all.push(t.elapsed());
     }
     let elapsed = started.elapsed();
+
+    // The same work from one client with several requests in flight on its
+    // connection: the manager commits concurrent changes together.
+    let concurrent = concurrency_from_env()?;
+    let started = Instant::now();
+    let mut workers = Vec::new();
+    for w in 0..concurrent {
+        let mut ns = clients.namespace.clone();
+        let per = iterations / concurrent;
+        workers.push(tokio::spawn(async move {
+            for i in 0..per {
+                let name = format!("c{w}-{i}");
+                ns.create(v1::CreateRequest {
+                    caller: caller(UID, HOST),
+                    parent: bench_dir,
+                    name: name.clone(),
+                    mode: 0o644,
+                    ..Default::default()
+                })
+                .await?;
+                ns.lookup(v1::LookupRequest {
+                    caller: caller(UID, HOST),
+                    parent: bench_dir,
+                    name: name.clone(),
+                })
+                .await?;
+                ns.unlink(v1::RemoveRequest {
+                    caller: caller(UID, HOST),
+                    parent: bench_dir,
+                    name,
+                })
+                .await?;
+            }
+            Ok::<usize, tonic::Status>(per)
+        }));
+    }
+    let mut concurrent_triples = 0;
+    for w in workers {
+        concurrent_triples += w
+            .await
+            .context("worker task")?
+            .context("concurrent worker")?;
+    }
+    let concurrent_elapsed = started.elapsed();
     let status = manager.sigterm_and_wait(Duration::from_secs(10))?;
     if !status.success() {
         bail!(
@@ -282,6 +338,12 @@ async fn bench() -> anyhow::Result<()> {
         "               {:.0} create+lookup+unlink triples/s",
         iterations as f64 / secs
     );
+    let csecs = concurrent_elapsed.as_secs_f64();
+    println!(
+        "concurrent     {:.0} ops/s with {concurrent} requests in flight on the one connection ({} triples in {csecs:.3} s)",
+        (3 * concurrent_triples) as f64 / csecs,
+        concurrent_triples
+    );
     let sync_p50 = sync.quantile(0.5).as_secs_f64();
     if sync_p50 > 0.0 {
         println!(
@@ -301,7 +363,7 @@ fn main() -> ExitCode {
         );
         return ExitCode::from(2);
     }
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
+    let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {

@@ -106,7 +106,7 @@ impl LocalSegment {
     }
 
     fn word(&self, offset: u64) -> Result<&AtomicU64> {
-        if offset % 8 != 0 {
+        if !offset.is_multiple_of(8) {
             return Err(RegionsError::Invalid(format!(
                 "atomic at unaligned offset {offset}"
             )));

@@ -233,7 +233,7 @@ impl TcpTransport {
             while next < requests.len() && pending.len() < PIPELINE {
                 let r = &requests[next];
                 let id = self.id();
-                let mut header = r.header.clone();
+                let mut header = r.header;
                 header.request_id = id;
                 let payload: Vec<&[u8]> = r.payload.iter().map(|p| &p[..]).collect();
                 send(&mut conn.stream, &header, &payload)?;
