@@ -183,6 +183,7 @@ impl State {
                         ino,
                         region_offset,
                         len: CHUNK_SIZE,
+                        gid,
                     }),
                 }
             }

@@ -365,6 +365,7 @@ pub fn backing_of(ino: u64, chunk: u64, piece: Piece) -> v1::ChunkBacking {
         ino,
         region_offset: chunk * CHUNK_SIZE,
         len: piece.len * CHUNK_SIZE,
+        gid: piece.gid,
     }
 }
 

@@ -130,56 +130,41 @@ fn wait_timeout(child: &mut Child, timeout: Duration) -> anyhow::Result<Option<E
     }
 }
 
-/// A running `regions-manager` process.
+/// A running node process (`regions-manager`, `regions-daemon`) started
+/// with a ready file.
 ///
-/// Its stderr goes to a log file (see [`ManagerProcess::log`]), and it runs
+/// Its stderr goes to a log file (see [`NodeProcess::log`]), and it runs
 /// with `RUST_LOG=warn` unless the test's environment sets `RUST_LOG`.
 /// Dropping the value SIGKILLs the process (by PID) and reaps it.
-pub struct ManagerProcess {
+pub struct NodeProcess {
+    name: String,
     child: Option<Child>,
-    /// Address the manager serves gRPC on.
-    pub addr: SocketAddr,
-    /// Process id of the manager.
+    /// Process id.
     pub pid: u32,
+    /// What the process wrote to its ready file.
+    pub ready: String,
     log_path: PathBuf,
     /// Holds the ready file and the log; removed on drop.
-    _run_dir: tempfile::TempDir,
+    run_dir: tempfile::TempDir,
 }
 
-impl ManagerProcess {
-    /// Starts the manager on `data_dir` with the secret in `secret_file`,
-    /// listening on a free loopback port, and waits (at most
-    /// [`START_TIMEOUT`]) until it has written its ready file.
-    pub fn start(data_dir: &Path, secret_file: &Path) -> anyhow::Result<ManagerProcess> {
-        ManagerProcess::start_with_args(data_dir, secret_file, &[])
-    }
-
-    /// [`ManagerProcess::start`] with extra command-line arguments
-    /// (e.g. `["--lease-ms", "500"]`).
-    pub fn start_with_args(
-        data_dir: &Path,
-        secret_file: &Path,
-        extra: &[&str],
-    ) -> anyhow::Result<ManagerProcess> {
-        let bin = bin_path("regions-manager")?;
+impl NodeProcess {
+    /// Starts binary `name` with `args` followed by `--ready-file PATH` and
+    /// waits (at most [`START_TIMEOUT`]) until the ready file appears.
+    pub fn start(name: &str, args: &[std::ffi::OsString]) -> anyhow::Result<NodeProcess> {
+        let bin = bin_path(name)?;
         let run_dir = tempfile::Builder::new()
-            .prefix("regions-manager-run")
+            .prefix(&format!("{name}-run"))
             .tempdir()
             .context("cannot create a directory for the ready file")?;
         let ready = run_dir.path().join("ready");
-        let log_path = run_dir.path().join("manager.log");
+        let log_path = run_dir.path().join(format!("{name}.log"));
         let log = File::create(&log_path)
             .with_context(|| format!("cannot create {}", log_path.display()))?;
         let mut cmd = Command::new(&bin);
-        cmd.arg("--listen")
-            .arg("127.0.0.1:0")
-            .arg("--data-dir")
-            .arg(data_dir)
-            .arg("--secret-file")
-            .arg(secret_file)
+        cmd.args(args)
             .arg("--ready-file")
             .arg(&ready)
-            .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(log));
@@ -192,35 +177,31 @@ impl ManagerProcess {
         let pid = child.id();
         // From here on the process is owned by `proc`, whose Drop kills it
         // whatever happens below.
-        let mut proc = ManagerProcess {
+        let mut proc = NodeProcess {
+            name: name.to_owned(),
             child: Some(child),
-            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             pid,
+            ready: String::new(),
             log_path,
-            _run_dir: run_dir,
+            run_dir,
         };
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
             if let Some(status) = proc.try_wait()? {
                 bail!(
-                    "regions-manager (pid {pid}) exited with {status} before serving; its log:\n{}",
+                    "{name} (pid {pid}) exited with {status} before serving; its log:\n{}",
                     proc.log()
                 );
             }
-            // The manager writes a temporary file and renames it, so a file
-            // that exists is complete.
+            // Ready files are written to a temporary name and renamed, so a
+            // file that exists is complete.
             if let Ok(text) = std::fs::read_to_string(&ready) {
-                proc.addr = text.trim().parse().with_context(|| {
-                    format!(
-                        "ready file {} holds {text:?}, not an address",
-                        ready.display()
-                    )
-                })?;
+                proc.ready = text.trim().to_owned();
                 return Ok(proc);
             }
             if Instant::now() >= deadline {
                 bail!(
-                    "regions-manager (pid {pid}) did not write its ready file within {START_TIMEOUT:?}; its log:\n{}",
+                    "{name} (pid {pid}) did not write its ready file within {START_TIMEOUT:?}; its log:\n{}",
                     proc.log()
                 );
             }
@@ -228,7 +209,12 @@ impl ManagerProcess {
         }
     }
 
-    /// What the manager wrote to stderr so far (for failure messages).
+    /// A directory that lives as long as the process value (for sockets).
+    pub fn run_dir(&self) -> &Path {
+        self.run_dir.path()
+    }
+
+    /// What the process wrote to stderr so far (for failure messages).
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log_path)
             .unwrap_or_else(|e| format!("<cannot read {}: {e}>", self.log_path.display()))
@@ -238,7 +224,7 @@ impl ManagerProcess {
     pub fn try_wait(&mut self) -> anyhow::Result<Option<ExitStatus>> {
         match self.child.as_mut() {
             Some(child) => child.try_wait().context("waitpid failed"),
-            None => bail!("regions-manager (pid {}) was already stopped", self.pid),
+            None => bail!("{} (pid {}) was already stopped", self.name, self.pid),
         }
     }
 
@@ -247,12 +233,12 @@ impl ManagerProcess {
         matches!(self.try_wait(), Ok(None))
     }
 
-    /// Kills the manager with SIGKILL (no chance to clean up) and reaps it.
+    /// Kills the process with SIGKILL (no chance to clean up) and reaps it.
     pub fn sigkill(&mut self) -> anyhow::Result<()> {
         let mut child = self
             .child
             .take()
-            .with_context(|| format!("regions-manager (pid {}) was already stopped", self.pid))?;
+            .with_context(|| format!("{} (pid {}) was already stopped", self.name, self.pid))?;
         if child.try_wait()?.is_none() {
             send_signal(self.pid, libc::SIGKILL)?;
         }
@@ -260,10 +246,7 @@ impl ManagerProcess {
         // wait anyway.
         match wait_timeout(&mut child, Duration::from_secs(10))? {
             Some(_) => Ok(()),
-            None => bail!(
-                "regions-manager (pid {}) survived SIGKILL for 10 s",
-                self.pid
-            ),
+            None => bail!("{} (pid {}) survived SIGKILL for 10 s", self.name, self.pid),
         }
     }
 
@@ -274,10 +257,11 @@ impl ManagerProcess {
         let mut child = self
             .child
             .take()
-            .with_context(|| format!("regions-manager (pid {}) was already stopped", self.pid))?;
+            .with_context(|| format!("{} (pid {}) was already stopped", self.name, self.pid))?;
         if let Some(status) = child.try_wait()? {
             bail!(
-                "regions-manager (pid {}) had already exited with {status}; its log:\n{}",
+                "{} (pid {}) had already exited with {status}; its log:\n{}",
+                self.name,
                 self.pid,
                 self.log()
             );
@@ -290,14 +274,15 @@ impl ManagerProcess {
         let _ = child.kill();
         let _ = wait_timeout(&mut child, Duration::from_secs(10));
         bail!(
-            "regions-manager (pid {}) did not exit within {timeout:?} of SIGTERM; killed it. Its log:\n{}",
+            "{} (pid {}) did not exit within {timeout:?} of SIGTERM; killed it. Its log:\n{}",
+            self.name,
             self.pid,
             self.log()
         )
     }
 }
 
-impl Drop for ManagerProcess {
+impl Drop for NodeProcess {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {
             // `Child::kill` sends SIGKILL to this child's PID; it fails only
@@ -305,6 +290,172 @@ impl Drop for ManagerProcess {
             let _ = child.kill();
             let _ = wait_timeout(&mut child, Duration::from_secs(10));
         }
+    }
+}
+
+/// A running `regions-manager` process (see [`NodeProcess`]).
+pub struct ManagerProcess {
+    /// Address the manager serves gRPC on.
+    pub addr: SocketAddr,
+    process: NodeProcess,
+}
+
+impl std::ops::Deref for ManagerProcess {
+    type Target = NodeProcess;
+    fn deref(&self) -> &NodeProcess {
+        &self.process
+    }
+}
+
+impl std::ops::DerefMut for ManagerProcess {
+    fn deref_mut(&mut self) -> &mut NodeProcess {
+        &mut self.process
+    }
+}
+
+impl ManagerProcess {
+    /// Starts the manager on `data_dir` with the secret in `secret_file`,
+    /// listening on a free loopback port, and waits (at most
+    /// [`START_TIMEOUT`]) until it serves.
+    pub fn start(data_dir: &Path, secret_file: &Path) -> anyhow::Result<ManagerProcess> {
+        ManagerProcess::start_with_args(data_dir, secret_file, &[])
+    }
+
+    /// [`ManagerProcess::start`] with extra command-line arguments
+    /// (e.g. `["--lease-ms", "500"]`).
+    pub fn start_with_args(
+        data_dir: &Path,
+        secret_file: &Path,
+        extra: &[&str],
+    ) -> anyhow::Result<ManagerProcess> {
+        let mut args: Vec<std::ffi::OsString> = vec![
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--data-dir".into(),
+            data_dir.into(),
+            "--secret-file".into(),
+            secret_file.into(),
+        ];
+        args.extend(extra.iter().map(Into::into));
+        let process = NodeProcess::start("regions-manager", &args)?;
+        let addr = process.ready.parse().with_context(|| {
+            format!("the manager's ready file holds {:?}, not an address", process.ready)
+        })?;
+        Ok(ManagerProcess { addr, process })
+    }
+}
+
+/// A running `regions-daemon` process (see [`NodeProcess`]).
+pub struct DaemonProcess {
+    pub host_id: u32,
+    /// Transport address clients connect to.
+    pub addr: String,
+    /// The host agent's Unix socket.
+    pub socket: PathBuf,
+    process: NodeProcess,
+}
+
+impl std::ops::Deref for DaemonProcess {
+    type Target = NodeProcess;
+    fn deref(&self) -> &NodeProcess {
+        &self.process
+    }
+}
+
+impl std::ops::DerefMut for DaemonProcess {
+    fn deref_mut(&mut self) -> &mut NodeProcess {
+        &mut self.process
+    }
+}
+
+impl DaemonProcess {
+    /// Starts a daemon for `host_id` offering `memory` (e.g. "1G") to the
+    /// manager at `manager`, with its agent socket in `socket_dir`, and
+    /// waits until it is registered and serving.
+    pub fn start(
+        manager: SocketAddr,
+        secret_file: &Path,
+        host_id: u32,
+        memory: &str,
+        socket_dir: &Path,
+    ) -> anyhow::Result<DaemonProcess> {
+        let socket = socket_dir.join(format!("h{host_id}.sock"));
+        let args: Vec<std::ffi::OsString> = vec![
+            "--manager".into(),
+            format!("http://{manager}").into(),
+            "--host-id".into(),
+            host_id.to_string().into(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--memory".into(),
+            memory.into(),
+            "--socket".into(),
+            socket.clone().into(),
+            "--secret-file".into(),
+            secret_file.into(),
+        ];
+        let process = NodeProcess::start("regions-daemon", &args)?;
+        Ok(DaemonProcess {
+            host_id,
+            addr: process.ready.clone(),
+            socket,
+            process,
+        })
+    }
+}
+
+/// A manager and daemons on loopback: hosts `1..=n`, each a real process.
+pub struct Cluster {
+    pub manager: ManagerProcess,
+    pub daemons: Vec<DaemonProcess>,
+    pub secret: Secret,
+    pub secret_file: PathBuf,
+    /// Holds the data directory, the secret and the agent sockets.
+    pub dir: tempfile::TempDir,
+}
+
+impl Cluster {
+    /// Starts a manager and `hosts` daemons offering `memory` each.
+    pub fn start(hosts: u32, memory: &str) -> anyhow::Result<Cluster> {
+        let dir = tempfile::Builder::new()
+            .prefix("regions-cluster")
+            .tempdir()
+            .context("cannot create the cluster directory")?;
+        let secret_file = dir.path().join("secret");
+        let secret = write_secret(&secret_file)?;
+        let data = dir.path().join("manager");
+        std::fs::create_dir_all(&data)?;
+        let manager = ManagerProcess::start(&data, &secret_file)?;
+        let mut daemons = Vec::new();
+        for host in 1..=hosts {
+            daemons.push(DaemonProcess::start(
+                manager.addr,
+                &secret_file,
+                host,
+                memory,
+                dir.path(),
+            )?);
+        }
+        Ok(Cluster {
+            manager,
+            daemons,
+            secret,
+            secret_file,
+            dir,
+        })
+    }
+
+    /// The manager's address as a URL.
+    pub fn manager_url(&self) -> String {
+        format!("http://{}", self.manager.addr)
+    }
+
+    /// The daemon of `host`.
+    pub fn daemon(&self, host: u32) -> anyhow::Result<&DaemonProcess> {
+        self.daemons
+            .iter()
+            .find(|d| d.host_id == host)
+            .with_context(|| format!("no daemon for host {host}"))
     }
 }
 

@@ -1,0 +1,651 @@
+//! The host agent: the daemon's Unix socket, spoken by libregions and regionfs on this host
+//! (DESIGN.md, "Host agent"; `proto/regions/v1/agent.proto`).
+//!
+//! Each message is a little-endian u32 length followed by a prost `AgentRequest` /
+//! `AgentReply`; a segment fd rides as `SCM_RIGHTS` on the reply's first byte. The caller is
+//! identified with `SO_PEERCRED` (uid, gid, pid; groups from `/proc/PID/status`) and the
+//! manager decides with that identity, so applications never need the cluster secret. The
+//! socket is mode 0666: any local user may connect; permission checks are the manager's.
+
+use std::collections::HashMap;
+use std::io::{self, Read};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use prost::Message;
+use regions_proto::v1::{
+    AgentReply, AgentRequest, Caller, SegmentReply, agent_reply::Body, agent_request,
+};
+
+use crate::error::{DaemonError, Result};
+use crate::fdpass::{self, PeerCred};
+use crate::manager_client::Authority;
+use crate::pools::Pools;
+use crate::rawio::{Ready, wait_ready};
+use crate::stats::Stats;
+
+/// Largest request the agent reads.
+pub const MAX_REQUEST: u32 = 1 << 20;
+/// Largest reply a client reads (region maps can be large).
+pub const MAX_REPLY: u32 = 512 << 20;
+/// How often the accept loop checks for shutdown.
+const ACCEPT_POLL: Duration = Duration::from_millis(100);
+
+/// Writes one length-prefixed message, with `fd` riding on its first byte.
+pub fn write_message(
+    stream: &UnixStream,
+    message: &impl Message,
+    fd: Option<std::os::fd::BorrowedFd<'_>>,
+) -> io::Result<()> {
+    let body = message.encode_to_vec();
+    let len = u32::try_from(body.len())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "message too large"))?;
+    let mut bytes = Vec::with_capacity(4 + body.len());
+    bytes.extend_from_slice(&len.to_le_bytes());
+    bytes.extend_from_slice(&body);
+    fdpass::send_with_fd(stream, &bytes, fd)
+}
+
+/// Reads one length-prefixed message body of at most `max` bytes, collecting a descriptor
+/// passed with it. `None` at a clean end of stream.
+pub fn read_message(
+    stream: &UnixStream,
+    max: u32,
+) -> io::Result<Option<(Vec<u8>, Option<OwnedFd>)>> {
+    let mut len = [0u8; 4];
+    let mut have = 0;
+    let mut fd = None;
+    while have < 4 {
+        let (n, got) = fdpass::recv_with_fd(stream, &mut len[have..])?;
+        if n == 0 {
+            if have == 0 {
+                return Ok(None);
+            }
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        if got.is_some() {
+            fd = got;
+        }
+        have += n;
+    }
+    let len = u32::from_le_bytes(len);
+    if len > max {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("agent message of {len} bytes exceeds the limit of {max}"),
+        ));
+    }
+    let mut body = vec![0u8; len as usize];
+    (&*stream).read_exact(&mut body)?;
+    Ok(Some((body, fd)))
+}
+
+/// Client side: sends `request` and reads the reply and the descriptor passed with it.
+pub fn call(
+    stream: &UnixStream,
+    request: &AgentRequest,
+) -> io::Result<(AgentReply, Option<OwnedFd>)> {
+    write_message(stream, request, None)?;
+    let (body, fd) = read_message(stream, MAX_REPLY)?
+        .ok_or_else(|| io::Error::from(io::ErrorKind::UnexpectedEof))?;
+    let reply = AgentReply::decode(body.as_slice())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    Ok((reply, fd))
+}
+
+/// Answers agent requests.
+pub struct AgentHandler {
+    /// This host.
+    pub host_id: u32,
+    /// The pools and segments.
+    pub pools: Arc<Pools>,
+    /// Counters.
+    pub stats: Arc<Stats>,
+    /// The configured memory limit (for stats).
+    pub memory_limit: u64,
+    /// Who decides rights.
+    pub authority: Arc<dyn Authority>,
+}
+
+impl std::fmt::Debug for AgentHandler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentHandler")
+            .field("host_id", &self.host_id)
+            .finish_non_exhaustive()
+    }
+}
+
+fn error_reply(e: &DaemonError) -> AgentReply {
+    AgentReply {
+        errno: e.errno(),
+        message: e.to_string(),
+        body: None,
+    }
+}
+
+fn ok_reply(body: Body) -> AgentReply {
+    AgentReply {
+        errno: 0,
+        message: String::new(),
+        body: Some(body),
+    }
+}
+
+impl AgentHandler {
+    /// The caller's identity as the manager expects it.
+    pub fn caller(&self, cred: &PeerCred) -> Caller {
+        Caller {
+            uid: cred.uid,
+            gid: cred.gid,
+            groups: cred.groups.clone(),
+            pid: cred.pid,
+            host_id: self.host_id,
+        }
+    }
+
+    /// Answers one request from `cred`; the descriptor (if any) goes with the reply.
+    pub fn handle(&self, cred: &PeerCred, request: AgentRequest) -> (AgentReply, Option<OwnedFd>) {
+        let caller = self.caller(cred);
+        match request.request {
+            Some(agent_request::Request::Open(open)) => {
+                match self.authority.open(&caller, open.ino, open.write) {
+                    Ok(info) => (ok_reply(Body::Region(info)), None),
+                    Err(e) => (error_reply(&e), None),
+                }
+            }
+            Some(agent_request::Request::Segment(seg)) => {
+                match self.segment(&caller, seg.ino, seg.write) {
+                    Ok((reply, fd)) => (ok_reply(Body::Segment(reply)), fd),
+                    Err(e) => (error_reply(&e), None),
+                }
+            }
+            Some(agent_request::Request::Stats(_)) => {
+                let stats = self
+                    .stats
+                    .snapshot(self.host_id, &self.pools, self.memory_limit);
+                (ok_reply(Body::Stats(stats)), None)
+            }
+            None => (
+                error_reply(&DaemonError::Invalid("empty agent request".into())),
+                None,
+            ),
+        }
+    }
+
+    fn segment(
+        &self,
+        caller: &Caller,
+        ino: u64,
+        write: bool,
+    ) -> Result<(SegmentReply, Option<OwnedFd>)> {
+        let mask = if write {
+            (libc::R_OK | libc::W_OK) as u32
+        } else {
+            libc::R_OK as u32
+        };
+        self.authority.access(caller, ino, mask)?;
+        let Some(segment) = self.pools.segment(ino) else {
+            return Ok((
+                SegmentReply {
+                    size: 0,
+                    has_fd: false,
+                    writable: false,
+                },
+                None,
+            ));
+        };
+        let fd = if write {
+            segment.dup()?
+        } else {
+            segment.reopen_read_only()?
+        };
+        Ok((
+            SegmentReply {
+                size: segment.size(),
+                has_fd: true,
+                writable: write,
+            },
+            Some(fd),
+        ))
+    }
+}
+
+/// What agent connections share.
+struct Shared {
+    handler: AgentHandler,
+    stop: AtomicBool,
+    conns: Mutex<HashMap<u64, UnixStream>>,
+    next_conn: AtomicU64,
+}
+
+/// A running host agent.
+pub struct AgentServer {
+    path: PathBuf,
+    shared: Arc<Shared>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for AgentServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentServer")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AgentServer {
+    /// Binds the agent socket at `path` (mode 0666). A stale socket file left by a daemon that
+    /// died is replaced; a live one is an error.
+    pub fn bind(path: &Path) -> Result<UnixListener> {
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        if !dir.is_dir() {
+            return Err(DaemonError::SocketDir { dir });
+        }
+        if let Ok(meta) = std::fs::symlink_metadata(path) {
+            if !meta.file_type().is_socket() {
+                return Err(DaemonError::Config(format!(
+                    "{} exists and is not a socket: remove it or pick another --socket",
+                    path.display()
+                )));
+            }
+            if UnixStream::connect(path).is_ok() {
+                return Err(DaemonError::SocketInUse {
+                    path: path.to_path_buf(),
+                });
+            }
+            tracing::info!(path = %path.display(), "removing a stale host-agent socket");
+            std::fs::remove_file(path).map_err(|e| {
+                DaemonError::sys(
+                    format!("cannot remove the stale socket {}", path.display()),
+                    e,
+                )
+            })?;
+        }
+        let listener = UnixListener::bind(path).map_err(|e| {
+            DaemonError::sys(
+                format!("cannot bind the host-agent socket {}", path.display()),
+                e,
+            )
+        })?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)).map_err(|e| {
+            DaemonError::sys(
+                format!("cannot make {} accessible (chmod 0666)", path.display()),
+                e,
+            )
+        })?;
+        Ok(listener)
+    }
+
+    /// Serves `listener` (bound at `path`) on background threads until shutdown.
+    pub fn start(
+        listener: UnixListener,
+        path: &Path,
+        handler: AgentHandler,
+    ) -> Result<AgentServer> {
+        let shared = Arc::new(Shared {
+            handler,
+            stop: AtomicBool::new(false),
+            conns: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(1),
+        });
+        let for_thread = Arc::clone(&shared);
+        let accept = std::thread::Builder::new()
+            .name("agent-accept".into())
+            .spawn(move || accept_loop(&listener, &for_thread))
+            .map_err(|e| DaemonError::sys("spawning the host-agent accept thread", e))?;
+        tracing::info!(path = %path.display(), "host agent serving");
+        Ok(AgentServer {
+            path: path.to_path_buf(),
+            shared,
+            accept: Some(accept),
+        })
+    }
+
+    /// The socket's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Stops accepting, closes connections, removes the socket file.
+    pub fn shutdown(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        if let Ok(conns) = self.shared.conns.lock() {
+            for stream in conns.values() {
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+            }
+        }
+        if let Some(handle) = self.accept.take() {
+            // Wake the accept loop now rather than at its next poll timeout.
+            let _ = UnixStream::connect(&self.path);
+            let _ = handle.join();
+            match std::fs::remove_file(&self.path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::warn!(path = %self.path.display(), error = %e, "cannot remove the host-agent socket")
+                }
+            }
+        }
+    }
+}
+
+impl Drop for AgentServer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
+    while !shared.stop.load(Ordering::SeqCst) {
+        match wait_ready(listener, Ready::Read, ACCEPT_POLL) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => continue,
+            Err(e) => {
+                tracing::warn!(error = %e, "host-agent accept poll failed");
+                std::thread::sleep(ACCEPT_POLL);
+                continue;
+            }
+        }
+        let stream = match listener.accept() {
+            Ok((s, _)) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "host-agent accept failed");
+                std::thread::sleep(ACCEPT_POLL);
+                continue;
+            }
+        };
+        if shared.stop.load(Ordering::SeqCst) {
+            break;
+        }
+        let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+        if let (Ok(clone), Ok(mut conns)) = (stream.try_clone(), shared.conns.lock()) {
+            conns.insert(id, clone);
+        }
+        let for_thread = Arc::clone(shared);
+        let spawned = std::thread::Builder::new()
+            .name(format!("agent-{id}"))
+            .spawn(move || {
+                serve_connection(&stream, &for_thread.handler);
+                if let Ok(mut conns) = for_thread.conns.lock() {
+                    conns.remove(&id);
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start a host-agent connection thread");
+            if let Ok(mut conns) = shared.conns.lock() {
+                conns.remove(&id);
+            }
+        }
+    }
+}
+
+fn serve_connection(stream: &UnixStream, handler: &AgentHandler) {
+    let cred = match fdpass::peer_cred(stream) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot identify a host-agent caller (SO_PEERCRED)");
+            return;
+        }
+    };
+    tracing::debug!(pid = cred.pid, uid = cred.uid, "host-agent connection");
+    loop {
+        let body = match read_message(stream, MAX_REQUEST) {
+            Ok(Some((body, _))) => body,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!(pid = cred.pid, error = %e, "bad host-agent request; closing the connection");
+                return;
+            }
+        };
+        let (reply, fd) = match AgentRequest::decode(body.as_slice()) {
+            Ok(request) => handler.handle(&cred, request),
+            Err(e) => (
+                error_reply(&DaemonError::Invalid(format!(
+                    "cannot decode the agent request: {e}"
+                ))),
+                None,
+            ),
+        };
+        if reply.errno != 0 {
+            tracing::debug!(pid = cred.pid, errno = reply.errno, message = %reply.message, "host-agent request refused");
+        }
+        if let Err(e) = write_message(stream, &reply, fd.as_ref().map(AsFd::as_fd)) {
+            tracing::debug!(pid = cred.pid, error = %e, "host-agent caller went away");
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use regions_proto::layout::CHUNK_SIZE;
+    use regions_proto::v1::{self, AgentOpen, AgentSegment, AgentStats};
+
+    use super::*;
+
+    /// Allows everything for uid 0, reading only for others; region 404 does not exist.
+    struct Fake;
+
+    impl Authority for Fake {
+        fn open(&self, caller: &Caller, ino: u64, _write: bool) -> Result<v1::RegionInfo> {
+            if ino == 404 {
+                return Err(DaemonError::Manager {
+                    errno: libc::ENOENT,
+                    message: "no such region".into(),
+                });
+            }
+            Ok(v1::RegionInfo {
+                attr: Some(v1::Attr {
+                    ino,
+                    uid: caller.uid,
+                    owner_pid: caller.pid,
+                    owner_host: caller.host_id,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+        }
+
+        fn access(&self, caller: &Caller, _ino: u64, mask: u32) -> Result<()> {
+            if caller.uid == 0 || mask & libc::W_OK as u32 == 0 {
+                Ok(())
+            } else {
+                Err(DaemonError::Denied("read only".into()))
+            }
+        }
+    }
+
+    fn handler(pools: Arc<Pools>) -> AgentHandler {
+        AgentHandler {
+            host_id: 3,
+            pools,
+            stats: Arc::default(),
+            memory_limit: 1 << 30,
+            authority: Arc::new(Fake),
+        }
+    }
+
+    fn segment_request(ino: u64, write: bool) -> AgentRequest {
+        AgentRequest {
+            request: Some(agent_request::Request::Segment(AgentSegment { ino, write })),
+        }
+    }
+
+    #[test]
+    fn scm_rights_round_trip_maps_the_same_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let pools = Arc::new(Pools::new());
+        pools.add_pool(1, 4 * CHUNK_SIZE).unwrap();
+        pools.assign(1, CHUNK_SIZE, 77, 0, 2 * CHUNK_SIZE).unwrap();
+        {
+            let resolved = pools
+                .resolve(&[regions_proto::frame::Range {
+                    pool: 1,
+                    offset: CHUNK_SIZE + 5,
+                    len: 5,
+                }])
+                .unwrap();
+            let pinned = resolved
+                .pin(std::time::Instant::now() + Duration::from_secs(1))
+                .unwrap();
+            pinned.copy_in_at(0, b"hello");
+        }
+        let listener = AgentServer::bind(&path).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o666);
+        assert!(matches!(
+            AgentServer::bind(&path),
+            Err(DaemonError::SocketInUse { .. })
+        ));
+        let mut server = AgentServer::start(listener, &path, handler(Arc::clone(&pools))).unwrap();
+
+        let stream = UnixStream::connect(&path).unwrap();
+        // Segment fd: maps the very bytes the pool window holds.
+        let (reply, fd) = call(&stream, &segment_request(77, true)).unwrap();
+        assert_eq!(reply.errno, 0, "{}", reply.message);
+        let Some(Body::Segment(seg)) = reply.body else {
+            panic!("no segment body")
+        };
+        assert!(seg.has_fd && seg.writable);
+        assert_eq!(seg.size, 2 * CHUNK_SIZE);
+        let fd = fd.unwrap();
+        let file = std::fs::File::from(fd);
+        let mut got = [0u8; 5];
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut got, 5).unwrap();
+        assert_eq!(&got, b"hello");
+        // A write through the passed fd shows in the pool window.
+        std::os::unix::fs::FileExt::write_all_at(&file, b"HELLO", 5).unwrap();
+        let resolved = pools
+            .resolve(&[regions_proto::frame::Range {
+                pool: 1,
+                offset: CHUNK_SIZE + 5,
+                len: 5,
+            }])
+            .unwrap();
+        let mut seen = [0u8; 5];
+        resolved
+            .pin(std::time::Instant::now() + Duration::from_secs(1))
+            .unwrap()
+            .copy_out(&mut seen);
+        assert_eq!(&seen, b"HELLO");
+
+        // Read-only request: a read-only descriptor.
+        let (reply, fd) = call(&stream, &segment_request(77, false)).unwrap();
+        let Some(Body::Segment(seg)) = reply.body else {
+            panic!("no segment body")
+        };
+        assert!(seg.has_fd && !seg.writable);
+        let flags = nix::fcntl::fcntl(fd.as_ref().unwrap(), nix::fcntl::FcntlArg::F_GETFL).unwrap();
+        assert_eq!(flags & libc::O_ACCMODE, libc::O_RDONLY);
+
+        // No segment here: no fd. Open is forwarded with the caller's identity.
+        let (reply, fd) = call(&stream, &segment_request(78, false)).unwrap();
+        assert!(fd.is_none());
+        assert!(matches!(
+            reply.body,
+            Some(Body::Segment(SegmentReply { has_fd: false, .. }))
+        ));
+        let open = AgentRequest {
+            request: Some(agent_request::Request::Open(AgentOpen {
+                ino: 5,
+                write: false,
+            })),
+        };
+        let (reply, _) = call(&stream, &open).unwrap();
+        let Some(Body::Region(info)) = reply.body else {
+            panic!("no region body")
+        };
+        let attr = info.attr.unwrap();
+        assert_eq!((attr.owner_pid, attr.owner_host), (std::process::id(), 3));
+        let missing = AgentRequest {
+            request: Some(agent_request::Request::Open(AgentOpen {
+                ino: 404,
+                write: false,
+            })),
+        };
+        assert_eq!(call(&stream, &missing).unwrap().0.errno, libc::ENOENT);
+        let stats = AgentRequest {
+            request: Some(agent_request::Request::Stats(AgentStats {})),
+        };
+        let (reply, _) = call(&stream, &stats).unwrap();
+        let Some(Body::Stats(s)) = reply.body else {
+            panic!("no stats body")
+        };
+        assert_eq!(
+            (s.host_id, s.segments, s.pool_bytes),
+            (3, 1, 4 * CHUNK_SIZE)
+        );
+        let (reply, _) = call(&stream, &AgentRequest { request: None }).unwrap();
+        assert_eq!(reply.errno, libc::EINVAL);
+        // Garbage keeps the framing: an EINVAL reply, and the connection still works.
+        write_raw(&stream, &[0xff, 0xff, 0xff]);
+        let (body, _) = read_message(&stream, MAX_REPLY).unwrap().unwrap();
+        assert_eq!(
+            AgentReply::decode(body.as_slice()).unwrap().errno,
+            libc::EINVAL
+        );
+        assert_eq!(call(&stream, &stats).unwrap().0.errno, 0);
+
+        server.shutdown();
+        assert!(!path.exists(), "the socket file is removed at shutdown");
+    }
+
+    fn write_raw(stream: &UnixStream, body: &[u8]) {
+        let mut bytes = (body.len() as u32).to_le_bytes().to_vec();
+        bytes.extend_from_slice(body);
+        std::io::Write::write_all(&mut &*stream, &bytes).unwrap();
+    }
+
+    #[test]
+    fn denied_and_oversized_requests() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.sock");
+        let pools = Arc::new(Pools::new());
+        let h = handler(pools);
+        let nobody = PeerCred {
+            pid: 1,
+            uid: 65534,
+            gid: 65534,
+            groups: vec![],
+        };
+        let (reply, fd) = h.handle(&nobody, segment_request(1, true));
+        assert_eq!((reply.errno, fd.is_none()), (libc::EACCES, true));
+        let mut server = AgentServer::start(AgentServer::bind(&path).unwrap(), &path, h).unwrap();
+        let stream = UnixStream::connect(&path).unwrap();
+        std::io::Write::write_all(&mut &stream, &u32::MAX.to_le_bytes()).unwrap();
+        let mut buf = [0u8; 1];
+        assert_eq!(
+            std::io::Read::read(&mut &stream, &mut buf).unwrap(),
+            0,
+            "closed"
+        );
+        server.shutdown();
+    }
+
+    #[test]
+    fn bind_explains_a_missing_directory_and_replaces_stale_sockets() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("nope").join("a.sock");
+        let err = AgentServer::bind(&missing).unwrap_err();
+        assert!(err.to_string().contains("mkdir -p"), "{err}");
+        let path = dir.path().join("stale.sock");
+        drop(UnixListener::bind(&path).unwrap());
+        assert!(path.exists());
+        AgentServer::bind(&path).unwrap();
+        let file = dir.path().join("precious");
+        std::fs::write(&file, "data").unwrap();
+        let err = AgentServer::bind(&file).unwrap_err();
+        assert!(err.to_string().contains("not a socket"), "{err}");
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "data");
+    }
+}

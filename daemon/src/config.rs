@@ -1,0 +1,252 @@
+//! The daemon's command line (every flag has an environment variable) and [`Config`], what
+//! [`crate::Daemon::start`] needs.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use regions_proto::auth::Secret;
+use regions_proto::layout::CHUNK_SIZE;
+
+use crate::error::{DaemonError, Result};
+use crate::transport::TransportConfig;
+
+/// The regions daemon: serves this host's memory to the cluster (tcp transport) and to local
+/// processes (host-agent Unix socket), registered with the manager.
+#[derive(Parser, Debug, Clone)]
+#[command(version)]
+pub struct Args {
+    /// URL of the manager (`http://host:port`; a bare `host:port` means http).
+    #[arg(long, env = "REGIONS_MANAGER", default_value = "http://127.0.0.1:7070")]
+    pub manager: String,
+    /// This host's id in the cluster (1 or more, unique per host).
+    #[arg(long, env = "REGIONS_HOST_ID")]
+    pub host_id: u32,
+    /// Address the tcp transport listens on; port 0 picks a free port.
+    #[arg(long, env = "REGIONS_DAEMON_LISTEN", default_value = "127.0.0.1:7171")]
+    pub listen: SocketAddr,
+    /// Transport address announced to the manager (default: the bound address; when that is
+    /// a wildcard, the address this host uses to reach the manager).
+    #[arg(long, env = "REGIONS_DAEMON_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// Memory this host offers to pools, with an optional K, M, G or T suffix (powers of 1024).
+    #[arg(long, env = "REGIONS_MEMORY", default_value = "1G", value_parser = parse_size)]
+    pub memory: u64,
+    /// Path of the host-agent Unix socket (its directory must exist).
+    #[arg(
+        long,
+        env = "REGIONS_AGENT_SOCKET",
+        default_value = "/run/regions/agent.sock"
+    )]
+    pub socket: PathBuf,
+    /// File holding the cluster secret (the manager's --secret-file).
+    #[arg(
+        long,
+        env = "REGIONS_SECRET_FILE",
+        default_value = "/etc/regions/secret"
+    )]
+    pub secret_file: PathBuf,
+    /// Write the transport address to this file once registered and serving.
+    #[arg(long, env = "REGIONS_READY_FILE")]
+    pub ready_file: Option<PathBuf>,
+    /// Milliseconds between heartbeats (default: a third of the manager's lease).
+    #[arg(long, env = "REGIONS_HEARTBEAT_MS")]
+    pub heartbeat_ms: Option<u64>,
+    /// How long to keep retrying an unreachable manager at start-up before giving up.
+    #[arg(long, env = "REGIONS_STARTUP_TIMEOUT_MS", default_value_t = 60_000)]
+    pub startup_timeout_ms: u64,
+    /// How long a transport request for a chunk not assigned yet waits for the manager's event.
+    #[arg(long, env = "REGIONS_ASSIGN_WAIT_MS", default_value_t = 2_000)]
+    pub assign_wait_ms: u64,
+}
+
+/// Parses a byte count with an optional K, M, G or T suffix (powers of 1024; `KiB`, `KB` and
+/// `B` spellings are accepted too).
+pub fn parse_size(text: &str) -> std::result::Result<u64, String> {
+    let t = text.trim();
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (number, suffix) = t.split_at(digits);
+    let number: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size: write e.g. 4G, 512M or 1048576"))?;
+    let shift = match suffix.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 0,
+        "K" | "KB" | "KIB" => 10,
+        "M" | "MB" | "MIB" => 20,
+        "G" | "GB" | "GIB" => 30,
+        "T" | "TB" | "TIB" => 40,
+        other => {
+            return Err(format!(
+                "unknown size suffix {other:?} in {text:?}: use K, M, G or T"
+            ));
+        }
+    };
+    number
+        .checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("size {text:?} is too large"))
+}
+
+/// Everything a daemon needs to start.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The manager's URL.
+    pub manager: String,
+    /// This host's id.
+    pub host_id: u32,
+    /// Transport listen address (port 0 allowed).
+    pub listen: SocketAddr,
+    /// Transport address to announce instead of the bound one.
+    pub advertise: Option<String>,
+    /// Memory offered to pools, in bytes (rounded down to whole chunks).
+    pub memory: u64,
+    /// Host-agent socket path.
+    pub socket: PathBuf,
+    /// The cluster secret.
+    pub secret: Secret,
+    /// Where to write the transport address once serving.
+    pub ready_file: Option<PathBuf>,
+    /// Heartbeat interval (default: a third of the lease).
+    pub heartbeat: Option<Duration>,
+    /// How long start-up retries an unreachable manager.
+    pub startup_timeout: Duration,
+    /// Transport tunables.
+    pub transport: TransportConfig,
+}
+
+impl Config {
+    /// A configuration with defaults for everything but the essentials (tests, embedding).
+    pub fn new(
+        manager: &str,
+        host_id: u32,
+        memory: u64,
+        socket: PathBuf,
+        secret: Secret,
+    ) -> Config {
+        Config {
+            manager: manager.to_owned(),
+            host_id,
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise: None,
+            memory,
+            socket,
+            secret,
+            ready_file: None,
+            heartbeat: None,
+            startup_timeout: Duration::from_secs(60),
+            transport: TransportConfig::default(),
+        }
+    }
+
+    /// Checks the configuration, reading the secret file.
+    pub fn from_args(args: &Args) -> Result<Config> {
+        let secret = Secret::from_file(&args.secret_file)?;
+        let config = Config {
+            manager: args.manager.clone(),
+            host_id: args.host_id,
+            listen: args.listen,
+            advertise: args.advertise.clone(),
+            memory: args.memory,
+            socket: args.socket.clone(),
+            secret,
+            ready_file: args.ready_file.clone(),
+            heartbeat: args.heartbeat_ms.map(Duration::from_millis),
+            startup_timeout: Duration::from_millis(args.startup_timeout_ms),
+            transport: TransportConfig {
+                assign_wait: Duration::from_millis(args.assign_wait_ms),
+                ..TransportConfig::default()
+            },
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks values that cannot work.
+    pub fn validate(&self) -> Result<()> {
+        if self.host_id == 0 {
+            return Err(DaemonError::Config(
+                "--host-id 0 is reserved: use 1 or more, unique per host".into(),
+            ));
+        }
+        if self.memory < CHUNK_SIZE {
+            return Err(DaemonError::Config(format!(
+                "--memory {} is less than one chunk ({CHUNK_SIZE} bytes): offer at least 128K",
+                self.memory
+            )));
+        }
+        if self.heartbeat.is_some_and(|d| d.is_zero()) {
+            return Err(DaemonError::Config(
+                "--heartbeat-ms must be positive".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The memory offered, rounded down to whole chunks.
+    pub fn pool_memory(&self) -> u64 {
+        self.memory - self.memory % CHUNK_SIZE
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("4K"), Ok(4 << 10));
+        assert_eq!(parse_size("512m"), Ok(512 << 20));
+        assert_eq!(parse_size("4G"), Ok(4 << 30));
+        assert_eq!(parse_size("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_size("1T"), Ok(1 << 40));
+        assert!(parse_size("G").is_err());
+        assert!(parse_size("4X").is_err());
+        assert!(parse_size("99999999999T").is_err());
+        assert!(parse_size("-1").is_err());
+    }
+
+    #[test]
+    fn args_and_validation() {
+        let dir = tempfile::tempdir().unwrap();
+        let secret = dir.path().join("secret");
+        std::fs::write(&secret, "tok\n").unwrap();
+        let args = Args::try_parse_from([
+            "regions-daemon",
+            "--host-id",
+            "2",
+            "--memory",
+            "1M",
+            "--listen",
+            "127.0.0.1:0",
+            "--secret-file",
+            secret.to_str().unwrap(),
+            "--heartbeat-ms",
+            "250",
+        ])
+        .unwrap();
+        let config = Config::from_args(&args).unwrap();
+        assert_eq!((config.host_id, config.memory), (2, 1 << 20));
+        assert_eq!(config.heartbeat, Some(Duration::from_millis(250)));
+        assert_eq!(config.pool_memory(), 1 << 20);
+        let mut bad = config.clone();
+        bad.host_id = 0;
+        assert!(bad.validate().is_err());
+        bad = config.clone();
+        bad.memory = 1000;
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("one chunk")
+        );
+        bad = config;
+        bad.memory = CHUNK_SIZE * 3 + 5;
+        assert_eq!(bad.pool_memory(), CHUNK_SIZE * 3);
+        let missing = Args {
+            secret_file: dir.path().join("missing"),
+            ..args
+        };
+        assert!(Config::from_args(&missing).is_err());
+    }
+}

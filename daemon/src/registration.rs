@@ -1,0 +1,527 @@
+//! The daemon's session with the manager: register the host and its pools, bring the chunk
+//! tables in step (`PoolChunks`), apply the `WatchHost` event stream, heartbeat every
+//! lease/3, and when the manager restarts or the stream breaks, register again and resync
+//! (bounded backoff; the daemon never stops over it).
+//!
+//! Events name their pool (`ChunkBacking.gid`) and apply to it directly; they may repeat what
+//! a resync already applied, which the chunk table takes idempotently.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use regions_proto::layout::CHUNK_SIZE;
+use regions_proto::v1::{self, host_event::Event};
+use tokio::sync::watch;
+use tonic::{Code, Status, Streaming};
+
+use crate::error::{DaemonError, Result};
+use crate::manager_client::{ManagerClients, request};
+use crate::pools::Pools;
+
+/// First pause before registering again.
+const MIN_BACKOFF: Duration = Duration::from_millis(100);
+/// Longest pause between attempts.
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// Shortest heartbeat interval.
+const MIN_HEARTBEAT: Duration = Duration::from_millis(20);
+
+/// What the rest of the daemon can see of the session.
+#[derive(Debug, Default)]
+pub struct RegistrationStatus {
+    /// Sequence number of the last event applied (or of the last resync).
+    pub last_sequence: AtomicU64,
+    /// Successful registrations since start.
+    pub registrations: AtomicU64,
+    /// Events applied since start.
+    pub events: AtomicU64,
+}
+
+/// A registered session: the lease and where the event stream starts.
+#[derive(Clone, Copy, Debug)]
+pub struct Session {
+    /// The manager's lease.
+    pub lease: Duration,
+    /// Events after this sequence are still to be applied.
+    pub sequence: u64,
+}
+
+/// Registers this host and keeps its pools in step with the manager.
+#[derive(Debug)]
+pub struct Registration {
+    clients: ManagerClients,
+    host_id: u32,
+    transport_addr: String,
+    agent_socket: String,
+    /// Memory offered, whole chunks.
+    memory: u64,
+    incarnation: u64,
+    heartbeat: Option<Duration>,
+    pools: Arc<Pools>,
+    status: Arc<RegistrationStatus>,
+}
+
+/// Whether a failed manager call is worth retrying (the manager is down or restarting).
+fn retryable(e: &DaemonError) -> bool {
+    matches!(
+        e,
+        DaemonError::Manager { errno, .. } if [libc::EIO, libc::ETIMEDOUT, libc::EAGAIN].contains(errno)
+    )
+}
+
+/// Whether a `WatchHost` status asks for a resync.
+fn needs_resync(status: &Status) -> bool {
+    matches!(
+        status.code(),
+        Code::FailedPrecondition | Code::InvalidArgument
+    )
+}
+
+fn manager_err(status: Status) -> DaemonError {
+    DaemonError::from_status(&status)
+}
+
+impl Registration {
+    /// A session for this host; nothing is sent until [`Registration::register`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        clients: ManagerClients,
+        host_id: u32,
+        transport_addr: String,
+        agent_socket: String,
+        memory: u64,
+        heartbeat: Option<Duration>,
+        pools: Arc<Pools>,
+        status: Arc<RegistrationStatus>,
+    ) -> Registration {
+        let incarnation = loop {
+            let n: u64 = rand::random();
+            if n != 0 {
+                break n;
+            }
+        };
+        Registration {
+            clients,
+            host_id,
+            transport_addr,
+            agent_socket,
+            memory: memory - memory % CHUNK_SIZE,
+            incarnation,
+            heartbeat,
+            pools,
+            status,
+        }
+    }
+
+    /// This start's incarnation number.
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+
+    async fn register_pool(&mut self, gid: u32, size: u64) -> Result<v1::PoolRecord> {
+        let req = v1::RegisterPoolRequest {
+            host_id: self.host_id,
+            gid,
+            size,
+        };
+        self.clients
+            .cluster
+            .register_pool(request(req))
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(manager_err)
+    }
+
+    /// Registers the host and its pools and resyncs every pool.
+    pub async fn register(&mut self) -> Result<Session> {
+        let req = v1::RegisterHostRequest {
+            host_id: self.host_id,
+            transport_addr: self.transport_addr.clone(),
+            agent_socket: self.agent_socket.clone(),
+            memory_offered: self.memory,
+            incarnation: self.incarnation,
+        };
+        let reply = self
+            .clients
+            .cluster
+            .register_host(request(req))
+            .await
+            .map_err(manager_err)?
+            .into_inner();
+        let lease = Duration::from_millis(reply.lease_ms.max(100));
+        if self.pools.list().is_empty() {
+            self.first_pools(&reply.pools).await?;
+        } else {
+            self.known_pools().await?;
+        }
+        let sequence = self.resync_all().await?;
+        self.status.registrations.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            host = self.host_id,
+            incarnation = self.incarnation,
+            pools = ?self.pools.list(),
+            sequence,
+            lease_ms = lease.as_millis() as u64,
+            "registered with the manager"
+        );
+        Ok(Session { lease, sequence })
+    }
+
+    /// First registration of this process: adopt the pools the manager knows for this host
+    /// (left by an earlier daemon; their data is gone), then add one pool for the rest of the
+    /// memory offered.
+    async fn first_pools(&mut self, known: &[v1::PoolRecord]) -> Result<()> {
+        let mut adopted = 0;
+        let host = self.host_id;
+        for rec in known.iter().filter(|p| p.host_id == host) {
+            match self.register_pool(rec.gid, rec.size).await {
+                Ok(r) => {
+                    self.pools.add_pool(r.gid, r.size)?;
+                    adopted += 1;
+                }
+                Err(e) => tracing::error!(
+                    gid = rec.gid,
+                    size = rec.size,
+                    error = %e,
+                    "cannot take over a pool of this host's previous daemon; regions placed in \
+                     it are unreachable (offer at least as much --memory as before)"
+                ),
+            }
+        }
+        if adopted > 0 {
+            tracing::warn!(
+                adopted,
+                "took over the pools of this host's previous daemon: the data they held died \
+                 with it, and its regions read as zeros here"
+            );
+        }
+        let have = self.pools.pool_bytes();
+        if have < self.memory {
+            let r = self.register_pool(0, self.memory - have).await?;
+            self.pools.add_pool(r.gid, r.size)?;
+        }
+        Ok(())
+    }
+
+    /// Re-registration (manager restart, broken session): the same gids and sizes.
+    async fn known_pools(&mut self) -> Result<()> {
+        for (gid, size) in self.pools.list() {
+            match self.register_pool(gid, size).await {
+                Ok(_) => {}
+                Err(e) if e.errno() == libc::ENOENT => {
+                    tracing::warn!(gid, error = %e, "the manager no longer knows this pool; registering a new one");
+                    self.pools.remove_pool(gid);
+                    let r = self.register_pool(0, size).await?;
+                    self.pools.add_pool(r.gid, r.size)?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Brings every pool's table in step with `PoolChunks`; returns the sequence the stream
+    /// continues from.
+    pub async fn resync_all(&mut self) -> Result<u64> {
+        let mut sequence = u64::MAX;
+        for (gid, _) in self.pools.list() {
+            let reply = self
+                .clients
+                .cluster
+                .pool_chunks(request(v1::PoolChunksRequest { gid }))
+                .await
+                .map_err(manager_err)?
+                .into_inner();
+            let list: Vec<(u64, u64, u64, u64)> = reply
+                .chunks
+                .iter()
+                .map(|c| (c.pool_offset, c.ino, c.region_offset, c.len))
+                .collect();
+            let pools = Arc::clone(&self.pools);
+            let applied = tokio::task::spawn_blocking(move || pools.resync(gid, &list))
+                .await
+                .map_err(|e| DaemonError::Invalid(format!("resync task failed: {e}")))?;
+            if let Err(e) = applied {
+                tracing::warn!(gid, error = %e, "resync left some chunks unbacked");
+            }
+            tracing::debug!(
+                gid,
+                chunks = reply.chunks.len(),
+                sequence = reply.sequence,
+                "pool resynced"
+            );
+            sequence = sequence.min(reply.sequence);
+        }
+        let sequence = if sequence == u64::MAX { 0 } else { sequence };
+        self.status.last_sequence.store(sequence, Ordering::Relaxed);
+        Ok(sequence)
+    }
+
+    /// Keeps trying to register while the manager is unreachable, up to `timeout`.
+    pub async fn register_at_startup(&mut self, timeout: Duration) -> Result<Session> {
+        let start = Instant::now();
+        let mut backoff = Duration::from_millis(200);
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            match self.register().await {
+                Ok(session) => return Ok(session),
+                Err(e) if retryable(&e) && start.elapsed() + backoff < timeout => {
+                    tracing::warn!(
+                        manager = %self.clients.url,
+                        attempt = attempts,
+                        error = %e,
+                        retry_in_ms = backoff.as_millis() as u64,
+                        "manager unreachable; retrying (is regions-manager running at --manager?)"
+                    );
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                }
+                Err(e) if retryable(&e) => {
+                    return Err(DaemonError::ManagerUnreachable {
+                        url: self.clients.url.clone(),
+                        attempts,
+                        secs: start.elapsed().as_secs(),
+                        last: e.to_string(),
+                    });
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Serves `first`, then registers again whenever the session ends, until `shutdown` turns
+    /// true (or its sender goes away).
+    pub async fn run(mut self, first: Session, mut shutdown: watch::Receiver<bool>) {
+        let mut next = Some(first);
+        let mut backoff = MIN_BACKOFF;
+        loop {
+            if *shutdown.borrow() {
+                return;
+            }
+            let session = match next.take() {
+                Some(s) => s,
+                None => {
+                    let attempt = tokio::select! {
+                        r = self.register() => r,
+                        _ = shutdown.changed() => return,
+                    };
+                    match attempt {
+                        Ok(s) => {
+                            backoff = MIN_BACKOFF;
+                            s
+                        }
+                        Err(e) => {
+                            tracing::warn!(
+                                manager = %self.clients.url,
+                                error = %e,
+                                retry_in_ms = backoff.as_millis() as u64,
+                                "cannot register with the manager; retrying"
+                            );
+                            if sleep_or_stop(backoff, &mut shutdown).await {
+                                return;
+                            }
+                            backoff = (backoff * 2).min(MAX_BACKOFF);
+                            continue;
+                        }
+                    }
+                }
+            };
+            match self.serve(session, &mut shutdown).await {
+                Ok(()) => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, "manager session ended; registering again");
+                    if sleep_or_stop(backoff, &mut shutdown).await {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn watch(&mut self, after: &mut u64) -> Result<Streaming<v1::HostEvent>> {
+        for _ in 0..3 {
+            let req = v1::WatchHostRequest {
+                host_id: self.host_id,
+                after_sequence: *after,
+            };
+            // No deadline: the stream lives as long as the session.
+            match self
+                .clients
+                .cluster
+                .watch_host(tonic::Request::new(req))
+                .await
+            {
+                Ok(r) => return Ok(r.into_inner()),
+                Err(s) if needs_resync(&s) => {
+                    tracing::info!(after = *after, reason = %s.message(), "manager asks for a resync");
+                    *after = self.resync_all().await?;
+                }
+                Err(s) => return Err(manager_err(s)),
+            }
+        }
+        Err(DaemonError::Invalid(
+            "the manager keeps refusing the event stream after resyncs".into(),
+        ))
+    }
+
+    /// One session: events and heartbeats until the stream breaks (`Err`) or shutdown (`Ok`).
+    async fn serve(
+        &mut self,
+        session: Session,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Result<()> {
+        let every = self
+            .heartbeat
+            .unwrap_or(session.lease / 3)
+            .max(MIN_HEARTBEAT);
+        let mut after = session.sequence;
+        let mut stream = self.watch(&mut after).await?;
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                changed = shutdown.changed() => {
+                    if changed.is_err() || *shutdown.borrow() {
+                        return Ok(());
+                    }
+                }
+                _ = tick.tick() => self.heartbeat().await?,
+                message = stream.message() => match message {
+                    Ok(Some(event)) => self.apply(event, &mut after).await,
+                    Ok(None) => {
+                        return Err(DaemonError::Invalid("the manager ended the event stream".into()));
+                    }
+                    Err(s) if needs_resync(&s) => {
+                        tracing::info!(reason = %s.message(), "event stream needs a resync");
+                        after = self.resync_all().await?;
+                        stream = self.watch(&mut after).await?;
+                    }
+                    Err(s) => return Err(manager_err(s)),
+                },
+            }
+        }
+    }
+
+    /// Renews the lease; `Err` only when the manager no longer knows this incarnation.
+    async fn heartbeat(&mut self) -> Result<()> {
+        let req = v1::HeartbeatRequest {
+            host_id: self.host_id,
+            incarnation: self.incarnation,
+        };
+        match self.clients.cluster.heartbeat(request(req)).await {
+            Ok(_) => Ok(()),
+            Err(s) if matches!(s.code(), Code::NotFound | Code::InvalidArgument) => {
+                Err(manager_err(s))
+            }
+            Err(s) => {
+                tracing::warn!(error = %s.message(), code = ?s.code(), "heartbeat failed; is the manager up?");
+                Ok(())
+            }
+        }
+    }
+
+    /// Applies one event (errors are logged: a bad event never stops the daemon).
+    async fn apply(&mut self, event: v1::HostEvent, after: &mut u64) {
+        let sequence = event.sequence;
+        let result = match event.event {
+            Some(Event::Assigned(b)) => {
+                self.pools
+                    .assign(b.gid, b.pool_offset, b.ino, b.region_offset, b.len)
+            }
+            Some(Event::Released(b)) => {
+                self.pools
+                    .release(b.gid, b.pool_offset, b.ino, b.region_offset, b.len)
+            }
+            Some(Event::Truncated(t)) => self.pools.truncate(t.ino, t.size),
+            Some(Event::GrowPool(bytes)) => self.grow(bytes).await,
+            None => Ok(()),
+        };
+        if let Err(e) = result {
+            tracing::warn!(sequence, error = %e, "cannot apply a manager event");
+        }
+        *after = sequence;
+        self.status.last_sequence.store(sequence, Ordering::Relaxed);
+        self.status.events.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `GrowPool`: add a pool of `bytes` (whole chunks) if the memory offered allows.
+    async fn grow(&mut self, bytes: u64) -> Result<()> {
+        let want = bytes.div_ceil(CHUNK_SIZE).saturating_mul(CHUNK_SIZE);
+        let have = self.pools.pool_bytes();
+        if want == 0 || have.saturating_add(want) > self.memory {
+            tracing::info!(
+                asked = bytes,
+                pools = have,
+                memory = self.memory,
+                "the manager asked for another pool, but the memory offered is used up"
+            );
+            return Ok(());
+        }
+        let r = self.register_pool(0, want).await?;
+        self.pools.add_pool(r.gid, r.size)?;
+        tracing::info!(
+            gid = r.gid,
+            size = r.size,
+            "pool added at the manager's request"
+        );
+        Ok(())
+    }
+}
+
+/// Sleeps `d`; `true` when shutdown came first.
+async fn sleep_or_stop(d: Duration, shutdown: &mut watch::Receiver<bool>) -> bool {
+    tokio::select! {
+        () = tokio::time::sleep(d) => *shutdown.borrow(),
+        changed = shutdown.changed() => changed.is_err() || *shutdown.borrow(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_and_resync_rules() {
+        let down = DaemonError::from_status(&Status::unavailable("down"));
+        assert!(retryable(&down));
+        let denied = DaemonError::from_status(&Status::unauthenticated("wrong secret"));
+        assert!(!retryable(&denied));
+        assert!(!retryable(&DaemonError::Invalid("x".into())));
+        assert!(needs_resync(&Status::failed_precondition("x")));
+        assert!(needs_resync(&Status::invalid_argument("x")));
+        assert!(!needs_resync(&Status::unavailable("x")));
+    }
+
+    #[tokio::test]
+    async fn startup_gives_up_on_an_unreachable_manager() {
+        let secret = regions_proto::auth::Secret::new("s").unwrap();
+        // A port nobody listens on.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let clients = ManagerClients::new(&format!("127.0.0.1:{port}"), &secret).unwrap();
+        let mut reg = Registration::new(
+            clients,
+            1,
+            "127.0.0.1:1".into(),
+            String::new(),
+            1 << 20,
+            None,
+            Arc::new(Pools::new()),
+            Arc::default(),
+        );
+        assert_ne!(reg.incarnation(), 0);
+        let err = reg
+            .register_at_startup(Duration::from_millis(500))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, DaemonError::ManagerUnreachable { .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("start regions-manager"), "{err}");
+    }
+}

@@ -1,0 +1,228 @@
+//! Segments: one sparse memfd per region on this host, whose file offsets are region offsets
+//! (DESIGN.md, "Data plane": pools). Pool windows map chunks of segments; the host agent hands
+//! segment fds to local processes.
+//!
+//! A segment only grows (it is sealed against shrinking, so no process holding its fd can make
+//! the daemon's mappings fault); freed chunks are returned to the kernel by punching holes.
+
+use std::fs::File;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use nix::fcntl::{FallocateFlags, FcntlArg, SealFlag, fallocate, fcntl};
+use nix::sys::memfd::{MFdFlags, memfd_create};
+
+use crate::error::{DaemonError, Result};
+
+/// Largest size of a segment: file offsets are `off_t`.
+const MAX_SEGMENT: u64 = i64::MAX as u64;
+
+/// A region's memory on this host.
+#[derive(Debug)]
+pub struct Segment {
+    ino: u64,
+    fd: OwnedFd,
+    /// Current file size (only [`Segment::grow_to`] changes it).
+    size: AtomicU64,
+}
+
+impl Segment {
+    /// Creates an empty segment for region `ino`.
+    pub fn create(ino: u64) -> Result<Segment> {
+        let name = format!("regions-segment-{ino}");
+        let fd = memfd_create(
+            name.as_str(),
+            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
+        )
+        .map_err(|e| DaemonError::sys(format!("memfd_create for region {ino}"), e))?;
+        // Nobody (a local process holding the fd included) may shrink the file under the
+        // daemon's mappings: that would turn accesses into SIGBUS.
+        fcntl(&fd, FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK))
+            .map_err(|e| DaemonError::sys(format!("sealing the segment of region {ino}"), e))?;
+        Ok(Segment {
+            ino,
+            fd,
+            size: AtomicU64::new(0),
+        })
+    }
+
+    /// The region this segment holds.
+    pub fn ino(&self) -> u64 {
+        self.ino
+    }
+
+    /// Bytes the memfd spans.
+    pub fn size(&self) -> u64 {
+        self.size.load(Ordering::Acquire)
+    }
+
+    /// Grows the memfd to at least `size` bytes (holes read as zeros and use no memory).
+    pub fn grow_to(&self, size: u64) -> Result<()> {
+        if size <= self.size() {
+            return Ok(());
+        }
+        let len = i64::try_from(size)
+            .ok()
+            .filter(|s| (*s as u64) <= MAX_SEGMENT)
+            .ok_or_else(|| {
+                DaemonError::Invalid(format!(
+                    "segment size {size} of region {} is too large",
+                    self.ino
+                ))
+            })?;
+        nix::unistd::ftruncate(&self.fd, len).map_err(|e| {
+            DaemonError::sys(
+                format!("growing the segment of region {} to {size} bytes", self.ino),
+                e,
+            )
+        })?;
+        self.size.store(size, Ordering::Release);
+        Ok(())
+    }
+
+    /// Frees the pages of `[offset, offset + len)`: they read as zeros afterwards and their
+    /// memory goes back to the kernel. The size does not change.
+    pub fn punch(&self, offset: u64, len: u64) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let bad = || {
+            DaemonError::Invalid(format!(
+                "cannot punch {offset:#x}+{len:#x} in the segment of region {}",
+                self.ino
+            ))
+        };
+        let off = i64::try_from(offset).map_err(|_| bad())?;
+        let n = i64::try_from(len).map_err(|_| bad())?;
+        off.checked_add(n).ok_or_else(bad)?;
+        fallocate(
+            &self.fd,
+            FallocateFlags::FALLOC_FL_PUNCH_HOLE | FallocateFlags::FALLOC_FL_KEEP_SIZE,
+            off,
+            n,
+        )
+        .map_err(|e| {
+            DaemonError::sys(
+                format!(
+                    "punching {offset:#x}+{len:#x} in the segment of region {}",
+                    self.ino
+                ),
+                e,
+            )
+        })
+    }
+
+    /// Bytes of memory the memfd holds (pages actually allocated).
+    pub fn allocated_bytes(&self) -> u64 {
+        match nix::sys::stat::fstat(&self.fd) {
+            Ok(st) => u64::try_from(st.st_blocks).unwrap_or(0) * 512,
+            Err(e) => {
+                tracing::warn!(ino = self.ino, error = %e, "fstat of a segment failed");
+                0
+            }
+        }
+    }
+
+    /// A new descriptor of the memfd, as writable as the daemon's own.
+    pub fn dup(&self) -> Result<OwnedFd> {
+        self.fd
+            .try_clone()
+            .map_err(|e| DaemonError::sys(format!("dup of the segment of region {}", self.ino), e))
+    }
+
+    /// A read-only descriptor of the memfd (a fresh open through `/proc/self/fd`), for callers
+    /// allowed to read only: mapping it writable fails in their process.
+    pub fn reopen_read_only(&self) -> Result<OwnedFd> {
+        let path = format!("/proc/self/fd/{}", self.fd.as_raw_fd());
+        let file = File::open(&path).map_err(|e| {
+            DaemonError::sys(
+                format!(
+                    "reopening the segment of region {} read-only ({path})",
+                    self.ino
+                ),
+                e,
+            )
+        })?;
+        Ok(OwnedFd::from(file))
+    }
+
+    /// Reads bytes at `offset` of the memfd (tests and diagnostics; the data path uses the
+    /// pool windows).
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let file = File::from(self.dup()?);
+        file.read_exact_at(buf, offset)
+            .map_err(|e| DaemonError::sys(format!("reading the segment of region {}", self.ino), e))
+    }
+}
+
+impl AsFd for Segment {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::FileExt;
+
+    use super::*;
+
+    const CHUNK: u64 = 128 << 10;
+
+    #[test]
+    fn grow_write_punch_releases_pages() {
+        let seg = Segment::create(9).unwrap();
+        assert_eq!((seg.ino(), seg.size()), (9, 0));
+        seg.grow_to(4 * CHUNK).unwrap();
+        seg.grow_to(CHUNK).unwrap();
+        assert_eq!(seg.size(), 4 * CHUNK, "segments never shrink");
+        assert_eq!(seg.allocated_bytes(), 0, "a grown memfd is sparse");
+        let file = File::from(seg.dup().unwrap());
+        file.write_all_at(&vec![7u8; 2 * CHUNK as usize], CHUNK)
+            .unwrap();
+        assert_eq!(seg.allocated_bytes(), 2 * CHUNK);
+        seg.punch(CHUNK, CHUNK).unwrap();
+        assert_eq!(
+            seg.allocated_bytes(),
+            CHUNK,
+            "punched pages return to the kernel"
+        );
+        let mut b = [1u8; 4];
+        seg.read_at(CHUNK, &mut b).unwrap();
+        assert_eq!(b, [0; 4], "punched bytes read as zeros");
+        seg.read_at(2 * CHUNK, &mut b).unwrap();
+        assert_eq!(b, [7; 4]);
+        assert_eq!(seg.size(), 4 * CHUNK, "punching keeps the size");
+        assert!(seg.punch(u64::MAX, 1).is_err());
+        seg.punch(0, 0).unwrap();
+    }
+
+    #[test]
+    fn sealed_against_shrinking() {
+        let seg = Segment::create(1).unwrap();
+        seg.grow_to(CHUNK).unwrap();
+        let fd = seg.dup().unwrap();
+        assert!(
+            nix::unistd::ftruncate(&fd, 0).is_err(),
+            "F_SEAL_SHRINK holds"
+        );
+        nix::unistd::ftruncate(&fd, 2 * CHUNK as i64).unwrap();
+    }
+
+    #[test]
+    fn read_only_reopen_refuses_writes() {
+        let seg = Segment::create(3).unwrap();
+        seg.grow_to(CHUNK).unwrap();
+        File::from(seg.dup().unwrap())
+            .write_all_at(b"abc", 0)
+            .unwrap();
+        let ro = File::from(seg.reopen_read_only().unwrap());
+        let mut b = [0u8; 3];
+        ro.read_exact_at(&mut b, 0).unwrap();
+        assert_eq!(&b, b"abc");
+        assert!(ro.write_all_at(b"x", 0).is_err());
+        let flags = fcntl(&ro, FcntlArg::F_GETFL).unwrap();
+        assert_eq!(flags & libc::O_ACCMODE, libc::O_RDONLY);
+    }
+}

@@ -1,0 +1,734 @@
+//! The tcp transport server (DESIGN.md, "Data plane": transport frames): one thread per
+//! connection on blocking std sockets, `TCP_NODELAY`, many pipelined requests per connection.
+//!
+//! - The first frame must be HELLO with the cluster secret; anything else gets `EACCES` and the
+//!   connection closes with a log line.
+//! - READ and READV replies go from the pool window to the socket with one `sendmsg` of header +
+//!   window ranges (no copy); WRITE payloads go from the socket straight into the window; WRITEV
+//!   payloads are buffered once and copied in.
+//! - Every range is bounds-checked against the pool and its assigned chunks
+//!   ([`Pools::resolve`], [`crate::pools::Resolved::pin`]); errors are replies with an errno
+//!   (`EFAULT` unassigned or out of bounds, `ENOENT` unknown pool, `EINVAL` malformed request).
+//! - A frame that cannot be decoded (bad header, oversized payload) closes the connection with
+//!   a log line. Nothing a peer sends makes the daemon panic.
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use regions_proto::auth::Secret;
+use regions_proto::frame::{
+    FLAG_REPLY, Frame, FrameError, HEADER_LEN, Header, Limits, Op, Range, Request,
+};
+
+use crate::error::{DaemonError, Result};
+use crate::pools::{Pinned, Pools, Resolved};
+use crate::rawio::{Ready, wait_ready};
+use crate::stats::Stats;
+
+/// Largest HELLO payload accepted (before authentication nothing bigger is read).
+const MAX_HELLO: u32 = 4096;
+/// Replies buffered before they are written even though more requests are waiting.
+const FLUSH_AT: usize = 64 << 10;
+/// How often the accept loop checks for shutdown.
+const ACCEPT_POLL: Duration = Duration::from_millis(100);
+
+/// Tunables of the transport server.
+#[derive(Clone, Copy, Debug)]
+pub struct TransportConfig {
+    /// Limits on frames.
+    pub limits: Limits,
+    /// How long a request touching an unassigned chunk waits for the manager's event.
+    pub assign_wait: Duration,
+    /// How long a peer may stall in the middle of a frame or a reply before it is dropped.
+    pub io_timeout: Duration,
+    /// Size of each connection's input buffer.
+    pub buffer: usize,
+}
+
+impl Default for TransportConfig {
+    fn default() -> Self {
+        TransportConfig {
+            limits: Limits::default(),
+            assign_wait: Duration::from_secs(2),
+            io_timeout: Duration::from_secs(30),
+            buffer: 256 << 10,
+        }
+    }
+}
+
+/// What connections share.
+#[derive(Debug)]
+struct Shared {
+    pools: Arc<Pools>,
+    secret: Secret,
+    stats: Arc<Stats>,
+    config: TransportConfig,
+    stop: AtomicBool,
+    conns: Mutex<HashMap<u64, TcpStream>>,
+    next_conn: AtomicU64,
+}
+
+/// A running transport server.
+#[derive(Debug)]
+pub struct TransportServer {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl TransportServer {
+    /// Binds the transport address (port 0 picks a free port).
+    pub fn bind(addr: SocketAddr) -> Result<TcpListener> {
+        TcpListener::bind(addr).map_err(|source| DaemonError::Bind {
+            addr: addr.to_string(),
+            source,
+        })
+    }
+
+    /// Serves `listener` on a background thread until [`TransportServer::shutdown`].
+    pub fn start(
+        listener: TcpListener,
+        pools: Arc<Pools>,
+        secret: Secret,
+        stats: Arc<Stats>,
+        config: TransportConfig,
+    ) -> Result<TransportServer> {
+        let addr = listener
+            .local_addr()
+            .map_err(|e| DaemonError::sys("transport listener address", e))?;
+        let shared = Arc::new(Shared {
+            pools,
+            secret,
+            stats,
+            config,
+            stop: AtomicBool::new(false),
+            conns: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(1),
+        });
+        let for_thread = Arc::clone(&shared);
+        let accept = std::thread::Builder::new()
+            .name("transport-accept".into())
+            .spawn(move || accept_loop(&listener, &for_thread))
+            .map_err(|e| DaemonError::sys("spawning the transport accept thread", e))?;
+        tracing::info!(%addr, "transport serving");
+        Ok(TransportServer {
+            addr,
+            shared,
+            accept: Some(accept),
+        })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops accepting, closes every connection and waits for the accept thread.
+    pub fn shutdown(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        if let Ok(conns) = self.shared.conns.lock() {
+            for stream in conns.values() {
+                let _ = stream.shutdown(Shutdown::Both);
+            }
+        }
+        if let Some(handle) = self.accept.take() {
+            // Wake the accept loop now rather than at its next poll timeout.
+            let mut wake = self.addr;
+            if wake.ip().is_unspecified() {
+                wake.set_ip(if wake.is_ipv4() {
+                    std::net::Ipv4Addr::LOCALHOST.into()
+                } else {
+                    std::net::Ipv6Addr::LOCALHOST.into()
+                });
+            }
+            let _ = TcpStream::connect_timeout(&wake, ACCEPT_POLL);
+            let _ = handle.join();
+        }
+    }
+}
+
+impl Drop for TransportServer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
+    while !shared.stop.load(Ordering::SeqCst) {
+        match wait_ready(listener, Ready::Read, ACCEPT_POLL) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => continue,
+            Err(e) => {
+                tracing::warn!(error = %e, "transport accept poll failed");
+                std::thread::sleep(ACCEPT_POLL);
+                continue;
+            }
+        }
+        let (stream, peer) = match listener.accept() {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                tracing::warn!(error = %e, "transport accept failed (out of file descriptors?)");
+                std::thread::sleep(ACCEPT_POLL);
+                continue;
+            }
+        };
+        if shared.stop.load(Ordering::SeqCst) {
+            break;
+        }
+        let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+        if let (Ok(clone), Ok(mut conns)) = (stream.try_clone(), shared.conns.lock()) {
+            conns.insert(id, clone);
+        }
+        let for_thread = Arc::clone(shared);
+        let spawned = std::thread::Builder::new()
+            .name(format!("transport-{id}"))
+            .spawn(move || {
+                Stats::add(&for_thread.stats.connections, 1);
+                Stats::add(&for_thread.stats.connections_total, 1);
+                serve_connection(stream, peer, &for_thread);
+                Stats::dec(&for_thread.stats.connections);
+                if let Ok(mut conns) = for_thread.conns.lock() {
+                    conns.remove(&id);
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(%peer, error = %e, "cannot start a connection thread; dropping the connection");
+            if let Ok(mut conns) = shared.conns.lock() {
+                conns.remove(&id);
+            }
+        }
+    }
+}
+
+fn serve_connection(stream: TcpStream, peer: SocketAddr, shared: &Arc<Shared>) {
+    if let Err(e) = stream
+        .set_nodelay(true)
+        .and_then(|()| stream.set_write_timeout(Some(shared.config.io_timeout)))
+    {
+        tracing::warn!(%peer, error = %e, "cannot configure a transport connection");
+        return;
+    }
+    tracing::debug!(%peer, "transport connection opened");
+    let mut conn = Conn {
+        stream,
+        peer,
+        shared: Arc::clone(shared),
+        input: InBuf::new(shared.config.buffer),
+        out: BytesMut::with_capacity(FLUSH_AT),
+        authenticated: false,
+    };
+    match conn.run() {
+        Ok(()) => tracing::debug!(%peer, "transport connection closed by the peer"),
+        Err(Close::Quiet(reason)) => tracing::debug!(%peer, %reason, "transport connection closed"),
+        Err(Close::Logged) => {}
+    }
+}
+
+/// Why a connection ends.
+enum Close {
+    /// Already logged at the level it deserved.
+    Logged,
+    /// Ordinary end (peer gone, shutdown): logged at debug level.
+    Quiet(String),
+}
+
+impl From<io::Error> for Close {
+    fn from(e: io::Error) -> Close {
+        Close::Quiet(e.to_string())
+    }
+}
+
+/// A connection's input buffer.
+struct InBuf {
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+impl InBuf {
+    fn new(capacity: usize) -> InBuf {
+        InBuf {
+            buf: vec![0; capacity.max(HEADER_LEN)],
+            start: 0,
+            end: 0,
+        }
+    }
+
+    fn available(&self) -> &[u8] {
+        &self.buf[self.start..self.end]
+    }
+
+    fn len(&self) -> usize {
+        self.end - self.start
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.start += n.min(self.len());
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        }
+    }
+
+    /// Reads more bytes from `stream` (blocking); `Ok(0)` at end of stream.
+    fn fill(&mut self, mut stream: &TcpStream) -> io::Result<usize> {
+        if self.end == self.buf.len() && self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        loop {
+            match stream.read(&mut self.buf[self.end..]) {
+                Ok(n) => {
+                    self.end += n;
+                    return Ok(n);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// One transport connection.
+struct Conn {
+    stream: TcpStream,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    input: InBuf,
+    /// Replies not written yet.
+    out: BytesMut,
+    authenticated: bool,
+}
+
+impl Conn {
+    fn run(&mut self) -> Result<(), Close> {
+        loop {
+            let Some(header) = self.next_header()? else {
+                return Ok(());
+            };
+            Stats::add(&self.shared.stats.requests, 1);
+            self.handle(header)?;
+            if self.out.len() >= FLUSH_AT {
+                self.flush()?;
+            }
+        }
+    }
+
+    /// Writes buffered replies.
+    fn flush(&mut self) -> io::Result<()> {
+        if !self.out.is_empty() {
+            self.stream.write_all(&self.out)?;
+            self.out.clear();
+        }
+        Ok(())
+    }
+
+    /// The next request header; `None` when the peer closed between frames.
+    fn next_header(&mut self) -> Result<Option<Header>, Close> {
+        while self.input.len() < HEADER_LEN {
+            // Nothing more is pipelined: the buffered replies go out before we block.
+            self.flush()?;
+            if self.input.fill(&self.stream)? == 0 {
+                if self.input.len() > 0 {
+                    return Err(Close::Quiet(format!(
+                        "peer closed in the middle of a frame header ({} bytes)",
+                        self.input.len()
+                    )));
+                }
+                return Ok(None);
+            }
+        }
+        let header = match Header::decode(self.input.available()) {
+            Ok(h) => h,
+            Err(e) => return Err(self.malformed(&e)),
+        };
+        let max = self.shared.config.limits.max_payload;
+        if header.payload_len > max {
+            let e = FrameError::Oversized {
+                len: u64::from(header.payload_len),
+                max,
+            };
+            return Err(self.malformed(&e));
+        }
+        self.input.consume(HEADER_LEN);
+        Ok(Some(header))
+    }
+
+    fn malformed(&mut self, e: &FrameError) -> Close {
+        let _ = self.flush();
+        tracing::warn!(peer = %self.peer, error = %e, "malformed transport frame; closing the connection");
+        Close::Logged
+    }
+
+    /// Reads a whole payload of `len` bytes into memory. Memory grows with the bytes that
+    /// actually arrive, so a peer announcing a large payload and sending none costs nothing.
+    fn read_payload(&mut self, len: u32) -> io::Result<Bytes> {
+        let len = len as usize;
+        let take = len.min(self.input.len());
+        let mut payload = Vec::with_capacity(take.max(len.min(self.input.buf.len())));
+        payload.extend_from_slice(&self.input.available()[..take]);
+        self.input.consume(take);
+        if payload.len() < len {
+            let rest = (len - payload.len()) as u64;
+            (&self.stream).take(rest).read_to_end(&mut payload)?;
+            if payload.len() < len {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+        }
+        Ok(Bytes::from(payload))
+    }
+
+    /// Reads and drops `len` bytes of payload.
+    fn discard(&mut self, mut len: u64) -> io::Result<()> {
+        let take = len.min(self.input.len() as u64);
+        self.input.consume(take as usize);
+        len -= take;
+        let mut sink = [0u8; 8192];
+        while len > 0 {
+            let n = (&self.stream).read(&mut sink[..len.min(8192) as usize])?;
+            if n == 0 {
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            len -= n as u64;
+        }
+        Ok(())
+    }
+
+    fn reply_ok(&mut self, req: &Header, payload: Bytes) {
+        Frame::reply_ok(req, payload).encode(&mut self.out);
+    }
+
+    fn reply_err(&mut self, req: &Header, errno: i32, message: &str) {
+        tracing::debug!(peer = %self.peer, op = %req.op, request = req.request_id, errno, message, "transport request refused");
+        Frame::reply_err(req, errno as u32, message).encode(&mut self.out);
+    }
+
+    fn reply_error(&mut self, req: &Header, e: &DaemonError) {
+        self.reply_err(req, e.errno(), &e.to_string());
+    }
+
+    /// Refuses an unauthenticated or wrongly authenticated connection, then closes it.
+    fn refuse(&mut self, req: &Header, message: &str) -> Close {
+        tracing::warn!(peer = %self.peer, op = %req.op, reason = message, "transport connection refused");
+        Frame::reply_err(req, libc::EACCES as u32, message).encode(&mut self.out);
+        let _ = self.flush();
+        // Let the reply reach the peer before the close: stop writing, and drain briefly what
+        // it already sent (closing with unread input would reset the connection).
+        let _ = self.stream.shutdown(Shutdown::Write);
+        let _ = self
+            .stream
+            .set_read_timeout(Some(Duration::from_millis(200)));
+        let mut sink = [0u8; 8192];
+        let mut drained = 0usize;
+        while drained < (1 << 20) {
+            match (&self.stream).read(&mut sink) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => drained += n,
+            }
+        }
+        Close::Logged
+    }
+
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.shared.config.assign_wait
+    }
+
+    fn handle(&mut self, h: Header) -> Result<(), Close> {
+        if h.op == Op::Hello || !self.authenticated {
+            return self.hello(&h);
+        }
+        if h.op == Op::Write {
+            return self.write_direct(&h);
+        }
+        let payload = self.read_payload(h.payload_len)?;
+        let frame = Frame { header: h, payload };
+        let request = match Request::parse(&frame, &self.shared.config.limits) {
+            Ok(r) => r,
+            Err(e) => {
+                self.reply_err(&h, libc::EINVAL, &e.to_string());
+                return Ok(());
+            }
+        };
+        match request {
+            Request::Ping => self.reply_ok(&h, Bytes::new()),
+            Request::Read { pool, offset, len } => {
+                self.send_ranges(&h, &[Range { pool, offset, len }])?;
+            }
+            Request::ReadV { ranges } => self.send_ranges(&h, &ranges)?,
+            Request::WriteV { ranges, data } => self.write_vector(&h, &ranges, &data),
+            Request::Cas {
+                pool,
+                offset,
+                expected,
+                new,
+            } => self.atomic(&h, pool, offset, |p| p.compare_and_swap(expected, new)),
+            Request::FetchAdd {
+                pool,
+                offset,
+                addend,
+            } => self.atomic(&h, pool, offset, |p| p.fetch_add(addend)),
+            // Handled above; kept for exhaustiveness.
+            Request::Hello { .. } | Request::Write { .. } => {
+                self.reply_err(&h, libc::EINVAL, "unexpected request");
+            }
+        }
+        Ok(())
+    }
+
+    fn hello(&mut self, h: &Header) -> Result<(), Close> {
+        if h.op != Op::Hello {
+            return Err(self.refuse(
+                h,
+                "not authenticated: the first frame must be HELLO with the cluster secret",
+            ));
+        }
+        if h.flags & FLAG_REPLY != 0 || h.payload_len > MAX_HELLO {
+            return Err(self.refuse(h, "malformed HELLO"));
+        }
+        let token = self.read_payload(h.payload_len)?;
+        if !self.shared.secret.matches(&token) {
+            self.authenticated = false;
+            return Err(self.refuse(
+                h,
+                "wrong cluster secret: use the same --secret-file as the manager",
+            ));
+        }
+        if !self.authenticated {
+            tracing::debug!(peer = %self.peer, "transport connection authenticated");
+        }
+        self.authenticated = true;
+        self.reply_ok(h, Bytes::new());
+        Ok(())
+    }
+
+    fn atomic(
+        &mut self,
+        h: &Header,
+        pool: u32,
+        offset: u64,
+        op: impl FnOnce(&Pinned<'_>) -> Result<u64>,
+    ) {
+        let shared = Arc::clone(&self.shared);
+        let result = shared
+            .pools
+            .resolve(&[Range {
+                pool,
+                offset,
+                len: 8,
+            }])
+            .and_then(|resolved| {
+                let pinned = resolved.pin(self.deadline())?;
+                op(&pinned)
+            });
+        match result {
+            Ok(old) => self.reply_ok(h, Bytes::copy_from_slice(&old.to_le_bytes())),
+            Err(e) => self.reply_error(h, &e),
+        }
+    }
+
+    fn write_vector(&mut self, h: &Header, ranges: &[Range], data: &[u8]) {
+        let shared = Arc::clone(&self.shared);
+        let result = shared.pools.resolve(ranges).and_then(|resolved| {
+            resolved.pin(self.deadline())?.copy_in_at(0, data);
+            Ok(())
+        });
+        match result {
+            Ok(()) => {
+                Stats::add(&self.shared.stats.bytes_written, data.len() as u64);
+                self.reply_ok(h, Bytes::new());
+            }
+            Err(e) => self.reply_error(h, &e),
+        }
+    }
+
+    /// Replies to READ / READV: header and the window's bytes in one `sendmsg`, never blocking
+    /// while chunks are pinned.
+    fn send_ranges(&mut self, h: &Header, ranges: &[Range]) -> Result<(), Close> {
+        let shared = Arc::clone(&self.shared);
+        let resolved = match shared.pools.resolve(ranges) {
+            Ok(r) => r,
+            Err(e) => {
+                self.reply_error(h, &e);
+                return Ok(());
+            }
+        };
+        let total = resolved.len();
+        let Ok(payload_len) = u32::try_from(total) else {
+            self.reply_err(h, libc::EINVAL, "read larger than a frame");
+            return Ok(());
+        };
+        let mut pinned = match resolved.pin(self.deadline()) {
+            Ok(p) => p,
+            Err(e) => {
+                self.reply_error(h, &e);
+                return Ok(());
+            }
+        };
+        let reply = Header {
+            flags: h.flags | FLAG_REPLY,
+            capability: 0,
+            status: 0,
+            payload_len,
+            ..*h
+        };
+        reply.encode(&mut self.out);
+        let whole = self.out.len() + total as usize;
+        let fingerprint = pinned.fingerprint().to_vec();
+        let mut sent = 0;
+        while sent < whole {
+            match pinned.send(&self.stream, &self.out, sent) {
+                Ok(n) => sent += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    drop(pinned);
+                    wait_ready(&self.stream, Ready::Write, shared.config.io_timeout)?;
+                    pinned = self.repin(&resolved, &fingerprint)?;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        drop(pinned);
+        self.out.clear();
+        Stats::add(&self.shared.stats.bytes_read, total);
+        Ok(())
+    }
+
+    /// Pins `resolved` again after waiting for the socket; the mapping must be unchanged, or
+    /// the reply cannot be completed and the connection closes.
+    fn repin<'r>(
+        &self,
+        resolved: &'r Resolved<'_>,
+        fingerprint: &[u64],
+    ) -> Result<Pinned<'r>, Close> {
+        match resolved.pin(Instant::now()) {
+            Ok(p) if p.fingerprint() == fingerprint => Ok(p),
+            _ => {
+                tracing::warn!(peer = %self.peer, "region memory was released during a read reply; closing the connection");
+                Err(Close::Logged)
+            }
+        }
+    }
+
+    /// WRITE: the payload goes from the socket straight into the pinned window.
+    fn write_direct(&mut self, h: &Header) -> Result<(), Close> {
+        let len = u64::from(h.payload_len);
+        let invalid = if h.flags & FLAG_REPLY != 0 {
+            Some(FrameError::UnexpectedReply(h.op).to_string())
+        } else if h.length != len {
+            Some(format!(
+                "malformed write frame: length field (must equal payload length) is {}, \
+                 expected {len}",
+                h.length
+            ))
+        } else if h.offset.checked_add(len).is_none() {
+            Some(
+                FrameError::Overflow {
+                    offset: h.offset,
+                    len,
+                }
+                .to_string(),
+            )
+        } else {
+            None
+        };
+        if let Some(message) = invalid {
+            self.discard(len)?;
+            self.reply_err(h, libc::EINVAL, &message);
+            return Ok(());
+        }
+        let shared = Arc::clone(&self.shared);
+        let range = Range {
+            pool: h.pool,
+            offset: h.offset,
+            len,
+        };
+        let resolved = match shared.pools.resolve(&[range]) {
+            Ok(r) => r,
+            Err(e) => {
+                self.discard(len)?;
+                self.reply_error(h, &e);
+                return Ok(());
+            }
+        };
+        let mut pinned = match resolved.pin(self.deadline()) {
+            Ok(p) => p,
+            Err(e) => {
+                self.discard(len)?;
+                self.reply_error(h, &e);
+                return Ok(());
+            }
+        };
+        let fingerprint = pinned.fingerprint().to_vec();
+        let take = (len as usize).min(self.input.len());
+        pinned.copy_in_at(0, &self.input.available()[..take]);
+        self.input.consume(take);
+        let mut done = take;
+        while (done as u64) < len {
+            match pinned.recv(&self.stream, done) {
+                Ok(0) => return Err(Close::Quiet("peer closed in the middle of a write".into())),
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    drop(pinned);
+                    wait_ready(&self.stream, Ready::Read, shared.config.io_timeout)?;
+                    pinned = match resolved.pin(Instant::now()) {
+                        Ok(p) if p.fingerprint() == fingerprint => p,
+                        _ => return self.write_lost(h, len, done),
+                    };
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        drop(pinned);
+        Stats::add(&self.shared.stats.bytes_written, len);
+        self.reply_ok(h, Bytes::new());
+        Ok(())
+    }
+
+    /// The target of a WRITE was released while its payload arrived: drop the rest, `EFAULT`.
+    fn write_lost(&mut self, h: &Header, len: u64, done: usize) -> Result<(), Close> {
+        self.discard(len - done as u64)?;
+        let e = DaemonError::Remapped { gid: h.pool };
+        self.reply_error(h, &e);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inbuf_fills_compacts_and_consumes() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        let mut buf = InBuf::new(100);
+        client.write_all(&[1u8; 80]).unwrap();
+        let mut got = 0;
+        while got < 80 {
+            got += buf.fill(&server).unwrap();
+        }
+        buf.consume(70);
+        assert_eq!(buf.len(), 10);
+        client.write_all(&[2u8; 60]).unwrap();
+        while buf.len() < 30 {
+            buf.fill(&server).unwrap();
+        }
+        // Filling at the end compacts first.
+        while buf.len() < 70 {
+            buf.fill(&server).unwrap();
+        }
+        assert_eq!(&buf.available()[..10], &[1u8; 10]);
+        assert_eq!(&buf.available()[10..], &[2u8; 60]);
+        buf.consume(1000);
+        assert_eq!(buf.len(), 0);
+        drop(client);
+        assert_eq!(buf.fill(&server).unwrap(), 0);
+    }
+}
