@@ -159,6 +159,16 @@ impl ManagerClient {
         .map(|_| ())
     }
 
+    pub fn getxattr(&self, caller: &v1::Caller, ino: u64, name: &str) -> Result<Vec<u8>> {
+        let mut c = self.namespace();
+        self.call(c.get_xattr(v1::GetXattrRequest {
+            caller: Some(caller.clone()),
+            ino,
+            name: name.to_owned(),
+        }))
+        .map(|r| r.value)
+    }
+
     pub fn open(&self, caller: &v1::Caller, ino: u64, write: bool) -> Result<v1::RegionInfo> {
         let mut c = self.regions.clone();
         self.call(c.open(v1::OpenRequest {

@@ -1,0 +1,315 @@
+//! The data plane end to end: real manager and daemon processes on
+//! loopback, libregions clients with distinct host ids moving region bytes
+//! over the tcp transport and through same-host segment memfds.
+
+use std::time::{Duration, Instant};
+
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use regions::agent::AgentClient;
+use regions::transport::tcp::RetryPolicy;
+use regions::{Client, ClientConfig};
+use regions_proto::v1;
+use regions_tests::Cluster;
+
+const MIB: usize = 1 << 20;
+
+/// A client acting for host `host`; with `agent`, it may map regions held
+/// on its own host.
+fn client(cluster: &Cluster, host: u32, agent: bool) -> Client {
+    let mut config = ClientConfig::new(&cluster.manager_url(), cluster.secret.clone(), host);
+    if agent {
+        config.agent_socket = Some(cluster.daemon(host).unwrap().socket.clone());
+    }
+    config.retry = RetryPolicy {
+        deadline: Duration::from_secs(3),
+        ..RetryPolicy::default()
+    };
+    Client::connect(config).unwrap()
+}
+
+fn on_hosts(hosts: &str, multihosted: bool) -> Option<v1::RegionAttrOverrides> {
+    Some(v1::RegionAttrOverrides {
+        hostalloc: Some(hosts.into()),
+        multihosted: Some(multihosted),
+        ..Default::default()
+    })
+}
+
+fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut data = vec![0u8; len];
+    StdRng::seed_from_u64(seed).fill(&mut data[..]);
+    data
+}
+
+fn hosts_of(client: &Client, ino: u64) -> String {
+    let raw = client
+        .manager()
+        .getxattr(client.caller(), ino, "user.regions.hosts")
+        .unwrap();
+    String::from_utf8(raw).unwrap()
+}
+
+/// Reads the whole region in `piece`-sized reads.
+fn read_all(region: &regions::Region, len: usize, piece: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    for (i, chunk) in out.chunks_mut(piece).enumerate() {
+        let n = region.read_at((i * piece) as u64, chunk).unwrap();
+        assert_eq!(n, chunk.len(), "short read at {}", i * piece);
+    }
+    out
+}
+
+fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
+    a.iter().zip(b).position(|(x, y)| x != y)
+}
+
+#[test]
+fn cross_host_256_mib_round_trip_is_bit_exact() {
+    let cluster = Cluster::start(2, "512M").unwrap();
+    let writer = client(&cluster, 1, true);
+    let attr = writer
+        .create_path("big", 0o644, on_hosts("2", false), 0)
+        .unwrap();
+    let data = random_bytes(256 * MIB, 1);
+    let region = writer.open(attr.ino, true).unwrap();
+    for (i, piece) in data.chunks(16 * MIB).enumerate() {
+        region.write_at((i * 16 * MIB) as u64, piece).unwrap();
+    }
+    assert_eq!(region.size(), 256 * MIB as u64);
+    assert_eq!(
+        hosts_of(&writer, attr.ino),
+        "2",
+        "held by host 2's daemon only"
+    );
+    let stats = writer.stats();
+    assert_eq!(
+        stats.remote_bytes_written,
+        256 * MIB as u64,
+        "all of it crossed the transport"
+    );
+    assert_eq!(stats.local_bytes_written, 0);
+
+    // A fresh client on host 1 reads it back.
+    let reader = client(&cluster, 1, false);
+    let region = reader.open(attr.ino, false).unwrap();
+    let back = read_all(&region, 256 * MIB, 8 * MIB);
+    assert_eq!(first_difference(&back, &data), None);
+    assert_eq!(reader.stats().remote_bytes_read, 256 * MIB as u64);
+    // Unaligned reads that straddle chunks.
+    let mut odd = vec![0u8; 300_000];
+    let at = 128 * 1024 - 7;
+    region.read_at(at as u64, &mut odd).unwrap();
+    assert_eq!(odd, data[at..at + odd.len()]);
+}
+
+#[test]
+fn multihosted_region_spreads_over_three_daemons() {
+    let cluster = Cluster::start(3, "128M").unwrap();
+    let writer = client(&cluster, 1, false);
+    let attr = writer
+        .create_path("spread", 0o644, on_hosts("", true), 0)
+        .unwrap();
+    let data = random_bytes(48 * MIB, 2);
+    let region = writer.open(attr.ino, true).unwrap();
+    region.write_at(0, &data).unwrap();
+    assert_eq!(hosts_of(&writer, attr.ino), "1,2,3");
+    drop(region);
+    // A reader on host 3 maps host 3's part and fetches the rest.
+    let reader = client(&cluster, 3, true);
+    let region = reader.open(attr.ino, false).unwrap();
+    let back = read_all(&region, data.len(), 5 * MIB + 3);
+    assert_eq!(first_difference(&back, &data), None);
+    assert!(region.has_local_segment());
+    let stats = reader.stats();
+    assert_eq!(
+        stats.local_bytes_read,
+        16 * MIB as u64,
+        "one extent in three is local"
+    );
+    assert_eq!(stats.remote_bytes_read, 32 * MIB as u64);
+}
+
+#[test]
+fn eight_concurrent_writers_to_disjoint_ranges() {
+    let cluster = Cluster::start(2, "256M").unwrap();
+    let owner = client(&cluster, 1, false);
+    let attr = owner
+        .create_path("shared", 0o666, on_hosts("2", false), 64 * MIB as u64)
+        .unwrap();
+    owner
+        .open(attr.ino, true)
+        .unwrap()
+        .set_len(64 * MIB as u64)
+        .unwrap();
+    let slice = 8 * MIB;
+    std::thread::scope(|s| {
+        for w in 0..8usize {
+            let cluster = &cluster;
+            s.spawn(move || {
+                let c = client(cluster, 1 + (w % 2) as u32, false);
+                let region = c.open(attr.ino, true).unwrap();
+                let data = random_bytes(slice, 100 + w as u64);
+                for (i, piece) in data.chunks(256 * 1024).enumerate() {
+                    region
+                        .write_at((w * slice + i * 256 * 1024) as u64, piece)
+                        .unwrap();
+                }
+            });
+        }
+    });
+    let region = owner.open(attr.ino, false).unwrap();
+    let back = read_all(&region, 64 * MIB, 4 * MIB);
+    for w in 0..8usize {
+        let want = random_bytes(slice, 100 + w as u64);
+        assert_eq!(
+            first_difference(&back[w * slice..(w + 1) * slice], &want),
+            None,
+            "writer {w}"
+        );
+    }
+}
+
+#[test]
+fn atomics_from_four_clients_give_exact_totals() {
+    let cluster = Cluster::start(2, "64M").unwrap();
+    let owner = client(&cluster, 1, false);
+    let attr = owner
+        .create_path("counters", 0o666, on_hosts("2", false), 0)
+        .unwrap();
+    owner.open(attr.ino, true).unwrap().set_len(4096).unwrap();
+    std::thread::scope(|s| {
+        for w in 0..4u32 {
+            let cluster = &cluster;
+            s.spawn(move || {
+                // Clients on host 2 use the mapped segment, the others the
+                // transport: both kinds of atomics must agree.
+                let c = client(cluster, 1 + w % 2, true);
+                let region = c.open(attr.ino, true).unwrap();
+                for _ in 0..2_500 {
+                    region.fetch_add(0, 1).unwrap();
+                }
+                for _ in 0..250 {
+                    loop {
+                        let old = region.fetch_add(8, 0).unwrap();
+                        if region.compare_and_swap(8, old, old + 1).unwrap() == old {
+                            break;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    let region = owner.open(attr.ino, true).unwrap();
+    assert_eq!(region.fetch_add(0, 0).unwrap(), 10_000);
+    assert_eq!(region.fetch_add(8, 0).unwrap(), 1_000);
+    let err = region.fetch_add(4, 1).unwrap_err();
+    assert_eq!(
+        err.errno(),
+        libc::EINVAL,
+        "unaligned atomics are refused: {err}"
+    );
+}
+
+#[test]
+fn same_host_access_goes_through_the_memfd_with_no_transport_traffic() {
+    let cluster = Cluster::start(2, "256M").unwrap();
+    let local = client(&cluster, 2, true);
+    let attr = local.create_path("near", 0o644, None, 0).unwrap();
+    let data = random_bytes(32 * MIB, 3);
+    let region = local.open(attr.ino, true).unwrap();
+    region.write_at(0, &data).unwrap();
+    assert_eq!(
+        hosts_of(&local, attr.ino),
+        "2",
+        "a region lives on its owner's host"
+    );
+    let mut agent = AgentClient::connect(&cluster.daemon(2).unwrap().socket).unwrap();
+    let served_before = agent.stats().unwrap().transport_requests;
+    let back = read_all(&region, data.len(), MIB);
+    assert_eq!(first_difference(&back, &data), None);
+    assert!(region.has_local_segment());
+    let stats = local.stats();
+    assert_eq!(
+        stats.remote_requests, 0,
+        "no transport request from the same host"
+    );
+    assert_eq!(stats.connections, 0);
+    assert_eq!(stats.local_bytes_read, 32 * MIB as u64);
+    let served_after = agent.stats().unwrap().transport_requests;
+    assert_eq!(
+        served_after, served_before,
+        "the daemon served no transport request"
+    );
+    // Another host sees the same bytes over the transport.
+    let remote = client(&cluster, 1, true);
+    let region = remote.open(attr.ino, false).unwrap();
+    assert_eq!(
+        first_difference(&read_all(&region, data.len(), 4 * MIB), &data),
+        None
+    );
+    assert!(remote.stats().remote_requests > 0);
+}
+
+#[test]
+fn deleting_regions_returns_their_memory_to_the_kernel() {
+    const GIB: u64 = 1 << 30;
+    let cluster = Cluster::start(1, "2G").unwrap();
+    let c = client(&cluster, 1, true);
+    // The daemon reports the allocated blocks (st_blocks) of its memfds:
+    // exactly the memory its regions hold, whoever faulted the pages in.
+    let mut agent = AgentClient::connect(&cluster.daemon(1).unwrap().socket).unwrap();
+    let held = |agent: &mut AgentClient| agent.stats().unwrap().segment_bytes;
+    assert_eq!(held(&mut agent), 0);
+    let piece = random_bytes(8 * MIB, 4);
+    let mut names = Vec::new();
+    for r in 0..8 {
+        let name = format!("r{r}");
+        let attr = c.create_path(&name, 0o644, None, 0).unwrap();
+        let region = c.open(attr.ino, true).unwrap();
+        for i in 0..16 {
+            region.write_at((i * 8 * MIB) as u64, &piece).unwrap();
+        }
+        names.push(name);
+    }
+    let peak = held(&mut agent);
+    assert!(
+        peak >= GIB,
+        "1 GiB written, but the memfds hold {peak} bytes"
+    );
+    for name in &names {
+        c.unlink_path(name).unwrap();
+    }
+    // The daemon applies the releases as their events arrive.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = held(&mut agent);
+        if peak - now >= GIB * 9 / 10 && now == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "10 s after deleting 1 GiB the memfds still hold {now} bytes"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn an_unreachable_daemon_gives_eio_within_the_retry_bound() {
+    let mut cluster = Cluster::start(2, "64M").unwrap();
+    let c = client(&cluster, 1, false);
+    let attr = c
+        .create_path("doomed", 0o644, on_hosts("2", false), 0)
+        .unwrap();
+    let region = c.open(attr.ino, true).unwrap();
+    region.write_at(0, b"still here").unwrap();
+    let daemon = cluster.daemons.iter_mut().find(|d| d.host_id == 2).unwrap();
+    daemon.sigkill().unwrap();
+    let t = Instant::now();
+    let mut buf = [0u8; 10];
+    let err = region.read_at(0, &mut buf).unwrap_err();
+    let took = t.elapsed();
+    assert_eq!(err.errno(), libc::EIO, "{err}");
+    assert!(took < Duration::from_secs(6), "gave up after {took:?}");
+    assert!(err.to_string().contains("unreachable"), "{err}");
+}
