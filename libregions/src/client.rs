@@ -187,10 +187,31 @@ impl Client {
             .unlink(&self.shared.caller, parent, name)
     }
 
-    /// Opens a region by inode.
+    /// Opens a region by inode as this client's caller.
     pub fn open(&self, ino: u64, write: bool) -> Result<Region> {
-        let info = self.shared.manager.open(&self.shared.caller, ino, write)?;
-        Region::new(Arc::clone(&self.shared), info, write)
+        self.open_as(&self.shared.caller.clone(), ino, write)
+    }
+
+    /// Opens a region by inode on behalf of `caller` (a node component
+    /// serving many processes, e.g. regionfs); the manager checks the
+    /// permission as that caller and the region's later calls are theirs.
+    pub fn open_as(&self, caller: &v1::Caller, ino: u64, write: bool) -> Result<Region> {
+        let info = self.shared.manager.open(caller, ino, write)?;
+        Region::new(Arc::clone(&self.shared), caller.clone(), info, write)
+    }
+
+    /// This host's segment memfd of region `ino` from the host agent, if
+    /// an agent is configured and this host holds part of the region.
+    pub fn local_segment(&self, ino: u64, write: bool) -> Result<Option<crate::agent::Segment>> {
+        match &self.shared.config.agent_socket {
+            Some(path) => crate::agent::AgentClient::connect(path)?.segment(ino, write),
+            None => Ok(None),
+        }
+    }
+
+    /// The configuration this client was made with.
+    pub fn config(&self) -> &ClientConfig {
+        &self.shared.config
     }
 
     /// Opens a region by path.

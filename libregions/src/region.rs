@@ -74,6 +74,8 @@ struct Run {
 /// An open region.
 pub struct Region {
     shared: Arc<Shared>,
+    /// Who opened it: extends, truncates and the close are made as them.
+    caller: v1::Caller,
     ino: u64,
     handle: u64,
     write: bool,
@@ -82,7 +84,12 @@ pub struct Region {
 }
 
 impl Region {
-    pub(crate) fn new(shared: Arc<Shared>, info: v1::RegionInfo, write: bool) -> Result<Region> {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        caller: v1::Caller,
+        info: v1::RegionInfo,
+        write: bool,
+    ) -> Result<Region> {
         let ino = info
             .attr
             .as_ref()
@@ -94,6 +101,7 @@ impl Region {
         let handle = info.handle;
         Ok(Region {
             shared,
+            caller,
             ino,
             handle,
             write,
@@ -115,6 +123,54 @@ impl Region {
         self.state.read().map_or(0, |s| s.version)
     }
 
+    /// The handle the manager gave this open.
+    pub fn handle(&self) -> u64 {
+        self.handle
+    }
+
+    /// Whether every chunk of the region is held by this host's daemon.
+    pub fn is_wholly_local(&self) -> bool {
+        self.state.read().is_ok_and(|s| {
+            s.entries.iter().all(|e| {
+                MapEntry::decode(*e)
+                    .and_then(|m| s.pools.get(&m.gid))
+                    .is_some_and(|p| p.host_id == self.shared.caller.host_id)
+            })
+        })
+    }
+
+    /// Hosts holding the region's chunks, in order of first appearance.
+    pub fn hosts(&self) -> Vec<u32> {
+        let mut hosts = Vec::new();
+        if let Ok(s) = self.state.read() {
+            for e in &s.entries {
+                if let Some(h) = MapEntry::decode(*e)
+                    .and_then(|m| s.pools.get(&m.gid))
+                    .map(|p| p.host_id)
+                    && !hosts.contains(&h)
+                {
+                    hosts.push(h);
+                }
+            }
+        }
+        hosts
+    }
+
+    /// The cached map entries (one per 128 KiB chunk).
+    pub fn map(&self) -> Vec<u64> {
+        self.state
+            .read()
+            .map(|s| s.entries.clone())
+            .unwrap_or_default()
+    }
+
+    /// Records a size learned elsewhere (e.g. a truncate through another path).
+    pub fn note_size(&self, size: u64) {
+        if let Ok(mut s) = self.state.write() {
+            s.size = size;
+        }
+    }
+
     /// Whether same-host access goes through a mapped segment.
     pub fn has_local_segment(&self) -> bool {
         self.state.read().is_ok_and(|s| s.local.is_some())
@@ -127,10 +183,7 @@ impl Region {
     /// Fetches the map again if it changed.
     pub fn refresh(&self) -> Result<()> {
         let known = self.map_version();
-        let info = self
-            .shared
-            .manager
-            .get_map(&self.shared.caller, self.ino, known)?;
+        let info = self.shared.manager.get_map(&self.caller, self.ino, known)?;
         let mut state = self.state.write().map_err(|_| Self::poisoned())?;
         state.apply(info);
         Ok(())
@@ -349,10 +402,7 @@ impl Region {
             .ok_or_else(|| RegionsError::Invalid(format!("write at {offset} overflows")))?;
         let grow = self.state.read().map_err(|_| Self::poisoned())?.size < end;
         if grow {
-            let info = self
-                .shared
-                .manager
-                .extend(&self.shared.caller, self.ino, end)?;
+            let info = self.shared.manager.extend(&self.caller, self.ino, end)?;
             self.state
                 .write()
                 .map_err(|_| Self::poisoned())?
@@ -370,10 +420,7 @@ impl Region {
 
     /// Sets the region's size (holes read as zeros).
     pub fn set_len(&self, size: u64) -> Result<()> {
-        let info = self
-            .shared
-            .manager
-            .truncate(&self.shared.caller, self.ino, size)?;
+        let info = self.shared.manager.truncate(&self.caller, self.ino, size)?;
         self.state
             .write()
             .map_err(|_| Self::poisoned())?
@@ -426,7 +473,7 @@ impl Region {
         self.closed.store(true, Ordering::Relaxed);
         self.shared
             .manager
-            .close(&self.shared.caller, self.handle)
+            .close(&self.caller, self.handle)
             .map(|_| ())
     }
 }
@@ -436,7 +483,7 @@ impl Drop for Region {
         if self.closed.load(Ordering::Relaxed) {
             return;
         }
-        if let Err(e) = self.shared.manager.close(&self.shared.caller, self.handle) {
+        if let Err(e) = self.shared.manager.close(&self.caller, self.handle) {
             tracing::debug!(ino = self.ino, error = %e, "closing region handle failed");
         }
     }
