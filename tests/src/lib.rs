@@ -404,6 +404,101 @@ impl DaemonProcess {
     }
 }
 
+/// A running `regionfs mount` process and its mount point.
+///
+/// Dropping it stops the process with SIGTERM (a clean unmount), or
+/// SIGKILL after a bound, and then detaches any mount left behind.
+pub struct MountProcess {
+    pub host_id: u32,
+    pub mountpoint: PathBuf,
+    process: NodeProcess,
+}
+
+impl std::ops::Deref for MountProcess {
+    type Target = NodeProcess;
+    fn deref(&self) -> &NodeProcess {
+        &self.process
+    }
+}
+
+impl std::ops::DerefMut for MountProcess {
+    fn deref_mut(&mut self) -> &mut NodeProcess {
+        &mut self.process
+    }
+}
+
+impl MountProcess {
+    /// Mounts the cluster of `manager` at `mountpoint` as host `host_id`,
+    /// using that host's agent socket, and waits until the mount answers.
+    pub fn start(
+        manager: SocketAddr,
+        secret_file: &Path,
+        host_id: u32,
+        agent_socket: &Path,
+        mountpoint: &Path,
+    ) -> anyhow::Result<MountProcess> {
+        std::fs::create_dir_all(mountpoint)
+            .with_context(|| format!("cannot create {}", mountpoint.display()))?;
+        let args: Vec<std::ffi::OsString> = vec![
+            "mount".into(),
+            "--manager".into(),
+            format!("http://{manager}").into(),
+            "--host-id".into(),
+            host_id.to_string().into(),
+            "--secret-file".into(),
+            secret_file.into(),
+            "--agent-socket".into(),
+            agent_socket.into(),
+            mountpoint.into(),
+        ];
+        let process = NodeProcess::start("regionfs", &args)?;
+        Ok(MountProcess {
+            host_id,
+            mountpoint: mountpoint.to_owned(),
+            process,
+        })
+    }
+
+    /// A path inside the mount.
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.mountpoint.join(rel)
+    }
+}
+
+impl Drop for MountProcess {
+    fn drop(&mut self) {
+        if self.process.is_running() {
+            let _ = self.process.sigterm_and_wait(Duration::from_secs(10));
+        }
+        if is_mounted(&self.mountpoint) {
+            let _ = detach(&self.mountpoint);
+        }
+    }
+}
+
+/// Whether `path` is a mount point (listed in /proc/self/mountinfo).
+pub fn is_mounted(path: &Path) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    let want = path.to_string_lossy();
+    info.lines()
+        .filter_map(|l| l.split_whitespace().nth(4))
+        .any(|m| m == want)
+}
+
+/// Lazily unmounts `path` (MNT_DETACH), for cleanup after a crash.
+pub fn detach(path: &Path) -> anyhow::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).context("path has a NUL")?;
+    // SAFETY: umount2 reads a valid NUL-terminated path.
+    if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
+        let err = std::io::Error::last_os_error();
+        bail!("umount2({}) failed: {err}", path.display());
+    }
+    Ok(())
+}
+
 /// A manager and daemons on loopback: hosts `1..=n`, each a real process.
 pub struct Cluster {
     pub manager: ManagerProcess,
@@ -448,6 +543,19 @@ impl Cluster {
     /// The manager's address as a URL.
     pub fn manager_url(&self) -> String {
         format!("http://{}", self.manager.addr)
+    }
+
+    /// Mounts the cluster as host `host` at a fresh directory.
+    pub fn mount(&self, host: u32) -> anyhow::Result<MountProcess> {
+        let daemon = self.daemon(host)?;
+        let mountpoint = self.dir.path().join(format!("mnt{host}"));
+        MountProcess::start(
+            self.manager.addr,
+            &self.secret_file,
+            host,
+            &daemon.socket,
+            &mountpoint,
+        )
     }
 
     /// The daemon of `host`.

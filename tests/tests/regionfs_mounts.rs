@@ -1,0 +1,267 @@
+//! regionfs end to end: one manager, two daemons and two real FUSE mounts
+//! with different host ids, so that data written on one mount crosses the
+//! transport to be read on the other. Shell tools and Python do the I/O, as
+//! users would.
+
+use std::ffi::CString;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::Command;
+
+use rand::{Rng, SeedableRng, rngs::StdRng};
+use regions_tests::{Cluster, MountProcess};
+
+/// A cluster of two hosts, each with its own mount.
+struct Two {
+    a: MountProcess,
+    b: MountProcess,
+    _cluster: Cluster,
+}
+
+fn two_mounts(memory: &str) -> Two {
+    let cluster = Cluster::start(2, memory).unwrap();
+    let a = cluster.mount(1).unwrap();
+    let b = cluster.mount(2).unwrap();
+    Two {
+        a,
+        b,
+        _cluster: cluster,
+    }
+}
+
+fn run(cmd: &mut Command) -> std::process::Output {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed with {}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn sh(script: &str) -> String {
+    String::from_utf8(run(Command::new("sh").arg("-c").arg(script)).stdout).unwrap()
+}
+
+fn errno_of(r: std::io::Result<impl Sized>) -> i32 {
+    match r {
+        Ok(_) => 0,
+        Err(e) => e.raw_os_error().unwrap_or(-1),
+    }
+}
+
+fn cpath(p: &Path) -> CString {
+    CString::new(p.as_os_str().as_bytes()).unwrap()
+}
+
+fn setxattr(p: &Path, name: &str, value: &[u8]) -> i32 {
+    let n = CString::new(name).unwrap();
+    // SAFETY: valid C strings and a buffer of the given length.
+    let r = unsafe { libc::setxattr(cpath(p).as_ptr(), n.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
+    if r == 0 { 0 } else { std::io::Error::last_os_error().raw_os_error().unwrap_or(-1) }
+}
+
+fn getxattr(p: &Path, name: &str) -> Result<Vec<u8>, i32> {
+    let n = CString::new(name).unwrap();
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: valid C strings and a buffer of the given length.
+    let r = unsafe { libc::getxattr(cpath(p).as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(-1));
+    }
+    buf.truncate(r as usize);
+    Ok(buf)
+}
+
+fn statvfs(p: &Path) -> (u64, u64) {
+    // SAFETY: statvfs fills the zeroed struct for a valid path.
+    unsafe {
+        let mut s: libc::statvfs = std::mem::zeroed();
+        assert_eq!(libc::statvfs(cpath(p).as_ptr(), &mut s), 0);
+        (s.f_blocks * s.f_frsize, s.f_bavail * s.f_frsize)
+    }
+}
+
+#[test]
+fn shell_tools_across_two_mounts() {
+    let t = two_mounts("512M");
+    // echo / cat
+    sh(&format!("echo hello regions > {}", t.a.path("greeting").display()));
+    assert_eq!(sh(&format!("cat {}", t.b.path("greeting").display())), "hello regions\n");
+    // append
+    sh(&format!("echo second line >> {}", t.a.path("greeting").display()));
+    assert_eq!(
+        std::fs::read_to_string(t.b.path("greeting")).unwrap(),
+        "hello regions\nsecond line\n"
+    );
+    // dd a few MiB with odd block sizes, read back on the other host.
+    sh(&format!(
+        "dd if=/dev/urandom of={dir}/src bs=1000000 count=7 status=none && dd if={dir}/src of={a} bs=65537 status=none",
+        dir = t._cluster.dir.path().display(),
+        a = t.a.path("dd").display()
+    ));
+    run(Command::new("cmp").arg(t._cluster.dir.path().join("src")).arg(t.b.path("dd")));
+    // rename over an existing file
+    std::fs::write(t.a.path("old"), b"old contents").unwrap();
+    std::fs::write(t.a.path("new"), b"new contents").unwrap();
+    std::fs::rename(t.a.path("new"), t.a.path("old")).unwrap();
+    assert_eq!(std::fs::read(t.b.path("old")).unwrap(), b"new contents");
+    assert!(!t.b.path("new").exists());
+    // rmdir of a non-empty directory
+    std::fs::create_dir(t.a.path("dir")).unwrap();
+    std::fs::write(t.a.path("dir/f"), b"x").unwrap();
+    assert_eq!(errno_of(std::fs::remove_dir(t.b.path("dir"))), libc::ENOTEMPTY);
+    std::fs::remove_file(t.b.path("dir/f")).unwrap();
+    std::fs::remove_dir(t.b.path("dir")).unwrap();
+    assert!(!t.a.path("dir").exists());
+    // listing
+    let mut names: Vec<String> = std::fs::read_dir(&t.b.mountpoint)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| !n.starts_with('.'))
+        .collect();
+    names.sort();
+    assert_eq!(names, ["dd", "greeting", "old"]);
+}
+
+#[test]
+fn truncate_up_and_down_reads_holes_as_zeros() {
+    let t = two_mounts("256M");
+    let path = t.a.path("t");
+    std::fs::write(&path, vec![7u8; 300_000]).unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.set_len(1000).unwrap();
+    f.set_len(600_000).unwrap();
+    drop(f);
+    let back = std::fs::read(t.b.path("t")).unwrap();
+    assert_eq!(back.len(), 600_000);
+    assert!(back[..1000].iter().all(|b| *b == 7));
+    assert!(back[1000..].iter().all(|b| *b == 0), "the hole reads as zeros");
+    // Sparse write far past the end.
+    let mut f = std::fs::OpenOptions::new().write(true).open(t.b.path("t")).unwrap();
+    f.seek(SeekFrom::Start(5 << 20)).unwrap();
+    f.write_all(b"end").unwrap();
+    drop(f);
+    let mut f = std::fs::File::open(t.a.path("t")).unwrap();
+    assert_eq!(f.metadata().unwrap().len(), (5 << 20) + 3);
+    f.seek(SeekFrom::Start(4 << 20)).unwrap();
+    let mut buf = vec![1u8; 1 << 20];
+    f.read_exact(&mut buf).unwrap();
+    assert!(buf.iter().all(|b| *b == 0));
+}
+
+#[test]
+fn permissions_xattrs_onewriter_and_statfs() {
+    let t = two_mounts("256M");
+    // chmod 600, then a non-root user cannot read it on the other host.
+    let secret = t.a.path("secret");
+    std::fs::write(&secret, b"classified").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let out = Command::new("setpriv")
+        .args(["--reuid", "1000", "--regid", "1000", "--clear-groups", "cat"])
+        .arg(t.b.path("secret"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("Permission denied"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let out = Command::new("setpriv")
+        .args(["--reuid", "1000", "--regid", "1000", "--clear-groups", "cat"])
+        .arg(t.b.path("secret"))
+        .output()
+        .unwrap();
+    assert_eq!(out.stdout, b"classified");
+
+    // xattr round trip, and inheritance from a directory.
+    let f = t.a.path("attrs");
+    std::fs::write(&f, b"x").unwrap();
+    assert_eq!(setxattr(&f, "user.note", b"hello"), 0);
+    assert_eq!(getxattr(&t.b.path("attrs"), "user.note").unwrap(), b"hello");
+    assert_eq!(setxattr(&f, "user.regions.persistent", b"2"), libc::EINVAL);
+    std::fs::create_dir(t.a.path("defaults")).unwrap();
+    assert_eq!(setxattr(&t.a.path("defaults"), "user.regions.onewriter", b"1"), 0);
+    std::fs::write(t.a.path("defaults/child"), b"").unwrap();
+    assert_eq!(getxattr(&t.b.path("defaults/child"), "user.regions.onewriter").unwrap(), b"1");
+    assert_eq!(
+        getxattr(&t.b.path("defaults/child"), "user.regions.ownerpid").map(|v| !v.is_empty()),
+        Ok(true)
+    );
+
+    // ONEWRITER: a second writer on the other mount gets ETXTBSY.
+    let first = std::fs::OpenOptions::new().write(true).open(t.a.path("defaults/child")).unwrap();
+    let second = std::fs::OpenOptions::new().write(true).open(t.b.path("defaults/child"));
+    assert_eq!(errno_of(second), libc::ETXTBSY);
+    drop(first);
+    std::fs::OpenOptions::new().write(true).open(t.b.path("defaults/child")).unwrap();
+
+    // statfs numbers change with use.
+    let (total, free_before) = statvfs(&t.a.mountpoint);
+    assert!(total >= 500 << 20, "two daemons of 256 MiB: total {total}");
+    std::fs::write(t.a.path("filler"), vec![1u8; 32 << 20]).unwrap();
+    let (_, free_after) = statvfs(&t.b.mountpoint);
+    assert!(free_before - free_after >= 32 << 20, "free went from {free_before} to {free_after}");
+}
+
+#[test]
+fn copy_one_gib_in_and_out() {
+    let t = two_mounts("1536M");
+    let dir = t._cluster.dir.path();
+    let src = dir.join("gib.in");
+    {
+        let mut f = std::fs::File::create(&src).unwrap();
+        let mut rng = StdRng::seed_from_u64(9);
+        let mut buf = vec![0u8; 8 << 20];
+        for _ in 0..128 {
+            rng.fill(&mut buf[..]);
+            f.write_all(&buf).unwrap();
+        }
+    }
+    run(Command::new("cp").arg(&src).arg(t.a.path("gib")));
+    run(Command::new("cp").arg(t.b.path("gib")).arg(dir.join("gib.out")));
+    run(Command::new("cmp").arg(&src).arg(dir.join("gib.out")));
+    assert_eq!(std::fs::metadata(t.b.path("gib")).unwrap().len(), 1 << 30);
+}
+
+/// Python writes through mmap on one mount and reads on the other.
+fn python_mmap(writer: &Path, reader: &Path, seed: u32) {
+    let script = format!(
+        r#"
+import mmap, os, random, sys
+size = 64 << 20
+rnd = random.Random({seed})
+data = rnd.randbytes(size)
+with open({w:?}, "w+b") as f:
+    f.truncate(size)
+    m = mmap.mmap(f.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    m[:] = data
+    m.flush()
+    m.close()
+with open({r:?}, "rb") as f:
+    m = mmap.mmap(f.fileno(), 0, mmap.MAP_SHARED, mmap.PROT_READ)
+    back = m[:]
+    m.close()
+if back != data:
+    first = next(i for i in range(size) if back[i] != data[i])
+    sys.exit(f"mismatch at byte {{first}}")
+print("ok")
+"#,
+        w = writer.display().to_string(),
+        r = reader.display().to_string(),
+    );
+    let out = run(Command::new("python3").arg("-c").arg(script));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ok");
+}
+
+#[test]
+fn python_mmap_between_mounts_both_ways() {
+    let t = two_mounts("512M");
+    python_mmap(&t.a.path("ab"), &t.b.path("ab"), 1);
+    python_mmap(&t.b.path("ba"), &t.a.path("ba"), 2);
+}
