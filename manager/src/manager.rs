@@ -607,9 +607,8 @@ impl Manager {
     /// Grows a region to at least `size` bytes.
     pub async fn extend(&self, caller: Caller, ino: u64, size: u64) -> Result<v1::RegionInfo> {
         self.write_allocating(move |s| {
-            let inode = s.region(ino)?;
-            crate::access::check(&caller, inode, crate::access::WRITE, "extend this region")?;
-            let size = size.max(inode.size);
+            s.check_write_or_handle(&caller, ino, "extend this region")?;
+            let size = size.max(s.region(ino)?.size);
             s.resize(ino, Some(size), size, false)?;
             s.region_info(ino, None)
         })
@@ -619,8 +618,7 @@ impl Manager {
     /// Sets a region's size.
     pub async fn truncate(&self, caller: Caller, ino: u64, size: u64) -> Result<v1::RegionInfo> {
         self.write_allocating(move |s| {
-            let inode = s.region(ino)?;
-            crate::access::check(&caller, inode, crate::access::WRITE, "truncate this region")?;
+            s.check_write_or_handle(&caller, ino, "truncate this region")?;
             s.resize(ino, Some(size), 0, true)?;
             s.region_info(ino, None)
         })

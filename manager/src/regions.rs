@@ -244,6 +244,23 @@ impl State {
         Ok(handle)
     }
 
+    /// Permission to grow or truncate a region: write permission now, or a
+    /// write handle opened from the caller's host (as with POSIX, where
+    /// access is checked at open and an fd keeps it after a chmod).
+    pub fn check_write_or_handle(&self, caller: &Caller, ino: u64, what: &str) -> Result<()> {
+        let inode = self.region(ino)?;
+        let has_handle = self.open.get(&ino).is_some_and(|ids| {
+            ids.iter()
+                .filter_map(|id| self.handles.get(id))
+                .any(|h| h.write && h.host_id == caller.host_id)
+        });
+        if has_handle {
+            Ok(())
+        } else {
+            access::check(caller, inode, WRITE, what)
+        }
+    }
+
     fn writers(&self, ino: u64) -> usize {
         self.open.get(&ino).map_or(0, |ids| {
             ids.iter()
@@ -558,6 +575,29 @@ mod tests {
             libc::EACCES
         );
         assert!(s.open_region(&Caller::root(1), ino, true).is_ok());
+    }
+
+    #[test]
+    fn an_open_write_handle_keeps_the_right_to_grow_after_chmod() {
+        let mut s = cluster(1, 16 * MIB);
+        let ino = new_region(&mut s, &on_host(1), "r");
+        let h = s.open_region(&on_host(1), ino, true).unwrap();
+        s.inode_mut(ino).unwrap().mode = 0o400;
+        assert!(s.check_write_or_handle(&on_host(1), ino, "grow").is_ok());
+        let elsewhere = on_host(2);
+        assert_eq!(
+            s.check_write_or_handle(&elsewhere, ino, "grow")
+                .unwrap_err()
+                .errno(),
+            libc::EACCES
+        );
+        s.close_handle(&on_host(1), h.id).unwrap();
+        assert_eq!(
+            s.check_write_or_handle(&on_host(1), ino, "grow")
+                .unwrap_err()
+                .errno(),
+            libc::EACCES
+        );
     }
 
     #[test]

@@ -807,7 +807,15 @@ def _(d):
         eq(os.pread(fd, 3, off), b"far", "pread at 4 GiB")
         eq(os.pread(fd, 4096, 1 << 31), bytes(4096), "hole at 2 GiB")
     finally:
-        os.close(fd)
+        try:
+            os.close(fd)
+        except OSError as e:
+            # A file system with a write-back cache may learn that it has no
+            # room only when the buffered write is flushed, and reports it
+            # at close, as NFS does.
+            if e.errno in (errno.EFBIG, errno.ENOSPC):
+                raise Skip(f"no sparse 4 GiB offsets ({ename(e.errno)} at close)") from None
+            raise
 
 
 @check("read_at_eof_returns_empty")
