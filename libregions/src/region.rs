@@ -39,13 +39,19 @@ impl MapState {
             local: None,
             local_checked: None,
         };
-        s.apply(info);
+        s.apply(info, false);
         s
     }
 
-    fn apply(&mut self, info: v1::RegionInfo) {
+    /// Takes in a reply from the manager. Replies may arrive out of order
+    /// (concurrent extends): one with an older map version is ignored, and
+    /// with `grow_only` (an extend) the size never goes down.
+    fn apply(&mut self, info: v1::RegionInfo, grow_only: bool) {
+        if info.map_version < self.version {
+            return;
+        }
         if let Some(attr) = &info.attr {
-            self.size = attr.size;
+            self.size = if grow_only { self.size.max(attr.size) } else { attr.size };
         }
         if info.map_included {
             self.entries = info.map;
@@ -185,7 +191,7 @@ impl Region {
         let known = self.map_version();
         let info = self.shared.manager.get_map(&self.caller, self.ino, known)?;
         let mut state = self.state.write().map_err(|_| Self::poisoned())?;
-        state.apply(info);
+        state.apply(info, false);
         Ok(())
     }
 
@@ -406,7 +412,7 @@ impl Region {
             self.state
                 .write()
                 .map_err(|_| Self::poisoned())?
-                .apply(info);
+                .apply(info, true);
         }
         self.ensure_local(end);
         self.with_fresh_map(|| {
@@ -424,7 +430,7 @@ impl Region {
         self.state
             .write()
             .map_err(|_| Self::poisoned())?
-            .apply(info);
+            .apply(info, false);
         Ok(())
     }
 

@@ -1,2 +1,38 @@
-//! The regions FUSE file system (DESIGN.md, "Client side"). Built by the
-//! regionfs issue; this crate holds the place in the workspace layout.
+//! regionfs: the regions file system (DESIGN.md, "Client side"; paper 003
+//! §5, §6.2, §6.6). Every region is a file of the mount; processes read,
+//! write and `mmap` regions with ordinary file calls, and the kernel page
+//! cache is the paper's write-back cache.
+//!
+//! Modules:
+//!
+//! - [`fs`]: the file-system core over a [`regions::Client`], testable
+//!   without FUSE.
+//! - [`fuse`]: the thin `fuser::Filesystem` adapter over the core.
+//! - [`mount`]: mounting, stale-mount clean-up, unmounting, the ready file.
+//! - [`up`]: a whole single-host cluster in one process (`regionfs up`).
+//! - [`rpc`]: regionfs's blocking namespace and cluster calls.
+//! - [`identity`]: request identity (uid, gid, pid, groups) → caller.
+//! - [`names`]: file names (any bytes) ↔ manager names (UTF-8).
+//! - [`owners`]: deletes non-persistent regions when their creator exits.
+//! - [`pseudo`]: the `.regions/` metadata files (paper §5.12).
+//! - [`ioctl`]: ioctl numbers and argument layouts
+//!   (`include/regions_ioctl.h`).
+//! - [`error`]: [`FsError`] and its errno.
+
+#![warn(missing_docs)]
+
+pub mod error;
+pub mod fs;
+pub mod fuse;
+pub mod identity;
+pub mod ioctl;
+pub mod mount;
+pub mod names;
+pub mod owners;
+pub mod pseudo;
+pub mod rpc;
+pub mod up;
+
+pub use error::{FsError, FsResult};
+pub use fs::{CacheMode, FsOptions, RegionFs};
+pub use identity::RequestCtx;

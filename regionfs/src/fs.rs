@@ -1,0 +1,1570 @@
+//! The file-system core: every operation of the mount as a plain method
+//! over a [`regions::Client`], driven by the FUSE adapter ([`crate::fuse`])
+//! and by tests without FUSE.
+//!
+//! Methods take the kernel's [`RequestCtx`] (uid, gid, pid) and turn it into
+//! a [`v1::Caller`] for this mount's host; the manager checks permissions
+//! (regionfs does not mount with `default_permissions`). Failures are
+//! [`FsError`]s whose [`FsError::errno`] is what the application sees.
+//!
+//! Caching (DESIGN.md, "Client side"): the kernel page cache is the
+//! paper's write-back cache. Writes reach the region synchronously when the
+//! kernel sends them; an open keeps the cached pages only when the region's
+//! mtime and size at the manager are what this mount last saw
+//! (close-to-open consistency), and a handle that wrote bumps the region's
+//! mtime when flushed, synced or released, so that other mounts drop their
+//! copies at their next open. With [`CacheMode::Passthrough`] a read-only
+//! open of a region held wholly on this host reads its memory directly.
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use regions::{Client, ROOT_INO, Region};
+use regions_proto::v1::{self, FileKind};
+
+use crate::error::{FsError, FsResult};
+use crate::identity::{Identity, RequestCtx};
+use crate::ioctl;
+use crate::names;
+use crate::owners::{Owned, OwnerWatch};
+use crate::pseudo::{self, Node};
+use crate::rpc::{Rpc, SetAttrIn, SetTime};
+
+/// Page size of the kernel page cache.
+const PAGE: u64 = 4096;
+/// Entries asked of the manager per readdir call.
+const READDIR_BATCH: u32 = 512;
+/// Prefix of the region attributes (paper 003 §5.4).
+pub const REGION_XATTR_PREFIX: &str = "user.regions.";
+/// `__FMODE_EXEC`: the open flag of an execve.
+const FMODE_EXEC: i32 = 0x20;
+/// Bytes moved per step of prefetch and zeroing.
+const STEP: u64 = 1 << 20;
+
+/// How the kernel caches region data.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum CacheMode {
+    /// FUSE writeback cache: writes are buffered in the page cache and sent
+    /// on fsync, msync, close or memory pressure.
+    #[default]
+    Writeback,
+    /// Write-through page cache, and read-only opens of regions held wholly
+    /// on this host served from their memory by FUSE passthrough (the
+    /// kernel refuses passthrough together with the writeback cache).
+    Passthrough,
+}
+
+/// Settings of a [`RegionFs`].
+#[derive(Clone, Debug)]
+pub struct FsOptions {
+    /// How the kernel caches region data.
+    pub cache: CacheMode,
+    /// How long an open for writing retries `ETXTBSY` (a ONEWRITER region
+    /// whose previous writer closed a moment ago: FUSE releases
+    /// asynchronously).
+    pub busy_retry: Duration,
+    /// Delete non-persistent regions when their creating process exits.
+    pub watch_owners: bool,
+}
+
+impl Default for FsOptions {
+    fn default() -> Self {
+        FsOptions {
+            cache: CacheMode::Writeback,
+            busy_retry: Duration::from_millis(300),
+            watch_owners: true,
+        }
+    }
+}
+
+/// What the core asks of the kernel's cache (FUSE notifications).
+pub trait KernelCache: Send + Sync {
+    /// Drops cached attributes and, for `offset >= 0`, the cached pages of
+    /// `[offset, offset + len)` (`len <= 0`: to the end).
+    fn invalidate(&self, ino: u64, offset: i64, len: i64) -> std::io::Result<()>;
+    /// Puts `data` into the page cache at `offset` (growing the kernel's
+    /// file size when it ends past it).
+    fn store(&self, ino: u64, offset: u64, data: &[u8]) -> std::io::Result<()>;
+    /// Drops the cached entry `name` of directory `parent`.
+    fn invalidate_entry(&self, parent: u64, name: &OsStr) -> std::io::Result<()>;
+}
+
+/// How an open file's data moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IoMode {
+    /// Through the page cache and this process.
+    Cached,
+    /// FUSE passthrough to the region's segment memfd.
+    Passthrough,
+    /// Direct I/O through this process (no page cache).
+    Direct,
+}
+
+impl IoMode {
+    fn name(self) -> &'static str {
+        match self {
+            IoMode::Cached => "cached",
+            IoMode::Passthrough => "passthrough",
+            IoMode::Direct => "direct",
+        }
+    }
+}
+
+/// The result of an open or create.
+#[derive(Debug)]
+pub struct Opened {
+    /// The file handle the kernel passes back.
+    pub fh: u64,
+    /// Keep the kernel's cached pages (FOPEN_KEEP_CACHE).
+    pub keep_cache: bool,
+    /// Bypass the page cache (FOPEN_DIRECT_IO).
+    pub direct_io: bool,
+    /// Serve the file by FUSE passthrough.
+    pub passthrough: bool,
+    /// The descriptor to pass through to (absent: reuse the inode's).
+    pub backing: Option<OwnedFd>,
+}
+
+/// The result of a release.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Released {
+    /// The inode the handle was open on.
+    pub ino: u64,
+    /// The handle was served by passthrough.
+    pub passthrough: bool,
+}
+
+/// One directory entry.
+#[derive(Clone, Debug)]
+pub struct DirEntryOut {
+    /// The entry's inode.
+    pub ino: u64,
+    /// Cookie to resume after this entry.
+    pub cookie: u64,
+    /// The entry's name.
+    pub name: std::ffi::OsString,
+    /// Whether the entry is a directory.
+    pub is_dir: bool,
+    /// Attributes (absent for "." and "..").
+    pub attr: Option<v1::Attr>,
+}
+
+/// File-system statistics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StatFs {
+    /// Blocks of cluster memory in all.
+    pub blocks: u64,
+    /// Free blocks.
+    pub bfree: u64,
+    /// Free blocks for unprivileged users (the same).
+    pub bavail: u64,
+    /// Inodes in all.
+    pub files: u64,
+    /// Free inodes.
+    pub ffree: u64,
+    /// Block size (a chunk).
+    pub bsize: u32,
+    /// Longest name.
+    pub namelen: u32,
+}
+
+/// An extended attribute answer: its size (probe) or its bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum XattrOut {
+    /// The size of the value (the caller probed with size 0).
+    Size(u32),
+    /// The value.
+    Data(Vec<u8>),
+}
+
+/// A region open through this mount.
+struct RegionHandle {
+    region: Region,
+    caller: v1::Caller,
+    write: bool,
+    io: Mutex<IoMode>,
+    /// Serialises writes that grow the region.
+    grow: Mutex<()>,
+    /// The largest end of the growing writes in flight.
+    want: AtomicU64,
+}
+
+enum Body {
+    Region(Box<RegionHandle>),
+    /// A pseudo file's content, generated at open.
+    Pseudo(Vec<u8>),
+}
+
+struct Handle {
+    ino: u64,
+    pid: u32,
+    uid: u32,
+    body: Body,
+}
+
+impl Handle {
+    fn region(&self) -> FsResult<&RegionHandle> {
+        match &self.body {
+            Body::Region(r) => Ok(r),
+            Body::Pseudo(_) => Err(FsError::BadHandle(format!(
+                "inode {:#x} is a metadata file",
+                self.ino
+            ))),
+        }
+    }
+}
+
+/// What this mount knows of a region inode the kernel holds.
+#[derive(Debug, Default)]
+struct InodeState {
+    /// Manager mtime and size when this mount last made its cache agree.
+    seen: Option<(v1::Timespec, u64)>,
+    /// The file size the kernel believes (writeback mode keeps its own).
+    kernel_size: u64,
+    /// Written since the last mtime update at the manager.
+    dirty: bool,
+    cached_opens: u32,
+    passthrough_opens: u32,
+}
+
+/// What this mount knows of a directory.
+#[derive(Clone, Copy, Debug, Default)]
+struct DirInfo {
+    /// Its parent (for "..").
+    parent: Option<u64>,
+    /// Its permission bits.
+    mode: u32,
+}
+
+/// Mtime and size of an attribute.
+fn stamp(attr: &v1::Attr) -> (v1::Timespec, u64) {
+    (attr.mtime.unwrap_or_default(), attr.size)
+}
+
+fn is_dir(attr: &v1::Attr) -> bool {
+    attr.kind() == FileKind::Directory
+}
+
+fn wire(name: &OsStr) -> FsResult<std::borrow::Cow<'_, str>> {
+    names::to_wire(name)
+}
+
+fn utf8(name: &OsStr) -> FsResult<&str> {
+    name.to_str().ok_or_else(|| {
+        FsError::Invalid(format!(
+            "name {name:?} is not UTF-8; regions names are UTF-8 strings"
+        ))
+    })
+}
+
+fn now_ts() -> v1::Timespec {
+    let d = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    v1::Timespec {
+        sec: d.as_secs() as i64,
+        nsec: d.subsec_nanos(),
+    }
+}
+
+/// The regions file system.
+pub struct RegionFs {
+    client: Client,
+    rpc: Arc<Rpc>,
+    identity: Arc<Identity>,
+    options: FsOptions,
+    handles: RwLock<HashMap<u64, Arc<Handle>>>,
+    next_fh: AtomicU64,
+    inodes: Mutex<HashMap<u64, InodeState>>,
+    /// Directories the kernel learned through this mount.
+    dirs: Mutex<HashMap<u64, DirInfo>>,
+    /// Directories removed through this mount, for fstat of an open one.
+    removed_dirs: Mutex<HashMap<u64, v1::Attr>>,
+    /// Paths of mirrored regions under `.regions/files`, learned from lookups.
+    pseudo_paths: Mutex<HashMap<u64, String>>,
+    owners: Option<OwnerWatch>,
+    kernel: OnceLock<Arc<dyn KernelCache>>,
+    passthrough: AtomicBool,
+    started: v1::Timespec,
+}
+
+impl RegionFs {
+    /// A file system over `client` (whose configuration names the manager,
+    /// the secret, this host and its agent socket).
+    pub fn new(client: Client, options: FsOptions) -> FsResult<RegionFs> {
+        let config = client.config();
+        let rpc = Arc::new(Rpc::connect(
+            &config.manager,
+            &config.secret,
+            config.connect_timeout,
+        )?);
+        let identity = Arc::new(Identity::new(config.host_id));
+        let owners = if options.watch_owners {
+            let rpc = Arc::clone(&rpc);
+            let identity = Arc::clone(&identity);
+            let reaper = Arc::new(move |o: &Owned| reap(&rpc, &identity, o));
+            Some(OwnerWatch::start(reaper).map_err(|source| FsError::Io {
+                what: "cannot start the owner watcher thread".into(),
+                source,
+            })?)
+        } else {
+            None
+        };
+        Ok(RegionFs {
+            client,
+            rpc,
+            identity,
+            options,
+            handles: RwLock::new(HashMap::new()),
+            next_fh: AtomicU64::new(1),
+            inodes: Mutex::new(HashMap::new()),
+            dirs: Mutex::new(HashMap::new()),
+            removed_dirs: Mutex::new(HashMap::new()),
+            pseudo_paths: Mutex::new(HashMap::new()),
+            owners,
+            kernel: OnceLock::new(),
+            passthrough: AtomicBool::new(false),
+            started: now_ts(),
+        })
+    }
+
+    /// The client the file system runs on.
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// The settings.
+    pub fn options(&self) -> &FsOptions {
+        &self.options
+    }
+
+    /// Connects the kernel cache (FUSE notifier); set once, at mount.
+    pub fn set_kernel(&self, kernel: Arc<dyn KernelCache>) {
+        if self.kernel.set(kernel).is_err() {
+            tracing::warn!("kernel cache connected twice; keeping the first");
+        }
+    }
+
+    /// Tells the core whether the kernel accepted FUSE passthrough.
+    pub fn set_passthrough(&self, enabled: bool) {
+        self.passthrough.store(enabled, Ordering::Relaxed);
+    }
+
+    fn caller(&self, ctx: &RequestCtx) -> v1::Caller {
+        self.identity.caller(ctx)
+    }
+
+    fn writeback(&self) -> bool {
+        self.options.cache == CacheMode::Writeback
+    }
+
+    fn lock_inodes(&self) -> std::sync::MutexGuard<'_, HashMap<u64, InodeState>> {
+        self.inodes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn handle(&self, fh: u64) -> FsResult<Arc<Handle>> {
+        self.handles
+            .read()
+            .ok()
+            .and_then(|h| h.get(&fh).cloned())
+            .ok_or_else(|| FsError::BadHandle(format!("file handle {fh} is not open")))
+    }
+
+    fn add_handle(&self, handle: Handle) -> u64 {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut h) = self.handles.write() {
+            h.insert(fh, Arc::new(handle));
+        }
+        fh
+    }
+
+    /// Open region handles of `ino`.
+    fn handles_of(&self, ino: u64) -> Vec<Arc<Handle>> {
+        self.handles
+            .read()
+            .map(|h| h.values().filter(|x| x.ino == ino).cloned().collect())
+            .unwrap_or_default()
+    }
+
+    // ---- attributes and the kernel's view of sizes ----
+
+    /// Records an attribute this mount gives the kernel. In writeback mode
+    /// the kernel trusts its own size of a file it caches, so a region that
+    /// grew elsewhere is announced with a one-byte cache store.
+    fn note_reply(&self, attr: &v1::Attr) {
+        if is_dir(attr) {
+            return;
+        }
+        let grown_from = {
+            let mut inodes = self.lock_inodes();
+            match inodes.get_mut(&attr.ino) {
+                None => {
+                    inodes.insert(
+                        attr.ino,
+                        InodeState {
+                            kernel_size: attr.size,
+                            ..InodeState::default()
+                        },
+                    );
+                    None
+                }
+                Some(st) if self.writeback() && attr.size > st.kernel_size => {
+                    let old = st.kernel_size;
+                    st.kernel_size = attr.size;
+                    Some(old)
+                }
+                Some(_) => None,
+            }
+        };
+        if let Some(old) = grown_from {
+            self.push_size(attr.ino, old, attr.size, None);
+        }
+    }
+
+    /// Makes the kernel's size of `ino` `size` (from `old`): drops the page
+    /// that held the old end and stores the new last byte.
+    fn push_size(&self, ino: u64, old: u64, size: u64, region: Option<&Region>) {
+        let Some(kernel) = self.kernel.get() else {
+            return;
+        };
+        if size == 0 {
+            return;
+        }
+        let from = (old / PAGE) * PAGE;
+        if let Err(e) = kernel.invalidate(ino, from as i64, 0) {
+            tracing::debug!(ino, error = %e, "cannot invalidate the old end of a grown region");
+        }
+        let byte = match self.last_byte(ino, size, region) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::debug!(ino, error = %e, "cannot read the last byte of a grown region");
+                return;
+            }
+        };
+        match kernel.store(ino, size - 1, &[byte]) {
+            Ok(()) => tracing::debug!(
+                ino,
+                old,
+                size,
+                "kernel size of a region grown elsewhere updated"
+            ),
+            Err(e) => {
+                tracing::debug!(ino, error = %e, "cannot announce a grown region to the kernel")
+            }
+        }
+    }
+
+    fn last_byte(&self, ino: u64, size: u64, region: Option<&Region>) -> FsResult<u8> {
+        let mut b = [0u8; 1];
+        let mut read = |r: &Region| -> FsResult<usize> {
+            if r.size() < size {
+                r.refresh()?;
+            }
+            Ok(r.read_at(size - 1, &mut b)?)
+        };
+        let n = match region {
+            Some(r) => read(r)?,
+            None => {
+                let open = self
+                    .handles_of(ino)
+                    .into_iter()
+                    .find_map(|h| match &h.body {
+                        Body::Region(_) => Some(h),
+                        Body::Pseudo(_) => None,
+                    });
+                match open {
+                    Some(h) => read(&h.region()?.region)?,
+                    None => {
+                        let r = self.client.open_as(&self.identity.internal(), ino, false)?;
+                        read(&r)?
+                    }
+                }
+            }
+        };
+        if n == 1 {
+            Ok(b[0])
+        } else {
+            Err(FsError::Invalid(format!(
+                "region {ino} is shorter than {size}"
+            )))
+        }
+    }
+
+    /// The attributes of a pseudo node.
+    fn pseudo_attr(&self, node: Node) -> FsResult<v1::Attr> {
+        let (dir, times) = match node {
+            Node::Root => (true, self.started),
+            Node::Files(ino) => {
+                let a = self.rpc.getattr(&self.identity.internal(), ino)?;
+                (is_dir(&a), a.mtime.unwrap_or(self.started))
+            }
+            _ => (false, now_ts()),
+        };
+        Ok(v1::Attr {
+            ino: node.ino(),
+            kind: if dir {
+                FileKind::Directory as i32
+            } else {
+                FileKind::Region as i32
+            },
+            mode: if dir { 0o500 } else { 0o400 },
+            nlink: if dir { 2 } else { 1 },
+            uid: 0,
+            gid: 0,
+            size: 0,
+            atime: Some(times),
+            mtime: Some(times),
+            ctime: Some(times),
+            crtime: Some(times),
+            ..Default::default()
+        })
+    }
+
+    fn root_only(ctx: &RequestCtx) -> FsResult<()> {
+        if ctx.is_root() {
+            Ok(())
+        } else {
+            Err(FsError::Denied(format!(
+                "{} (region metadata) is readable by root only",
+                pseudo::DIR_NAME
+            )))
+        }
+    }
+
+    // ---- namespace ----
+
+    /// Looks up `name` in directory `parent`.
+    pub fn lookup(&self, ctx: &RequestCtx, parent: u64, name: &OsStr) -> FsResult<v1::Attr> {
+        if parent == ROOT_INO && name == pseudo::DIR_NAME {
+            Self::root_only(ctx)?;
+            return self.pseudo_attr(Node::Root);
+        }
+        if let Some(node) = Node::from_ino(parent) {
+            return self.pseudo_lookup(ctx, node, name);
+        }
+        let name = wire(name)?;
+        let name: &str = &name;
+        let attr = self.rpc.lookup(&self.caller(ctx), parent, name)?;
+        if is_dir(&attr) {
+            self.note_dir(&attr, Some(parent));
+        } else {
+            self.note_reply(&attr);
+        }
+        Ok(attr)
+    }
+
+    /// The attributes of `ino`.
+    pub fn getattr(&self, ctx: &RequestCtx, ino: u64) -> FsResult<v1::Attr> {
+        if let Some(node) = Node::from_ino(ino) {
+            return self.pseudo_attr(node);
+        }
+        let attr = match self.rpc.getattr(&self.caller(ctx), ino) {
+            Ok(a) => a,
+            Err(e) if e.errno() == libc::ENOENT => {
+                // fstat of a directory removed while open: st_nlink 0.
+                return self
+                    .removed_dirs
+                    .lock()
+                    .ok()
+                    .and_then(|r| r.get(&ino).cloned())
+                    .ok_or(e);
+            }
+            Err(e) => return Err(e),
+        };
+        if is_dir(&attr) {
+            self.note_dir(&attr, None);
+        } else {
+            self.note_reply(&attr);
+        }
+        Ok(attr)
+    }
+
+    fn note_dir(&self, attr: &v1::Attr, parent: Option<u64>) {
+        if let Ok(mut d) = self.dirs.lock() {
+            let info = d.entry(attr.ino).or_default();
+            info.mode = attr.mode;
+            if parent.is_some() {
+                info.parent = parent;
+            }
+        }
+    }
+
+    /// Whether the kernel may cache the entry `name` of `parent`. Without
+    /// `default_permissions` the kernel checks no search permission on the
+    /// way through cached entries, so the entries of directories that not
+    /// everyone may search are looked up (and checked by the manager) every
+    /// time, as are those of the `.regions` tree.
+    pub fn entry_cacheable(&self, parent: u64, name: &OsStr) -> bool {
+        if pseudo::is_pseudo(parent) || (parent == ROOT_INO && name == pseudo::DIR_NAME) {
+            return false;
+        }
+        self.dirs
+            .lock()
+            .ok()
+            .and_then(|d| d.get(&parent).map(|i| i.mode & 0o111 == 0o111))
+            .unwrap_or(true)
+    }
+
+    /// chmod, chown, truncate, utimens. `fh` is the open file the change
+    /// came through, if any.
+    pub fn setattr(
+        &self,
+        ctx: &RequestCtx,
+        ino: u64,
+        change: SetAttrIn,
+        ctime: bool,
+        fh: Option<u64>,
+    ) -> FsResult<v1::Attr> {
+        if pseudo::is_pseudo(ino) {
+            return Err(FsError::Denied(
+                "region metadata files cannot be changed".into(),
+            ));
+        }
+        let mut change = change;
+        let handle = fh.and_then(|fh| self.handle(fh).ok());
+        // In writeback mode the kernel keeps mtime itself and sends it as an
+        // explicit time with truncations and when it flushes (with ctime, and
+        // the open file). Those are bookkeeping, not utimensat: setting
+        // "now" needs only write permission where an explicit time needs
+        // ownership.
+        let bookkeeping = matches!(change.mtime, Some(SetTime::At(..)))
+            && ctime
+            && (change.size.is_some()
+                || (fh.is_some() && change.atime.is_none())
+                || change.atime == Some(SetTime::Now));
+        if bookkeeping {
+            change.mtime = Some(SetTime::Now);
+        }
+        let only_times = change.mode.is_none()
+            && change.uid.is_none()
+            && change.gid.is_none()
+            && change.size.is_none();
+        let caller = match &handle {
+            Some(h) if bookkeeping && only_times => match &h.body {
+                Body::Region(r) => r.caller.clone(),
+                Body::Pseudo(_) => self.caller(ctx),
+            },
+            _ => self.caller(ctx),
+        };
+        if let Some(size) = change.size {
+            let mut inodes = self.lock_inodes();
+            let st = inodes.entry(ino).or_default();
+            st.kernel_size = size;
+        }
+        let attr = match self.rpc.setattr(&caller, ino, &change) {
+            Ok(a) => a,
+            Err(e) if bookkeeping && only_times && fh.is_some() && e.errno() != libc::EIO => {
+                // The kernel flushing its mtime must not fail a close.
+                tracing::debug!(ino, error = %e, "mtime update refused; keeping the manager's");
+                return self.rpc.getattr(&caller, ino);
+            }
+            Err(e) => return Err(e),
+        };
+        if is_dir(&attr) {
+            self.note_dir(&attr, None);
+            if change.mode.is_some() && attr.mode & 0o111 != 0o111 {
+                self.forget_entries_later(ino);
+            }
+        }
+        if let Some(size) = change.size {
+            for h in self.handles_of(ino) {
+                if let Body::Region(r) = &h.body
+                    && r.region.size() > size
+                {
+                    r.region.note_size(size);
+                }
+            }
+        }
+        if change.size.is_some() || bookkeeping {
+            let mut inodes = self.lock_inodes();
+            let st = inodes.entry(ino).or_default();
+            st.seen = Some(stamp(&attr));
+            if bookkeeping {
+                st.dirty = false;
+            }
+        }
+        Ok(attr)
+    }
+
+    /// A directory stopped being searchable by everyone: the kernel must
+    /// look its entries up again (so that the manager checks each caller).
+    /// Done on a thread of its own, since the kernel holds the directory's
+    /// lock until this setattr is answered.
+    fn forget_entries_later(&self, dir: u64) {
+        let Some(kernel) = self.kernel.get().cloned() else {
+            return;
+        };
+        let rpc = Arc::clone(&self.rpc);
+        let caller = self.identity.internal();
+        let spawned = std::thread::Builder::new()
+            .name("regionfs-inval".into())
+            .spawn(move || {
+                let mut offset = 0;
+                loop {
+                    let reply = match rpc.readdir(&caller, dir, offset, READDIR_BATCH) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            tracing::debug!(dir, error = %e, "cannot list a directory to drop its cached entries");
+                            return;
+                        }
+                    };
+                    for e in &reply.entries {
+                        let name = names::from_wire(&e.name);
+                        let _ = kernel.invalidate_entry(dir, &name);
+                        offset = e.offset;
+                    }
+                    if reply.end || reply.entries.is_empty() {
+                        return;
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(dir, error = %e, "cannot start a thread to drop cached entries");
+        }
+    }
+
+    /// Creates directory `name`.
+    pub fn mkdir(
+        &self,
+        ctx: &RequestCtx,
+        parent: u64,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+    ) -> FsResult<v1::Attr> {
+        self.check_creatable(ctx, parent, name)?;
+        let attr = self.rpc.mkdir(
+            &self.caller(ctx),
+            parent,
+            &wire(name)?,
+            mode & !umask & 0o7777,
+        )?;
+        self.note_dir(&attr, Some(parent));
+        Ok(attr)
+    }
+
+    fn check_creatable(&self, ctx: &RequestCtx, parent: u64, name: &OsStr) -> FsResult<()> {
+        if pseudo::is_pseudo(parent) {
+            Self::root_only(ctx)?;
+            return Err(FsError::Denied(
+                "nothing can be created under .regions (read-only metadata)".into(),
+            ));
+        }
+        if parent == ROOT_INO && name == pseudo::DIR_NAME {
+            return Err(FsError::Exists(format!(
+                "{} is reserved for region metadata",
+                pseudo::DIR_NAME
+            )));
+        }
+        Ok(())
+    }
+
+    /// Creates a region (regular files only; other node types are refused).
+    pub fn mknod(
+        &self,
+        ctx: &RequestCtx,
+        parent: u64,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+    ) -> FsResult<v1::Attr> {
+        if mode & libc::S_IFMT != libc::S_IFREG && mode & libc::S_IFMT != 0 {
+            tracing::info!(
+                ?name,
+                mode = format!("{mode:o}"),
+                "mknod refused: regions holds regular files (regions) and directories only, not fifos, sockets or devices"
+            );
+            return Err(FsError::NotSupported(
+                "only regular files and directories exist in regions".into(),
+            ));
+        }
+        self.check_creatable(ctx, parent, name)?;
+        let caller = self.caller(ctx);
+        let name = wire(name)?;
+        let name: &str = &name;
+        let attr = self
+            .rpc
+            .create(&caller, parent, name, mode & !umask & 0o7777)?;
+        self.created(&caller, parent, name, &attr);
+        Ok(attr)
+    }
+
+    /// Bookkeeping of a new region: the kernel learns it with size 0, and a
+    /// non-persistent one is watched for its owner's exit.
+    fn created(&self, caller: &v1::Caller, parent: u64, name: &str, attr: &v1::Attr) {
+        {
+            let mut inodes = self.lock_inodes();
+            let st = inodes.entry(attr.ino).or_default();
+            st.kernel_size = attr.size;
+            st.seen = Some(stamp(attr));
+        }
+        let persistent = attr.region_attrs.as_ref().is_some_and(|a| a.persistent);
+        if let Some(w) = &self.owners
+            && !persistent
+            && caller.pid != 0
+        {
+            w.watch(Owned {
+                ino: attr.ino,
+                parent,
+                name: name.to_owned(),
+                pid: caller.pid,
+            });
+        }
+    }
+
+    /// Creates and opens a region.
+    pub fn create(
+        &self,
+        ctx: &RequestCtx,
+        parent: u64,
+        name: &OsStr,
+        mode: u32,
+        umask: u32,
+        flags: i32,
+    ) -> FsResult<(v1::Attr, Opened)> {
+        self.check_creatable(ctx, parent, name)?;
+        let caller = self.caller(ctx);
+        let name = wire(name)?;
+        let name: &str = &name;
+        let mode = mode & !umask & 0o7777;
+        let acc = flags & libc::O_ACCMODE;
+        let write = acc != libc::O_RDONLY;
+        // A new file may be opened as asked even if its mode forbids it
+        // (open(O_CREAT|O_WRONLY, 0444)): create it usable, then set the mode.
+        let needed = (if write { 2 } else { 0 }) | (if acc != libc::O_WRONLY { 4 } else { 0 });
+        let create_mode = if caller.uid != 0 && (mode >> 6) & needed != needed {
+            mode | (needed << 6)
+        } else {
+            mode
+        };
+        let mut attr = self.rpc.create(&caller, parent, name, create_mode)?;
+        self.created(&caller, parent, name, &attr);
+        let region = self.open_region(&caller, attr.ino, write)?;
+        if create_mode != mode {
+            // The open write handle keeps its rights after the chmod.
+            let change = SetAttrIn {
+                mode: Some(mode),
+                ..SetAttrIn::default()
+            };
+            match self.rpc.setattr(&caller, attr.ino, &change) {
+                Ok(a) => attr = a,
+                Err(e) => {
+                    tracing::warn!(ino = attr.ino, error = %e, "cannot set the mode of a new region")
+                }
+            }
+        }
+        {
+            let mut inodes = self.lock_inodes();
+            inodes.entry(attr.ino).or_default().cached_opens += 1;
+        }
+        let fh = self.add_handle(Handle {
+            ino: attr.ino,
+            pid: caller.pid,
+            uid: caller.uid,
+            body: Body::Region(Box::new(RegionHandle {
+                region,
+                caller,
+                write,
+                io: Mutex::new(IoMode::Cached),
+                grow: Mutex::new(()),
+                want: AtomicU64::new(0),
+            })),
+        });
+        Ok((
+            attr,
+            Opened {
+                fh,
+                keep_cache: false,
+                direct_io: false,
+                passthrough: false,
+                backing: None,
+            },
+        ))
+    }
+
+    /// Opens a region, retrying a moment on `ETXTBSY` (see
+    /// [`FsOptions::busy_retry`]).
+    fn open_region(&self, caller: &v1::Caller, ino: u64, write: bool) -> FsResult<Region> {
+        let deadline = Instant::now() + self.options.busy_retry;
+        loop {
+            match self.client.open_as(caller, ino, write) {
+                Ok(r) => return Ok(r),
+                Err(e) if e.errno() == libc::ETXTBSY && write && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Removes region `name`.
+    pub fn unlink(&self, ctx: &RequestCtx, parent: u64, name: &OsStr) -> FsResult<()> {
+        self.check_removable(ctx, parent, name)?;
+        let caller = self.caller(ctx);
+        let name = wire(name)?;
+        let name: &str = &name;
+        let ino = if self.owners.is_some() {
+            self.rpc.lookup(&caller, parent, name).ok().map(|a| a.ino)
+        } else {
+            None
+        };
+        self.rpc.unlink(&caller, parent, name)?;
+        if let (Some(w), Some(ino)) = (&self.owners, ino) {
+            w.forget(ino);
+        }
+        Ok(())
+    }
+
+    fn check_removable(&self, ctx: &RequestCtx, parent: u64, name: &OsStr) -> FsResult<()> {
+        if pseudo::is_pseudo(parent) || (parent == ROOT_INO && name == pseudo::DIR_NAME) {
+            Self::root_only(ctx)?;
+            return Err(FsError::Denied(
+                ".regions is read-only region metadata".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Removes directory `name` (ENOTEMPTY unless empty).
+    pub fn rmdir(&self, ctx: &RequestCtx, parent: u64, name: &OsStr) -> FsResult<()> {
+        self.check_removable(ctx, parent, name)?;
+        let caller = self.caller(ctx);
+        let name = wire(name)?;
+        let before = self.rpc.lookup(&caller, parent, &name).ok();
+        self.rpc.rmdir(&caller, parent, &name)?;
+        if let Some(mut a) = before
+            && let Ok(mut r) = self.removed_dirs.lock()
+        {
+            a.nlink = 0;
+            r.insert(a.ino, a);
+        }
+        Ok(())
+    }
+
+    /// Renames (renameat2 flags: RENAME_NOREPLACE, RENAME_EXCHANGE).
+    pub fn rename(
+        &self,
+        ctx: &RequestCtx,
+        (parent, name): (u64, &OsStr),
+        (new_parent, new_name): (u64, &OsStr),
+        flags: u32,
+    ) -> FsResult<()> {
+        self.check_removable(ctx, parent, name)?;
+        self.check_removable(ctx, new_parent, new_name)?;
+        const KNOWN: u32 = libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE;
+        if flags & !KNOWN != 0 {
+            return Err(FsError::Invalid(format!(
+                "rename flags {flags:#x}: regions supports RENAME_NOREPLACE and RENAME_EXCHANGE only"
+            )));
+        }
+        let caller = self.caller(ctx);
+        let (name, new_name) = (wire(name)?, wire(new_name)?);
+        let (name, new_name) = (&*name, &*new_name);
+        let moved = if self.owners.is_some() {
+            self.rpc.lookup(&caller, parent, name).ok()
+        } else {
+            None
+        };
+        let replaced = if self.owners.is_some() {
+            self.rpc.lookup(&caller, new_parent, new_name).ok()
+        } else {
+            None
+        };
+        self.rpc
+            .rename(&caller, (parent, name), (new_parent, new_name), flags)?;
+        if let Some(w) = &self.owners {
+            if let Some(a) = &moved {
+                w.renamed(a.ino, new_parent, new_name);
+            }
+            if let Some(b) = &replaced {
+                if flags & libc::RENAME_EXCHANGE != 0 {
+                    w.renamed(b.ino, parent, name);
+                } else {
+                    w.forget(b.ino);
+                }
+            }
+        }
+        if let Some(a) = moved.filter(is_dir) {
+            self.note_dir(&a, Some(new_parent));
+        }
+        Ok(())
+    }
+
+    /// Symbolic links do not exist in regions.
+    pub fn symlink(&self, parent: u64, name: &OsStr) -> FsResult<v1::Attr> {
+        tracing::info!(
+            parent,
+            ?name,
+            "symlink refused: regions has no symbolic links (a region is memory, a directory organises regions)"
+        );
+        Err(FsError::NotSupported("symbolic links".into()))
+    }
+
+    /// Hard links do not exist in regions.
+    pub fn link(&self, ino: u64, new_parent: u64, new_name: &OsStr) -> FsResult<v1::Attr> {
+        tracing::info!(
+            ino,
+            new_parent,
+            ?new_name,
+            "link refused: regions has no hard links (a region has exactly one name)"
+        );
+        Err(FsError::NotSupported("hard links".into()))
+    }
+
+    /// Checks that a directory may be opened (pseudo directories: root only).
+    pub fn opendir(&self, ctx: &RequestCtx, ino: u64) -> FsResult<()> {
+        if pseudo::is_pseudo(ino) {
+            Self::root_only(ctx)?;
+        }
+        Ok(())
+    }
+
+    /// Entries of directory `ino` after cookie `offset`; `plus` when the
+    /// kernel will remember the attributes (readdirplus).
+    pub fn readdir(
+        &self,
+        ctx: &RequestCtx,
+        ino: u64,
+        offset: u64,
+        plus: bool,
+    ) -> FsResult<Vec<DirEntryOut>> {
+        if let Some(node) = Node::from_ino(ino) {
+            Self::root_only(ctx)?;
+            return self.pseudo_readdir(node, offset);
+        }
+        let parent = self
+            .dirs
+            .lock()
+            .ok()
+            .and_then(|d| d.get(&ino).and_then(|i| i.parent))
+            .unwrap_or(ino);
+        let mut out = self.dots(ino, parent, offset);
+        let reply = self.rpc.readdir(
+            &self.caller(ctx),
+            ino,
+            if offset < 3 { 0 } else { offset },
+            READDIR_BATCH,
+        )?;
+        for e in reply.entries {
+            let Some(attr) = e.attr else { continue };
+            if ino == ROOT_INO && e.name == pseudo::DIR_NAME {
+                continue;
+            }
+            if plus {
+                if is_dir(&attr) {
+                    self.note_dir(&attr, Some(ino));
+                } else {
+                    self.note_reply(&attr);
+                }
+            }
+            out.push(DirEntryOut {
+                ino: attr.ino,
+                cookie: e.offset,
+                name: names::from_wire(&e.name),
+                is_dir: is_dir(&attr),
+                attr: Some(attr),
+            });
+        }
+        Ok(out)
+    }
+
+    fn dots(&self, ino: u64, parent: u64, offset: u64) -> Vec<DirEntryOut> {
+        let mut out = Vec::new();
+        for (cookie, name, i) in [(1, ".", ino), (2, "..", parent)] {
+            if offset < cookie {
+                out.push(DirEntryOut {
+                    ino: i,
+                    cookie,
+                    name: name.into(),
+                    is_dir: true,
+                    attr: None,
+                });
+            }
+        }
+        out
+    }
+
+    /// File-system statistics (cluster capacity and free memory).
+    pub fn statfs(&self, ctx: &RequestCtx) -> FsResult<StatFs> {
+        let r = self.rpc.statfs(&self.caller(ctx))?;
+        let bsize = r.block_size.max(512);
+        Ok(StatFs {
+            blocks: r.total_bytes / u64::from(bsize),
+            bfree: r.free_bytes / u64::from(bsize),
+            bavail: r.free_bytes / u64::from(bsize),
+            files: r.inodes + r.free_inodes,
+            ffree: r.free_inodes,
+            bsize,
+            namelen: r.max_name_len.max(1),
+        })
+    }
+
+    /// access(2): the manager decides.
+    pub fn access(&self, ctx: &RequestCtx, ino: u64, mask: u32) -> FsResult<()> {
+        if pseudo::is_pseudo(ino) {
+            Self::root_only(ctx)?;
+            if mask & libc::W_OK as u32 != 0 {
+                return Err(FsError::Denied("region metadata is read-only".into()));
+            }
+            return Ok(());
+        }
+        self.rpc.access(&self.caller(ctx), ino, mask)
+    }
+
+    /// The kernel forgot `ino`.
+    pub fn forget(&self, ino: u64) {
+        if pseudo::is_pseudo(ino) {
+            return;
+        }
+        let open = !self.handles_of(ino).is_empty();
+        if !open {
+            self.lock_inodes().remove(&ino);
+        }
+        if let Ok(mut d) = self.dirs.lock() {
+            d.remove(&ino);
+        }
+        if let Ok(mut r) = self.removed_dirs.lock() {
+            r.remove(&ino);
+        }
+    }
+
+    // ---- extended attributes ----
+
+    fn xattr_out(value: Vec<u8>, size: u32) -> FsResult<XattrOut> {
+        if size == 0 {
+            return Ok(XattrOut::Size(
+                u32::try_from(value.len())
+                    .map_err(|_| FsError::Invalid("attribute too large".into()))?,
+            ));
+        }
+        if value.len() > size as usize {
+            return Err(FsError::Range {
+                needed: value.len(),
+                given: size as usize,
+            });
+        }
+        Ok(XattrOut::Data(value))
+    }
+
+    /// getxattr; `size` 0 asks for the size only.
+    pub fn getxattr(
+        &self,
+        ctx: &RequestCtx,
+        ino: u64,
+        name: &OsStr,
+        size: u32,
+    ) -> FsResult<XattrOut> {
+        if pseudo::is_pseudo(ino) {
+            return Err(FsError::Manager {
+                errno: libc::ENODATA,
+                message: "metadata files have no extended attributes".into(),
+            });
+        }
+        let value = self.rpc.getxattr(&self.caller(ctx), ino, utf8(name)?)?;
+        Self::xattr_out(value, size)
+    }
+
+    /// setxattr (flags: XATTR_CREATE, XATTR_REPLACE).
+    pub fn setxattr(
+        &self,
+        ctx: &RequestCtx,
+        ino: u64,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+    ) -> FsResult<()> {
+        if pseudo::is_pseudo(ino) {
+            Self::root_only(ctx)?;
+            return Err(FsError::Denied("region metadata is read-only".into()));
+        }
+        self.rpc
+            .setxattr(&self.caller(ctx), ino, utf8(name)?, value, flags as u32)
+    }
+
+    /// listxattr; `size` 0 asks for the size only.
+    pub fn listxattr(&self, ctx: &RequestCtx, ino: u64, size: u32) -> FsResult<XattrOut> {
+        if pseudo::is_pseudo(ino) {
+            return Self::xattr_out(Vec::new(), size);
+        }
+        let names = self.rpc.listxattr(&self.caller(ctx), ino)?;
+        let mut list = Vec::new();
+        // Region attributes are read and set by name but not listed (like
+        // ceph.* attributes): tools that copy every listed attribute would
+        // otherwise try to copy read-only ones (ownerpid, vaddr, hosts).
+        for n in names
+            .into_iter()
+            .filter(|n| !n.starts_with(REGION_XATTR_PREFIX))
+        {
+            list.extend_from_slice(n.as_bytes());
+            list.push(0);
+        }
+        Self::xattr_out(list, size)
+    }
+
+    /// removexattr.
+    pub fn removexattr(&self, ctx: &RequestCtx, ino: u64, name: &OsStr) -> FsResult<()> {
+        if pseudo::is_pseudo(ino) {
+            Self::root_only(ctx)?;
+            return Err(FsError::Denied("region metadata is read-only".into()));
+        }
+        self.rpc.removexattr(&self.caller(ctx), ino, utf8(name)?)
+    }
+
+    // ---- data ----
+
+    /// Opens `ino` with open(2) `flags`.
+    pub fn open(&self, ctx: &RequestCtx, ino: u64, flags: i32) -> FsResult<Opened> {
+        if let Some(node) = Node::from_ino(ino) {
+            return self.pseudo_open(ctx, node, flags);
+        }
+        let caller = self.caller(ctx);
+        let write = flags & libc::O_ACCMODE != libc::O_RDONLY;
+        if flags & FMODE_EXEC != 0 {
+            // execve: the kernel checks only that some execute bit is set.
+            self.rpc.access(&caller, ino, libc::X_OK as u32)?;
+        }
+        if write {
+            self.wait_for_passthrough_readers(ino)?;
+        }
+        let region = self.open_region(&caller, ino, write)?;
+        let attr = self.rpc.getattr(&caller, ino)?;
+        if is_dir(&attr) {
+            return Err(FsError::IsDir(format!("inode {ino}")));
+        }
+        let now = stamp(&attr);
+        // Close-to-open: keep the cached pages only if nothing changed.
+        let (keep, grown_from) = {
+            let mut inodes = self.lock_inodes();
+            let st = inodes.entry(ino).or_insert_with(|| InodeState {
+                kernel_size: attr.size,
+                ..InodeState::default()
+            });
+            let keep = st.seen == Some(now);
+            st.seen = Some(now);
+            let grown = if self.writeback() && attr.size > st.kernel_size {
+                let old = st.kernel_size;
+                st.kernel_size = attr.size;
+                Some(old)
+            } else {
+                None
+            };
+            (keep, grown)
+        };
+        if !keep && let Some(k) = self.kernel.get() {
+            // Attributes only: the open without keep_cache drops the pages.
+            let _ = k.invalidate(ino, -1, 0);
+        }
+        if let Some(old) = grown_from {
+            self.push_size(ino, old, attr.size, Some(&region));
+        }
+        let (io, fd) = self.choose_io(ino, write, &region, &attr)?;
+        let fh = self.add_handle(Handle {
+            ino,
+            pid: caller.pid,
+            uid: caller.uid,
+            body: Body::Region(Box::new(RegionHandle {
+                region,
+                caller,
+                write,
+                io: Mutex::new(io),
+                grow: Mutex::new(()),
+                want: AtomicU64::new(0),
+            })),
+        });
+        tracing::trace!(ino, fh, write, keep, io = io.name(), "open");
+        Ok(Opened {
+            fh,
+            keep_cache: keep && io == IoMode::Cached,
+            direct_io: io == IoMode::Direct,
+            passthrough: io == IoMode::Passthrough,
+            backing: fd,
+        })
+    }
+
+    /// Picks how an open's data moves and counts it. The kernel wants
+    /// every open of an inode that has passthrough opens to be passthrough
+    /// too (with the same backing file), so readers join them and writers
+    /// are refused until they close ([`FsError::Busy`]).
+    fn choose_io(
+        &self,
+        ino: u64,
+        write: bool,
+        region: &Region,
+        attr: &v1::Attr,
+    ) -> FsResult<(IoMode, Option<OwnedFd>)> {
+        let candidate = self.options.cache == CacheMode::Passthrough
+            && self.passthrough.load(Ordering::Relaxed)
+            && !write
+            && attr.size > 0
+            && region.is_wholly_local();
+        let segment = if candidate {
+            match self.client.local_segment(ino, false) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::debug!(ino, error = %e, "no segment for passthrough");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let mut inodes = self.lock_inodes();
+        let st = inodes.entry(ino).or_default();
+        if st.passthrough_opens > 0 {
+            if write {
+                return Err(Self::passthrough_busy(ino));
+            }
+            st.passthrough_opens += 1;
+            return Ok((IoMode::Passthrough, segment.map(|s| s.fd)));
+        }
+        // The segment spans whole chunks and passthrough reads to its end,
+        // so only a region that fills it exactly qualifies.
+        if let Some(seg) = segment
+            && seg.size == attr.size
+            && st.cached_opens == 0
+        {
+            st.passthrough_opens += 1;
+            return Ok((IoMode::Passthrough, Some(seg.fd)));
+        }
+        st.cached_opens += 1;
+        Ok((IoMode::Cached, None))
+    }
+
+    fn passthrough_busy(ino: u64) -> FsError {
+        FsError::Busy(format!(
+            "region {ino} is being read at memory speed (FUSE passthrough) on this host; it can be opened for writing once those readers close (or mount with --cache writeback)"
+        ))
+    }
+
+    /// In passthrough mode, waits a moment for passthrough readers of `ino`
+    /// to go before a writer opens it (FUSE releases asynchronously).
+    fn wait_for_passthrough_readers(&self, ino: u64) -> FsResult<()> {
+        if self.options.cache != CacheMode::Passthrough {
+            return Ok(());
+        }
+        let deadline = Instant::now() + self.options.busy_retry;
+        loop {
+            let busy = self
+                .lock_inodes()
+                .get(&ino)
+                .is_some_and(|st| st.passthrough_opens > 0);
+            if !busy {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(Self::passthrough_busy(ino));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// The kernel would not take the passthrough descriptor: serve `fh`
+    /// with direct I/O instead.
+    pub fn passthrough_failed(&self, fh: u64) {
+        let Ok(h) = self.handle(fh) else { return };
+        if let Body::Region(r) = &h.body
+            && let Ok(mut io) = r.io.lock()
+            && *io == IoMode::Passthrough
+        {
+            *io = IoMode::Direct;
+            let mut inodes = self.lock_inodes();
+            if let Some(st) = inodes.get_mut(&h.ino) {
+                st.passthrough_opens = st.passthrough_opens.saturating_sub(1);
+            }
+        }
+    }
+
+    /// Reads up to `size` bytes at `offset`.
+    pub fn read(&self, fh: u64, offset: u64, size: u32) -> FsResult<Vec<u8>> {
+        let h = self.handle(fh)?;
+        match &h.body {
+            Body::Pseudo(data) => {
+                let start = (offset as usize).min(data.len());
+                let end = start.saturating_add(size as usize).min(data.len());
+                Ok(data[start..end].to_vec())
+            }
+            Body::Region(r) => {
+                let end = offset.saturating_add(u64::from(size));
+                if end > r.region.size() {
+                    // Grown through another handle or host since this open.
+                    r.region.refresh()?;
+                }
+                let mut buf = vec![0u8; size as usize];
+                let n = r.region.read_at(offset, &mut buf)?;
+                buf.truncate(n);
+                Ok(buf)
+            }
+        }
+    }
+
+    /// Writes `data` at `offset` through to the region.
+    pub fn write(&self, fh: u64, offset: u64, data: &[u8]) -> FsResult<u32> {
+        let h = self.handle(fh)?;
+        let r = h.region()?;
+        if !r.write {
+            return Err(FsError::BadHandle(format!(
+                "file handle {fh} of inode {} is not open for writing",
+                h.ino
+            )));
+        }
+        let end = offset.saturating_add(data.len() as u64);
+        {
+            let mut inodes = self.lock_inodes();
+            let st = inodes.entry(h.ino).or_default();
+            st.kernel_size = st.kernel_size.max(end);
+            st.dirty = true;
+        }
+        if end > r.region.size() {
+            self.grow(&h, r, end)?;
+        }
+        r.region.write_at(offset, data)?;
+        u32::try_from(data.len()).map_err(|_| FsError::Invalid("write too large".into()))
+    }
+
+    /// Grows the region to cover a write ending at `end`, together with
+    /// every other growing write in flight on this handle: the kernel has
+    /// already given the file that size, and each extend is a durable
+    /// manager commit. Growing writes go one at a time (concurrent extends
+    /// can answer out of order).
+    fn grow(&self, h: &Handle, r: &RegionHandle, end: u64) -> FsResult<()> {
+        r.want.fetch_max(end, Ordering::AcqRel);
+        let _one = r
+            .grow
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if r.region.size() >= end {
+            return Ok(());
+        }
+        // Take the ends registered so far; later writes register anew.
+        let target = r.want.swap(0, Ordering::AcqRel).max(end);
+        self.client.manager().extend(&r.caller, h.ino, target)?;
+        r.region.refresh()?;
+        Ok(())
+    }
+
+    /// Records at the manager that the region changed (new mtime), so that
+    /// other mounts drop their cached pages at their next open.
+    fn publish(&self, h: &Handle) -> FsResult<()> {
+        let Body::Region(r) = &h.body else {
+            return Ok(());
+        };
+        if !r.write {
+            return Ok(());
+        }
+        let dirty = {
+            let mut inodes = self.lock_inodes();
+            inodes
+                .get_mut(&h.ino)
+                .map(|st| std::mem::replace(&mut st.dirty, false))
+                .unwrap_or(false)
+        };
+        if !dirty {
+            return Ok(());
+        }
+        let change = SetAttrIn {
+            mtime: Some(SetTime::Now),
+            ..SetAttrIn::default()
+        };
+        match self.rpc.setattr(&r.caller, h.ino, &change) {
+            Ok(attr) => {
+                let mut inodes = self.lock_inodes();
+                if let Some(st) = inodes.get_mut(&h.ino) {
+                    st.seen = Some(stamp(&attr));
+                }
+                Ok(())
+            }
+            Err(e) => {
+                let mut inodes = self.lock_inodes();
+                if let Some(st) = inodes.get_mut(&h.ino) {
+                    st.dirty = true;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// close(2) of a descriptor of `fh` (the kernel has written back).
+    pub fn flush(&self, fh: u64) -> FsResult<()> {
+        let h = self.handle(fh)?;
+        self.publish(&h)
+    }
+
+    /// fsync(2) / msync(2): written data is in the region already.
+    pub fn fsync(&self, fh: u64) -> FsResult<()> {
+        let h = self.handle(fh)?;
+        self.publish(&h)
+    }
+
+    /// The last reference to an open file went away.
+    pub fn release(&self, fh: u64) -> FsResult<Released> {
+        let h = self
+            .handles
+            .write()
+            .ok()
+            .and_then(|mut m| m.remove(&fh))
+            .ok_or_else(|| FsError::BadHandle(format!("file handle {fh} is not open")))?;
+        let mut passthrough = false;
+        if let Body::Region(r) = &h.body {
+            if let Err(e) = self.publish(&h) {
+                tracing::warn!(ino = h.ino, error = %e, "cannot record the new mtime of a written region at release; other hosts may keep stale cached pages");
+            }
+            let io = r.io.lock().map(|i| *i).unwrap_or(IoMode::Direct);
+            passthrough = io == IoMode::Passthrough;
+            let mut inodes = self.lock_inodes();
+            if let Some(st) = inodes.get_mut(&h.ino) {
+                match io {
+                    IoMode::Cached => st.cached_opens = st.cached_opens.saturating_sub(1),
+                    IoMode::Passthrough => {
+                        st.passthrough_opens = st.passthrough_opens.saturating_sub(1)
+                    }
+                    IoMode::Direct => {}
+                }
+            }
+        }
+        let ino = h.ino;
+        // The region handle closes at the manager when the last reference
+        // (this one, unless a read is still running) goes.
+        drop(h);
+        Ok(Released { ino, passthrough })
+    }
+}
+
+/// Deletes a region whose owner exited, if it is still where it was
+/// created (or renamed to through this mount) and still not persistent.
+fn reap(rpc: &Rpc, identity: &Identity, o: &Owned) {
+    let caller = identity.internal();
+    match rpc.lookup(&caller, o.parent, &o.name) {
+        Ok(a) if a.ino == o.ino => {
+            if a.region_attrs.as_ref().is_some_and(|r| r.persistent) {
+                tracing::info!(ino = o.ino, name = %o.name, "owner exited but the region was made persistent; keeping it");
+                return;
+            }
+            match rpc.unlink(&caller, o.parent, &o.name) {
+                Ok(()) => {
+                    tracing::info!(pid = o.pid, ino = o.ino, name = %o.name, "deleted a non-persistent region whose owner exited")
+                }
+                Err(e) => {
+                    tracing::warn!(pid = o.pid, ino = o.ino, name = %o.name, error = %e, "cannot delete the region of an exited owner")
+                }
+            }
+        }
+        Ok(_) | Err(_) => tracing::info!(
+            pid = o.pid,
+            ino = o.ino,
+            name = %o.name,
+            "owner exited; its region is no longer at its name (renamed elsewhere or removed); leaving it"
+        ),
+    }
+}
+
+mod ioctls;
+mod meta;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,233 @@
+//! `regionfs`: mounts a regions cluster as a file system.
+//!
+//! - `regionfs mount --manager URL --host-id N --secret-file FILE MOUNTPOINT`
+//!   mounts an existing cluster on this host.
+//! - `regionfs up MOUNTPOINT` runs a whole single-host cluster (manager,
+//!   daemon, mount) in this process.
+//!
+//! SIGINT or SIGTERM unmounts cleanly and stops everything.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use regionfs::fs::{CacheMode, FsOptions, RegionFs};
+use regionfs::mount::{MountOptions, Mounted, prepare_mountpoint, write_ready_file};
+use regionfs::up::{Cluster, UpConfig};
+use regions::{Client, ClientConfig};
+use regions_proto::auth::Secret;
+use tokio::signal::unix::{SignalKind, signal};
+
+/// Remote memory regions as files.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Mount a running cluster on this host.
+    Mount(MountArgs),
+    /// Run a single-host cluster (manager + daemon + mount) in this process.
+    Up(UpArgs),
+}
+
+/// Options of the mount itself, shared by both commands.
+#[derive(Args, Debug, Clone)]
+struct FsArgs {
+    /// How the kernel caches region data: `writeback` (writes buffered in
+    /// the page cache) or `passthrough` (write-through, and read-only opens
+    /// of regions held on this host read their memory directly).
+    #[arg(long, env = "REGIONFS_CACHE", value_enum, default_value_t = CacheMode::Writeback)]
+    cache: CacheMode,
+    /// Threads serving FUSE requests (at least 2).
+    #[arg(long, env = "REGIONFS_THREADS", default_value_t = 4)]
+    threads: usize,
+    /// Write the mountpoint path to this file once the mount answers.
+    #[arg(long, env = "REGIONS_READY_FILE")]
+    ready_file: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+struct MountArgs {
+    /// URL of the manager (`http://host:port`; a bare `host:port` means http).
+    #[arg(long, env = "REGIONS_MANAGER")]
+    manager: String,
+    /// This host's id (the one its daemon registered with).
+    #[arg(long, env = "REGIONS_HOST_ID")]
+    host_id: u32,
+    /// File holding the cluster secret.
+    #[arg(
+        long,
+        env = "REGIONS_SECRET_FILE",
+        default_value = "/etc/regions/secret"
+    )]
+    secret_file: PathBuf,
+    /// This host's daemon agent socket (same-host zero-copy access).
+    #[arg(long, env = "REGIONS_AGENT_SOCKET")]
+    agent_socket: Option<PathBuf>,
+    #[command(flatten)]
+    fs: FsArgs,
+    /// Where to mount (created when missing).
+    #[arg(env = "REGIONFS_MOUNTPOINT")]
+    mountpoint: PathBuf,
+}
+
+#[derive(Args, Debug)]
+struct UpArgs {
+    /// Where to mount (created when missing).
+    #[arg(env = "REGIONFS_MOUNTPOINT")]
+    mountpoint: PathBuf,
+    /// State directory: manager store, secret, agent socket.
+    #[arg(long, env = "REGIONS_DATA_DIR", default_value = "/var/lib/regions")]
+    data_dir: PathBuf,
+    /// Memory this host offers to regions (K, M, G, T suffixes).
+    #[arg(long, env = "REGIONS_MEMORY", default_value = "1G", value_parser = regions_daemon::config::parse_size)]
+    memory: u64,
+    /// Address of the manager's gRPC service (port 0 picks a free one).
+    #[arg(long, env = "REGIONS_MANAGER_LISTEN", default_value = "127.0.0.1:7070")]
+    listen: SocketAddr,
+    /// Address of the daemon's data transport (port 0 picks a free one).
+    #[arg(long, env = "REGIONS_DAEMON_LISTEN", default_value = "127.0.0.1:7171")]
+    transport_listen: SocketAddr,
+    #[command(flatten)]
+    fs: FsArgs,
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,fuser=warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Mount(args) => run_mount(args),
+        Command::Up(args) => run_up(args),
+    };
+    if let Err(e) = result {
+        tracing::error!("{e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn manager_url(text: &str) -> String {
+    if text.contains("://") {
+        text.to_owned()
+    } else {
+        format!("http://{text}")
+    }
+}
+
+fn run_mount(args: MountArgs) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the signal runtime")?;
+    let signals = Signals::install(&runtime)?;
+    let secret = Secret::from_file(&args.secret_file)?;
+    let mountpoint = prepare_mountpoint(&args.mountpoint)?;
+    let url = manager_url(&args.manager);
+    let mut config = ClientConfig::new(&url, secret, args.host_id);
+    config.agent_socket = args.agent_socket.clone();
+    let client = Client::connect(config)
+        .with_context(|| format!("cannot connect to the manager at {url}"))?;
+    serve(client, &mountpoint, &args.fs, &runtime, signals)
+}
+
+fn run_up(args: UpArgs) -> anyhow::Result<()> {
+    let mountpoint = prepare_mountpoint(&args.mountpoint)?;
+    let cluster = Cluster::start(&UpConfig {
+        data_dir: args.data_dir.clone(),
+        memory: args.memory,
+        listen: args.listen,
+        transport_listen: args.transport_listen,
+    })?;
+    let signals = Signals::install(cluster.runtime())?;
+    let client = Client::connect(cluster.client_config()).with_context(|| {
+        format!(
+            "cannot connect to the embedded manager at {}",
+            cluster.manager_url()
+        )
+    })?;
+    tracing::info!(
+        manager = cluster.manager_url(),
+        agent = %cluster.agent_socket().display(),
+        "single-host cluster up; other hosts may join with regions-daemon --manager {} and the secret in {}",
+        cluster.manager_url(),
+        args.data_dir.join("secret").display()
+    );
+    let result = serve(client, &mountpoint, &args.fs, cluster.runtime(), signals);
+    cluster.shutdown();
+    result
+}
+
+/// SIGINT and SIGTERM.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install(runtime: &tokio::runtime::Runtime) -> anyhow::Result<Signals> {
+        let _guard = runtime.enter();
+        Ok(Signals {
+            term: signal(SignalKind::terminate()).context("cannot handle SIGTERM")?,
+            int: signal(SignalKind::interrupt()).context("cannot handle SIGINT")?,
+        })
+    }
+}
+
+/// Mounts, writes the ready file, waits for a signal or an external
+/// unmount, unmounts.
+fn serve(
+    client: Client,
+    mountpoint: &Path,
+    args: &FsArgs,
+    runtime: &tokio::runtime::Runtime,
+    mut signals: Signals,
+) -> anyhow::Result<()> {
+    let options = FsOptions {
+        cache: args.cache,
+        ..FsOptions::default()
+    };
+    let core = Arc::new(RegionFs::new(client, options)?);
+    let mut mounted = Mounted::mount(
+        Arc::clone(&core),
+        mountpoint,
+        &MountOptions {
+            threads: args.threads,
+        },
+    )?;
+    if let Some(path) = &args.ready_file {
+        write_ready_file(path, &format!("{}\n", mountpoint.display()))
+            .with_context(|| format!("cannot write the ready file {}", path.display()))?;
+    }
+    let ended = runtime.block_on(async {
+        loop {
+            tokio::select! {
+                _ = signals.term.recv() => { tracing::info!("SIGTERM: unmounting"); return false; }
+                _ = signals.int.recv() => { tracing::info!("SIGINT: unmounting"); return false; }
+                _ = tokio::time::sleep(Duration::from_millis(200)) => {
+                    if mounted.wait_ended(Duration::ZERO) {
+                        return true;
+                    }
+                }
+            }
+        }
+    });
+    if ended {
+        tracing::info!(mountpoint = %mountpoint.display(), "unmounted from outside; stopping");
+    } else {
+        mounted.unmount(Duration::from_secs(5))?;
+    }
+    drop(core);
+    Ok(())
+}

@@ -1,0 +1,333 @@
+//! regionfs's own blocking calls to the manager's namespace and cluster
+//! services (the ones `regions::ManagerClient` does not wrap: rename,
+//! rmdir, readdir, setattr, xattr listing and removal, statfs, access,
+//! pools), over a connection and runtime of its own.
+//!
+//! Calls must come from plain threads (FUSE workers), never from inside an
+//! async runtime.
+
+use std::future::Future;
+use std::time::Duration;
+
+use regions_proto::auth::{AttachSecret, Secret};
+use regions_proto::v1::{self, cluster_client::ClusterClient, namespace_client::NamespaceClient};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::error::{FsError, FsResult};
+
+type Authed = InterceptedService<Channel, AttachSecret>;
+
+/// Largest gRPC message accepted (the manager's limit).
+const MAX_MESSAGE: usize = 256 << 20;
+/// Deadline of every call.
+const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Blocking namespace and cluster calls.
+pub struct Rpc {
+    addr: String,
+    runtime: tokio::runtime::Runtime,
+    namespace: NamespaceClient<Authed>,
+    cluster: ClusterClient<Authed>,
+}
+
+/// A time to set (setattr).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SetTime {
+    /// The manager's clock.
+    Now,
+    /// Seconds and nanoseconds since the epoch.
+    At(i64, u32),
+}
+
+impl SetTime {
+    fn to_proto(self) -> v1::TimeSet {
+        v1::TimeSet {
+            how: Some(match self {
+                SetTime::Now => v1::time_set::How::Now(true),
+                SetTime::At(sec, nsec) => v1::time_set::How::Time(v1::Timespec { sec, nsec }),
+            }),
+        }
+    }
+}
+
+/// The attribute changes of a setattr.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SetAttrIn {
+    /// New permission bits.
+    pub mode: Option<u32>,
+    /// New owner.
+    pub uid: Option<u32>,
+    /// New group.
+    pub gid: Option<u32>,
+    /// New size (truncate or extend).
+    pub size: Option<u64>,
+    /// New access time.
+    pub atime: Option<SetTime>,
+    /// New modification time.
+    pub mtime: Option<SetTime>,
+}
+
+impl Rpc {
+    /// Connects to the manager at `addr` (`http://host:port`).
+    pub fn connect(addr: &str, secret: &Secret, timeout: Duration) -> FsResult<Rpc> {
+        let unreachable = |reason: String| FsError::ManagerUnreachable {
+            addr: addr.to_owned(),
+            reason,
+        };
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("regionfs-grpc")
+            .enable_all()
+            .build()
+            .map_err(|source| FsError::Io {
+                what: "cannot start the gRPC runtime".into(),
+                source,
+            })?;
+        let endpoint = Endpoint::from_shared(addr.to_owned())
+            .map_err(|e| unreachable(e.to_string()))?
+            .connect_timeout(timeout)
+            .timeout(CALL_TIMEOUT)
+            .tcp_nodelay(true);
+        let channel = runtime
+            .block_on(endpoint.connect())
+            .map_err(|e| unreachable(e.to_string()))?;
+        let auth = AttachSecret::new(secret);
+        let svc = || InterceptedService::new(channel.clone(), auth.clone());
+        Ok(Rpc {
+            addr: addr.to_owned(),
+            namespace: NamespaceClient::new(svc())
+                .max_decoding_message_size(MAX_MESSAGE)
+                .max_encoding_message_size(MAX_MESSAGE),
+            cluster: ClusterClient::new(svc())
+                .max_decoding_message_size(MAX_MESSAGE)
+                .max_encoding_message_size(MAX_MESSAGE),
+            runtime,
+        })
+    }
+
+    /// The manager's address.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    fn call<T>(
+        &self,
+        fut: impl Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    ) -> FsResult<T> {
+        self.runtime
+            .block_on(fut)
+            .map(tonic::Response::into_inner)
+            .map_err(|status| FsError::from_status(&self.addr, status))
+    }
+
+    fn ns(&self) -> NamespaceClient<Authed> {
+        self.namespace.clone()
+    }
+
+    /// Looks up `name` in `parent`.
+    pub fn lookup(&self, caller: &v1::Caller, parent: u64, name: &str) -> FsResult<v1::Attr> {
+        self.call(self.ns().lookup(v1::LookupRequest {
+            caller: Some(caller.clone()),
+            parent,
+            name: name.to_owned(),
+        }))
+    }
+
+    /// The attributes of `ino`.
+    pub fn getattr(&self, caller: &v1::Caller, ino: u64) -> FsResult<v1::Attr> {
+        self.call(self.ns().get_attr(v1::GetAttrRequest {
+            caller: Some(caller.clone()),
+            ino,
+        }))
+    }
+
+    /// Changes attributes of `ino`.
+    pub fn setattr(&self, caller: &v1::Caller, ino: u64, change: &SetAttrIn) -> FsResult<v1::Attr> {
+        self.call(self.ns().set_attr(v1::SetAttrRequest {
+            caller: Some(caller.clone()),
+            ino,
+            mode: change.mode,
+            uid: change.uid,
+            gid: change.gid,
+            size: change.size,
+            atime: change.atime.map(SetTime::to_proto),
+            mtime: change.mtime.map(SetTime::to_proto),
+        }))
+    }
+
+    /// Creates a directory.
+    pub fn mkdir(
+        &self,
+        caller: &v1::Caller,
+        parent: u64,
+        name: &str,
+        mode: u32,
+    ) -> FsResult<v1::Attr> {
+        self.call(self.ns().mkdir(v1::MkdirRequest {
+            caller: Some(caller.clone()),
+            parent,
+            name: name.to_owned(),
+            mode,
+        }))
+    }
+
+    /// Creates a region (attributes inherited from `parent`).
+    pub fn create(
+        &self,
+        caller: &v1::Caller,
+        parent: u64,
+        name: &str,
+        mode: u32,
+    ) -> FsResult<v1::Attr> {
+        self.call(self.ns().create(v1::CreateRequest {
+            caller: Some(caller.clone()),
+            parent,
+            name: name.to_owned(),
+            mode,
+            attrs: None,
+            preallocate: 0,
+        }))
+    }
+
+    fn remove_request(caller: &v1::Caller, parent: u64, name: &str) -> v1::RemoveRequest {
+        v1::RemoveRequest {
+            caller: Some(caller.clone()),
+            parent,
+            name: name.to_owned(),
+        }
+    }
+
+    /// Removes a region.
+    pub fn unlink(&self, caller: &v1::Caller, parent: u64, name: &str) -> FsResult<()> {
+        self.call(self.ns().unlink(Self::remove_request(caller, parent, name)))
+            .map(|_| ())
+    }
+
+    /// Removes an empty directory.
+    pub fn rmdir(&self, caller: &v1::Caller, parent: u64, name: &str) -> FsResult<()> {
+        self.call(self.ns().rmdir(Self::remove_request(caller, parent, name)))
+            .map(|_| ())
+    }
+
+    /// Renames (renameat2 flags).
+    pub fn rename(
+        &self,
+        caller: &v1::Caller,
+        (parent, name): (u64, &str),
+        (new_parent, new_name): (u64, &str),
+        flags: u32,
+    ) -> FsResult<()> {
+        self.call(self.ns().rename(v1::RenameRequest {
+            caller: Some(caller.clone()),
+            parent,
+            name: name.to_owned(),
+            new_parent,
+            new_name: new_name.to_owned(),
+            flags,
+        }))
+        .map(|_| ())
+    }
+
+    /// Up to `limit` entries after cookie `offset` (0 = from the start).
+    pub fn readdir(
+        &self,
+        caller: &v1::Caller,
+        ino: u64,
+        offset: u64,
+        limit: u32,
+    ) -> FsResult<v1::ReadDirReply> {
+        self.call(self.ns().read_dir(v1::ReadDirRequest {
+            caller: Some(caller.clone()),
+            ino,
+            offset,
+            limit,
+        }))
+    }
+
+    /// An extended attribute's value.
+    pub fn getxattr(&self, caller: &v1::Caller, ino: u64, name: &str) -> FsResult<Vec<u8>> {
+        self.call(self.ns().get_xattr(v1::GetXattrRequest {
+            caller: Some(caller.clone()),
+            ino,
+            name: name.to_owned(),
+        }))
+        .map(|r| r.value)
+    }
+
+    /// Sets an extended attribute.
+    pub fn setxattr(
+        &self,
+        caller: &v1::Caller,
+        ino: u64,
+        name: &str,
+        value: &[u8],
+        flags: u32,
+    ) -> FsResult<()> {
+        self.call(self.ns().set_xattr(v1::SetXattrRequest {
+            caller: Some(caller.clone()),
+            ino,
+            name: name.to_owned(),
+            value: value.to_vec(),
+            flags,
+        }))
+        .map(|_| ())
+    }
+
+    /// Extended attribute names.
+    pub fn listxattr(&self, caller: &v1::Caller, ino: u64) -> FsResult<Vec<String>> {
+        self.call(self.ns().list_xattr(v1::ListXattrRequest {
+            caller: Some(caller.clone()),
+            ino,
+        }))
+        .map(|r| r.names)
+    }
+
+    /// Removes an extended attribute.
+    pub fn removexattr(&self, caller: &v1::Caller, ino: u64, name: &str) -> FsResult<()> {
+        self.call(self.ns().remove_xattr(v1::RemoveXattrRequest {
+            caller: Some(caller.clone()),
+            ino,
+            name: name.to_owned(),
+        }))
+        .map(|_| ())
+    }
+
+    /// Cluster capacity.
+    pub fn statfs(&self, caller: &v1::Caller) -> FsResult<v1::StatFsReply> {
+        self.call(self.ns().stat_fs(v1::StatFsRequest {
+            caller: Some(caller.clone()),
+        }))
+    }
+
+    /// access(2) check.
+    pub fn access(&self, caller: &v1::Caller, ino: u64, mask: u32) -> FsResult<()> {
+        self.call(self.ns().access(v1::AccessRequest {
+            caller: Some(caller.clone()),
+            ino,
+            mask,
+        }))
+        .map(|_| ())
+    }
+
+    /// Every host.
+    pub fn list_hosts(&self) -> FsResult<Vec<v1::HostRecord>> {
+        self.call(self.cluster.clone().list_hosts(v1::ListHostsRequest {}))
+            .map(|r| r.hosts)
+    }
+
+    /// Pools of `host_id` (0 = every host).
+    pub fn list_pools(&self, host_id: u32) -> FsResult<Vec<v1::PoolRecord>> {
+        self.call(
+            self.cluster
+                .clone()
+                .list_pools(v1::ListPoolsRequest { host_id }),
+        )
+        .map(|r| r.pools)
+    }
+
+    /// Cluster counters.
+    pub fn stats(&self) -> FsResult<v1::StatsReply> {
+        self.call(self.cluster.clone().stats(v1::StatsRequest {}))
+    }
+}
