@@ -51,7 +51,11 @@ impl MapState {
             return;
         }
         if let Some(attr) = &info.attr {
-            self.size = if grow_only { self.size.max(attr.size) } else { attr.size };
+            self.size = if grow_only {
+                self.size.max(attr.size)
+            } else {
+                attr.size
+            };
         }
         if info.map_included {
             self.entries = info.map;

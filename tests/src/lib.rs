@@ -339,7 +339,10 @@ impl ManagerProcess {
         args.extend(extra.iter().map(Into::into));
         let process = NodeProcess::start("regions-manager", &args)?;
         let addr = process.ready.parse().with_context(|| {
-            format!("the manager's ready file holds {:?}, not an address", process.ready)
+            format!(
+                "the manager's ready file holds {:?}, not an address",
+                process.ready
+            )
         })?;
         Ok(ManagerProcess { addr, process })
     }

@@ -60,15 +60,34 @@ fn cpath(p: &Path) -> CString {
 fn setxattr(p: &Path, name: &str, value: &[u8]) -> i32 {
     let n = CString::new(name).unwrap();
     // SAFETY: valid C strings and a buffer of the given length.
-    let r = unsafe { libc::setxattr(cpath(p).as_ptr(), n.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
-    if r == 0 { 0 } else { std::io::Error::last_os_error().raw_os_error().unwrap_or(-1) }
+    let r = unsafe {
+        libc::setxattr(
+            cpath(p).as_ptr(),
+            n.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
+    if r == 0 {
+        0
+    } else {
+        std::io::Error::last_os_error().raw_os_error().unwrap_or(-1)
+    }
 }
 
 fn getxattr(p: &Path, name: &str) -> Result<Vec<u8>, i32> {
     let n = CString::new(name).unwrap();
     let mut buf = vec![0u8; 4096];
     // SAFETY: valid C strings and a buffer of the given length.
-    let r = unsafe { libc::getxattr(cpath(p).as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    let r = unsafe {
+        libc::getxattr(
+            cpath(p).as_ptr(),
+            n.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
     if r < 0 {
         return Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(-1));
     }
@@ -89,10 +108,19 @@ fn statvfs(p: &Path) -> (u64, u64) {
 fn shell_tools_across_two_mounts() {
     let t = two_mounts("512M");
     // echo / cat
-    sh(&format!("echo hello regions > {}", t.a.path("greeting").display()));
-    assert_eq!(sh(&format!("cat {}", t.b.path("greeting").display())), "hello regions\n");
+    sh(&format!(
+        "echo hello regions > {}",
+        t.a.path("greeting").display()
+    ));
+    assert_eq!(
+        sh(&format!("cat {}", t.b.path("greeting").display())),
+        "hello regions\n"
+    );
     // append
-    sh(&format!("echo second line >> {}", t.a.path("greeting").display()));
+    sh(&format!(
+        "echo second line >> {}",
+        t.a.path("greeting").display()
+    ));
     assert_eq!(
         std::fs::read_to_string(t.b.path("greeting")).unwrap(),
         "hello regions\nsecond line\n"
@@ -103,7 +131,9 @@ fn shell_tools_across_two_mounts() {
         dir = t._cluster.dir.path().display(),
         a = t.a.path("dd").display()
     ));
-    run(Command::new("cmp").arg(t._cluster.dir.path().join("src")).arg(t.b.path("dd")));
+    run(Command::new("cmp")
+        .arg(t._cluster.dir.path().join("src"))
+        .arg(t.b.path("dd")));
     // rename over an existing file
     std::fs::write(t.a.path("old"), b"old contents").unwrap();
     std::fs::write(t.a.path("new"), b"new contents").unwrap();
@@ -113,7 +143,10 @@ fn shell_tools_across_two_mounts() {
     // rmdir of a non-empty directory
     std::fs::create_dir(t.a.path("dir")).unwrap();
     std::fs::write(t.a.path("dir/f"), b"x").unwrap();
-    assert_eq!(errno_of(std::fs::remove_dir(t.b.path("dir"))), libc::ENOTEMPTY);
+    assert_eq!(
+        errno_of(std::fs::remove_dir(t.b.path("dir"))),
+        libc::ENOTEMPTY
+    );
     std::fs::remove_file(t.b.path("dir/f")).unwrap();
     std::fs::remove_dir(t.b.path("dir")).unwrap();
     assert!(!t.a.path("dir").exists());
@@ -139,9 +172,15 @@ fn truncate_up_and_down_reads_holes_as_zeros() {
     let back = std::fs::read(t.b.path("t")).unwrap();
     assert_eq!(back.len(), 600_000);
     assert!(back[..1000].iter().all(|b| *b == 7));
-    assert!(back[1000..].iter().all(|b| *b == 0), "the hole reads as zeros");
+    assert!(
+        back[1000..].iter().all(|b| *b == 0),
+        "the hole reads as zeros"
+    );
     // Sparse write far past the end.
-    let mut f = std::fs::OpenOptions::new().write(true).open(t.b.path("t")).unwrap();
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(t.b.path("t"))
+        .unwrap();
     f.seek(SeekFrom::Start(5 << 20)).unwrap();
     f.write_all(b"end").unwrap();
     drop(f);
@@ -161,7 +200,14 @@ fn permissions_xattrs_onewriter_and_statfs() {
     std::fs::write(&secret, b"classified").unwrap();
     std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
     let out = Command::new("setpriv")
-        .args(["--reuid", "1000", "--regid", "1000", "--clear-groups", "cat"])
+        .args([
+            "--reuid",
+            "1000",
+            "--regid",
+            "1000",
+            "--clear-groups",
+            "cat",
+        ])
         .arg(t.b.path("secret"))
         .output()
         .unwrap();
@@ -173,7 +219,14 @@ fn permissions_xattrs_onewriter_and_statfs() {
     );
     std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o644)).unwrap();
     let out = Command::new("setpriv")
-        .args(["--reuid", "1000", "--regid", "1000", "--clear-groups", "cat"])
+        .args([
+            "--reuid",
+            "1000",
+            "--regid",
+            "1000",
+            "--clear-groups",
+            "cat",
+        ])
         .arg(t.b.path("secret"))
         .output()
         .unwrap();
@@ -186,27 +239,44 @@ fn permissions_xattrs_onewriter_and_statfs() {
     assert_eq!(getxattr(&t.b.path("attrs"), "user.note").unwrap(), b"hello");
     assert_eq!(setxattr(&f, "user.regions.persistent", b"2"), libc::EINVAL);
     std::fs::create_dir(t.a.path("defaults")).unwrap();
-    assert_eq!(setxattr(&t.a.path("defaults"), "user.regions.onewriter", b"1"), 0);
+    assert_eq!(
+        setxattr(&t.a.path("defaults"), "user.regions.onewriter", b"1"),
+        0
+    );
     std::fs::write(t.a.path("defaults/child"), b"").unwrap();
-    assert_eq!(getxattr(&t.b.path("defaults/child"), "user.regions.onewriter").unwrap(), b"1");
+    assert_eq!(
+        getxattr(&t.b.path("defaults/child"), "user.regions.onewriter").unwrap(),
+        b"1"
+    );
     assert_eq!(
         getxattr(&t.b.path("defaults/child"), "user.regions.ownerpid").map(|v| !v.is_empty()),
         Ok(true)
     );
 
     // ONEWRITER: a second writer on the other mount gets ETXTBSY.
-    let first = std::fs::OpenOptions::new().write(true).open(t.a.path("defaults/child")).unwrap();
-    let second = std::fs::OpenOptions::new().write(true).open(t.b.path("defaults/child"));
+    let first = std::fs::OpenOptions::new()
+        .write(true)
+        .open(t.a.path("defaults/child"))
+        .unwrap();
+    let second = std::fs::OpenOptions::new()
+        .write(true)
+        .open(t.b.path("defaults/child"));
     assert_eq!(errno_of(second), libc::ETXTBSY);
     drop(first);
-    std::fs::OpenOptions::new().write(true).open(t.b.path("defaults/child")).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(t.b.path("defaults/child"))
+        .unwrap();
 
     // statfs numbers change with use.
     let (total, free_before) = statvfs(&t.a.mountpoint);
     assert!(total >= 500 << 20, "two daemons of 256 MiB: total {total}");
     std::fs::write(t.a.path("filler"), vec![1u8; 32 << 20]).unwrap();
     let (_, free_after) = statvfs(&t.b.mountpoint);
-    assert!(free_before - free_after >= 32 << 20, "free went from {free_before} to {free_after}");
+    assert!(
+        free_before - free_after >= 32 << 20,
+        "free went from {free_before} to {free_after}"
+    );
 }
 
 #[test]
@@ -224,7 +294,9 @@ fn copy_one_gib_in_and_out() {
         }
     }
     run(Command::new("cp").arg(&src).arg(t.a.path("gib")));
-    run(Command::new("cp").arg(t.b.path("gib")).arg(dir.join("gib.out")));
+    run(Command::new("cp")
+        .arg(t.b.path("gib"))
+        .arg(dir.join("gib.out")));
     run(Command::new("cmp").arg(&src).arg(dir.join("gib.out")));
     assert_eq!(std::fs::metadata(t.b.path("gib")).unwrap().len(), 1 << 30);
 }
@@ -290,8 +362,20 @@ fn posix_conformance_suite_on_a_mount() {
     let failed: Vec<&str> = text
         .lines()
         .filter(|l| l.starts_with("FAIL "))
-        .filter(|l| !KNOWN_DEVIATIONS.iter().any(|(name, _)| l[5..].starts_with(name)))
+        .filter(|l| {
+            !KNOWN_DEVIATIONS
+                .iter()
+                .any(|(name, _)| l[5..].starts_with(name))
+        })
         .collect();
-    assert!(failed.is_empty(), "POSIX checks failed on regionfs ({summary}):\n{}", failed.join("\n"));
-    assert!(summary.contains("passed"), "no summary line: {text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        failed.is_empty(),
+        "POSIX checks failed on regionfs ({summary}):\n{}",
+        failed.join("\n")
+    );
+    assert!(
+        summary.contains("passed"),
+        "no summary line: {text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
