@@ -29,6 +29,9 @@ pub const TTL: Duration = Duration::from_secs(1);
 pub const MAX_WRITE: u32 = 1 << 20;
 /// Preferred I/O size reported by stat (cp and friends use it as buffer).
 pub const BLKSIZE: u32 = 1 << 20;
+/// Largest readahead window: several 1 MiB reads in flight at once keep
+/// the transport busy on cold sequential reads.
+pub const MAX_READAHEAD: u32 = 8 << 20;
 /// Background requests (readahead, writeback) the kernel keeps in flight.
 const MAX_BACKGROUND: u16 = 64;
 
@@ -268,7 +271,7 @@ impl Filesystem for FuseFs {
         if let Err(max) = config.set_max_write(MAX_WRITE) {
             let _ = config.set_max_write(max);
         }
-        if let Err(max) = config.set_max_readahead(MAX_WRITE) {
+        if let Err(max) = config.set_max_readahead(MAX_READAHEAD) {
             let _ = config.set_max_readahead(max);
         }
         let _ = config.set_max_background(MAX_BACKGROUND);

@@ -339,8 +339,9 @@ impl Mounted {
             rustix::fs::major(dev),
             rustix::fs::minor(dev)
         );
-        match std::fs::write(&path, "1024") {
-            Ok(()) => tracing::debug!(%path, "readahead 1 MiB"),
+        let kib = crate::fuse::MAX_READAHEAD / 1024;
+        match std::fs::write(&path, kib.to_string()) {
+            Ok(()) => tracing::debug!(%path, kib, "readahead raised"),
             Err(e) => tracing::debug!(%path, error = %e, "cannot raise readahead"),
         }
     }
