@@ -11,6 +11,8 @@
 #
 #   1. sequential 1 MiB reads (fio, psync, buffered) of a --size file held by
 #      host 2's daemon, read through MNT1: cold (after drop_caches) and warm;
+#      next to the ceiling of any cold remote read on this machine, a bare
+#      loopback TCP stream of memfd memory (benches/tcp_stream.c);
 #   2. random 16 KiB reads of the same file, cold and warm (time-based);
 #   3. a wholly local region (hostalloc=1) read through MNT1, served by FUSE
 #      passthrough: sequential 1 MiB and random 16 KiB;
@@ -243,6 +245,8 @@ mkdir -p "$WORK/bin"
 cc -O2 -Wall -I "$ROOT/regionfs/include" -o "$WORK/bin/mmap_fault" "$ROOT/benches/mmap_fault.c" ||
     fail "cannot compile benches/mmap_fault.c"
 MF=$WORK/bin/mmap_fault
+cc -O2 -Wall -o "$WORK/bin/tcp_stream" "$ROOT/benches/tcp_stream.c" ||
+    fail "cannot compile benches/tcp_stream.c"
 
 head -c 48 /dev/urandom | base64 | tr -d '\n' >"$WORK/secret"
 chmod 600 "$WORK/secret"
@@ -419,6 +423,10 @@ r=$(fio_read "$RF" read 1M 0); R[seq_cold_r]=${r% *}
 R[res_warm]=$(resident_pct "$RF")
 drop_caches
 r=$(fio_read "$TF" read 1M 0); R[seq_cold_t]=${r% *}
+# The ceiling of any cold remote read here: a bare loopback TCP stream of
+# memfd memory into a 1 MiB buffer (no FUSE, no page cache, no protocol).
+R[tcp_stream]=$("$WORK/bin/tcp_stream" "$SIZE_MIB") || fail "tcp_stream"
+say "   bare TCP stream: $(gbs "${R[tcp_stream]}")"
 
 say "1. warm (median of $WARM_REPS, interleaved with tmpfs)"
 # Dropping caches for the tmpfs cold run evicted the remote file: read it
@@ -545,6 +553,8 @@ lat_rows() { # name key [mean]
 }
 
 thr_row "seq read 1 MiB, remote, cold" "${R[seq_cold_r]}" "${R[seq_cold_t]}" 0.5 gb
+thr_row "  bare TCP stream (ceiling)" "${R[tcp_stream]}" "${R[seq_cold_t]}" "" gb
+row "  remote cold / bare TCP" "" "" "$(ratio "${R[seq_cold_r]}" "${R[tcp_stream]}")" "-" "info"
 thr_row "seq read 1 MiB, remote, warm" "${R[seq_warm_r]}" "${R[seq_warm_t]}" 0.9 gb
 thr_row "rand read 16 KiB, remote, cold" "${R[rand_cold_r]}" "${R[rand_cold_t]}" "" mb "${R[rand_cold_r_iops]}" "${R[rand_cold_t_iops]}"
 thr_row "rand read 16 KiB, remote, warm" "${R[rand_warm_r]}" "${R[rand_warm_t]}" "" mb "${R[rand_warm_r_iops]}" "${R[rand_warm_t_iops]}"

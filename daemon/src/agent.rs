@@ -111,6 +111,10 @@ pub struct AgentHandler {
     pub memory_limit: u64,
     /// Who decides rights.
     pub authority: Arc<dyn Authority>,
+    /// Owners of regions created through this agent ([`crate::owners`]).
+    pub owners: Option<Arc<crate::owners::OwnerWatch>>,
+    /// Forwarding of barrier, mutex and doorbell calls ([`crate::agent_sync`]).
+    pub sync: Option<Arc<crate::agent_sync::SyncAgent>>,
 }
 
 impl std::fmt::Debug for AgentHandler {
@@ -165,6 +169,20 @@ impl AgentHandler {
                     Err(e) => (error_reply(&e), None),
                 }
             }
+            Some(agent_request::Request::MapRefresh(r)) => {
+                crate::agent_map::refresh(self, &caller, &r)
+            }
+            Some(agent_request::Request::MapExtend(r)) => {
+                crate::agent_map::extend(self, &caller, &r)
+            }
+            Some(agent_request::Request::MapClose(r)) => crate::agent_map::close(self, &caller, &r),
+            Some(agent_request::Request::OwnerCreate(r)) => {
+                crate::owners::create(self, &caller, r)
+            }
+            Some(agent_request::Request::Sync(call)) => (
+                crate::agent_sync::handle(self, &caller, call, None),
+                None,
+            ),
             Some(agent_request::Request::Stats(_)) => {
                 let stats = self
                     .stats
@@ -407,6 +425,12 @@ fn serve_connection(stream: &UnixStream, handler: &AgentHandler) {
             }
         };
         let (reply, fd) = match AgentRequest::decode(body.as_slice()) {
+            Ok(AgentRequest {
+                request: Some(agent_request::Request::Sync(call)),
+            }) => {
+                let caller = handler.caller(&cred);
+                (crate::agent_sync::handle(handler, &caller, call, Some(stream)), None)
+            }
             Ok(request) => handler.handle(&cred, request),
             Err(e) => (
                 error_reply(&DaemonError::Invalid(format!(
@@ -471,6 +495,8 @@ mod tests {
             stats: Arc::default(),
             memory_limit: 1 << 30,
             authority: Arc::new(Fake),
+            owners: None,
+            sync: None,
         }
     }
 

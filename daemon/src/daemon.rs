@@ -64,14 +64,28 @@ impl Daemon {
         let pools = Arc::new(Pools::new());
         let stats = Arc::new(Stats::default());
         let status = Arc::new(RegistrationStatus::default());
+        let authority: Arc<dyn crate::manager_client::Authority> = Arc::new(
+            ManagerAuthority::new(clients.clone(), tokio::runtime::Handle::current()),
+        );
+        let owners = crate::owners::OwnerWatch::start(crate::owners::releaser(
+            Arc::clone(&authority),
+            config.host_id,
+        ))
+        .map_err(|e| DaemonError::sys("starting the region-owner watcher thread", e))?;
         let handler = AgentHandler {
             host_id: config.host_id,
             pools: Arc::clone(&pools),
             stats: Arc::clone(&stats),
             memory_limit: config.pool_memory(),
-            authority: Arc::new(ManagerAuthority::new(
-                clients.clone(),
-                tokio::runtime::Handle::current(),
+            authority,
+            owners: Some(Arc::new(owners)),
+            sync: Some(Arc::new(
+                crate::agent_sync::SyncAgent::start(
+                    &clients,
+                    tokio::runtime::Handle::current(),
+                    config.host_id,
+                )
+                .map_err(|e| DaemonError::sys("starting the sync pid watcher thread", e))?,
             )),
         };
         let agent = match AgentServer::start(agent_listener, &config.socket, handler) {

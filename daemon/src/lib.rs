@@ -19,17 +19,21 @@
 //! - [`daemon`]: [`Daemon`], everything started together.
 
 pub mod agent;
+pub mod agent_map;
+pub mod agent_sync;
 pub mod config;
 pub mod daemon;
 pub mod error;
 pub mod fdpass;
 pub mod manager_client;
+pub mod owners;
 pub mod pools;
 pub mod rawio;
 pub mod registration;
 pub mod segment;
 pub mod stats;
 pub mod transport;
+pub mod transport_auth;
 pub mod window;
 
 pub use config::Config;

@@ -33,6 +33,8 @@ pub struct ManagerClients {
     pub namespace: NamespaceClient<Svc>,
     /// Regions service (open).
     pub regions: RegionsClient<Svc>,
+    /// Sync service (barriers, mutexes, doorbells; [`crate::agent_sync`]).
+    pub sync: regions_proto::v1::sync_client::SyncClient<Svc>,
 }
 
 /// `url` with `http://` in front when it names no scheme.
@@ -62,6 +64,11 @@ impl ManagerClients {
                 .max_decoding_message_size(MAX_MESSAGE),
             namespace: NamespaceClient::with_interceptor(channel.clone(), auth.clone())
                 .max_decoding_message_size(MAX_MESSAGE),
+            sync: regions_proto::v1::sync_client::SyncClient::with_interceptor(
+                channel.clone(),
+                auth.clone(),
+            )
+            .max_decoding_message_size(MAX_MESSAGE),
             regions: RegionsClient::with_interceptor(channel, auth)
                 .max_decoding_message_size(MAX_MESSAGE),
             url,
@@ -82,6 +89,34 @@ pub trait Authority: Send + Sync {
     fn open(&self, caller: &Caller, ino: u64, write: bool) -> Result<v1::RegionInfo>;
     /// Checks access(2)-style `mask` bits of region `ino` for `caller` (`Namespace.Access`).
     fn access(&self, caller: &Caller, ino: u64, mask: u32) -> Result<()>;
+    /// Creates a region as `request.caller`, its owner (`Namespace.Create`).
+    fn create(&self, _request: v1::CreateRequest) -> Result<v1::Attr> {
+        Err(DaemonError::Invalid("this authority cannot create regions".into()))
+    }
+    /// Owner `pid` of this host exited: its non-persistent regions go (`Cluster.ReleaseOwner`).
+    fn release_owner(&self, _host_id: u32, _pid: u32) -> Result<Vec<u64>> {
+        Err(DaemonError::Invalid("this authority cannot release owners".into()))
+    }
+    /// The region's map (left out when `known_version` is current), with a fresh transport
+    /// capability when `want_capability` (`Regions.GetMap`).
+    fn get_map(
+        &self,
+        _caller: &Caller,
+        _ino: u64,
+        _known_version: u64,
+        _want_capability: bool,
+        _write: bool,
+    ) -> Result<v1::RegionInfo> {
+        Err(DaemonError::Invalid("this authority serves no region maps".into()))
+    }
+    /// Grows region `ino` to at least `size` bytes (`Regions.Extend`).
+    fn extend(&self, _caller: &Caller, _ino: u64, _size: u64) -> Result<v1::RegionInfo> {
+        Err(DaemonError::Invalid("this authority cannot grow regions".into()))
+    }
+    /// Closes an open handle (`Regions.Close`).
+    fn close(&self, _caller: &Caller, _handle: u64) -> Result<()> {
+        Err(DaemonError::Invalid("this authority cannot close handles".into()))
+    }
 }
 
 /// The manager as [`Authority`], called from the host agent's threads.
@@ -100,6 +135,22 @@ impl ManagerAuthority {
 }
 
 impl Authority for ManagerAuthority {
+    fn create(&self, req: v1::CreateRequest) -> Result<v1::Attr> {
+        let mut client = self.clients.namespace.clone();
+        self.runtime
+            .block_on(client.create(request(req)))
+            .map(tonic::Response::into_inner)
+            .map_err(|s| DaemonError::from_status(&s))
+    }
+
+    fn release_owner(&self, host_id: u32, pid: u32) -> Result<Vec<u64>> {
+        let mut client = self.clients.cluster.clone();
+        self.runtime
+            .block_on(client.release_owner(request(v1::ReleaseOwnerRequest { host_id, pid })))
+            .map(|r| r.into_inner().inos)
+            .map_err(|s| DaemonError::from_status(&s))
+    }
+
     fn open(&self, caller: &Caller, ino: u64, write: bool) -> Result<v1::RegionInfo> {
         let mut client = self.clients.regions.clone();
         let req = v1::OpenRequest {
@@ -110,6 +161,53 @@ impl Authority for ManagerAuthority {
         self.runtime
             .block_on(client.open(request(req)))
             .map(tonic::Response::into_inner)
+            .map_err(|s| DaemonError::from_status(&s))
+    }
+
+    fn get_map(
+        &self,
+        caller: &Caller,
+        ino: u64,
+        known_version: u64,
+        want_capability: bool,
+        write: bool,
+    ) -> Result<v1::RegionInfo> {
+        let mut client = self.clients.regions.clone();
+        let req = v1::GetMapRequest {
+            caller: Some(caller.clone()),
+            ino,
+            known_version,
+            want_capability,
+            write,
+        };
+        self.runtime
+            .block_on(client.get_map(request(req)))
+            .map(tonic::Response::into_inner)
+            .map_err(|s| DaemonError::from_status(&s))
+    }
+
+    fn extend(&self, caller: &Caller, ino: u64, size: u64) -> Result<v1::RegionInfo> {
+        let mut client = self.clients.regions.clone();
+        let req = v1::ExtendRequest {
+            caller: Some(caller.clone()),
+            ino,
+            size,
+        };
+        self.runtime
+            .block_on(client.extend(request(req)))
+            .map(tonic::Response::into_inner)
+            .map_err(|s| DaemonError::from_status(&s))
+    }
+
+    fn close(&self, caller: &Caller, handle: u64) -> Result<()> {
+        let mut client = self.clients.regions.clone();
+        let req = v1::CloseRequest {
+            caller: Some(caller.clone()),
+            handle,
+        };
+        self.runtime
+            .block_on(client.close(request(req)))
+            .map(drop)
             .map_err(|s| DaemonError::from_status(&s))
     }
 

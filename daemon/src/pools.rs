@@ -674,6 +674,12 @@ impl Pinned<'_> {
         &self.fingerprint
     }
 
+    /// Whether every pinned chunk backs region `ino` (a capability's reach); the pins keep the
+    /// answer true until they are dropped.
+    pub fn all_backed_by(&self, ino: u64) -> bool {
+        self._guards.iter().all(|g| g.is_some_and(|b| b.ino == ino))
+    }
+
     /// The pinned ranges as raw spans, in request order.
     fn raw_spans(&self) -> Vec<RawSpan> {
         self.resolved

@@ -192,7 +192,7 @@ impl Registration {
             tracing::warn!(
                 adopted,
                 "took over the pools of this host's previous daemon: the data they held died \
-                 with it, and its regions read as zeros here"
+                 with it; the manager marks its regions lost (EIO until unlinked)"
             );
         }
         let have = self.pools.pool_bytes();

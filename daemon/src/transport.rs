@@ -30,6 +30,7 @@ use crate::error::{DaemonError, Result};
 use crate::pools::{Pinned, Pools, Resolved};
 use crate::rawio::{Ready, wait_ready};
 use crate::stats::Stats;
+use crate::transport_auth::{ConnAuth, OUT_OF_REACH, Reach};
 
 /// Largest HELLO payload accepted (before authentication nothing bigger is read).
 const MAX_HELLO: u32 = 4096;
@@ -72,6 +73,8 @@ impl Default for TransportConfig {
 struct Shared {
     pools: Arc<Pools>,
     secret: Secret,
+    /// Verifies capability tokens (derived from the secret).
+    key: regions_proto::capability::CapabilityKey,
     stats: Arc<Stats>,
     config: TransportConfig,
     stop: AtomicBool,
@@ -109,6 +112,7 @@ impl TransportServer {
             .map_err(|e| DaemonError::sys("transport listener address", e))?;
         let shared = Arc::new(Shared {
             pools,
+            key: regions_proto::capability::CapabilityKey::from_secret(&secret),
             secret,
             stats,
             config,
@@ -226,7 +230,7 @@ fn serve_connection(stream: TcpStream, peer: SocketAddr, shared: &Arc<Shared>) {
         shared: Arc::clone(shared),
         input: InBuf::new(shared.config.buffer),
         out: BytesMut::with_capacity(FLUSH_AT),
-        authenticated: false,
+        auth: ConnAuth::default(),
     };
     match conn.run() {
         Ok(()) => tracing::debug!(%peer, "transport connection closed by the peer"),
@@ -309,7 +313,8 @@ struct Conn {
     input: InBuf,
     /// Replies not written yet.
     out: BytesMut,
-    authenticated: bool,
+    /// The secret or the capabilities presented.
+    auth: ConnAuth,
 }
 
 impl Conn {
@@ -446,11 +451,23 @@ impl Conn {
     }
 
     fn handle(&mut self, h: Header) -> Result<(), Close> {
-        if h.op == Op::Hello || !self.authenticated {
+        if h.op == Op::Hello || !self.auth.is_authenticated() {
             return self.hello(&h);
         }
+        let reach = match self.auth.authorize(&h) {
+            Ok(reach) => reach,
+            Err(message) => {
+                if h.op == Op::Write {
+                    self.discard(u64::from(h.payload_len))?;
+                } else {
+                    self.read_payload(h.payload_len)?;
+                }
+                self.reply_err(&h, libc::EACCES, &message);
+                return Ok(());
+            }
+        };
         if h.op == Op::Write {
-            return self.write_direct(&h);
+            return self.write_direct(&h, reach);
         }
         let payload = self.read_payload(h.payload_len)?;
         let frame = Frame { header: h, payload };
@@ -464,21 +481,23 @@ impl Conn {
         match request {
             Request::Ping => self.reply_ok(&h, Bytes::new()),
             Request::Read { pool, offset, len } => {
-                self.send_ranges(&h, &[Range { pool, offset, len }])?;
+                self.send_ranges(&h, &[Range { pool, offset, len }], reach)?;
             }
-            Request::ReadV { ranges } => self.send_ranges(&h, &ranges)?,
-            Request::WriteV { ranges, data } => self.write_vector(&h, &ranges, &data),
+            Request::ReadV { ranges } => self.send_ranges(&h, &ranges, reach)?,
+            Request::WriteV { ranges, data } => self.write_vector(&h, &ranges, &data, reach),
             Request::Cas {
                 pool,
                 offset,
                 expected,
                 new,
-            } => self.atomic(&h, pool, offset, |p| p.compare_and_swap(expected, new)),
+            } => self.atomic(&h, pool, offset, reach, |p| {
+                p.compare_and_swap(expected, new)
+            }),
             Request::FetchAdd {
                 pool,
                 offset,
                 addend,
-            } => self.atomic(&h, pool, offset, |p| p.fetch_add(addend)),
+            } => self.atomic(&h, pool, offset, reach, |p| p.fetch_add(addend)),
             // Handled above; kept for exhaustiveness.
             Request::Hello { .. } | Request::Write { .. } => {
                 self.reply_err(&h, libc::EINVAL, "unexpected request");
@@ -498,17 +517,14 @@ impl Conn {
             return Err(self.refuse(h, "malformed HELLO"));
         }
         let token = self.read_payload(h.payload_len)?;
-        if !self.shared.secret.matches(&token) {
-            self.authenticated = false;
-            return Err(self.refuse(
-                h,
-                "wrong cluster secret: use the same --secret-file as the manager",
-            ));
+        let shared = Arc::clone(&self.shared);
+        if let Err(message) = self
+            .auth
+            .present(&shared.secret, &shared.key, h.capability, &token)
+        {
+            return Err(self.refuse(h, &message));
         }
-        if !self.authenticated {
-            tracing::debug!(peer = %self.peer, "transport connection authenticated");
-        }
-        self.authenticated = true;
+        tracing::debug!(peer = %self.peer, capability = h.capability, "transport connection authenticated");
         self.reply_ok(h, Bytes::new());
         Ok(())
     }
@@ -518,6 +534,7 @@ impl Conn {
         h: &Header,
         pool: u32,
         offset: u64,
+        reach: Reach,
         op: impl FnOnce(&Pinned<'_>) -> Result<u64>,
     ) {
         let shared = Arc::clone(&self.shared);
@@ -530,6 +547,9 @@ impl Conn {
             }])
             .and_then(|resolved| {
                 let pinned = resolved.pin(self.deadline())?;
+                if !reach.allows(|ino| pinned.all_backed_by(ino)) {
+                    return Err(DaemonError::Denied(OUT_OF_REACH.into()));
+                }
                 op(&pinned)
             });
         match result {
@@ -538,10 +558,14 @@ impl Conn {
         }
     }
 
-    fn write_vector(&mut self, h: &Header, ranges: &[Range], data: &[u8]) {
+    fn write_vector(&mut self, h: &Header, ranges: &[Range], data: &[u8], reach: Reach) {
         let shared = Arc::clone(&self.shared);
         let result = shared.pools.resolve(ranges).and_then(|resolved| {
-            resolved.pin(self.deadline())?.copy_in_at(0, data);
+            let pinned = resolved.pin(self.deadline())?;
+            if !reach.allows(|ino| pinned.all_backed_by(ino)) {
+                return Err(DaemonError::Denied(OUT_OF_REACH.into()));
+            }
+            pinned.copy_in_at(0, data);
             Ok(())
         });
         match result {
@@ -555,7 +579,7 @@ impl Conn {
 
     /// Replies to READ / READV: header and the window's bytes in one `sendmsg`, never blocking
     /// while chunks are pinned.
-    fn send_ranges(&mut self, h: &Header, ranges: &[Range]) -> Result<(), Close> {
+    fn send_ranges(&mut self, h: &Header, ranges: &[Range], reach: Reach) -> Result<(), Close> {
         use std::io::Write as _;
         let shared = Arc::clone(&self.shared);
         let resolved = match shared.pools.resolve(ranges) {
@@ -577,6 +601,11 @@ impl Conn {
                 return Ok(());
             }
         };
+        if !reach.allows(|ino| pinned.all_backed_by(ino)) {
+            drop(pinned);
+            self.reply_err(h, libc::EACCES, OUT_OF_REACH);
+            return Ok(());
+        }
         let reply = Header {
             flags: h.flags | FLAG_REPLY,
             capability: 0,
@@ -646,7 +675,7 @@ impl Conn {
     }
 
     /// WRITE: the payload goes from the socket straight into the pinned window.
-    fn write_direct(&mut self, h: &Header) -> Result<(), Close> {
+    fn write_direct(&mut self, h: &Header, reach: Reach) -> Result<(), Close> {
         let len = u64::from(h.payload_len);
         let invalid = if h.flags & FLAG_REPLY != 0 {
             Some(FrameError::UnexpectedReply(h.op).to_string())
@@ -694,6 +723,12 @@ impl Conn {
                 return Ok(());
             }
         };
+        if !reach.allows(|ino| pinned.all_backed_by(ino)) {
+            drop(pinned);
+            self.discard(len)?;
+            self.reply_err(h, libc::EACCES, OUT_OF_REACH);
+            return Ok(());
+        }
         let fingerprint = pinned.fingerprint().to_vec();
         let take = (len as usize).min(self.input.len());
         pinned.copy_in_at(0, &self.input.available()[..take]);

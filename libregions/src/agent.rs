@@ -2,7 +2,8 @@
 //! fds for zero-copy access to regions held on this host, and daemon stats.
 
 use std::io::{IoSliceMut, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStringExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -12,6 +13,7 @@ use prost::Message;
 use regions_proto::v1::{self, agent_reply::Body, agent_request::Request};
 
 use crate::error::{RegionsError, Result};
+use crate::xattr;
 
 /// Largest agent reply accepted.
 const MAX_REPLY: usize = 256 << 20;
@@ -29,7 +31,68 @@ pub struct Segment {
     pub writable: bool,
 }
 
+/// The mount an application uses when it names none: env `REGIONS_MOUNT`,
+/// else `/regions`.
+pub fn default_mount() -> PathBuf {
+    std::env::var_os(MOUNT_ENV)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_MOUNT))
+}
+
+/// Environment variable naming the regions mount.
+pub const MOUNT_ENV: &str = "REGIONS_MOUNT";
+/// The conventional mount point.
+pub const DEFAULT_MOUNT: &str = "/regions";
+/// The attribute regionfs answers on every inode with its host agent socket.
+pub const AGENT_XATTR: &str = "user.regions.agent";
+/// The attribute regionfs answers on every inode with its host id.
+pub const HOSTID_XATTR: &str = "user.regions.hostid";
+
+/// The host agent socket of the regions mount that `path` is in (a file or
+/// directory under a regionfs mount, or the mount point itself).
+pub fn agent_socket_for(path: &Path) -> Result<PathBuf> {
+    let value = xattr::path_value(path, AGENT_XATTR)?;
+    Ok(PathBuf::from(std::ffi::OsString::from_vec(value)))
+}
+
+/// The host id of the regions mount that `path` is in.
+pub fn host_id_for(path: &Path) -> Result<u32> {
+    let value = xattr::path_value(path, HOSTID_XATTR)?;
+    parse_host_id(&value, &path.display().to_string())
+}
+
+fn parse_host_id(value: &[u8], what: &str) -> Result<u32> {
+    std::str::from_utf8(value)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| RegionsError::Invalid(format!("{what}: {HOSTID_XATTR} is not a host id")))
+}
+
 impl AgentClient {
+    /// The agent of the regions mount at `mount` (default: [`default_mount`]).
+    pub fn for_mount(mount: Option<&Path>) -> Result<AgentClient> {
+        let mount = mount.map(Path::to_path_buf).unwrap_or_else(default_mount);
+        AgentClient::connect(&agent_socket_for(&mount)?)
+    }
+
+    /// The agent of the mount that `fd` (an open region file) belongs to,
+    /// and the region's inode number.
+    pub fn for_fd(fd: BorrowedFd<'_>) -> Result<(AgentClient, u64)> {
+        let socket = PathBuf::from(std::ffi::OsString::from_vec(xattr::fd_value(
+            fd,
+            AGENT_XATTR,
+        )?));
+        let ino = xattr::fd_ino(fd)?;
+        Ok((AgentClient::connect(&socket)?, ino))
+    }
+
+    /// The host id of the mount that `fd` belongs to.
+    pub fn host_id_of_fd(fd: BorrowedFd<'_>) -> Result<u32> {
+        let value = xattr::fd_value(fd, HOSTID_XATTR)?;
+        parse_host_id(&value, &format!("fd {}", fd.as_raw_fd()))
+    }
+
     pub fn connect(path: &Path) -> Result<AgentClient> {
         let stream = UnixStream::connect(path).map_err(|e| RegionsError::Agent {
             path: path.display().to_string(),
@@ -146,12 +209,70 @@ impl AgentClient {
         }
     }
 
+    /// The region's map (left out when `known_version` is current) and a
+    /// fresh transport capability (writable when `write`).
+    pub fn map_refresh(
+        &mut self,
+        ino: u64,
+        known_version: u64,
+        write: bool,
+    ) -> Result<v1::RegionInfo> {
+        let (reply, _) = self.call(Request::MapRefresh(v1::MapRefresh {
+            ino,
+            known_version,
+            write,
+        }))?;
+        match reply.body {
+            Some(Body::Region(info)) => Ok(info),
+            _ => Err(self.error(libc::EIO, "map reply without region info")),
+        }
+    }
+
+    /// Grows region `ino` to at least `size` bytes.
+    pub fn map_extend(&mut self, ino: u64, size: u64) -> Result<v1::RegionInfo> {
+        let (reply, _) = self.call(Request::MapExtend(v1::MapExtend { ino, size }))?;
+        match reply.body {
+            Some(Body::Region(info)) => Ok(info),
+            _ => Err(self.error(libc::EIO, "extend reply without region info")),
+        }
+    }
+
+    /// Closes a handle returned by [`AgentClient::open`].
+    pub fn map_close(&mut self, handle: u64) -> Result<()> {
+        self.call(Request::MapClose(v1::MapClose { handle }))
+            .map(drop)
+    }
+
     /// The daemon's counters.
     pub fn stats(&mut self) -> Result<v1::DaemonStats> {
         let (reply, _) = self.call(Request::Stats(v1::AgentStats {}))?;
         match reply.body {
             Some(Body::Stats(stats)) => Ok(stats),
             _ => Err(self.error(libc::EIO, "stats reply without stats")),
+        }
+    }
+
+    /// Creates region `name` in directory `parent` as this process, which becomes its owner:
+    /// unless it is PERSISTENT when this process exits, the region is deleted then (the agent
+    /// watches the process). `attrs` overrides the directory's defaults.
+    pub fn create_owned(
+        &mut self,
+        parent: u64,
+        name: &str,
+        mode: u32,
+        attrs: Option<v1::RegionAttrOverrides>,
+        preallocate: u64,
+    ) -> Result<v1::Attr> {
+        let (reply, _) = self.call(Request::OwnerCreate(v1::OwnerCreate {
+            parent,
+            name: name.to_owned(),
+            mode,
+            attrs,
+            preallocate,
+        }))?;
+        match reply.body {
+            Some(Body::OwnerCreated(attr)) => Ok(attr),
+            _ => Err(self.error(libc::EIO, "create reply without attributes")),
         }
     }
 }

@@ -39,6 +39,12 @@ pub enum RegionsError {
     /// Bad arguments from the caller.
     #[error("invalid argument: {0}")]
     Invalid(String),
+    /// Out of memory: a region is full and cannot grow (rmalloc).
+    #[error("out of memory: {0}")]
+    NoMemory(String),
+    /// Mapping a region into the process failed, or a mapping call was misused.
+    #[error("mapping: {message}")]
+    Mapping { errno: i32, message: String },
     /// A local system call failed.
     #[error("{what}: {source}")]
     Io {
@@ -52,12 +58,14 @@ impl RegionsError {
     pub fn errno(&self) -> i32 {
         match self {
             RegionsError::Manager { errno, .. }
+            | RegionsError::Mapping { errno, .. }
             | RegionsError::Daemon { errno, .. }
             | RegionsError::Agent { errno, .. } => *errno,
             RegionsError::ManagerUnreachable { .. }
             | RegionsError::DaemonUnreachable { .. }
             | RegionsError::Protocol { .. } => libc::EIO,
             RegionsError::Invalid(_) => libc::EINVAL,
+            RegionsError::NoMemory(_) => libc::ENOMEM,
             RegionsError::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
         }
     }

@@ -19,11 +19,17 @@
 //! Calls are blocking; make them from ordinary threads.
 
 pub mod agent;
+pub mod app;
+pub mod capi;
 pub mod client;
 pub mod error;
 pub mod manager_client;
+pub mod mapping;
 pub mod region;
+pub mod sync;
+pub mod rmalloc;
 pub mod transport;
+mod xattr;
 
 pub use client::{Client, ClientConfig, ROOT_INO};
 pub use error::{RegionsError, Result};

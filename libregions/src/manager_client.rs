@@ -207,6 +207,7 @@ impl ManagerClient {
             caller: Some(caller.clone()),
             ino,
             known_version,
+            ..Default::default()
         }))
     }
 

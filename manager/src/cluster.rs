@@ -162,6 +162,9 @@ impl State {
         let mut inos: Vec<&u64> = self.maps.keys().collect();
         inos.sort();
         for &ino in inos {
+            if self.skip_in_resync(ino) {
+                continue;
+            }
             for (index, raw) in self.maps[&ino].iter().enumerate() {
                 let Some(e) = MapEntry::decode(*raw) else {
                     continue;

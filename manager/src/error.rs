@@ -44,6 +44,10 @@ pub enum ManagerError {
     NeedPool { host: u32, bytes: u64 },
     #[error("the manager's store failed ({0}); the manager must be restarted")]
     Store(String),
+    #[error("region {ino} is lost: {reason}; its data cannot be recovered, unlink it")]
+    Lost { ino: u64, reason: String },
+    #[error("unavailable: {0}")]
+    Unavailable(String),
 }
 
 impl ManagerError {
@@ -66,7 +70,8 @@ impl ManagerError {
             ManagerError::AttrRange(_) => libc::ERANGE,
             ManagerError::AttrTooBig(..) => libc::E2BIG,
             ManagerError::NotSupported(_) => libc::ENOTSUP,
-            ManagerError::Store(_) => libc::EIO,
+            ManagerError::Store(_) | ManagerError::Lost { .. } => libc::EIO,
+            ManagerError::Unavailable(_) => libc::EIO,
         }
     }
 }

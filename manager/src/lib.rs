@@ -8,8 +8,10 @@
 
 pub mod access;
 pub mod allocator;
+pub mod capability;
 pub mod cluster;
 pub mod error;
+pub mod lifetime;
 pub mod manager;
 pub mod model;
 pub mod namespace;
@@ -18,6 +20,7 @@ pub mod server;
 pub mod service;
 pub mod state;
 pub mod store;
+pub mod sync;
 pub mod vaddr;
 pub mod wal;
 pub mod xattr;

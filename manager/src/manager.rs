@@ -651,13 +651,31 @@ impl Manager {
     // ---- cluster ----
 
     pub async fn register_host(&self, r: &HostRegistration) -> Result<(u64, Vec<v1::PoolRecord>)> {
-        let restarted = self.write(|s| s.register_host(r)).await?;
+        // A new incarnation lost its memory: its regions are marked lost in the same change,
+        // before its daemon can ask which chunks to back (crate::lifetime).
+        let (restarted, lost) = self
+            .write(|s| {
+                let restarted = s.register_host(r)?;
+                let lost = match restarted {
+                    Some(previous) => s.mark_lost_on(
+                        r.host_id,
+                        &format!(
+                            "its data was at host {}, whose daemon restarted (incarnation {previous:#x} -> {:#x}) and lost its memory",
+                            r.host_id, r.incarnation
+                        ),
+                    ),
+                    None => Vec::new(),
+                };
+                Ok((restarted, lost))
+            })
+            .await?;
         if let Some(previous) = restarted {
             tracing::warn!(
                 host = r.host_id,
                 previous,
                 incarnation = r.incarnation,
-                "daemon restarted: memory of its previous incarnation is gone"
+                lost = ?lost,
+                "daemon restarted: memory of its previous incarnation is gone; its regions are marked lost (EIO until unlinked)"
             );
         }
         self.read(|s| {

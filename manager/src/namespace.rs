@@ -528,7 +528,13 @@ impl State {
         if !inode.is_dir() {
             names.extend(RegionAttr::READ_ONLY.iter().map(|a| a.name()));
         }
-        names.extend(inode.xattrs.keys().cloned());
+        names.extend(
+            inode
+                .xattrs
+                .keys()
+                .filter(|k| k.starts_with("user."))
+                .cloned(),
+        );
         Ok(names)
     }
 

@@ -86,6 +86,7 @@ impl State {
         shrink: bool,
     ) -> Result<()> {
         let inode = self.region(ino)?.clone();
+        self.check_not_lost(ino)?;
         let new_size = size.unwrap_or(inode.size);
         if new_size > MAX_REGION_SIZE || capacity > MAX_REGION_SIZE {
             return Err(ManagerError::TooBig(format!(
@@ -215,6 +216,7 @@ impl State {
     /// Opens a region; `ETXTBSY` for a second writer of a ONEWRITER region.
     pub fn open_region(&mut self, caller: &Caller, ino: u64, write: bool) -> Result<Handle> {
         let inode = self.region(ino)?;
+        self.check_not_lost(ino)?;
         let mask = if write { READ | WRITE } else { READ };
         access::check(
             caller,
@@ -324,6 +326,7 @@ impl State {
     /// The region info clients need: attributes, map and the pools it names.
     pub fn region_info(&self, ino: u64, known_version: Option<u64>) -> Result<v1::RegionInfo> {
         let inode = self.region(ino)?;
+        self.check_not_lost(ino)?;
         let include = known_version != Some(inode.map_version);
         let map = self.maps.get(&ino).map_or(&[][..], Vec::as_slice);
         let mut pools = Vec::new();
@@ -351,6 +354,7 @@ impl State {
             pools,
             handle: 0,
             map_included: include,
+            ..Default::default()
         })
     }
 }

@@ -35,7 +35,13 @@ pub async fn serve(
 ) -> Result<(), tonic::transport::Error> {
     let services = Services {
         manager: Arc::clone(&manager),
+        minter: Arc::new(crate::capability::Minter::from_env(&secret)),
     };
+    // Ends by itself once shutdown begins.
+    tokio::spawn(crate::lifetime::run_lease_expiry(Arc::clone(&manager)));
+    // Barriers, mutexes and doorbells; the expiry task ends once shutdown begins.
+    let sync = crate::sync::SyncService::new(Arc::clone(&manager), secret.clone());
+    tokio::spawn(sync.clone().run_host_expiry());
     let auth = RequireSecret(secret);
     let incoming = TcpListenerStream::new(listener).map(|stream| {
         if let Ok(s) = &stream
@@ -55,6 +61,12 @@ pub async fn serve(
         ))
         .add_service(InterceptedService::new(
             RegionsServer::new(services.clone())
+                .max_decoding_message_size(MAX_MESSAGE)
+                .max_encoding_message_size(MAX_MESSAGE),
+            auth.clone(),
+        ))
+        .add_service(InterceptedService::new(
+            regions_proto::v1::sync_server::SyncServer::new(sync)
                 .max_decoding_message_size(MAX_MESSAGE)
                 .max_encoding_message_size(MAX_MESSAGE),
             auth.clone(),

@@ -23,6 +23,8 @@ const READDIR_MAX: usize = 1024;
 #[derive(Clone)]
 pub struct Services {
     pub manager: Arc<Manager>,
+    /// Signs the transport capabilities handed out with opens.
+    pub minter: Arc<crate::capability::Minter>,
 }
 
 /// Turns a manager result into a reply, logging refusals.
@@ -230,7 +232,14 @@ impl Regions for Services {
     async fn open(&self, r: Request<v1::OpenRequest>) -> Result<Response<v1::RegionInfo>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        reply("open", self.manager.open_region(&c, r.ino, r.write).await)
+        let opened = self.manager.open_region(&c, r.ino, r.write).await;
+        reply(
+            "open",
+            opened.map(|mut info| {
+                self.minter.stamp(&mut info, r.write);
+                info
+            }),
+        )
     }
 
     async fn extend(
@@ -257,10 +266,24 @@ impl Regions for Services {
     ) -> Result<Response<v1::RegionInfo>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        reply(
-            "getmap",
-            self.manager.get_map(&c, r.ino, r.known_version).await,
-        )
+        let mut result = self.manager.get_map(&c, r.ino, r.known_version).await;
+        if r.want_capability && result.is_ok() {
+            // A writable token needs write permission now (the map needs only read).
+            let allowed = if r.write {
+                let mask = (libc::R_OK | libc::W_OK) as u32;
+                self.manager.access(&c, r.ino, mask).await
+            } else {
+                Ok(())
+            };
+            result = match (result, allowed) {
+                (Ok(mut info), Ok(())) => {
+                    self.minter.stamp(&mut info, r.write);
+                    Ok(info)
+                }
+                (_, Err(e)) | (Err(e), _) => Err(e),
+            };
+        }
+        reply("getmap", result)
     }
 
     async fn close(
@@ -374,6 +397,20 @@ impl Cluster for Services {
         _: Request<v1::StatsRequest>,
     ) -> Result<Response<v1::StatsReply>, Status> {
         reply("stats", self.manager.stats().await)
+    }
+
+    async fn release_owner(
+        &self,
+        r: Request<v1::ReleaseOwnerRequest>,
+    ) -> Result<Response<v1::ReleaseOwnerReply>, Status> {
+        let r = r.into_inner();
+        reply(
+            "release_owner",
+            self.manager
+                .release_owner(r.host_id, r.pid)
+                .await
+                .map(|inos| v1::ReleaseOwnerReply { inos }),
+        )
     }
 
     type WatchHostStream = EventStream;

@@ -31,6 +31,8 @@ pub struct Dirty {
     pub pools: BTreeSet<u32>,
     pub handles: BTreeSet<u64>,
     pub counters: bool,
+    /// Sync objects (and the lock region under its empty key) changed.
+    pub sync: BTreeSet<String>,
 }
 
 impl Dirty {
@@ -42,6 +44,7 @@ impl Dirty {
             && self.pools.is_empty()
             && self.handles.is_empty()
             && !self.counters
+            && self.sync.is_empty()
     }
 }
 
@@ -83,6 +86,8 @@ pub struct State {
     pub dirty: Dirty,
     /// Work for daemons, sent once the change is committed.
     pub events: Vec<(u32, Event)>,
+    /// Barrier, mutex and doorbell definitions (crate::sync).
+    pub sync: crate::sync::SyncState,
 }
 
 impl State {
@@ -137,6 +142,7 @@ impl State {
             lease,
             dirty: Dirty::default(),
             events: Vec::new(),
+            sync: crate::sync::SyncState::default(),
         }
     }
 

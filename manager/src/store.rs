@@ -20,6 +20,8 @@ const HOSTS: TableDefinition<u32, &[u8]> = TableDefinition::new("hosts");
 const POOLS: TableDefinition<u32, &[u8]> = TableDefinition::new("pools");
 const HANDLES: TableDefinition<u64, &[u8]> = TableDefinition::new("handles");
 const COUNTERS: TableDefinition<&str, u64> = TableDefinition::new("counters");
+/// Sync object name → definition (crate::sync); "" → the lock region.
+const SYNC: TableDefinition<&str, &[u8]> = TableDefinition::new("sync");
 
 /// Why the store failed.
 #[derive(Debug, thiserror::Error)]
@@ -143,6 +145,7 @@ impl Store {
         txn.open_table(POOLS)?;
         txn.open_table(HANDLES)?;
         txn.open_table(COUNTERS)?;
+        txn.open_table(SYNC)?;
         txn.commit()?;
         Ok(())
     }
@@ -215,6 +218,10 @@ impl Store {
             let handle: Handle = decode(v.value())?;
             state.open.entry(handle.ino).or_default().insert(handle.id);
             state.handles.insert(handle.id, handle);
+        }
+        for row in txn.open_table(SYNC)?.iter()? {
+            let (k, v) = row?;
+            crate::sync::load_record(&mut state, k.value(), v.value())?;
         }
         for inode in state.inodes.values() {
             if inode.vaddr != 0 && !state.vaddrs.mark(inode.vaddr, inode.vaddr_len) {
@@ -348,6 +355,17 @@ impl Store {
                 }
             }
         }
+        if any(|r| matches!(r, Record::Sync(..))) {
+            let mut t = txn.open_table(SYNC)?;
+            for r in records {
+                if let Record::Sync(k, v) = r {
+                    match v {
+                        Some(v) => drop(t.insert(k.as_str(), v.as_slice())?),
+                        None => drop(t.remove(k.as_str())?),
+                    }
+                }
+            }
+        }
         if any(|r| matches!(r, Record::Counter(..))) {
             let mut t = txn.open_table(COUNTERS)?;
             for r in records {
@@ -371,6 +389,8 @@ pub enum Record {
     Pool(u32, Option<Vec<u8>>),
     Handle(u64, Option<Vec<u8>>),
     Counter(String, u64),
+    /// A sync object's definition, or the lock region under "" (crate::sync).
+    Sync(String, Option<Vec<u8>>),
 }
 
 /// Serialises every dirty record of `state` and clears the dirty set.
@@ -414,6 +434,9 @@ pub fn collect(state: &mut State) -> Result<Vec<Record>, StoreError> {
             None => None,
         };
         out.push(Record::Handle(*id, v));
+    }
+    for key in &dirty.sync {
+        out.push(Record::Sync(key.clone(), crate::sync::record_of(state, key)?));
     }
     if dirty.counters {
         out.push(Record::Counter("next_ino".into(), state.counters.next_ino));

@@ -7,6 +7,7 @@
 //! - [`frame`]: the binary frame codec of the tcp data transport.
 
 pub mod auth;
+pub mod capability;
 pub mod errno;
 pub mod frame;
 pub mod layout;

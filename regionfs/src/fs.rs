@@ -19,6 +19,7 @@
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::fd::OwnedFd;
+use std::os::unix::ffi::OsStrExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -40,6 +41,10 @@ const PAGE: u64 = 4096;
 const READDIR_BATCH: u32 = 512;
 /// Prefix of the region attributes (paper 003 §5.4).
 pub const REGION_XATTR_PREFIX: &str = "user.regions.";
+/// The host agent socket of this mount (answered by regionfs, read-only).
+pub const MOUNT_XATTR_AGENT: &str = "user.regions.agent";
+/// The host id of this mount (answered by regionfs, read-only).
+pub const MOUNT_XATTR_HOSTID: &str = "user.regions.hostid";
 /// `__FMODE_EXEC`: the open flag of an execve.
 const FMODE_EXEC: i32 = 0x20;
 /// Bytes moved per step of prefetch and zeroing.
@@ -290,6 +295,8 @@ pub struct RegionFs {
     kernel: OnceLock<Arc<dyn KernelCache>>,
     passthrough: AtomicBool,
     started: v1::Timespec,
+    /// Per-thread default attributes (rsetdefaultattr).
+    thread_defaults: crate::thread_defaults::ThreadDefaults,
 }
 
 impl RegionFs {
@@ -329,6 +336,7 @@ impl RegionFs {
             kernel: OnceLock::new(),
             passthrough: AtomicBool::new(false),
             started: now_ts(),
+            thread_defaults: Default::default(),
         })
     }
 
@@ -788,9 +796,10 @@ impl RegionFs {
         let caller = self.caller(ctx);
         let name = wire(name)?;
         let name: &str = &name;
+        let defaults = self.thread_defaults.overrides(ctx.pid);
         let attr = self
             .rpc
-            .create(&caller, parent, name, mode & !umask & 0o7777)?;
+            .create_with(&caller, parent, name, mode & !umask & 0o7777, defaults)?;
         self.created(&caller, parent, name, &attr);
         Ok(attr)
     }
@@ -843,7 +852,10 @@ impl RegionFs {
         } else {
             mode
         };
-        let mut attr = self.rpc.create(&caller, parent, name, create_mode)?;
+        let defaults = self.thread_defaults.overrides(ctx.pid);
+        let mut attr = self
+            .rpc
+            .create_with(&caller, parent, name, create_mode, defaults)?;
         self.created(&caller, parent, name, &attr);
         let region = self.open_region(&caller, attr.ino, write)?;
         if create_mode != mode {
@@ -1166,8 +1178,34 @@ impl RegionFs {
                 message: "metadata files have no extended attributes".into(),
             });
         }
+        if let Some(value) = self.mount_xattr(name) {
+            return Self::xattr_out(value?, size);
+        }
+        if let Some(value) = self.thread_defaults.getxattr(ctx.pid, ino, name) {
+            return Self::xattr_out(value?, size);
+        }
         let value = self.rpc.getxattr(&self.caller(ctx), ino, utf8(name)?)?;
         Self::xattr_out(value, size)
+    }
+
+    /// Attributes this mount answers itself, on every inode: how a program
+    /// holding a region fd (or the mount's path) finds this host's agent
+    /// (`user.regions.agent`) and host id (`user.regions.hostid`).
+    fn mount_xattr(&self, name: &OsStr) -> Option<FsResult<Vec<u8>>> {
+        let config = self.client.config();
+        if name == MOUNT_XATTR_AGENT {
+            return Some(match &config.agent_socket {
+                Some(path) => Ok(path.as_os_str().as_bytes().to_vec()),
+                None => Err(FsError::Manager {
+                    errno: libc::ENODATA,
+                    message: "this mount has no host agent (start it with --agent-socket)".into(),
+                }),
+            });
+        }
+        if name == MOUNT_XATTR_HOSTID {
+            return Some(Ok(config.host_id.to_string().into_bytes()));
+        }
+        None
     }
 
     /// setxattr (flags: XATTR_CREATE, XATTR_REPLACE).
@@ -1182,6 +1220,9 @@ impl RegionFs {
         if pseudo::is_pseudo(ino) {
             Self::root_only(ctx)?;
             return Err(FsError::Denied("region metadata is read-only".into()));
+        }
+        if let Some(r) = self.thread_defaults.setxattr(ctx.pid, ino, name, value) {
+            return r;
         }
         self.rpc
             .setxattr(&self.caller(ctx), ino, utf8(name)?, value, flags as u32)
@@ -1212,6 +1253,9 @@ impl RegionFs {
         if pseudo::is_pseudo(ino) {
             Self::root_only(ctx)?;
             return Err(FsError::Denied("region metadata is read-only".into()));
+        }
+        if let Some(r) = self.thread_defaults.removexattr(ctx.pid, ino, name) {
+            return r;
         }
         self.rpc.removexattr(&self.caller(ctx), ino, utf8(name)?)
     }
@@ -1382,12 +1426,29 @@ impl RegionFs {
 
     /// Reads up to `size` bytes at `offset`.
     pub fn read(&self, fh: u64, offset: u64, size: u32) -> FsResult<Vec<u8>> {
+        self.read_with(fh, offset, size, <[u8]>::to_vec)
+    }
+
+    /// Reads up to `size` bytes at `offset` and hands them to `reply`
+    /// without allocating: region bytes land in a buffer kept per thread
+    /// (a fresh zeroed megabyte per read costs page faults and a memset
+    /// that show up next to the transfer itself).
+    pub fn read_with<T>(
+        &self,
+        fh: u64,
+        offset: u64,
+        size: u32,
+        reply: impl FnOnce(&[u8]) -> T,
+    ) -> FsResult<T> {
+        thread_local! {
+            static READ_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+        }
         let h = self.handle(fh)?;
         match &h.body {
             Body::Pseudo(data) => {
                 let start = (offset as usize).min(data.len());
                 let end = start.saturating_add(size as usize).min(data.len());
-                Ok(data[start..end].to_vec())
+                Ok(reply(&data[start..end]))
             }
             Body::Region(r) => {
                 let end = offset.saturating_add(u64::from(size));
@@ -1395,10 +1456,21 @@ impl RegionFs {
                     // Grown through another handle or host since this open.
                     r.region.refresh()?;
                 }
-                let mut buf = vec![0u8; size as usize];
-                let n = r.region.read_at(offset, &mut buf)?;
-                buf.truncate(n);
-                Ok(buf)
+                READ_BUF.with(|cell| {
+                    let mut guard = cell.try_borrow_mut();
+                    let mut own = Vec::new();
+                    // Re-entrance cannot happen here, but fall back to a
+                    // fresh buffer rather than panic if it ever does.
+                    let buf = match guard.as_mut() {
+                        Ok(b) => &mut **b,
+                        Err(_) => &mut own,
+                    };
+                    if buf.len() < size as usize {
+                        buf.resize(size as usize, 0);
+                    }
+                    let n = r.region.read_at(offset, &mut buf[..size as usize])?;
+                    Ok(reply(&buf[..n]))
+                })
             }
         }
     }

@@ -447,9 +447,15 @@ impl Filesystem for FuseFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        match self.core.read(fh.0, offset, size) {
-            Ok(data) => reply.data(&data),
-            Err(e) => reply.error(self.fail("read", ino.0, &e)),
+        let mut reply = Some(reply);
+        let result = self.core.read_with(fh.0, offset, size, |data| {
+            if let Some(r) = reply.take() {
+                r.data(data);
+            }
+        });
+        // The closure runs (and answers) only on success.
+        if let (Err(e), Some(r)) = (result, reply) {
+            r.error(self.fail("read", ino.0, &e));
         }
     }
 

@@ -14,6 +14,8 @@
 //! - [`identity`]: request identity (uid, gid, pid, groups) → caller.
 //! - [`names`]: file names (any bytes) ↔ manager names (UTF-8).
 //! - [`owners`]: deletes non-persistent regions when their creator exits.
+//! - [`thread_defaults`]: per-thread default region attributes
+//!   (rsetdefaultattr).
 //! - [`pseudo`]: the `.regions/` metadata files (paper §5.12).
 //! - [`ioctl`]: ioctl numbers and argument layouts
 //!   (`include/regions_ioctl.h`).
@@ -31,6 +33,7 @@ pub mod names;
 pub mod owners;
 pub mod pseudo;
 pub mod rpc;
+pub mod thread_defaults;
 pub mod up;
 
 pub use error::{FsError, FsResult};

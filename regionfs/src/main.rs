@@ -21,6 +21,8 @@ use regions::{Client, ClientConfig};
 use regions_proto::auth::Secret;
 use tokio::signal::unix::{SignalKind, signal};
 
+mod sync_cli;
+
 /// Remote memory regions as files.
 #[derive(Parser, Debug)]
 #[command(version, about)]
@@ -35,6 +37,8 @@ enum Command {
     Mount(MountArgs),
     /// Run a single-host cluster (manager + daemon + mount) in this process.
     Up(UpArgs),
+    /// Barriers, mutexes and doorbells for shell scripts (through a mount's host agent).
+    Sync(sync_cli::SyncArgs),
 }
 
 /// Options of the mount itself, shared by both commands.
@@ -111,6 +115,7 @@ fn main() {
     let result = match cli.command {
         Command::Mount(args) => run_mount(args),
         Command::Up(args) => run_up(args),
+        Command::Sync(args) => sync_cli::run(args).map(|code| std::process::exit(code)),
     };
     if let Err(e) = result {
         tracing::error!("{e:#}");

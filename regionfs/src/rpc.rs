@@ -180,12 +180,24 @@ impl Rpc {
         name: &str,
         mode: u32,
     ) -> FsResult<v1::Attr> {
+        self.create_with(caller, parent, name, mode, None)
+    }
+
+    /// Creates a region with `attrs` on top of those inherited from `parent`.
+    pub fn create_with(
+        &self,
+        caller: &v1::Caller,
+        parent: u64,
+        name: &str,
+        mode: u32,
+        attrs: Option<v1::RegionAttrOverrides>,
+    ) -> FsResult<v1::Attr> {
         self.call(self.ns().create(v1::CreateRequest {
             caller: Some(caller.clone()),
             parent,
             name: name.to_owned(),
             mode,
-            attrs: None,
+            attrs,
             preallocate: 0,
         }))
     }

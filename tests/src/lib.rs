@@ -152,6 +152,16 @@ impl NodeProcess {
     /// Starts binary `name` with `args` followed by `--ready-file PATH` and
     /// waits (at most [`START_TIMEOUT`]) until the ready file appears.
     pub fn start(name: &str, args: &[std::ffi::OsString]) -> anyhow::Result<NodeProcess> {
+        NodeProcess::start_wrapped(&[], name, args)
+    }
+
+    /// [`NodeProcess::start`] run through `wrapper` (e.g. `["nsenter", "--net=/run/netns/x"]`,
+    /// which execs the binary, so the pid is still the binary's).
+    pub fn start_wrapped(
+        wrapper: &[std::ffi::OsString],
+        name: &str,
+        args: &[std::ffi::OsString],
+    ) -> anyhow::Result<NodeProcess> {
         let bin = bin_path(name)?;
         let run_dir = tempfile::Builder::new()
             .prefix(&format!("{name}-run"))
@@ -161,7 +171,14 @@ impl NodeProcess {
         let log_path = run_dir.path().join(format!("{name}.log"));
         let log = File::create(&log_path)
             .with_context(|| format!("cannot create {}", log_path.display()))?;
-        let mut cmd = Command::new(&bin);
+        let mut cmd = match wrapper.split_first() {
+            Some((program, rest)) => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(&bin);
+                c
+            }
+            None => Command::new(&bin),
+        };
         cmd.args(args)
             .arg("--ready-file")
             .arg(&ready)
@@ -337,7 +354,35 @@ impl ManagerProcess {
             secret_file.into(),
         ];
         args.extend(extra.iter().map(Into::into));
-        let process = NodeProcess::start("regions-manager", &args)?;
+        ManagerProcess::from_process(NodeProcess::start("regions-manager", &args)?)
+    }
+
+    /// A manager listening on `listen` (e.g. "10.0.0.1:0"), run through `wrapper` (see
+    /// [`NodeProcess::start_wrapped`]).
+    pub fn start_in(
+        wrapper: &[std::ffi::OsString],
+        listen: &str,
+        data_dir: &Path,
+        secret_file: &Path,
+        extra: &[&str],
+    ) -> anyhow::Result<ManagerProcess> {
+        let mut args: Vec<std::ffi::OsString> = vec![
+            "--listen".into(),
+            listen.into(),
+            "--data-dir".into(),
+            data_dir.into(),
+            "--secret-file".into(),
+            secret_file.into(),
+        ];
+        args.extend(extra.iter().map(Into::into));
+        ManagerProcess::from_process(NodeProcess::start_wrapped(
+            wrapper,
+            "regions-manager",
+            &args,
+        )?)
+    }
+
+    fn from_process(process: NodeProcess) -> anyhow::Result<ManagerProcess> {
         let addr = process.ready.parse().with_context(|| {
             format!(
                 "the manager's ready file holds {:?}, not an address",
@@ -382,6 +427,28 @@ impl DaemonProcess {
         memory: &str,
         socket_dir: &Path,
     ) -> anyhow::Result<DaemonProcess> {
+        DaemonProcess::start_in(
+            &[],
+            "127.0.0.1:0",
+            manager,
+            secret_file,
+            host_id,
+            memory,
+            socket_dir,
+        )
+    }
+
+    /// [`DaemonProcess::start`] with the transport on `listen` (e.g. "10.0.0.2:0"), run
+    /// through `wrapper` (see [`NodeProcess::start_wrapped`]).
+    pub fn start_in(
+        wrapper: &[std::ffi::OsString],
+        listen: &str,
+        manager: SocketAddr,
+        secret_file: &Path,
+        host_id: u32,
+        memory: &str,
+        socket_dir: &Path,
+    ) -> anyhow::Result<DaemonProcess> {
         let socket = socket_dir.join(format!("h{host_id}.sock"));
         let args: Vec<std::ffi::OsString> = vec![
             "--manager".into(),
@@ -389,7 +456,7 @@ impl DaemonProcess {
             "--host-id".into(),
             host_id.to_string().into(),
             "--listen".into(),
-            "127.0.0.1:0".into(),
+            listen.into(),
             "--memory".into(),
             memory.into(),
             "--socket".into(),
@@ -397,7 +464,7 @@ impl DaemonProcess {
             "--secret-file".into(),
             secret_file.into(),
         ];
-        let process = NodeProcess::start("regions-daemon", &args)?;
+        let process = NodeProcess::start_wrapped(wrapper, "regions-daemon", &args)?;
         Ok(DaemonProcess {
             host_id,
             addr: process.ready.clone(),
@@ -440,6 +507,19 @@ impl MountProcess {
         agent_socket: &Path,
         mountpoint: &Path,
     ) -> anyhow::Result<MountProcess> {
+        MountProcess::start_in(&[], manager, secret_file, host_id, agent_socket, mountpoint)
+    }
+
+    /// [`MountProcess::start`] run through `wrapper` (see [`NodeProcess::start_wrapped`]; a
+    /// network namespace leaves the mount visible to everyone).
+    pub fn start_in(
+        wrapper: &[std::ffi::OsString],
+        manager: SocketAddr,
+        secret_file: &Path,
+        host_id: u32,
+        agent_socket: &Path,
+        mountpoint: &Path,
+    ) -> anyhow::Result<MountProcess> {
         std::fs::create_dir_all(mountpoint)
             .with_context(|| format!("cannot create {}", mountpoint.display()))?;
         let args: Vec<std::ffi::OsString> = vec![
@@ -454,7 +534,7 @@ impl MountProcess {
             agent_socket.into(),
             mountpoint.into(),
         ];
-        let process = NodeProcess::start("regionfs", &args)?;
+        let process = NodeProcess::start_wrapped(wrapper, "regionfs", &args)?;
         Ok(MountProcess {
             host_id,
             mountpoint: mountpoint.to_owned(),
@@ -515,6 +595,11 @@ pub struct Cluster {
 impl Cluster {
     /// Starts a manager and `hosts` daemons offering `memory` each.
     pub fn start(hosts: u32, memory: &str) -> anyhow::Result<Cluster> {
+        Cluster::start_with(hosts, memory, &[])
+    }
+
+    /// [`Cluster::start`] with extra manager arguments (e.g. `["--lease-ms", "1000"]`).
+    pub fn start_with(hosts: u32, memory: &str, manager_args: &[&str]) -> anyhow::Result<Cluster> {
         let dir = tempfile::Builder::new()
             .prefix("regions-cluster")
             .tempdir()
@@ -523,7 +608,7 @@ impl Cluster {
         let secret = write_secret(&secret_file)?;
         let data = dir.path().join("manager");
         std::fs::create_dir_all(&data)?;
-        let manager = ManagerProcess::start(&data, &secret_file)?;
+        let manager = ManagerProcess::start_with_args(&data, &secret_file, manager_args)?;
         let mut daemons = Vec::new();
         for host in 1..=hosts {
             daemons.push(DaemonProcess::start(

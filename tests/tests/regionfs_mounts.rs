@@ -379,3 +379,32 @@ fn posix_conformance_suite_on_a_mount() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A program finds its host agent and host id from the mount alone
+/// (`user.regions.agent` / `user.regions.hostid`), from a path or an fd.
+#[test]
+fn mounts_tell_programs_their_host_agent() {
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::MetadataExt;
+    let two = two_mounts("64M");
+    let mut agent_a = regions::agent::AgentClient::for_mount(Some(&two.a.mountpoint)).unwrap();
+    assert_eq!(agent_a.stats().unwrap().host_id, 1);
+    assert_eq!(
+        regions::agent::host_id_for(&two.b.mountpoint).unwrap(),
+        2,
+        "host id of mount B"
+    );
+    std::fs::write(two.b.path("f"), b"data").unwrap();
+    let file = std::fs::File::open(two.b.path("f")).unwrap();
+    let (mut agent_b, ino) = regions::agent::AgentClient::for_fd(file.as_fd()).unwrap();
+    assert_eq!(ino, file.metadata().unwrap().ino());
+    assert_eq!(agent_b.stats().unwrap().host_id, 2);
+    assert_eq!(
+        regions::agent::AgentClient::host_id_of_fd(file.as_fd()).unwrap(),
+        2
+    );
+    // Not a regions mount: the error says where to look.
+    let err = regions::agent::AgentClient::for_mount(Some(Path::new("/tmp"))).err();
+    let text = err.map(|e| e.to_string()).unwrap_or_default();
+    assert!(text.contains("REGIONS_MOUNT"), "{text}");
+}

@@ -50,6 +50,16 @@ impl Default for RetryPolicy {
 /// One authenticated connection.
 struct Conn {
     stream: TcpStream,
+    /// [`Auth::generation`] it authenticated with.
+    generation: u64,
+}
+
+/// What connections present in HELLO: the cluster secret (the transport's `cap_id` 0) or a
+/// capability token stored under `cap_id` and named in every request.
+struct Auth {
+    token: Bytes,
+    /// Bumped when the token is renewed: older connections are not reused.
+    generation: u64,
 }
 
 /// Why an attempt failed: worth retrying on a new connection, or final.
@@ -74,7 +84,9 @@ struct Pending {
 /// The tcp transport to one daemon.
 pub struct TcpTransport {
     addr: String,
-    token: Bytes,
+    auth: Mutex<Auth>,
+    /// `auth.cap_id`, readable without the lock.
+    cap_id: u64,
     idle: Mutex<Vec<Conn>>,
     next_id: AtomicU64,
     retry: RetryPolicy,
@@ -90,9 +102,25 @@ impl TcpTransport {
         retry: RetryPolicy,
         stats: Arc<TransportStats>,
     ) -> TcpTransport {
+        Self::with_capability(addr, 0, token, retry, stats)
+    }
+
+    /// A transport to the daemon at `addr` that presents the capability `token` under id
+    /// `cap_id` (nonzero) and names it in every request (application sessions).
+    pub fn with_capability(
+        addr: &str,
+        cap_id: u64,
+        token: &[u8],
+        retry: RetryPolicy,
+        stats: Arc<TransportStats>,
+    ) -> TcpTransport {
         TcpTransport {
             addr: addr.to_owned(),
-            token: Bytes::copy_from_slice(token),
+            auth: Mutex::new(Auth {
+                token: Bytes::copy_from_slice(token),
+                generation: 0,
+            }),
+            cap_id,
             idle: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
             retry,
@@ -102,6 +130,22 @@ impl TcpTransport {
 
     pub fn addr(&self) -> &str {
         &self.addr
+    }
+
+    /// Replaces the token (a renewed capability): new connections present it, idle ones are
+    /// dropped, busy ones are not pooled again.
+    pub fn set_token(&self, token: &[u8]) {
+        if let Ok(mut auth) = self.auth.lock() {
+            auth.token = Bytes::copy_from_slice(token);
+            auth.generation += 1;
+        }
+        if let Ok(mut idle) = self.idle.lock() {
+            idle.clear();
+        }
+    }
+
+    fn generation(&self) -> u64 {
+        self.auth.lock().map_or(0, |a| a.generation)
     }
 
     fn id(&self) -> u64 {
@@ -129,10 +173,15 @@ impl TcpTransport {
         stream.set_nodelay(true)?;
         stream.set_read_timeout(Some(self.retry.deadline))?;
         stream.set_write_timeout(Some(self.retry.deadline))?;
-        let mut conn = Conn { stream };
+        let (token, generation) = match self.auth.lock() {
+            Ok(a) => (a.token.clone(), a.generation),
+            Err(_) => (Bytes::new(), 0),
+        };
+        let mut conn = Conn { stream, generation };
         let mut hello = Header::new(Op::Hello, self.id());
-        hello.payload_len = self.token.len() as u32;
-        send(&mut conn.stream, &hello, &[&self.token])?;
+        hello.capability = self.cap_id;
+        hello.payload_len = token.len() as u32;
+        send(&mut conn.stream, &hello, &[&token])?;
         let reply = recv_header(&mut conn.stream)?;
         if reply.status != 0 {
             let msg = recv_message(&mut conn.stream, &reply)?;
@@ -178,8 +227,10 @@ impl TcpTransport {
             let reason = match conn {
                 Ok(mut conn) => match op(&mut conn) {
                     Ok(v) => {
+                        let current = conn.generation == self.generation();
                         if let Ok(mut idle) = self.idle.lock()
                             && idle.len() < MAX_IDLE
+                            && current
                         {
                             idle.push(conn);
                         }
@@ -235,6 +286,7 @@ impl TcpTransport {
                 let id = self.id();
                 let mut header = r.header;
                 header.request_id = id;
+                header.capability = self.cap_id;
                 let payload: Vec<&[u8]> = r.payload.iter().map(|p| &p[..]).collect();
                 send(&mut conn.stream, &header, &payload)?;
                 TransportStats::add(&self.stats.remote_requests, 1);
@@ -469,6 +521,7 @@ impl TcpTransport {
         let payload: Vec<u8> = operands.iter().flat_map(|w| w.to_le_bytes()).collect();
         self.with_conn(false, |conn| {
             let mut header = Header::new(op, self.id());
+            header.capability = self.cap_id;
             header.pool = at.pool;
             header.offset = at.pool_offset;
             header.length = 8;

@@ -1,0 +1,91 @@
+/*
+ * tcp_stream: the ceiling of a cold remote read on this machine. One process
+ * streams SIZE bytes of a memfd (the way a daemon holds region memory) over
+ * loopback TCP in 1 MiB writes; the other receives them into a 1 MiB
+ * buffer, as a client would. Prints the receive rate in bytes per second.
+ *
+ *   tcp_stream SIZE_MIB
+ *
+ * No FUSE, no page cache, no protocol: what is left when every cost of
+ * regions is taken away, measured in the same run as tmpfs.
+ */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define IO (1L << 20)
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec / 1e9;
+}
+
+static void die(const char *what) {
+    fprintf(stderr, "tcp_stream: %s: %s\n", what, strerror(errno));
+    exit(1);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 2 || atol(argv[1]) <= 0) {
+        fprintf(stderr, "usage: tcp_stream SIZE_MIB\n");
+        return 2;
+    }
+    long size = atol(argv[1]) * IO;
+    int fd = memfd_create("tcp_stream", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, size) != 0) die("memfd");
+    char *mem = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (mem == MAP_FAILED) die("mmap");
+    for (long i = 0; i < size; i += 4096) mem[i] = (char)i;
+
+    int ls = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof a;
+    if (ls < 0 || bind(ls, (void *)&a, sizeof a) || listen(ls, 1) ||
+        getsockname(ls, (void *)&a, &len))
+        die("listen");
+    pid_t child = fork();
+    if (child < 0) die("fork");
+    if (child == 0) {
+        int c = accept(ls, NULL, NULL);
+        if (c < 0) die("accept");
+        for (long off = 0; off < size;) {
+            ssize_t n = write(c, mem + off, (size - off) < IO ? (size - off) : IO);
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0) die("write");
+            off += n;
+        }
+        _exit(0);
+    }
+    int c = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (c < 0 || connect(c, (void *)&a, sizeof a)) die("connect");
+    char *buf = malloc(IO);
+    if (!buf) die("malloc");
+    memset(buf, 0, IO);
+    double t0 = now();
+    long got = 0;
+    while (got < size) {
+        ssize_t n = recv(c, buf, IO, MSG_WAITALL);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) die("recv");
+        got += n;
+    }
+    double t = now() - t0;
+    int status;
+    waitpid(child, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        fprintf(stderr, "tcp_stream: sender failed\n");
+        return 1;
+    }
+    printf("%.0f\n", got / t);
+    return 0;
+}

@@ -1,0 +1,414 @@
+//! C functions of the in-region allocator ([`crate::rmalloc`]): `rmalloc`,
+//! `rfree`, `rsetroot`, `rgetroot`, and `rsetdefaultattr`.
+//!
+//! `rmalloc(fd, len)` maps the region of `fd` first if needed
+//! ([`mapping::map_fd`]) and creates a heap in it when the region is empty. A
+//! region that is full grows ([`Mapping::grow`]): doubling, by at most
+//! 256 MiB a step, and at least by what the block needs; `ENOMEM` when it
+//! cannot. Descriptors are resolved to their mapping through a small cache
+//! keyed by the region's identity (device and inode, from `statx` without a
+//! FUSE round trip), so repeated calls do not reconnect to the host agent.
+
+use std::collections::HashMap;
+use std::ffi::{CString, c_char, c_int, c_void};
+use std::os::unix::ffi::OsStrExt;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use super::{ffi_int, ffi_ptr, set_errno};
+use crate::error::{RegionsError, Result};
+use crate::mapping::{self, Mapping};
+use crate::rmalloc::{Heap, HeapError, MIN_HEAP, PAGE};
+
+/// First size of a heap created in an empty region.
+const INITIAL_HEAP: usize = 1 << 20;
+/// Largest growth step.
+const MAX_GROW_STEP: usize = 256 << 20;
+/// Growth granularity (the manager's chunk).
+const GROW_UNIT: usize = regions_proto::layout::CHUNK_SIZE as usize;
+/// Largest block rmalloc serves.
+const MAX_BLOCK: usize = 1 << 40;
+
+/// `RATTR_*` of regions.h, by value.
+pub const RATTR_PERSISTENT: c_int = 1;
+pub const RATTR_MULTIHOSTED: c_int = 2;
+pub const RATTR_FIXVADDR: c_int = 3;
+pub const RATTR_ONEWRITER: c_int = 4;
+pub const RATTR_HOSTALLOC: c_int = 5;
+
+/// Prefix of the per-thread default attributes regionfs serves on the mount
+/// root (see regionfs `thread_defaults`).
+pub const THREAD_XATTR_PREFIX: &str = "user.regions.thread.";
+
+fn errno_err(errno: i32, message: String) -> RegionsError {
+    RegionsError::Mapping { errno, message }
+}
+
+/// (device, inode) of an open descriptor, from the kernel's inode without
+/// asking the file system (`AT_STATX_DONT_SYNC`).
+fn identity(fd: c_int) -> Result<(u64, u64)> {
+    if fd < 0 {
+        return Err(errno_err(
+            libc::EBADF,
+            format!("{fd} is not a file descriptor"),
+        ));
+    }
+    // SAFETY: statx writes into `st`, a properly sized out parameter; the
+    // empty path with AT_EMPTY_PATH names `fd` itself.
+    let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let r = unsafe {
+        libc::statx(
+            fd,
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH | libc::AT_STATX_DONT_SYNC,
+            libc::STATX_INO,
+            &mut st,
+        )
+    };
+    if r != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(RegionsError::io(format!("statx of fd {fd}"), e));
+    }
+    Ok((libc::makedev(st.stx_dev_major, st.stx_dev_minor), st.stx_ino))
+}
+
+fn cache() -> &'static Mutex<HashMap<(u64, u64), Arc<Mapping>>> {
+    static CACHE: OnceLock<Mutex<HashMap<(u64, u64), Arc<Mapping>>>> = OnceLock::new();
+    CACHE.get_or_init(Mutex::default)
+}
+
+/// The mapping of the region open as `fd`, mapping it if needed.
+fn mapping_of_fd(fd: c_int) -> Result<Arc<Mapping>> {
+    let key = identity(fd)?;
+    let cached = cache()
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&key)
+        .cloned();
+    if let Some(m) = cached {
+        // Still mapped (not runmap'ed since)?
+        if mapping::lookup(m.base()).is_some_and(|cur| Arc::ptr_eq(&cur, &m)) {
+            return Ok(m);
+        }
+    }
+    // SAFETY: `fd` is the caller's open descriptor (identity() checked it),
+    // borrowed for the duration of this call only.
+    let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    let m = mapping::map_fd(borrowed)?;
+    let mut c = cache()
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    // Drop entries of mappings that are gone.
+    c.retain(|_, v| mapping::lookup(v.base()).is_some_and(|cur| Arc::ptr_eq(&cur, v)));
+    c.insert(key, Arc::clone(&m));
+    Ok(m)
+}
+
+fn writable(m: &Mapping) -> Result<()> {
+    if m.writable() {
+        Ok(())
+    } else {
+        Err(errno_err(
+            libc::EBADF,
+            format!(
+                "region {} is mapped read-only; rmalloc, rfree and rsetroot need a descriptor \
+                 opened O_RDWR",
+                m.ino()
+            ),
+        ))
+    }
+}
+
+/// Grows the mapping to at least `len` bytes, as ENOMEM on failure.
+fn grow_to(m: &Mapping, len: usize) -> Result<()> {
+    let len = len.next_multiple_of(GROW_UNIT);
+    m.grow(len).map_err(|e| {
+        RegionsError::NoMemory(format!(
+            "region {} is full and cannot grow from {} to {len} bytes: {e}",
+            m.ino(),
+            m.len()
+        ))
+    })
+}
+
+/// The heap of a mapping, created in an empty region; grows the mapping
+/// when the heap (grown by another process) is longer than it.
+fn heap_of(m: &Mapping, create: bool) -> Result<Heap> {
+    for _ in 0..8 {
+        let len = m.len();
+        if !create && (len < PAGE || {
+            // SAFETY: the mapping covers at least a page.
+            !unsafe { Heap::is_heap(m.base()) }
+        }) {
+            return Err(RegionsError::Invalid(format!(
+                "region {} holds no rmalloc heap",
+                m.ino()
+            )));
+        }
+        // SAFETY: the mapping covers `len` bytes at `base`, page aligned, and
+        // stays mapped while the Arc is held; the region is used as a heap.
+        match unsafe { Heap::attach(m.base(), len) } {
+            Ok(h) => return Ok(h),
+            Err(HeapError::NeedsMapping { len: want }) => {
+                writable(m)?;
+                // A new heap starts at INITIAL_HEAP bytes.
+                let want = (want as usize).max(if len < MIN_HEAP { INITIAL_HEAP } else { 0 });
+                grow_to(m, want)?;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(RegionsError::NoMemory(format!(
+        "region {}: the heap keeps outgrowing this process's mapping",
+        m.ino()
+    )))
+}
+
+/// Runs a heap operation, growing the mapping when the heap is longer than
+/// it (another process grew the region) and retrying.
+fn with_heap<T>(m: &Mapping, mut heap: Heap, f: impl Fn(&Heap) -> Result<T, HeapError>) -> Result<T> {
+    for _ in 0..8 {
+        match f(&heap) {
+            Err(HeapError::NeedsMapping { len }) => {
+                grow_to(m, len as usize)?;
+                heap = heap_of(m, false)?;
+            }
+            r => return r.map_err(Into::into),
+        }
+    }
+    Err(RegionsError::NoMemory(format!(
+        "region {}: the heap keeps outgrowing this process's mapping",
+        m.ino()
+    )))
+}
+
+/// Allocates `len` bytes in the region of `fd` (see regions.h).
+pub fn alloc_in(fd: c_int, len: usize) -> Result<*mut u8> {
+    if len > MAX_BLOCK {
+        return Err(RegionsError::NoMemory(format!(
+            "{len} bytes is over rmalloc's block limit of {MAX_BLOCK} bytes"
+        )));
+    }
+    let m = mapping_of_fd(fd)?;
+    writable(&m)?;
+    let mut heap = heap_of(&m, true)?;
+    for _ in 0..16 {
+        match heap.alloc(len) {
+            Ok(off) => {
+                // SAFETY: the block lies inside the heap, inside the mapping.
+                return Ok(unsafe { m.base().add(off as usize) });
+            }
+            Err(HeapError::Full { pages }) => {
+                let cur = m.len();
+                let extra = (pages as usize + 2) * PAGE;
+                // Room for the page map to move and double, too.
+                let need = cur + extra + (2 * (cur + extra) / PAGE + 1024) * 4 + PAGE;
+                let target = need.max(cur + cur.min(MAX_GROW_STEP));
+                if grow_to(&m, target).is_err() {
+                    grow_to(&m, need)?;
+                }
+                heap = heap_of(&m, false)?;
+                let grown = m.len();
+                match with_heap(&m, heap, |h| h.extend(grown)) {
+                    // Not enough for the page map to move: the next round
+                    // grows further.
+                    Err(RegionsError::NoMemory(_)) => {}
+                    r => r?,
+                }
+            }
+            Err(HeapError::NeedsMapping { len }) => {
+                grow_to(&m, len as usize)?;
+                heap = heap_of(&m, false)?;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(RegionsError::NoMemory(format!(
+        "rmalloc of {len} bytes in region {}: the region keeps filling up while it grows",
+        m.ino()
+    )))
+}
+
+/// Frees a block returned by rmalloc.
+pub fn free_ptr(ptr: *const u8) -> Result<()> {
+    let m = mapping::lookup(ptr).ok_or_else(|| {
+        RegionsError::Invalid(format!(
+            "{ptr:p} is not inside a mapped region (not an rmalloc block)"
+        ))
+    })?;
+    writable(&m)?;
+    let heap = heap_of(&m, false)?;
+    let off = ptr as usize - m.base() as usize;
+    with_heap(&m, heap, |h| h.free(off as u64))
+}
+
+/// `void *rmalloc(int regionfd, size_t len)`.
+#[unsafe(no_mangle)]
+pub extern "C" fn rmalloc(regionfd: c_int, len: usize) -> *mut c_void {
+    ffi_ptr(|| alloc_in(regionfd, len).map(|p| p.cast()))
+}
+
+/// `int rfree(void *ptr)`; `rfree(NULL)` does nothing.
+#[unsafe(no_mangle)]
+pub extern "C" fn rfree(ptr: *mut c_void) -> c_int {
+    if ptr.is_null() {
+        return 0;
+    }
+    ffi_int(|| free_ptr(ptr.cast()).map(|()| 0))
+}
+
+/// `int rsetroot(int regionfd, void *ptr)`: NULL clears the root.
+#[unsafe(no_mangle)]
+pub extern "C" fn rsetroot(regionfd: c_int, ptr: *mut c_void) -> c_int {
+    ffi_int(|| {
+        let m = mapping_of_fd(regionfd)?;
+        writable(&m)?;
+        let heap = heap_of(&m, true)?;
+        let off = if ptr.is_null() {
+            None
+        } else {
+            let p = ptr as usize;
+            let base = m.base() as usize;
+            if p < base || p >= base + m.len() {
+                return Err(RegionsError::Invalid(format!(
+                    "root {ptr:p} is outside region {} mapped at {base:#x} ({} bytes)",
+                    m.ino(),
+                    m.len()
+                )));
+            }
+            Some((p - base) as u64)
+        };
+        with_heap(&m, heap, |h| h.set_root(off))?;
+        Ok(0)
+    })
+}
+
+/// `void *rgetroot(int regionfd)`: NULL with errno 0 when no root is set.
+#[unsafe(no_mangle)]
+pub extern "C" fn rgetroot(regionfd: c_int) -> *mut c_void {
+    ffi_ptr(|| {
+        let m = mapping_of_fd(regionfd)?;
+        // SAFETY: is_heap reads the first 8 bytes, mapped when len >= PAGE.
+        if m.len() < PAGE || !unsafe { Heap::is_heap(m.base()) } {
+            set_errno(0);
+            return Ok(std::ptr::null_mut());
+        }
+        let heap = heap_of(&m, false)?;
+        match with_heap(&m, heap, |h| h.root())? {
+            // SAFETY: root offsets are checked to lie inside the heap.
+            Some(off) => Ok(unsafe { m.base().add(off as usize) }.cast()),
+            None => {
+                set_errno(0);
+                Ok(std::ptr::null_mut())
+            }
+        }
+    })
+}
+
+/// The xattr name of a `RATTR_*`.
+pub fn attr_name(attr: c_int) -> Option<&'static str> {
+    Some(match attr {
+        RATTR_PERSISTENT => "persistent",
+        RATTR_MULTIHOSTED => "multihosted",
+        RATTR_FIXVADDR => "fixvaddr",
+        RATTR_ONEWRITER => "onewriter",
+        RATTR_HOSTALLOC => "hostalloc",
+        _ => return None,
+    })
+}
+
+/// Sets (or with an empty value clears) the calling thread's default
+/// attribute `attr` for regions it creates through the mount (env
+/// `REGIONS_MOUNT`, default `/regions`).
+pub fn set_default_attr(attr: c_int, value: &[u8]) -> Result<()> {
+    let name = attr_name(attr).ok_or_else(|| {
+        RegionsError::Invalid(format!(
+            "unknown attribute {attr}: use RATTR_PERSISTENT, RATTR_MULTIHOSTED, RATTR_FIXVADDR, \
+             RATTR_ONEWRITER or RATTR_HOSTALLOC"
+        ))
+    })?;
+    let mount = crate::agent::default_mount();
+    let path = CString::new(mount.as_os_str().as_bytes())
+        .map_err(|_| RegionsError::Invalid("REGIONS_MOUNT contains a NUL byte".into()))?;
+    let xname = CString::new(format!("{THREAD_XATTR_PREFIX}{name}"))
+        .map_err(|_| RegionsError::Invalid("attribute name".into()))?;
+    // SAFETY: path and name are NUL-terminated; value is a valid slice. The
+    // call is made by this thread, whose id the FUSE request carries.
+    let r = unsafe {
+        libc::setxattr(
+            path.as_ptr(),
+            xname.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
+    if r != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(RegionsError::io(
+            format!(
+                "setting {} on the regions mount {} (is regionfs mounted there? set REGIONS_MOUNT)",
+                xname.to_string_lossy(),
+                mount.display()
+            ),
+            e,
+        ));
+    }
+    Ok(())
+}
+
+/// `int rsetdefaultattr(int attr, const char *val, int len)`.
+#[unsafe(no_mangle)]
+pub extern "C" fn rsetdefaultattr(attr: c_int, val: *const c_char, len: c_int) -> c_int {
+    ffi_int(|| {
+        let value: &[u8] = match len {
+            0 => &[],
+            n if n < 0 => {
+                return Err(RegionsError::Invalid(format!("negative length {n}")));
+            }
+            _ if val.is_null() => {
+                return Err(RegionsError::Invalid(
+                    "NULL value with a non-zero length".into(),
+                ));
+            }
+            // SAFETY: the caller passes `len` readable bytes at `val`.
+            n => unsafe { std::slice::from_raw_parts(val.cast::<u8>(), n as usize) },
+        };
+        set_default_attr(attr, value).map(|()| 0)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn errno() -> i32 {
+        std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+    }
+
+    #[test]
+    fn bad_arguments() {
+        assert!(rmalloc(-1, 10).is_null());
+        assert_eq!(errno(), libc::EBADF);
+        assert_eq!(rfree(std::ptr::null_mut()), 0);
+        let mut x = 0u64;
+        assert_eq!(rfree((&mut x as *mut u64).cast()), -1);
+        assert_eq!(errno(), libc::EINVAL);
+        assert_eq!(rsetdefaultattr(99, c"1".as_ptr(), 1), -1);
+        assert_eq!(errno(), libc::EINVAL);
+        assert_eq!(rsetdefaultattr(RATTR_PERSISTENT, std::ptr::null(), 1), -1);
+        assert_eq!(errno(), libc::EINVAL);
+        assert!(rgetroot(-5).is_null());
+        assert_eq!(errno(), libc::EBADF);
+    }
+
+    #[test]
+    fn identity_of_a_file() {
+        let f = std::fs::File::open("/proc/self/exe").unwrap();
+        use std::os::fd::AsRawFd;
+        let (dev, ino) = identity(f.as_raw_fd()).unwrap();
+        let md = std::fs::metadata("/proc/self/exe").unwrap();
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!((dev, ino), (md.dev(), md.ino()));
+    }
+}

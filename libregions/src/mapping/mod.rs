@@ -1,0 +1,943 @@
+//! Mapping whole regions into the process (paper 003 §5.2, §6.10, §6.13; DESIGN.md, "Client
+//! side"): FIXVADDR regions at their manager-assigned address inside the fixed window, which is
+//! reserved (`PROT_NONE`, `MAP_NORESERVE`) on first use so that nothing else in the process lands
+//! there; other regions anywhere else.
+//!
+//! - Chunks held on this host map the region's segment memfd `MAP_SHARED` (zero copy, no
+//!   cache): processes on one host see each other's writes at once.
+//! - Remote chunks are anonymous memory registered with userfaultfd ([`uffd`]): a missing fault
+//!   fetches the page and up to [`prefetch_pages`]` - 1` following missing pages of the chunk in
+//!   one transport request; pages are installed write-protected, and the first write to one marks
+//!   it dirty. [`Mapping::msync`] writes dirty pages back in vectors and protects them again,
+//!   [`Mapping::clearcache`] drops pages so the next access fetches them afresh,
+//!   [`Mapping::markdirty`] with `zero` installs zero pages marked dirty without fetching, and
+//!   [`Mapping::prefetch`] fetches ahead.
+//! - A fault that cannot be served (the transport gave up: host gone, timeout, 5 s bound) raises
+//!   `SIGBUS` for that access.
+
+mod sys;
+mod uffd;
+
+use std::collections::BTreeMap;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+
+use regions_proto::layout::{CHUNK_SIZE, VADDR_WINDOW_END, VADDR_WINDOW_START};
+
+use crate::app::AppRegion;
+use crate::error::{RegionsError, Result};
+use crate::transport::{Span, Transport};
+pub use sys::PAGE;
+use uffd::{Faults, Job};
+
+/// Default prefetch window in pages (env `REGIONS_PREFETCH_PAGES`).
+pub const DEFAULT_PREFETCH_PAGES: usize = 16;
+/// Smallest address range reserved for a mapping (room to grow in place).
+const MIN_RESERVATION: usize = 256 << 20;
+/// Pages per chunk.
+const CHUNK_PAGES: usize = (CHUNK_SIZE as usize) / PAGE;
+
+// Page states of remote pages.
+const MISSING: u8 = 0;
+const FETCHING: u8 = 1;
+const CLEAN: u8 = 2;
+const DIRTY: u8 = 3;
+const SYNCING: u8 = 4;
+const LOST: u8 = 5;
+
+static PREFETCH: AtomicUsize = AtomicUsize::new(0);
+
+/// Pages fetched per missing fault (the faulting page and those after it in its chunk).
+pub fn prefetch_pages() -> usize {
+    match PREFETCH.load(Ordering::Relaxed) {
+        0 => {
+            let n = std::env::var("REGIONS_PREFETCH_PAGES")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .filter(|n| *n >= 1)
+                .unwrap_or(DEFAULT_PREFETCH_PAGES)
+                .min(CHUNK_PAGES);
+            PREFETCH.store(n, Ordering::Relaxed);
+            n
+        }
+        n => n,
+    }
+}
+
+/// Sets the prefetch window (1 = fetch only the faulting page; at most a chunk).
+pub fn set_prefetch_pages(n: usize) {
+    PREFETCH.store(n.clamp(1, CHUNK_PAGES), Ordering::Relaxed);
+}
+
+/// How one chunk of a mapping is backed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Backing {
+    /// This host's segment memfd.
+    Local,
+    /// Fetched through the transport.
+    Remote,
+}
+
+/// A region mapped into this process.
+pub struct Mapping {
+    region: Arc<AppRegion>,
+    base: usize,
+    /// Bytes mapped (page multiple).
+    len: AtomicUsize,
+    /// Bytes of address space reserved at `base`.
+    reserved: usize,
+    /// Inside the fixed window (else a reservation of its own).
+    fixed: bool,
+    write: bool,
+    chunks: RwLock<Vec<Backing>>,
+    /// Remote page states, by page index.
+    pages: RwLock<Vec<AtomicU8>>,
+    segment: Mutex<Option<OwnedFd>>,
+    /// Serialises growth and unmapping.
+    resize: Mutex<bool>,
+}
+
+impl std::fmt::Debug for Mapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mapping")
+            .field("ino", &self.region.ino())
+            .field("base", &format_args!("{:#x}", self.base))
+            .field("len", &self.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Mappings of this process by base address, and by region.
+#[derive(Default)]
+struct Registry {
+    by_base: BTreeMap<usize, Arc<Mapping>>,
+    by_ino: BTreeMap<u64, usize>,
+}
+
+fn registry() -> &'static Mutex<Registry> {
+    static REG: OnceLock<Mutex<Registry>> = OnceLock::new();
+    REG.get_or_init(Mutex::default)
+}
+
+fn lock_registry() -> std::sync::MutexGuard<'static, Registry> {
+    registry()
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Reserves the fixed-address window, once per process. Called by every mapping call; call it
+/// early (e.g. at program start) so that nothing else lands in the window first.
+pub fn init() -> Result<()> {
+    static WINDOW: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    WINDOW
+        .get_or_init(|| {
+            sys::reserve_fixed_noreplace(
+                VADDR_WINDOW_START as usize,
+                (VADDR_WINDOW_END - VADDR_WINDOW_START) as usize,
+            )
+            .map_err(|e| e.to_string())
+        })
+        .clone()
+        .map_err(|e| RegionsError::Mapping {
+            errno: libc::ENOMEM,
+            message: format!(
+                "cannot reserve the fixed-address window [{VADDR_WINDOW_START:#x}, \
+                 {VADDR_WINDOW_END:#x}): {e}; something else in this process maps memory there \
+                 (call regions::mapping::init() earlier)"
+            ),
+        })
+}
+
+fn map_err(errno: i32, message: String) -> RegionsError {
+    RegionsError::Mapping { errno, message }
+}
+
+fn io_err(what: &str, e: std::io::Error) -> RegionsError {
+    RegionsError::Mapping {
+        errno: e.raw_os_error().unwrap_or(libc::EIO),
+        message: format!("{what}: {e}"),
+    }
+}
+
+fn round_up(n: u64, to: u64) -> u64 {
+    n.div_ceil(to) * to
+}
+
+fn reservation_for(len: usize) -> usize {
+    len.max(MIN_RESERVATION)
+        .checked_next_power_of_two()
+        .unwrap_or(len)
+}
+
+/// Maps the whole region of `fd` (a file opened under a regions mount; its open mode decides
+/// the mapping's rights). FIXVADDR regions go to their fixed address. Mapping a region that is
+/// already mapped in this process returns the same mapping.
+pub fn map_fd(fd: BorrowedFd<'_>) -> Result<Arc<Mapping>> {
+    init()?;
+    let (_, ino) = crate::agent::AgentClient::for_fd(fd)?;
+    if let Some(m) = by_ino(ino) {
+        return Ok(m);
+    }
+    let region = AppRegion::open_fd(fd)?;
+    map_region(region)
+}
+
+fn by_ino(ino: u64) -> Option<Arc<Mapping>> {
+    let reg = lock_registry();
+    reg.by_ino
+        .get(&ino)
+        .and_then(|base| reg.by_base.get(base))
+        .cloned()
+}
+
+/// Maps an opened region (see [`map_fd`]).
+pub fn map_region(region: Arc<AppRegion>) -> Result<Arc<Mapping>> {
+    init()?;
+    if let Some(m) = by_ino(region.ino()) {
+        return Ok(m);
+    }
+    let len = round_up(region.size(), PAGE as u64) as usize;
+    let vaddr = region.vaddr();
+    let (base, reserved, fixed) = if vaddr != 0 {
+        let reserved = reservation_for(len);
+        let end = vaddr.checked_add(reserved as u64);
+        if vaddr < VADDR_WINDOW_START || end.is_none_or(|e| e > VADDR_WINDOW_END) {
+            return Err(map_err(
+                libc::EINVAL,
+                format!(
+                    "region {} has fixed address {vaddr:#x}, outside the window \
+                     [{VADDR_WINDOW_START:#x}, {VADDR_WINDOW_END:#x})",
+                    region.ino()
+                ),
+            ));
+        }
+        let reg = lock_registry();
+        if let Some((b, m)) = reg.by_base.range(..vaddr as usize + reserved).next_back()
+            && m.fixed
+            && *b + m.reserved > vaddr as usize
+        {
+            return Err(map_err(
+                libc::EEXIST,
+                format!(
+                    "the fixed address {vaddr:#x} of region {} is taken in this process by \
+                     region {} at {b:#x}: unmap that region first",
+                    region.ino(),
+                    m.region.ino()
+                ),
+            ));
+        }
+        (vaddr as usize, reserved, true)
+    } else {
+        let reserved = reservation_for(len);
+        let base = sys::reserve_anywhere(reserved)
+            .map_err(|e| io_err("cannot reserve address space for the region", e))?;
+        (base as usize, reserved, false)
+    };
+    let write = region.writable();
+    let mapping = Arc::new(Mapping {
+        region,
+        base,
+        len: AtomicUsize::new(0),
+        reserved,
+        fixed,
+        write,
+        chunks: RwLock::new(Vec::new()),
+        pages: RwLock::new(Vec::new()),
+        segment: Mutex::new(None),
+        resize: Mutex::new(false),
+    });
+    if let Err(e) = mapping.map_range(0, len) {
+        mapping.teardown();
+        return Err(e);
+    }
+    let mut reg = lock_registry();
+    if let Some(existing) = reg
+        .by_ino
+        .get(&mapping.region.ino())
+        .and_then(|b| reg.by_base.get(b))
+        .cloned()
+    {
+        // Another thread mapped it meanwhile: keep theirs.
+        drop(reg);
+        mapping.teardown();
+        return Ok(existing);
+    }
+    reg.by_base.insert(base, Arc::clone(&mapping));
+    reg.by_ino.insert(mapping.region.ino(), base);
+    Ok(mapping)
+}
+
+/// The mapping containing `addr`.
+pub fn lookup(addr: *const u8) -> Option<Arc<Mapping>> {
+    lookup_addr(addr as usize)
+}
+
+fn lookup_addr(addr: usize) -> Option<Arc<Mapping>> {
+    let reg = lock_registry();
+    reg.by_base
+        .range(..=addr)
+        .next_back()
+        .filter(|(b, m)| addr < **b + m.len().max(1))
+        .map(|(_, m)| Arc::clone(m))
+}
+
+/// Unmaps the mapping containing `addr`, writing dirty pages back first.
+pub fn unmap(addr: *const u8) -> Result<()> {
+    let m = lookup(addr).ok_or_else(|| {
+        map_err(
+            libc::EINVAL,
+            format!("{addr:p} is not inside a mapped region"),
+        )
+    })?;
+    let synced = m.msync(m.base as *const u8, m.len());
+    {
+        let mut reg = lock_registry();
+        reg.by_base.remove(&m.base);
+        reg.by_ino.remove(&m.region.ino());
+    }
+    m.teardown();
+    synced
+}
+
+impl Mapping {
+    pub fn base(&self) -> *mut u8 {
+        self.base as *mut u8
+    }
+
+    /// Bytes mapped.
+    pub fn len(&self) -> usize {
+        self.len.load(Ordering::Acquire)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn ino(&self) -> u64 {
+        self.region.ino()
+    }
+
+    /// The region behind the mapping.
+    pub fn region(&self) -> &Arc<AppRegion> {
+        &self.region
+    }
+
+    /// Whether the mapping is writable.
+    pub fn writable(&self) -> bool {
+        self.write
+    }
+
+    /// Extends the region to `new_len` bytes and the mapping with it, in place; `ENOMEM` when
+    /// the address space after the mapping is not free.
+    pub fn grow(&self, new_len: usize) -> Result<()> {
+        let _guard = self.resize.lock().map_err(|_| poisoned())?;
+        let old = self.len();
+        if new_len <= old {
+            return Ok(());
+        }
+        let new_len = round_up(new_len as u64, PAGE as u64) as usize;
+        if new_len > self.reserved {
+            return Err(map_err(
+                libc::ENOMEM,
+                format!(
+                    "region {} cannot grow to {new_len} bytes in place: {} bytes of address \
+                     space are reserved at {:#x}",
+                    self.ino(),
+                    self.reserved,
+                    self.base
+                ),
+            ));
+        }
+        if !self.write {
+            return Err(map_err(
+                libc::EACCES,
+                format!("region {} is mapped read-only; it cannot grow", self.ino()),
+            ));
+        }
+        self.region.extend(new_len as u64)?;
+        self.region.refresh()?;
+        let fixed_now = self.region.vaddr();
+        if self.fixed && fixed_now != self.base as u64 {
+            return Err(map_err(
+                libc::ENOMEM,
+                format!(
+                    "region {} moved to fixed address {fixed_now:#x} when it grew; map it again",
+                    self.ino()
+                ),
+            ));
+        }
+        self.map_range(old, new_len)
+    }
+
+    /// Maps `[from, to)` of the region (page aligned) and publishes the new length.
+    fn map_range(&self, from: usize, to: usize) -> Result<()> {
+        if to <= from {
+            return Ok(());
+        }
+        let chunks_needed = to.div_ceil(CHUNK_SIZE as usize);
+        let mut kinds = Vec::with_capacity(chunks_needed);
+        let mut any_local = false;
+        for c in 0..chunks_needed {
+            let loc = self.region.chunk(c as u64)?;
+            any_local |= loc.local;
+            kinds.push(if loc.local {
+                Backing::Local
+            } else {
+                Backing::Remote
+            });
+        }
+        if any_local {
+            self.ensure_segment()?;
+        }
+        // Page table first, so faults on new pages find their state.
+        {
+            let mut pages = self.pages.write().map_err(|_| poisoned())?;
+            let want = to / PAGE;
+            while pages.len() < want {
+                pages.push(AtomicU8::new(MISSING));
+            }
+        }
+        let mut at = from;
+        while at < to {
+            let c = at / CHUNK_SIZE as usize;
+            let kind = kinds[c].clone();
+            let mut end = ((c + 1) * CHUNK_SIZE as usize).min(to);
+            while end < to && kinds[end / CHUNK_SIZE as usize] == kind {
+                end = ((end / CHUNK_SIZE as usize + 1) * CHUNK_SIZE as usize).min(to);
+            }
+            let addr = (self.base + at) as *mut u8;
+            match kind {
+                Backing::Local => {
+                    let seg = self.segment.lock().map_err(|_| poisoned())?;
+                    let fd = seg.as_ref().ok_or_else(|| {
+                        map_err(libc::EIO, "the host agent gave no segment".into())
+                    })?;
+                    sys::map_fd_fixed(addr, end - at, fd.as_fd(), at as u64, self.write)
+                        .map_err(|e| io_err("cannot map the region's local segment", e))?;
+                }
+                Backing::Remote => {
+                    let faults = uffd::faults().map_err(|e| io_err("remote mapping", e))?;
+                    sys::map_anon_fixed(addr, end - at, self.write)
+                        .map_err(|e| io_err("cannot map memory for remote pages", e))?;
+                    faults
+                        .register(addr as usize, end - at, self.write)
+                        .map_err(|e| io_err("remote mapping", e))?;
+                }
+            }
+            at = end;
+        }
+        *self.chunks.write().map_err(|_| poisoned())? = kinds;
+        self.len.store(to, Ordering::Release);
+        Ok(())
+    }
+
+    fn ensure_segment(&self) -> Result<()> {
+        let mut seg = self.segment.lock().map_err(|_| poisoned())?;
+        // Ask again every time: a grown region's segment may be larger now (the fd is the same
+        // memfd, so an old one would do; asking keeps the check with the agent).
+        if seg.is_none() {
+            match self.region.segment()? {
+                Some(s) => *seg = Some(s.fd),
+                None => {
+                    return Err(map_err(
+                        libc::EIO,
+                        format!(
+                            "the host agent has no segment of region {} although the map puts \
+                             chunks on this host",
+                            self.ino()
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Unmaps everything and gives the address range back.
+    fn teardown(&self) {
+        let Ok(mut gone) = self.resize.lock() else {
+            return;
+        };
+        if *gone {
+            return;
+        }
+        *gone = true;
+        let base = self.base as *mut u8;
+        let result = if self.fixed {
+            sys::re_reserve(base, self.reserved)
+        } else {
+            sys::release(base, self.reserved)
+        };
+        if let Err(e) = result {
+            tracing::warn!(ino = self.ino(), error = %e, "cannot release a region mapping");
+        }
+        self.len.store(0, Ordering::Release);
+        if let Err(e) = self.region.close() {
+            tracing::debug!(ino = self.ino(), error = %e, "closing the region failed");
+        }
+    }
+
+    fn is_remote(&self, page: usize) -> bool {
+        self.chunks.read().is_ok_and(|c| {
+            c.get(page / CHUNK_PAGES)
+                .is_some_and(|k| *k == Backing::Remote)
+        })
+    }
+
+    /// Pages `[first, last)` covered by `[addr, addr + len)`, clipped to the mapping.
+    fn page_range(&self, addr: *const u8, len: usize) -> Result<(usize, usize)> {
+        let a = addr as usize;
+        let mapped = self.len();
+        if a < self.base || a > self.base + mapped {
+            return Err(map_err(
+                libc::EINVAL,
+                format!(
+                    "{addr:p} is outside region {} mapped at {:#x}",
+                    self.ino(),
+                    self.base
+                ),
+            ));
+        }
+        let start = a - self.base;
+        let end = start.saturating_add(len).min(mapped);
+        Ok((start / PAGE, end.div_ceil(PAGE)))
+    }
+
+    fn state(&self, pages: &[AtomicU8], p: usize) -> u8 {
+        pages.get(p).map_or(LOST, |s| s.load(Ordering::Acquire))
+    }
+
+    /// Claims the missing pages of `[first, last)` for fetching; returns the claimed runs.
+    fn claim(pages: &[AtomicU8], first: usize, last: usize) -> Vec<(usize, usize)> {
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for (p, state) in pages.iter().enumerate().take(last).skip(first) {
+            if state
+                .compare_exchange(MISSING, FETCHING, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                match runs.last_mut() {
+                    Some((_, end)) if *end == p => *end = p + 1,
+                    _ => runs.push((p, p + 1)),
+                }
+            }
+        }
+        runs
+    }
+
+    /// Spans of page runs inside chunk `c`, and its daemon address.
+    fn spans_of(&self, c: usize, runs: &[(usize, usize)]) -> Result<(String, Vec<Span>)> {
+        let loc = self.region.chunk(c as u64)?;
+        let chunk_start = c * CHUNK_SIZE as usize;
+        let spans = runs
+            .iter()
+            .map(|&(a, b)| Span {
+                region_offset: (a * PAGE) as u64,
+                pool: loc.pool,
+                pool_offset: loc.pool_offset + (a * PAGE - chunk_start) as u64,
+                len: ((b - a) * PAGE) as u64,
+            })
+            .collect();
+        Ok((loc.addr, spans))
+    }
+
+    /// Fetches the claimed `runs` (all inside chunk `c`) and installs them. On failure the
+    /// claims are given back (pages missing again) and the error returned.
+    fn fetch_runs(&self, faults: &Faults, c: usize, runs: &[(usize, usize)]) -> Result<()> {
+        if runs.is_empty() {
+            return Ok(());
+        }
+        let total: usize = runs.iter().map(|(a, b)| (b - a) * PAGE).sum();
+        let mut buf = vec![0u8; total];
+        let fetched = self.spans_of(c, runs).and_then(|(addr, spans)| {
+            let t = self.region.transport(&addr)?;
+            match t.read(&spans, &mut buf) {
+                Err(RegionsError::Daemon { errno, .. }) if errno == libc::EFAULT => {
+                    // A stale map: fetch it again and retry once.
+                    self.region.refresh()?;
+                    let (addr, spans) = self.spans_of(c, runs)?;
+                    self.region.transport(&addr)?.read(&spans, &mut buf)
+                }
+                other => other,
+            }
+        });
+        let pages = self.pages.read().map_err(|_| poisoned())?;
+        if let Err(e) = fetched {
+            for &(a, b) in runs {
+                for s in &pages[a..b] {
+                    s.store(MISSING, Ordering::Release);
+                }
+            }
+            return Err(e);
+        }
+        let mut at = 0usize;
+        for &(a, b) in runs {
+            let n = (b - a) * PAGE;
+            // Publish the state before the install wakes the faulting threads.
+            for s in &pages[a..b] {
+                s.store(CLEAN, Ordering::Release);
+            }
+            if let Err(e) = faults.install(self.base + a * PAGE, &buf[at..at + n], self.write) {
+                tracing::warn!(ino = self.ino(), error = %e, "cannot install fetched pages");
+                for s in &pages[a..b] {
+                    s.store(MISSING, Ordering::Release);
+                }
+                return Err(io_err("installing fetched pages", e));
+            }
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// Serves a missing fault at page `p`.
+    fn fault_missing(&self, faults: &Faults, p: usize) {
+        let pages = match self.pages.read() {
+            Ok(p) => p,
+            Err(_) => return faults.lose(self.base + p * PAGE, PAGE),
+        };
+        match self.state(&pages, p) {
+            MISSING => {}
+            // Another thread is fetching it: its install wakes this one.
+            FETCHING => return,
+            _ => return faults.wake(self.base + p * PAGE, PAGE),
+        }
+        let c = p / CHUNK_PAGES;
+        let chunk_end = ((c + 1) * CHUNK_PAGES).min(pages.len());
+        let window_end = (p + prefetch_pages()).min(chunk_end);
+        let runs = Self::claim(&pages, p, window_end);
+        drop(pages);
+        if runs.first().is_none_or(|r| r.0 != p) {
+            // Lost the race for the faulting page; whoever won wakes the thread.
+            if let Err(e) = self.fetch_runs(faults, c, &runs) {
+                tracing::debug!(error = %e, "prefetch on fault failed");
+            }
+            return;
+        }
+        if let Err(e) = self.fetch_runs(faults, c, &runs) {
+            tracing::warn!(
+                ino = self.ino(),
+                offset = p * PAGE,
+                error = %e,
+                "cannot fetch a page of a mapped region; the access gets SIGBUS"
+            );
+            if let Ok(pages) = self.pages.read()
+                && let Some(s) = pages.get(p)
+            {
+                s.store(LOST, Ordering::Release);
+            }
+            faults.lose(self.base + p * PAGE, PAGE);
+        }
+    }
+
+    /// Serves a write to a write-protected page `p`: it becomes dirty.
+    fn fault_write(&self, faults: &Faults, p: usize) {
+        if let Ok(pages) = self.pages.read()
+            && let Some(s) = pages.get(p)
+        {
+            s.store(DIRTY, Ordering::Release);
+        }
+        if let Err(e) = faults.unprotect(self.base + p * PAGE, PAGE) {
+            tracing::warn!(ino = self.ino(), error = %e, "cannot lift write protection");
+            faults.wake(self.base + p * PAGE, PAGE);
+        }
+    }
+
+    /// Fetches the missing remote pages of `[addr, addr + len)`; with `sync` before returning,
+    /// else in the background.
+    pub fn prefetch(&self, addr: *const u8, len: usize, sync: bool) -> Result<()> {
+        let (first, last) = self.page_range(addr, len)?;
+        if !sync {
+            if let Ok(f) = uffd::faults() {
+                f.submit(Job::Prefetch {
+                    addr: self.base + first * PAGE,
+                    len: (last - first) * PAGE,
+                });
+            }
+            return Ok(());
+        }
+        self.fetch_range(first, last)
+    }
+
+    fn fetch_range(&self, first: usize, last: usize) -> Result<()> {
+        let faults = match uffd::faults() {
+            Ok(f) => f,
+            Err(_) => return Ok(()), // nothing remote can be mapped then
+        };
+        let mut c = first / CHUNK_PAGES;
+        while c * CHUNK_PAGES < last {
+            let a = (c * CHUNK_PAGES).max(first);
+            let b = ((c + 1) * CHUNK_PAGES).min(last);
+            if self.is_remote(a) {
+                let runs = {
+                    let pages = self.pages.read().map_err(|_| poisoned())?;
+                    Self::claim(&pages, a, b.min(pages.len()))
+                };
+                self.fetch_runs(&faults, c, &runs)?;
+            }
+            c += 1;
+        }
+        Ok(())
+    }
+
+    /// Marks `[addr, addr + len)` dirty so that [`Mapping::msync`] writes it back. With `zero`,
+    /// missing pages become zero pages without being fetched (the caller overwrites them);
+    /// without, they are fetched first.
+    pub fn markdirty(&self, addr: *const u8, len: usize, zero: bool) -> Result<()> {
+        if !self.write {
+            return Err(map_err(
+                libc::EACCES,
+                format!("region {} is mapped read-only", self.ino()),
+            ));
+        }
+        let (first, last) = self.page_range(addr, len)?;
+        let Ok(faults) = uffd::faults() else {
+            return Ok(());
+        };
+        if !zero {
+            self.fetch_range(first, last)?;
+        }
+        let zeros = vec![0u8; CHUNK_SIZE as usize];
+        let pages = self.pages.read().map_err(|_| poisoned())?;
+        let last = last.min(pages.len());
+        let mut p = first;
+        while p < last {
+            if !self.is_remote(p) {
+                p += 1;
+                continue;
+            }
+            let state = &pages[p];
+            if zero
+                && state
+                    .compare_exchange(MISSING, FETCHING, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+            {
+                // A run of missing pages inside this chunk: zero pages, writable, dirty.
+                let chunk_end = ((p / CHUNK_PAGES + 1) * CHUNK_PAGES).min(last);
+                let mut end = p + 1;
+                while end < chunk_end
+                    && pages[end]
+                        .compare_exchange(MISSING, FETCHING, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
+                {
+                    end += 1;
+                }
+                for s in &pages[p..end] {
+                    s.store(DIRTY, Ordering::Release);
+                }
+                faults
+                    .install(self.base + p * PAGE, &zeros[..(end - p) * PAGE], false)
+                    .map_err(|e| io_err("installing zero pages", e))?;
+                p = end;
+                continue;
+            }
+            loop {
+                let s = state.load(Ordering::Acquire);
+                match s {
+                    CLEAN | SYNCING => {
+                        if state
+                            .compare_exchange(s, DIRTY, Ordering::AcqRel, Ordering::Acquire)
+                            .is_ok()
+                        {
+                            faults
+                                .unprotect(self.base + p * PAGE, PAGE)
+                                .map_err(|e| io_err("marking a page dirty", e))?;
+                            break;
+                        }
+                    }
+                    FETCHING => std::thread::yield_now(),
+                    _ => break,
+                }
+            }
+            p += 1;
+        }
+        Ok(())
+    }
+
+    /// Writes the dirty remote pages of `[addr, addr + len)` back (vector writes, one request
+    /// per chunk) and write-protects them again so that later writes are seen. Local chunks are
+    /// the region's memory itself and need nothing.
+    pub fn msync(&self, addr: *const u8, len: usize) -> Result<()> {
+        let (first, last) = self.page_range(addr, len)?;
+        let Ok(faults) = uffd::faults() else {
+            return Ok(());
+        };
+        let pages = self.pages.read().map_err(|_| poisoned())?;
+        let last = last.min(pages.len());
+        let mut c = first / CHUNK_PAGES;
+        let mut result = Ok(());
+        while c * CHUNK_PAGES < last {
+            let a = (c * CHUNK_PAGES).max(first);
+            let b = ((c + 1) * CHUNK_PAGES).min(last);
+            c += 1;
+            if !self.is_remote(a) {
+                continue;
+            }
+            let mut runs: Vec<(usize, usize)> = Vec::new();
+            for (p, s) in pages.iter().enumerate().take(b).skip(a) {
+                if s.compare_exchange(DIRTY, SYNCING, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    match runs.last_mut() {
+                        Some((_, end)) if *end == p => *end = p + 1,
+                        _ => runs.push((p, p + 1)),
+                    }
+                }
+            }
+            if runs.is_empty() {
+                continue;
+            }
+            let total: usize = runs.iter().map(|(a, b)| (b - a) * PAGE).sum();
+            let mut buf = vec![0u8; total];
+            let mut at = 0;
+            for &(a, b) in &runs {
+                let n = (b - a) * PAGE;
+                // Protect first: a write from now on faults and marks the page dirty again.
+                if let Err(e) = faults.protect(self.base + a * PAGE, n) {
+                    result = Err(io_err("write-protecting pages for msync", e));
+                }
+                // SAFETY: the pages are present (dirty pages were installed and never dropped
+                // while dirty) and mapped readable; concurrent writers at worst leave the page
+                // dirty for the next msync.
+                unsafe { sys::copy_out((self.base + a * PAGE) as *const u8, &mut buf[at..at + n]) };
+                at += n;
+            }
+            let c0 = (a) / CHUNK_PAGES;
+            let written = self.spans_of(c0, &runs).and_then(|(addr, spans)| {
+                self.region.transport(&addr)?.write(&spans, &buf)
+            });
+            for &(a, b) in &runs {
+                for s in &pages[a..b] {
+                    let to = if written.is_ok() { CLEAN } else { DIRTY };
+                    // A write meanwhile made it DIRTY again: leave that.
+                    let _ = s.compare_exchange(SYNCING, to, Ordering::AcqRel, Ordering::Acquire);
+                }
+            }
+            if let Err(e) = written {
+                result = Err(e);
+            }
+        }
+        result
+    }
+
+    /// Drops the cached remote pages of `[addr, addr + len)` (dirty ones are written back
+    /// first), so the next access fetches them afresh; pages lost to an earlier failure become
+    /// fetchable again.
+    pub fn clearcache(&self, addr: *const u8, len: usize) -> Result<()> {
+        self.msync(addr, len)?;
+        let (first, last) = self.page_range(addr, len)?;
+        let Ok(faults) = uffd::faults() else {
+            return Ok(());
+        };
+        let pages = self.pages.read().map_err(|_| poisoned())?;
+        let last = last.min(pages.len());
+        let mut p = first;
+        while p < last {
+            if !self.is_remote(p) {
+                p += 1;
+                continue;
+            }
+            let mut end = p;
+            while end < last && self.is_remote(end) {
+                end += 1;
+            }
+            let at = (self.base + p * PAGE) as *mut u8;
+            let n = (end - p) * PAGE;
+            let any_lost = pages[p..end]
+                .iter()
+                .any(|s| s.load(Ordering::Acquire) == LOST);
+            if any_lost {
+                sys::map_anon_fixed(at, n, self.write)
+                    .map_err(|e| io_err("re-mapping lost pages", e))?;
+                faults
+                    .register(at as usize, n, self.write)
+                    .map_err(|e| io_err("re-registering lost pages", e))?;
+            } else {
+                sys::drop_pages(at, n).map_err(|e| io_err("dropping cached pages", e))?;
+            }
+            for s in &pages[p..end] {
+                let v = s.load(Ordering::Acquire);
+                if matches!(v, CLEAN | LOST | DIRTY) {
+                    s.store(MISSING, Ordering::Release);
+                }
+            }
+            p = end;
+        }
+        Ok(())
+    }
+}
+
+fn poisoned() -> RegionsError {
+    map_err(
+        libc::EIO,
+        "mapping state lock poisoned by a panic in another thread".into(),
+    )
+}
+
+/// Runs one job of the fault threads.
+fn serve(job: Job) {
+    let Ok(faults) = uffd::faults() else {
+        return;
+    };
+    match job {
+        Job::Missing(addr) | Job::WriteProtect(addr) => {
+            let Some(m) = lookup_addr(addr) else {
+                // Not ours (unmapped meanwhile): make the access fail rather than hang.
+                faults.lose(addr, PAGE);
+                return;
+            };
+            let p = (addr - m.base) / PAGE;
+            if matches!(job, Job::WriteProtect(_)) {
+                m.fault_write(&faults, p);
+            } else {
+                m.fault_missing(&faults, p);
+            }
+        }
+        Job::Prefetch { addr, len } => {
+            if let Some(m) = lookup_addr(addr)
+                && let Ok((first, last)) = m.page_range(addr as *const u8, len)
+                && let Err(e) = m.fetch_range(first, last)
+            {
+                tracing::debug!(error = %e, "background prefetch failed");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reservations_leave_room_to_grow() {
+        assert_eq!(reservation_for(0), MIN_RESERVATION);
+        assert_eq!(reservation_for(MIN_RESERVATION + 1), 2 * MIN_RESERVATION);
+        assert_eq!(round_up(1, PAGE as u64), PAGE as u64);
+    }
+
+    #[test]
+    fn claims_only_missing_pages() {
+        let pages: Vec<AtomicU8> = (0..8).map(|_| AtomicU8::new(MISSING)).collect();
+        pages[2].store(CLEAN, Ordering::Relaxed);
+        pages[5].store(FETCHING, Ordering::Relaxed);
+        let runs = Mapping::claim(&pages, 0, 8);
+        assert_eq!(runs, vec![(0, 2), (3, 5), (6, 8)]);
+        assert!(Mapping::claim(&pages, 0, 8).is_empty());
+    }
+
+    #[test]
+    fn window_is_reserved_once() {
+        init().unwrap();
+        init().unwrap();
+        // The window is taken: nothing else can land in it.
+        assert!(sys::reserve_fixed_noreplace(VADDR_WINDOW_START as usize, PAGE).is_err());
+    }
+
+    #[test]
+    fn prefetch_window_is_clamped() {
+        set_prefetch_pages(0);
+        assert_eq!(prefetch_pages(), 1);
+        set_prefetch_pages(1000);
+        assert_eq!(prefetch_pages(), CHUNK_PAGES);
+        set_prefetch_pages(DEFAULT_PREFETCH_PAGES);
+    }
+}

@@ -1,0 +1,264 @@
+//! The process's userfaultfd: one reader thread takes fault events off it and hands them to a
+//! bounded pool of worker threads through a bounded queue; the workers fetch pages through the
+//! transport and install them (`UFFDIO_COPY`, write-protected so that the first write is
+//! seen), mark pages dirty on write-protect faults, and make a fault that cannot be served raise
+//! `SIGBUS` in the faulting thread (the page is replaced by a mapping of an empty memfd, then
+//! the thread is woken: its retried access lies past the end of that file).
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use userfaultfd::{Event, FaultKind, FeatureFlags, RegisterMode, Uffd, UffdBuilder};
+
+use super::sys::{self, PAGE};
+
+/// Fault events queued for the workers before the reader waits.
+const QUEUE: usize = 1024;
+/// Default number of fault-serving threads (env `REGIONS_FAULT_THREADS`).
+const DEFAULT_WORKERS: usize = 4;
+
+/// Work for the fault threads.
+pub(crate) enum Job {
+    /// A missing-page fault at `addr`.
+    Missing(usize),
+    /// A write to a write-protected page at `addr`.
+    WriteProtect(usize),
+    /// Fetch pages ahead (asynchronous `rprefetch`).
+    Prefetch {
+        addr: usize,
+        len: usize,
+    },
+}
+
+/// The process-wide userfaultfd and its threads.
+pub(crate) struct Faults {
+    uffd: Uffd,
+    /// An empty memfd: mapped over a lost page, any access raises SIGBUS.
+    lost: OwnedFd,
+    queue: SyncSender<Job>,
+}
+
+static FAULTS: OnceLock<std::result::Result<Arc<Faults>, String>> = OnceLock::new();
+
+/// The process's fault handling, started on first use.
+pub(crate) fn faults() -> io::Result<Arc<Faults>> {
+    FAULTS
+        .get_or_init(|| start().map_err(|e| e.to_string()))
+        .clone()
+        .map_err(|e| {
+            io::Error::other(format!(
+                "userfaultfd is not available ({e}): remote regions cannot be mapped; check \
+                 /dev/userfaultfd permissions or vm.unprivileged_userfaultfd"
+            ))
+        })
+}
+
+fn start() -> io::Result<Arc<Faults>> {
+    let uffd = UffdBuilder::new()
+        .close_on_exec(true)
+        .non_blocking(false)
+        .user_mode_only(true)
+        .require_features(FeatureFlags::PAGEFAULT_FLAG_WP)
+        .create()
+        .map_err(|e| io::Error::other(format!("creating the userfaultfd: {e}")))?;
+    let lost = sys::empty_memfd()?;
+    let (tx, rx) = sync_channel::<Job>(QUEUE);
+    let faults = Arc::new(Faults {
+        uffd,
+        lost,
+        queue: tx,
+    });
+    let rx = Arc::new(Mutex::new(rx));
+    let workers = std::env::var("REGIONS_FAULT_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|n| (1..=64).contains(n))
+        .unwrap_or(DEFAULT_WORKERS);
+    for i in 0..workers {
+        let rx = Arc::clone(&rx);
+        std::thread::Builder::new()
+            .name(format!("regions-fault-{i}"))
+            .spawn(move || worker(&rx))?;
+    }
+    let reader = Arc::clone(&faults);
+    std::thread::Builder::new()
+        .name("regions-uffd".into())
+        .spawn(move || read_loop(&reader))?;
+    Ok(faults)
+}
+
+fn read_loop(faults: &Faults) {
+    loop {
+        match faults.uffd.read_event() {
+            Ok(Some(Event::Pagefault { kind, addr, .. })) => {
+                let addr = addr as usize & !(PAGE - 1);
+                let job = match kind {
+                    FaultKind::WriteProtected => Job::WriteProtect(addr),
+                    _ => Job::Missing(addr),
+                };
+                if faults.queue.send(job).is_err() {
+                    return;
+                }
+            }
+            Ok(Some(other)) => tracing::debug!(event = ?other, "ignoring a userfaultfd event"),
+            Ok(None) => {}
+            Err(e) => {
+                tracing::error!(error = %e, "reading the userfaultfd failed; remote mappings stop being served");
+                return;
+            }
+        }
+    }
+}
+
+fn worker(rx: &Mutex<Receiver<Job>>) {
+    loop {
+        let job = match rx.lock() {
+            Ok(rx) => match rx.recv() {
+                Ok(job) => job,
+                Err(_) => return,
+            },
+            Err(_) => return,
+        };
+        super::serve(job);
+    }
+}
+
+impl Faults {
+    /// Queues background work; dropped (with a log line) when the queue is full.
+    pub(crate) fn submit(&self, job: Job) {
+        match self.queue.try_send(job) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) => {
+                tracing::debug!("fault queue full; dropping a background prefetch")
+            }
+            Err(TrySendError::Disconnected(_)) => {}
+        }
+    }
+
+    /// Registers `[addr, addr + len)` for missing faults, and write-protect faults if `wp`.
+    pub(crate) fn register(&self, addr: usize, len: usize, wp: bool) -> io::Result<()> {
+        let mode = if wp {
+            RegisterMode::MISSING | RegisterMode::WRITE_PROTECT
+        } else {
+            RegisterMode::MISSING
+        };
+        self.uffd
+            .register_with_mode(addr as *mut libc::c_void, len, mode)
+            .map(drop)
+            .map_err(|e| io::Error::other(format!("registering remote pages with userfaultfd: {e}")))
+    }
+
+    /// Installs `src` at `dst` (page aligned, whole pages), write-protected if `wp`, and wakes
+    /// the threads waiting there. Pages someone installed meanwhile are left alone.
+    pub(crate) fn install(&self, dst: usize, src: &[u8], wp: bool) -> io::Result<()> {
+        let mut done = 0usize;
+        while done < src.len() {
+            let mut copy = userfaultfd_sys::uffdio_copy {
+                dst: (dst + done) as u64,
+                src: src[done..].as_ptr() as u64,
+                len: (src.len() - done) as u64,
+                mode: if wp {
+                    userfaultfd_sys::UFFDIO_COPY_MODE_WP
+                } else {
+                    0
+                },
+                copy: 0,
+            };
+            // SAFETY: UFFDIO_COPY reads `len` bytes from `src` (a live Rust buffer of that
+            // length) and writes into pages of a range registered with this userfaultfd; the
+            // struct is a valid uffdio_copy the kernel updates in place.
+            let ret = unsafe {
+                libc::ioctl(
+                    self.uffd.as_raw_fd(),
+                    userfaultfd_sys::UFFDIO_COPY as _,
+                    &mut copy as *mut userfaultfd_sys::uffdio_copy,
+                )
+            };
+            if ret == 0 {
+                done = src.len();
+                continue;
+            }
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EAGAIN) if copy.copy > 0 => done += copy.copy as usize,
+                Some(libc::EAGAIN) => std::thread::yield_now(),
+                Some(libc::EEXIST) => {
+                    // Some page is there already: install the rest one page at a time.
+                    let first = if copy.copy > 0 { copy.copy as usize } else { 0 };
+                    done += first;
+                    if done < src.len() {
+                        let page = &src[done..done + PAGE];
+                        match self.install_one(dst + done, page, wp) {
+                            Ok(()) => {}
+                            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+                            Err(e) => return Err(e),
+                        }
+                        done += PAGE;
+                    }
+                }
+                _ => return Err(e),
+            }
+        }
+        self.wake(dst, src.len());
+        Ok(())
+    }
+
+    fn install_one(&self, dst: usize, page: &[u8], wp: bool) -> io::Result<()> {
+        let mut copy = userfaultfd_sys::uffdio_copy {
+            dst: dst as u64,
+            src: page.as_ptr() as u64,
+            len: page.len() as u64,
+            mode: if wp {
+                userfaultfd_sys::UFFDIO_COPY_MODE_WP
+            } else {
+                0
+            },
+            copy: 0,
+        };
+        // SAFETY: as in `install`, for one page.
+        let ret = unsafe {
+            libc::ioctl(
+                self.uffd.as_raw_fd(),
+                userfaultfd_sys::UFFDIO_COPY as _,
+                &mut copy as *mut userfaultfd_sys::uffdio_copy,
+            )
+        };
+        if ret == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
+
+    /// Wakes threads waiting on faults in `[addr, addr + len)`.
+    pub(crate) fn wake(&self, addr: usize, len: usize) {
+        if let Err(e) = self.uffd.wake(addr as *mut libc::c_void, len) {
+            tracing::debug!(addr, len, error = %e, "userfaultfd wake failed");
+        }
+    }
+
+    /// Write-protects present pages of `[addr, addr + len)`.
+    pub(crate) fn protect(&self, addr: usize, len: usize) -> io::Result<()> {
+        self.uffd
+            .write_protect(addr as *mut libc::c_void, len)
+            .map_err(|e| io::Error::other(format!("write-protecting pages: {e}")))
+    }
+
+    /// Lifts write protection on `[addr, addr + len)` and wakes the waiting writers.
+    pub(crate) fn unprotect(&self, addr: usize, len: usize) -> io::Result<()> {
+        self.uffd
+            .remove_write_protection(addr as *mut libc::c_void, len, true)
+            .map_err(|e| io::Error::other(format!("lifting write protection: {e}")))
+    }
+
+    /// Makes accesses to `[addr, addr + len)` raise SIGBUS, and wakes the threads waiting
+    /// there so that they do.
+    pub(crate) fn lose(&self, addr: usize, len: usize) {
+        if let Err(e) = sys::map_fd_fixed(addr as *mut u8, len, self.lost.as_fd(), 0, false) {
+            tracing::error!(addr, len, error = %e, "cannot poison a lost page");
+        }
+        self.wake(addr, len);
+    }
+}

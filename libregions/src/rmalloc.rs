@@ -1,0 +1,1595 @@
+//! rmalloc: an allocator whose whole state lives in the memory it manages
+//! (paper 003 §5.7), so that any process that maps a region continues the
+//! allocations of the processes before it.
+//!
+//! # Layout
+//!
+//! The managed memory is a sequence of 4 KiB pages. Page 0 holds the
+//! [`Header`]: a magic number and version, a lock word, the managed length, the
+//! root pointer slot (rsetroot/rgetroot), the heads of the per-size-class slab
+//! lists and of the free-page bins. A *page map* (one `u32` per page, at
+//! `map_off`) says what every page is: allocator metadata, the head or tail of
+//! a free run, the first page of a large block, an interior page, or a page of
+//! a slab (with its size class and its index in the slab).
+//!
+//! - Small blocks (1..=2048 bytes) come from slabs of 1-8 pages, one size
+//!   class per slab (24 classes, 16-byte granularity up to 128 bytes, then
+//!   four per power of two). A slab keeps a free list threaded through its
+//!   free blocks, a bump index for never-used blocks, and a bitmap of the
+//!   blocks handed out (so a double free or a pointer into the middle of a
+//!   block is refused with `EINVAL`). Slabs with free blocks are on their
+//!   class's partial list; an empty slab goes back to the page allocator
+//!   unless it is the class's last one.
+//! - Large blocks are runs of whole pages, page aligned. Free runs carry their
+//!   length in the page map at both ends (boundary tags, so a freed run merges
+//!   with its neighbours in O(1)) and sit in 64 bins: exact bins for 1-32
+//!   pages, then one bin per power of two.
+//!
+//! Everything stored in the region is an *offset* from the start of the
+//! region, never a pointer, so the heap works wherever the region is mapped
+//! (a FIXVADDR region maps at the same address on every host, which keeps the
+//! application's own pointers valid too).
+//!
+//! # Concurrency
+//!
+//! Every operation holds the lock word in the header: a futex on the mapped
+//! memory (not `FUTEX_PRIVATE`), so threads and processes of one host that
+//! map the region exclude each other. The word holds the holder's thread id;
+//! a waiter that finds the holder's thread gone (same pid namespace) takes the
+//! lock over instead of hanging. Concurrent allocation from *different hosts*
+//! is not supported: each host works on its own cached copy of remote pages.
+//! Hand the heap over instead (the writer `rmsync`s, the next host
+//! `rclearcache`s or maps afresh).
+//!
+//! # Errors
+//!
+//! [`HeapError::Full`] when no free run is large enough (the caller grows the
+//! region and calls [`Heap::extend`]), [`HeapError::Corrupt`] when the header
+//! or a structure fails validation and [`HeapError::BadPointer`] for a pointer
+//! that is not a live block; see [`HeapError::errno`].
+
+use std::cell::Cell;
+use std::ptr;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Page size of the heap (also its unit of growth).
+pub const PAGE: usize = 4096;
+const PAGE_SHIFT: u32 = 12;
+/// `b"RGNALLOC"` little-endian: marks memory that holds a heap.
+pub const MAGIC: u64 = u64::from_le_bytes(*b"RGNALLOC");
+/// Stored in `magic` while one process initialises the heap.
+const MAGIC_INIT: u64 = u64::from_le_bytes(*b"RGNINIT.");
+/// Layout version.
+pub const VERSION: u32 = 1;
+/// Smallest memory a heap can be created in.
+pub const MIN_HEAP: usize = 16 * PAGE;
+/// Largest block served from slabs.
+pub const MAX_SMALL: usize = 2048;
+/// Blocks are aligned to this many bytes (large blocks to a page).
+pub const ALIGN: usize = 16;
+
+const CLASS_SIZES: [u32; NCLASSES] = [
+    16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
+    1280, 1536, 1792, 2048,
+];
+const NCLASSES: usize = 24;
+const NBINS: usize = 64;
+const EXACT_BINS: usize = 32;
+/// Offset of the first block in a slab (after [`Slab`]).
+const SLAB_HDR: usize = 128;
+const SLAB_MAGIC: u32 = 0x5342_4c53; // "SLBS"
+const MAX_SLAB_BLOCKS: usize = 256;
+const RUN_MAGIC: u64 = u64::from_le_bytes(*b"FREERUN.");
+
+// Page map entries: kind in the top 4 bits, a value in the low 28.
+const K_META: u32 = 1; // header or page map
+const K_FREE: u32 = 2; // head or tail of a free run; value = run length
+const K_FREE_IN: u32 = 3; // interior of a free run
+const K_LARGE: u32 = 4; // first page of a large block; value = pages
+const K_CONT: u32 = 5; // interior page of a large block
+const K_SLAB: u32 = 6; // slab page; value = class << 8 | index in slab
+const VALUE_MASK: u32 = (1 << 28) - 1;
+/// Longest run the page map can describe (1 TiB).
+const MAX_RUN: u64 = VALUE_MASK as u64;
+
+const LOCK_WAITERS: u32 = 1 << 31;
+
+/// The heap header at offset 0 of the managed memory.
+#[repr(C)]
+struct Header {
+    magic: AtomicU64,
+    version: u32,
+    page_size: u32,
+    lock: AtomicU32,
+    _pad0: u32,
+    /// pid namespace (inode of /proc/self/ns/pid) of the lock holder.
+    lock_ns: AtomicU64,
+    /// Checksum of the layout fields below.
+    checksum: u64,
+    len: u64,
+    npages: u64,
+    map_off: u64,
+    map_cap: u64,
+    /// Offset + 1 of the root block, 0 for none.
+    root: AtomicU64,
+    /// Bit b set when bin b is not empty.
+    bin_mask: u64,
+    /// Bytes in live blocks (requested sizes rounded to their class or pages).
+    allocated: u64,
+    /// Live blocks.
+    nblocks: u64,
+    partial: [u64; NCLASSES],
+    bins: [u64; NBINS],
+}
+
+const _: () = assert!(std::mem::size_of::<Header>() <= PAGE / 2);
+
+/// A slab's header, at the start of its first page.
+#[repr(C)]
+struct Slab {
+    magic: u32,
+    class: u16,
+    pages: u16,
+    nblocks: u16,
+    used: u16,
+    bump: u16,
+    _pad: u16,
+    /// Offset of the first free block (0 for none); each free block starts
+    /// with the offset of the next.
+    free: u64,
+    next: u64,
+    prev: u64,
+    /// Bit i set while block i is handed out.
+    bitmap: [u64; MAX_SLAB_BLOCKS / 64],
+}
+
+const _: () = assert!(std::mem::size_of::<Slab>() <= SLAB_HDR);
+
+/// The links of a free run, at the start of its first page.
+#[repr(C)]
+struct FreeRun {
+    magic: u64,
+    next: u64,
+    prev: u64,
+    pages: u64,
+}
+
+/// What can go wrong in a heap operation.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum HeapError {
+    /// No free run can hold `pages` more pages; grow the memory and
+    /// [`Heap::extend`].
+    #[error("the region is full: {pages} more pages needed")]
+    Full { pages: u64 },
+    /// The heap's length (set by another process that grew it), or the
+    /// smallest heap, is larger than the memory this view covers; map `len`
+    /// bytes and retry.
+    #[error("the heap spans {len} bytes, more than this process has mapped")]
+    NeedsMapping { len: u64 },
+    /// The memory is not a valid heap.
+    #[error("rmalloc heap corrupt: {0}")]
+    Corrupt(String),
+    /// A pointer that is not a live block of this heap.
+    #[error("not an rmalloc block: {0}")]
+    BadPointer(String),
+    /// The memory holds other data, or is too small for a heap.
+    #[error("{0}")]
+    NotAHeap(String),
+    /// Another process is initialising the heap and did not finish in time.
+    #[error("another process started initialising the heap and did not finish")]
+    InitTimeout,
+}
+
+impl HeapError {
+    /// The errno an application sees.
+    pub fn errno(&self) -> i32 {
+        match self {
+            HeapError::Full { .. } | HeapError::NeedsMapping { .. } => libc::ENOMEM,
+            HeapError::Corrupt(_) | HeapError::BadPointer(_) | HeapError::NotAHeap(_) => {
+                libc::EINVAL
+            }
+            HeapError::InitTimeout => libc::EAGAIN,
+        }
+    }
+}
+
+impl From<HeapError> for crate::RegionsError {
+    fn from(e: HeapError) -> Self {
+        match e {
+            HeapError::Full { .. } | HeapError::NeedsMapping { .. } => {
+                crate::RegionsError::NoMemory(e.to_string())
+            }
+            HeapError::InitTimeout => crate::RegionsError::io(
+                "rmalloc",
+                std::io::Error::new(std::io::ErrorKind::WouldBlock, e.to_string()),
+            ),
+            _ => crate::RegionsError::Invalid(e.to_string()),
+        }
+    }
+}
+
+type HResult<T> = std::result::Result<T, HeapError>;
+
+/// Usage numbers of a heap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeapStats {
+    /// Bytes managed.
+    pub len: u64,
+    /// Pages in free runs.
+    pub free_pages: u64,
+    /// Bytes in live blocks.
+    pub allocated: u64,
+    /// Live blocks.
+    pub blocks: u64,
+    /// Longest free run, in pages.
+    pub largest_free_run: u64,
+    /// Pages of slabs with free blocks (each class keeps its last slab even
+    /// when it is empty).
+    pub partial_slab_pages: u64,
+}
+
+/// A view of a heap in memory at `base`, of which `mapped` bytes are
+/// accessible in this process. Cheap to create; all state is in the memory.
+#[derive(Clone, Copy, Debug)]
+pub struct Heap {
+    base: *mut u8,
+    mapped: usize,
+}
+
+// SAFETY: a Heap is an address and a length; every access to the memory goes
+// through the header's lock (or atomics), which serialises threads.
+unsafe impl Send for Heap {}
+// SAFETY: as above.
+unsafe impl Sync for Heap {}
+
+fn class_of(size: usize) -> usize {
+    static TABLE: OnceLock<[u8; MAX_SMALL / ALIGN + 1]> = OnceLock::new();
+    let t = TABLE.get_or_init(|| {
+        let mut t = [0u8; MAX_SMALL / ALIGN + 1];
+        for (i, slot) in t.iter_mut().enumerate() {
+            let bytes = (i * ALIGN) as u32;
+            *slot = CLASS_SIZES.iter().position(|&c| c >= bytes).unwrap_or(0) as u8;
+        }
+        t
+    });
+    t[size.div_ceil(ALIGN)] as usize
+}
+
+/// Pages per slab and blocks per slab of class `c`.
+const fn slab_geometry(c: usize) -> (usize, usize) {
+    let size = CLASS_SIZES[c] as usize;
+    let mut pages = (size * 64 + SLAB_HDR).div_ceil(PAGE);
+    if pages > 8 {
+        pages = 8;
+    }
+    let mut n = (pages * PAGE - SLAB_HDR) / size;
+    if n > MAX_SLAB_BLOCKS {
+        n = MAX_SLAB_BLOCKS;
+    }
+    (pages, n)
+}
+
+fn bin_of(pages: u64) -> usize {
+    if pages <= EXACT_BINS as u64 {
+        (pages - 1) as usize
+    } else {
+        (EXACT_BINS + pages.ilog2() as usize - 5).min(NBINS - 1)
+    }
+}
+
+fn entry(kind: u32, value: u64) -> u32 {
+    debug_assert!(value <= MAX_RUN);
+    (kind << 28) | (value as u32 & VALUE_MASK)
+}
+
+fn kind(e: u32) -> u32 {
+    e >> 28
+}
+
+fn value(e: u32) -> u64 {
+    (e & VALUE_MASK) as u64
+}
+
+fn checksum(h: *const Header) -> u64 {
+    // SAFETY: the caller passes a header inside the mapped memory.
+    let fields = unsafe {
+        [
+            (*h).version as u64 | ((*h).page_size as u64) << 32,
+            (*h).len,
+            (*h).npages,
+            (*h).map_off,
+            (*h).map_cap,
+        ]
+    };
+    // FNV-1a over the words, seeded with the magic.
+    let mut x = 0xcbf2_9ce4_8422_2325u64 ^ MAGIC;
+    for f in fields {
+        x ^= f;
+        x = x.wrapping_mul(0x0100_0000_01b3);
+    }
+    x
+}
+
+fn current_tid() -> u32 {
+    thread_local! {
+        static TID: Cell<u32> = const { Cell::new(0) };
+    }
+    TID.with(|t| {
+        let v = t.get();
+        if v != 0 {
+            return v;
+        }
+        // SAFETY: gettid has no preconditions.
+        let tid = unsafe { libc::gettid() } as u32;
+        t.set(tid);
+        tid
+    })
+}
+
+fn pid_namespace() -> u64 {
+    static NS: OnceLock<u64> = OnceLock::new();
+    *NS.get_or_init(|| {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata("/proc/self/ns/pid")
+            .map(|m| m.ino())
+            .unwrap_or(0)
+    })
+}
+
+fn thread_alive(tid: u32) -> bool {
+    // SAFETY: kill with signal 0 only checks that the task exists.
+    let r = unsafe { libc::kill(tid as libc::pid_t, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+}
+
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: the futex word is a valid aligned u32 in mapped memory; the
+    // kernel only reads it. Shared (not PRIVATE) so processes mapping the
+    // same memory meet on it.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+        );
+    }
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: as in futex_wait; wakes at most one waiter.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, 1);
+    }
+}
+
+/// Holds the heap lock; releases it on drop.
+struct Guard<'a> {
+    word: &'a AtomicU32,
+}
+
+impl Drop for Guard<'_> {
+    fn drop(&mut self) {
+        if self.word.swap(0, Ordering::Release) & LOCK_WAITERS != 0 {
+            futex_wake(self.word);
+        }
+    }
+}
+
+impl Heap {
+    /// A view of the heap in `mapped` bytes at `base`, initialising a new
+    /// heap there if the first page is all zeros.
+    ///
+    /// # Safety
+    ///
+    /// `base` must point to `mapped` bytes of readable and writable memory,
+    /// page aligned, that stay mapped while the view is used, and that only
+    /// rmalloc heaps use (other processes mapping the same memory included).
+    pub unsafe fn attach(base: *mut u8, mapped: usize) -> HResult<Heap> {
+        if base.is_null() || !(base as usize).is_multiple_of(PAGE) {
+            return Err(HeapError::NotAHeap(format!(
+                "heap memory at {base:p} is not page aligned"
+            )));
+        }
+        let heap = Heap { base, mapped };
+        let h = heap.header();
+        if mapped < PAGE {
+            return Err(HeapError::NeedsMapping {
+                len: MIN_HEAP as u64,
+            });
+        }
+        // SAFETY: the header lies in the first page, which is mapped.
+        let magic = unsafe { &(*h).magic };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match magic.load(Ordering::Acquire) {
+                // The layout fields are checked under the lock by every
+                // operation (another process may be growing the heap now).
+                MAGIC => return Ok(heap),
+                MAGIC_INIT => {
+                    if Instant::now() > deadline {
+                        return Err(HeapError::InitTimeout);
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                0 => {
+                    // SAFETY: the first page is mapped.
+                    let first = unsafe { std::slice::from_raw_parts(base as *const u8, PAGE) };
+                    if first.iter().any(|&b| b != 0) {
+                        return Err(HeapError::NotAHeap(
+                            "the region holds data that is not an rmalloc heap (its first page \
+                             is not zero); use an empty region"
+                                .into(),
+                        ));
+                    }
+                    if mapped < MIN_HEAP {
+                        // Too small for a heap yet: the caller grows it.
+                        return Err(HeapError::NeedsMapping {
+                            len: MIN_HEAP as u64,
+                        });
+                    }
+                    if magic
+                        .compare_exchange(0, MAGIC_INIT, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
+                    {
+                        heap.init(mapped);
+                        magic.store(MAGIC, Ordering::Release);
+                        return Ok(heap);
+                    }
+                }
+                other => {
+                    return Err(HeapError::NotAHeap(format!(
+                        "the region holds data that is not an rmalloc heap (magic {other:#x})"
+                    )));
+                }
+            }
+        }
+    }
+
+    /// Whether the memory at `base` starts with an rmalloc heap header.
+    ///
+    /// # Safety
+    ///
+    /// `base` must point to at least 8 readable bytes.
+    pub unsafe fn is_heap(base: *const u8) -> bool {
+        // SAFETY: per the contract.
+        unsafe { (*(base as *const AtomicU64)).load(Ordering::Acquire) == MAGIC }
+    }
+
+    /// The start of the memory.
+    pub fn base(&self) -> *mut u8 {
+        self.base
+    }
+
+    fn header(&self) -> *mut Header {
+        self.base as *mut Header
+    }
+
+    fn check_header(&self) -> HResult<()> {
+        let h = self.header();
+        // SAFETY: the header is in the first page, which is mapped.
+        unsafe {
+            if (*h).version != VERSION {
+                return Err(HeapError::Corrupt(format!(
+                    "heap layout version {} (this library reads version {VERSION})",
+                    (*h).version
+                )));
+            }
+            if (*h).checksum != checksum(h) {
+                return Err(HeapError::Corrupt("header checksum mismatch".into()));
+            }
+            let len = (*h).len;
+            if (*h).page_size as usize != PAGE
+                || len < MIN_HEAP as u64
+                || len % PAGE as u64 != 0
+                || (*h).npages != len / PAGE as u64
+                || (*h).map_cap < (*h).npages
+                || (*h).map_off % PAGE as u64 != 0
+                || (*h).map_off + (*h).map_cap * 4 > len
+            {
+                return Err(HeapError::Corrupt("header fields out of range".into()));
+            }
+            if len > self.mapped as u64 {
+                return Err(HeapError::NeedsMapping { len });
+            }
+        }
+        Ok(())
+    }
+
+    fn init(&self, mapped: usize) {
+        let h = self.header();
+        let npages = (mapped / PAGE) as u64;
+        let map_cap = npages.next_multiple_of((PAGE / 4) as u64);
+        let map_pages = (map_cap * 4).div_ceil(PAGE as u64);
+        // SAFETY: the memory is at least MIN_HEAP bytes, zero in its first
+        // page, and ours alone while magic is MAGIC_INIT.
+        unsafe {
+            (*h).version = VERSION;
+            (*h).page_size = PAGE as u32;
+            (*h).len = npages * PAGE as u64;
+            (*h).npages = npages;
+            (*h).map_off = PAGE as u64;
+            (*h).map_cap = map_cap;
+            (*h).checksum = checksum(h);
+            for p in 0..1 + map_pages {
+                self.set_map(p, entry(K_META, 0));
+            }
+            self.insert_run(1 + map_pages, npages - 1 - map_pages);
+        }
+    }
+
+    fn lock(&self) -> Guard<'_> {
+        // SAFETY: the header is mapped.
+        let word = unsafe { &(*self.header()).lock };
+        // SAFETY: as above.
+        let ns_slot = unsafe { &(*self.header()).lock_ns };
+        let me = current_tid();
+        if word
+            .compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            self.lock_slow(word, me);
+        }
+        ns_slot.store(pid_namespace(), Ordering::Relaxed);
+        Guard { word }
+    }
+
+    #[cold]
+    fn lock_slow(&self, word: &AtomicU32, me: u32) {
+        for _ in 0..100 {
+            std::hint::spin_loop();
+            if word
+                .compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok()
+            {
+                return;
+            }
+        }
+        let mut since = Instant::now();
+        loop {
+            let v = word.load(Ordering::Relaxed);
+            if v == 0 {
+                if word
+                    .compare_exchange(0, me | LOCK_WAITERS, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    return;
+                }
+                continue;
+            }
+            if v & LOCK_WAITERS == 0
+                && word
+                    .compare_exchange(v, v | LOCK_WAITERS, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_err()
+            {
+                continue;
+            }
+            futex_wait(word, v | LOCK_WAITERS, Duration::from_millis(100));
+            if since.elapsed() > Duration::from_millis(500) {
+                since = Instant::now();
+                // SAFETY: the header is mapped.
+                let ns = unsafe { &(*self.header()).lock_ns }.load(Ordering::Relaxed);
+                let holder = word.load(Ordering::Relaxed);
+                let tid = holder & !LOCK_WAITERS;
+                if tid != 0 && ns != 0 && ns == pid_namespace() && !thread_alive(tid) {
+                    if word
+                        .compare_exchange(
+                            holder,
+                            me | LOCK_WAITERS,
+                            Ordering::Acquire,
+                            Ordering::Relaxed,
+                        )
+                        .is_ok()
+                    {
+                        tracing::warn!(
+                            dead_tid = tid,
+                            "rmalloc: took over the heap lock from a thread that died holding it"
+                        );
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    // ---- raw access (all offsets are checked against the heap length) ----
+
+    fn map_entry(&self, page: u64) -> u32 {
+        // SAFETY: callers pass page < npages <= map_cap; the page map lies
+        // inside the checked heap length.
+        unsafe {
+            let map = self.base.add((*self.header()).map_off as usize) as *const u32;
+            map.add(page as usize).read()
+        }
+    }
+
+    fn set_map(&self, page: u64, e: u32) {
+        // SAFETY: as in map_entry.
+        unsafe {
+            let map = self.base.add((*self.header()).map_off as usize) as *mut u32;
+            map.add(page as usize).write(e)
+        }
+    }
+
+    fn npages(&self) -> u64 {
+        // SAFETY: the header is mapped.
+        unsafe { (*self.header()).npages }
+    }
+
+    fn run_at(&self, page: u64) -> *mut FreeRun {
+        // SAFETY: page < npages, inside the mapped heap.
+        unsafe { self.base.add((page as usize) << PAGE_SHIFT) as *mut FreeRun }
+    }
+
+    fn slab_at(&self, page: u64) -> *mut Slab {
+        self.run_at(page) as *mut Slab
+    }
+
+    // ---- free runs ----
+
+    /// Adds the free run [page, page+pages) to its bin and tags its ends.
+    fn insert_run(&self, page: u64, pages: u64) {
+        if pages == 0 {
+            return;
+        }
+        let h = self.header();
+        let bin = bin_of(pages);
+        let r = self.run_at(page);
+        // SAFETY: the run lies inside the heap; the header is mapped.
+        unsafe {
+            let head = (*h).bins[bin];
+            (*r).magic = RUN_MAGIC;
+            (*r).next = head;
+            (*r).prev = 0;
+            (*r).pages = pages;
+            if head != 0 {
+                (*self.run_at(head >> PAGE_SHIFT)).prev = page << PAGE_SHIFT;
+            }
+            (*h).bins[bin] = page << PAGE_SHIFT;
+            (*h).bin_mask |= 1 << bin;
+        }
+        self.set_map(page, entry(K_FREE, pages));
+        self.set_map(page + pages - 1, entry(K_FREE, pages));
+    }
+
+    /// Takes the free run at `page` out of its bin (its map tags stay).
+    fn remove_run(&self, page: u64) -> HResult<u64> {
+        let h = self.header();
+        let r = self.run_at(page);
+        // SAFETY: page < npages; links are checked before use.
+        unsafe {
+            let pages = (*r).pages;
+            if (*r).magic != RUN_MAGIC
+                || pages == 0
+                || page + pages > (*h).npages
+                || self.map_entry(page) != entry(K_FREE, pages)
+            {
+                return Err(HeapError::Corrupt(format!("free run at page {page}")));
+            }
+            let (next, prev) = ((*r).next, (*r).prev);
+            self.check_run_link(next)?;
+            self.check_run_link(prev)?;
+            let bin = bin_of(pages);
+            if prev != 0 {
+                (*self.run_at(prev >> PAGE_SHIFT)).next = next;
+            } else {
+                if (*h).bins[bin] != page << PAGE_SHIFT {
+                    return Err(HeapError::Corrupt(format!(
+                        "free run at page {page} is not in its bin"
+                    )));
+                }
+                (*h).bins[bin] = next;
+                if next == 0 {
+                    (*h).bin_mask &= !(1 << bin);
+                }
+            }
+            if next != 0 {
+                (*self.run_at(next >> PAGE_SHIFT)).prev = prev;
+            }
+            (*r).magic = 0;
+            Ok(pages)
+        }
+    }
+
+    fn check_run_link(&self, off: u64) -> HResult<()> {
+        if off == 0 {
+            return Ok(());
+        }
+        if off % PAGE as u64 != 0 || off >> PAGE_SHIFT >= self.npages() {
+            return Err(HeapError::Corrupt(format!("free run link {off:#x}")));
+        }
+        Ok(())
+    }
+
+    /// Allocates a run of `pages` pages; None when no free run is long enough.
+    fn alloc_pages(&self, pages: u64) -> HResult<Option<u64>> {
+        if pages == 0 || pages > MAX_RUN {
+            return Ok(None);
+        }
+        let h = self.header();
+        let first = bin_of(pages);
+        // SAFETY: the header is mapped.
+        let mask = unsafe { (*h).bin_mask } & (!0u64 << first);
+        let mut found = None;
+        let mut bits = mask;
+        let mut scanned = 0u64;
+        while bits != 0 {
+            let bin = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            // SAFETY: the header is mapped.
+            let mut off = unsafe { (*h).bins[bin] };
+            while off != 0 {
+                self.check_run_link(off)?;
+                let r = self.run_at(off >> PAGE_SHIFT);
+                // SAFETY: checked link inside the heap.
+                let (len, next) = unsafe { ((*r).pages, (*r).next) };
+                if len >= pages {
+                    found = Some(off >> PAGE_SHIFT);
+                    break;
+                }
+                scanned += 1;
+                if scanned > self.npages() {
+                    return Err(HeapError::Corrupt("free run list has a cycle".into()));
+                }
+                off = next;
+            }
+            if found.is_some() {
+                break;
+            }
+        }
+        let Some(page) = found else {
+            return Ok(None);
+        };
+        let len = self.remove_run(page)?;
+        if len > pages {
+            self.insert_run(page + pages, len - pages);
+        }
+        if pages > 1 && len == pages {
+            // The old tail tag is now inside an allocated run.
+            self.set_map(page + len - 1, entry(K_FREE_IN, 0));
+        }
+        Ok(Some(page))
+    }
+
+    /// Returns [page, page+pages) to the free runs, merging with neighbours.
+    fn free_pages(&self, page: u64, pages: u64) -> HResult<()> {
+        let mut start = page;
+        let mut len = pages;
+        if page > 0 {
+            let e = self.map_entry(page - 1);
+            if kind(e) == K_FREE {
+                let plen = value(e);
+                if plen == 0 || plen > page {
+                    return Err(HeapError::Corrupt(format!("free run tag at page {}", page - 1)));
+                }
+                let pstart = page - plen;
+                self.remove_run(pstart)?;
+                self.set_map(page - 1, entry(K_FREE_IN, 0));
+                start = pstart;
+                len += plen;
+            }
+        }
+        let after = page + pages;
+        if after < self.npages() {
+            let e = self.map_entry(after);
+            if kind(e) == K_FREE {
+                let nlen = self.remove_run(after)?;
+                self.set_map(after, entry(K_FREE_IN, 0));
+                len += nlen;
+            }
+        }
+        if start != page {
+            self.set_map(page, entry(K_FREE_IN, 0));
+        }
+        if pages > 1 {
+            self.set_map(page + pages - 1, entry(K_FREE_IN, 0));
+        }
+        self.insert_run(start, len);
+        Ok(())
+    }
+
+    // ---- slabs ----
+
+    fn slab_check(&self, off: u64, class: usize) -> HResult<*mut Slab> {
+        let (pages, n) = slab_geometry(class);
+        if off % PAGE as u64 != 0 || (off >> PAGE_SHIFT) + pages as u64 > self.npages() {
+            return Err(HeapError::Corrupt(format!("slab offset {off:#x}")));
+        }
+        let s = self.slab_at(off >> PAGE_SHIFT);
+        // SAFETY: the slab lies inside the heap.
+        unsafe {
+            if (*s).magic != SLAB_MAGIC
+                || (*s).class as usize != class
+                || (*s).pages as usize != pages
+                || (*s).nblocks as usize != n
+                || (*s).used > (*s).nblocks
+                || (*s).bump > (*s).nblocks
+            {
+                return Err(HeapError::Corrupt(format!("slab header at {off:#x}")));
+            }
+        }
+        Ok(s)
+    }
+
+    fn new_slab(&self, class: usize) -> HResult<Option<u64>> {
+        let (pages, n) = slab_geometry(class);
+        let Some(page) = self.alloc_pages(pages as u64)? else {
+            return Ok(None);
+        };
+        let s = self.slab_at(page);
+        // SAFETY: the new run lies inside the heap and is ours.
+        unsafe {
+            s.write(Slab {
+                magic: SLAB_MAGIC,
+                class: class as u16,
+                pages: pages as u16,
+                nblocks: n as u16,
+                used: 0,
+                bump: 0,
+                _pad: 0,
+                free: 0,
+                next: 0,
+                prev: 0,
+                bitmap: [0; MAX_SLAB_BLOCKS / 64],
+            });
+        }
+        for i in 0..pages as u64 {
+            self.set_map(page + i, entry(K_SLAB, (class as u64) << 8 | i));
+        }
+        let off = page << PAGE_SHIFT;
+        self.partial_push(class, off);
+        Ok(Some(off))
+    }
+
+    fn partial_push(&self, class: usize, off: u64) {
+        let h = self.header();
+        let s = self.slab_at(off >> PAGE_SHIFT);
+        // SAFETY: off is a checked slab; the header is mapped.
+        unsafe {
+            let head = (*h).partial[class];
+            (*s).next = head;
+            (*s).prev = 0;
+            if head != 0 {
+                (*self.slab_at(head >> PAGE_SHIFT)).prev = off;
+            }
+            (*h).partial[class] = off;
+        }
+    }
+
+    fn partial_remove(&self, class: usize, off: u64) -> HResult<()> {
+        let h = self.header();
+        let s = self.slab_at(off >> PAGE_SHIFT);
+        // SAFETY: off is a checked slab; its links are checked before use.
+        unsafe {
+            let (next, prev) = ((*s).next, (*s).prev);
+            if next != 0 {
+                self.slab_check(next, class)?;
+            }
+            if prev != 0 {
+                self.slab_check(prev, class)?;
+                (*self.slab_at(prev >> PAGE_SHIFT)).next = next;
+            } else {
+                if (*h).partial[class] != off {
+                    return Err(HeapError::Corrupt(format!("slab {off:#x} list links")));
+                }
+                (*h).partial[class] = next;
+            }
+            if next != 0 {
+                (*self.slab_at(next >> PAGE_SHIFT)).prev = prev;
+            }
+            (*s).next = 0;
+            (*s).prev = 0;
+        }
+        Ok(())
+    }
+
+    fn alloc_small(&self, class: usize) -> HResult<Option<u64>> {
+        let h = self.header();
+        // SAFETY: the header is mapped.
+        let mut off = unsafe { (*h).partial[class] };
+        if off == 0 {
+            match self.new_slab(class)? {
+                Some(o) => off = o,
+                None => return Ok(None),
+            }
+        }
+        let s = self.slab_check(off, class)?;
+        let size = CLASS_SIZES[class] as u64;
+        // SAFETY: s is a checked slab; block offsets are checked before use.
+        unsafe {
+            let n = (*s).nblocks as u64;
+            let first = off + SLAB_HDR as u64;
+            let block = if (*s).free != 0 {
+                let b = (*s).free;
+                if b < first || b >= first + n * size || (b - first) % size != 0 {
+                    return Err(HeapError::Corrupt(format!("slab {off:#x} free list")));
+                }
+                (*s).free = (self.base.add(b as usize) as *const u64).read();
+                b
+            } else if ((*s).bump as u64) < n {
+                let b = first + (*s).bump as u64 * size;
+                (*s).bump += 1;
+                b
+            } else {
+                return Err(HeapError::Corrupt(format!(
+                    "full slab {off:#x} on the partial list"
+                )));
+            };
+            let i = ((block - first) / size) as usize;
+            if (*s).bitmap[i / 64] & (1 << (i % 64)) != 0 {
+                return Err(HeapError::Corrupt(format!(
+                    "slab {off:#x} free list holds a live block"
+                )));
+            }
+            (*s).bitmap[i / 64] |= 1 << (i % 64);
+            (*s).used += 1;
+            if (*s).used as u64 == n {
+                self.partial_remove(class, off)?;
+            }
+            Ok(Some(block))
+        }
+    }
+
+    fn free_small(&self, off: u64, page: u64, e: u32) -> HResult<u64> {
+        let class = (value(e) >> 8) as usize;
+        let index = value(e) & 0xff;
+        if class >= NCLASSES || index > page {
+            return Err(HeapError::Corrupt(format!("page map entry of page {page}")));
+        }
+        let slab = (page - index) << PAGE_SHIFT;
+        let s = self.slab_check(slab, class)?;
+        let size = CLASS_SIZES[class] as u64;
+        let first = slab + SLAB_HDR as u64;
+        // SAFETY: s is a checked slab; the block is checked to be one of it.
+        unsafe {
+            if off < first || (off - first) % size != 0 {
+                return Err(HeapError::BadPointer(format!(
+                    "offset {off:#x} is not the start of a block"
+                )));
+            }
+            let i = ((off - first) / size) as usize;
+            if i >= (*s).bump as usize || (*s).bitmap[i / 64] & (1 << (i % 64)) == 0 {
+                return Err(HeapError::BadPointer(format!(
+                    "offset {off:#x} is not allocated (double free?)"
+                )));
+            }
+            (*s).bitmap[i / 64] &= !(1 << (i % 64));
+            (self.base.add(off as usize) as *mut u64).write((*s).free);
+            (*s).free = off;
+            let was_full = (*s).used == (*s).nblocks;
+            (*s).used -= 1;
+            if was_full {
+                self.partial_push(class, slab);
+            } else if (*s).used == 0 {
+                let h = self.header();
+                let only = (*h).partial[class] == slab && (*s).next == 0;
+                if !only {
+                    self.partial_remove(class, slab)?;
+                    (*s).magic = 0;
+                    let pages = (*s).pages as u64;
+                    let p = slab >> PAGE_SHIFT;
+                    for k in 0..pages {
+                        self.set_map(p + k, entry(K_FREE_IN, 0));
+                    }
+                    self.free_pages(p, pages)?;
+                }
+            }
+        }
+        Ok(size)
+    }
+
+    // ---- public operations ----
+
+    /// Allocates `size` bytes; returns the block's offset from the base.
+    /// Blocks of up to [`MAX_SMALL`] bytes are 16-byte aligned, larger ones
+    /// page aligned. `size` 0 allocates a minimal block.
+    pub fn alloc(&self, size: usize) -> HResult<u64> {
+        let _g = self.lock();
+        self.check_header()?;
+        let h = self.header();
+        let (off, bytes) = if size <= MAX_SMALL {
+            let class = class_of(size.max(1));
+            match self.alloc_small(class)? {
+                Some(off) => (off, CLASS_SIZES[class] as u64),
+                None => {
+                    return Err(HeapError::Full {
+                        pages: slab_geometry(class).0 as u64,
+                    });
+                }
+            }
+        } else {
+            let pages = size.div_ceil(PAGE) as u64;
+            match self.alloc_pages(pages)? {
+                Some(page) => {
+                    self.set_map(page, entry(K_LARGE, pages));
+                    for p in page + 1..page + pages {
+                        self.set_map(p, entry(K_CONT, 0));
+                    }
+                    (page << PAGE_SHIFT, pages * PAGE as u64)
+                }
+                None => return Err(HeapError::Full { pages }),
+            }
+        };
+        // SAFETY: the header is mapped and we hold the lock.
+        unsafe {
+            (*h).allocated += bytes;
+            (*h).nblocks += 1;
+        }
+        Ok(off)
+    }
+
+    /// Allocates and returns a pointer (see [`Heap::alloc`]).
+    pub fn alloc_ptr(&self, size: usize) -> HResult<*mut u8> {
+        let off = self.alloc(size)?;
+        // SAFETY: off is inside the heap.
+        Ok(unsafe { self.base.add(off as usize) })
+    }
+
+    /// Frees the block at offset `off`.
+    pub fn free(&self, off: u64) -> HResult<()> {
+        let _g = self.lock();
+        self.check_header()?;
+        let h = self.header();
+        let npages = self.npages();
+        let page = off >> PAGE_SHIFT;
+        if page >= npages {
+            return Err(HeapError::BadPointer(format!(
+                "offset {off:#x} is outside the heap"
+            )));
+        }
+        let e = self.map_entry(page);
+        let bytes = match kind(e) {
+            K_SLAB => self.free_small(off, page, e)?,
+            K_LARGE if off % PAGE as u64 == 0 => {
+                let pages = value(e);
+                if pages == 0 || page + pages > npages {
+                    return Err(HeapError::Corrupt(format!("large block at page {page}")));
+                }
+                self.set_map(page, entry(K_FREE_IN, 0));
+                self.free_pages(page, pages)?;
+                pages * PAGE as u64
+            }
+            _ => {
+                return Err(HeapError::BadPointer(format!(
+                    "offset {off:#x} is not the start of a live block"
+                )));
+            }
+        };
+        // SAFETY: the header is mapped and we hold the lock.
+        unsafe {
+            (*h).allocated = (*h).allocated.saturating_sub(bytes);
+            (*h).nblocks = (*h).nblocks.saturating_sub(1);
+        }
+        Ok(())
+    }
+
+    /// Frees the block at `ptr`.
+    pub fn free_ptr(&self, ptr: *const u8) -> HResult<()> {
+        let off = (ptr as usize).wrapping_sub(self.base as usize);
+        if ptr < self.base as *const u8 || off >= self.mapped {
+            return Err(HeapError::BadPointer(format!("{ptr:p} is outside the heap")));
+        }
+        self.free(off as u64)
+    }
+
+    /// Usable size of the live block at `off`.
+    pub fn block_size(&self, off: u64) -> HResult<usize> {
+        let _g = self.lock();
+        self.check_header()?;
+        let page = off >> PAGE_SHIFT;
+        if page >= self.npages() {
+            return Err(HeapError::BadPointer(format!("offset {off:#x}")));
+        }
+        let e = self.map_entry(page);
+        match kind(e) {
+            K_SLAB => Ok(CLASS_SIZES[((value(e) >> 8) as usize).min(NCLASSES - 1)] as usize),
+            K_LARGE if off % PAGE as u64 == 0 => Ok(value(e) as usize * PAGE),
+            _ => Err(HeapError::BadPointer(format!("offset {off:#x}"))),
+        }
+    }
+
+    /// Adopts memory grown to `new_len` bytes (at most the mapped length).
+    /// Growing needs one more page-map page per 4 MiB beyond the map's
+    /// capacity; it is taken from the new memory.
+    pub fn extend(&self, new_len: usize) -> HResult<()> {
+        let _g = self.lock();
+        self.check_header()?;
+        self.extend_locked(new_len)
+    }
+
+    fn extend_locked(&self, new_len: usize) -> HResult<()> {
+        let h = self.header();
+        let new_len = new_len.min(self.mapped) & !(PAGE - 1);
+        let old_n = self.npages();
+        let new_n = (new_len / PAGE) as u64;
+        if new_n <= old_n {
+            return Ok(());
+        }
+        // SAFETY: the header is mapped; every page touched is below new_n,
+        // which is mapped.
+        unsafe {
+            let cap = (*h).map_cap;
+            let mut free_from = old_n;
+            if new_n > cap {
+                let new_cap = new_n.max(cap * 2).next_multiple_of((PAGE / 4) as u64);
+                let map_pages = (new_cap * 4).div_ceil(PAGE as u64);
+                if old_n + map_pages >= new_n {
+                    return Err(HeapError::Full { pages: map_pages });
+                }
+                let old_off = (*h).map_off;
+                let old_pages = (cap * 4).div_ceil(PAGE as u64);
+                let new_off = old_n << PAGE_SHIFT;
+                ptr::copy_nonoverlapping(
+                    self.base.add(old_off as usize),
+                    self.base.add(new_off as usize),
+                    (old_n * 4) as usize,
+                );
+                (*h).map_off = new_off;
+                (*h).map_cap = new_cap;
+                (*h).len = new_n << PAGE_SHIFT;
+                (*h).npages = new_n;
+                (*h).checksum = checksum(h);
+                for p in old_n..old_n + map_pages {
+                    self.set_map(p, entry(K_META, 0));
+                }
+                free_from = old_n + map_pages;
+                // Old map pages become free (they are below old_n).
+                for p in 0..old_pages {
+                    self.set_map((old_off >> PAGE_SHIFT) + p, entry(K_FREE_IN, 0));
+                }
+                self.free_pages(old_off >> PAGE_SHIFT, old_pages)?;
+            } else {
+                (*h).len = new_n << PAGE_SHIFT;
+                (*h).npages = new_n;
+                (*h).checksum = checksum(h);
+            }
+            for p in free_from..new_n {
+                self.set_map(p, entry(K_FREE_IN, 0));
+            }
+            self.free_pages(free_from, new_n - free_from)?;
+        }
+        Ok(())
+    }
+
+    /// Stores the root block offset (None clears it).
+    pub fn set_root(&self, off: Option<u64>) -> HResult<()> {
+        let _g = self.lock();
+        self.check_header()?;
+        // SAFETY: the header is mapped.
+        let len = unsafe { (*self.header()).len };
+        let v = match off {
+            None => 0,
+            Some(o) if o < len => o + 1,
+            Some(o) => {
+                return Err(HeapError::BadPointer(format!(
+                    "root offset {o:#x} is outside the heap ({len} bytes)"
+                )));
+            }
+        };
+        // SAFETY: the header is mapped.
+        unsafe { &(*self.header()).root }.store(v, Ordering::Release);
+        Ok(())
+    }
+
+    /// The root block offset, if one is set.
+    pub fn root(&self) -> HResult<Option<u64>> {
+        let _g = self.lock();
+        self.check_header()?;
+        // SAFETY: the header is mapped.
+        let v = unsafe { &(*self.header()).root }.load(Ordering::Acquire);
+        Ok(v.checked_sub(1))
+    }
+
+    /// Heap usage; also walks the free runs to validate them.
+    pub fn stats(&self) -> HResult<HeapStats> {
+        let _g = self.lock();
+        self.check_header()?;
+        let h = self.header();
+        let mut free_pages = 0;
+        let mut largest = 0;
+        for bin in 0..NBINS {
+            // SAFETY: the header is mapped.
+            let mut off = unsafe { (*h).bins[bin] };
+            let mut n = 0u64;
+            while off != 0 {
+                self.check_run_link(off)?;
+                let r = self.run_at(off >> PAGE_SHIFT);
+                // SAFETY: checked link.
+                let (pages, next, magic) = unsafe { ((*r).pages, (*r).next, (*r).magic) };
+                if magic != RUN_MAGIC || bin_of(pages.max(1)) != bin {
+                    return Err(HeapError::Corrupt(format!("free run at {off:#x}")));
+                }
+                free_pages += pages;
+                largest = largest.max(pages);
+                n += 1;
+                if n > self.npages() {
+                    return Err(HeapError::Corrupt("free run list has a cycle".into()));
+                }
+                off = next;
+            }
+        }
+        let mut partial_slab_pages = 0;
+        for class in 0..NCLASSES {
+            // SAFETY: the header is mapped.
+            let mut off = unsafe { (*h).partial[class] };
+            let mut n = 0u64;
+            while off != 0 {
+                let s = self.slab_check(off, class)?;
+                partial_slab_pages += slab_geometry(class).0 as u64;
+                // SAFETY: checked slab.
+                off = unsafe { (*s).next };
+                n += 1;
+                if n > self.npages() {
+                    return Err(HeapError::Corrupt("slab list has a cycle".into()));
+                }
+            }
+        }
+        // SAFETY: the header is mapped.
+        unsafe {
+            Ok(HeapStats {
+                partial_slab_pages,
+                len: (*h).len,
+                free_pages,
+                allocated: (*h).allocated,
+                blocks: (*h).nblocks,
+                largest_free_run: largest,
+            })
+        }
+    }
+
+    /// Pages of metadata (header and page map) of a heap of `len` bytes
+    /// created fresh; for sizing.
+    pub fn overhead_pages(len: usize) -> u64 {
+        let npages = (len / PAGE) as u64;
+        1 + (npages.next_multiple_of((PAGE / 4) as u64) * 4).div_ceil(PAGE as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+
+    /// Anonymous shared memory for a heap.
+    struct Mem {
+        ptr: *mut u8,
+        len: usize,
+    }
+
+    // SAFETY: plain memory, used through a Heap.
+    unsafe impl Send for Mem {}
+    // SAFETY: as above.
+    unsafe impl Sync for Mem {}
+
+    impl Mem {
+        fn new(len: usize) -> Mem {
+            // SAFETY: anonymous mapping with no address hint.
+            let p = unsafe {
+                libc::mmap(
+                    ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                    -1,
+                    0,
+                )
+            };
+            assert_ne!(p, libc::MAP_FAILED);
+            Mem {
+                ptr: p as *mut u8,
+                len,
+            }
+        }
+        fn heap(&self, len: usize) -> Heap {
+            // SAFETY: the memory stays mapped for the test.
+            unsafe { Heap::attach(self.ptr, len) }.unwrap()
+        }
+    }
+
+    impl Drop for Mem {
+        fn drop(&mut self) {
+            // SAFETY: our mapping.
+            unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+        }
+    }
+
+    #[test]
+    fn class_table_rounds_up() {
+        assert_eq!(CLASS_SIZES[class_of(1)], 16);
+        assert_eq!(CLASS_SIZES[class_of(16)], 16);
+        assert_eq!(CLASS_SIZES[class_of(17)], 32);
+        assert_eq!(CLASS_SIZES[class_of(129)], 160);
+        assert_eq!(CLASS_SIZES[class_of(2048)], 2048);
+        for c in 0..NCLASSES {
+            let (pages, n) = slab_geometry(c);
+            assert!((1..=8).contains(&pages) && n >= 15 && n <= MAX_SLAB_BLOCKS);
+            assert!(SLAB_HDR + n * CLASS_SIZES[c] as usize <= pages * PAGE);
+        }
+        assert_eq!(bin_of(1), 0);
+        assert_eq!(bin_of(32), 31);
+        assert_eq!(bin_of(33), 32);
+        assert_eq!(bin_of(64), 33);
+    }
+
+    #[test]
+    fn alloc_free_reuse_and_root() {
+        let m = Mem::new(1 << 20);
+        let h = m.heap(1 << 20);
+        let a = h.alloc(64).unwrap();
+        let b = h.alloc(64).unwrap();
+        assert_ne!(a, b);
+        assert_eq!(a % 16, 0);
+        h.free(a).unwrap();
+        assert_eq!(h.alloc(64).unwrap(), a, "a freed block is reused");
+        let big = h.alloc(10_000).unwrap();
+        assert_eq!(big % PAGE as u64, 0);
+        assert_eq!(h.block_size(big).unwrap(), 3 * PAGE);
+        h.free(big).unwrap();
+        assert_eq!(h.alloc(9000).unwrap(), big, "freed pages are reused");
+        assert_eq!(h.root().unwrap(), None);
+        h.set_root(Some(b)).unwrap();
+        // A second view (another process) sees the same heap and root.
+        let h2 = m.heap(1 << 20);
+        assert_eq!(h2.root().unwrap(), Some(b));
+        h2.free(b).unwrap();
+        assert_eq!(h.free(b), Err(HeapError::BadPointer(format!(
+            "offset {b:#x} is not allocated (double free?)"
+        ))));
+        assert!(matches!(h.free(b + 8), Err(HeapError::BadPointer(_))));
+        assert!(matches!(h.free(1 << 30), Err(HeapError::BadPointer(_))));
+        assert!(matches!(h.free(0), Err(HeapError::BadPointer(_))));
+    }
+
+    #[test]
+    fn full_then_extend() {
+        let m = Mem::new(64 << 20);
+        let h = m.heap(MIN_HEAP);
+        let mut blocks = Vec::new();
+        let err = loop {
+            match h.alloc(PAGE) {
+                Ok(o) => blocks.push(o),
+                Err(e) => break e,
+            }
+        };
+        assert!(matches!(err, HeapError::Full { pages: 1 }));
+        assert_eq!(err.errno(), libc::ENOMEM);
+        assert_eq!(blocks.len() as u64, 16 - Heap::overhead_pages(MIN_HEAP));
+        // Grow past the page map's capacity (4 MiB) so the map moves.
+        let h = m.heap(64 << 20);
+        h.extend(64 << 20).unwrap();
+        let s = h.stats().unwrap();
+        assert_eq!(s.len, 64 << 20);
+        let big = h.alloc(32 << 20).unwrap();
+        for &b in &blocks {
+            h.free(b).unwrap();
+        }
+        h.free(big).unwrap();
+        let s = h.stats().unwrap();
+        assert_eq!(s.blocks, 0);
+        assert_eq!(s.allocated, 0);
+        // Everything but header and map coalesced into at most two runs
+        // (the old map's pages sit before the new map).
+        // All but the header and the new map (16 pages at page 16, after the
+        // first heap) is free: pages 1..16 and 32.. .
+        assert_eq!(s.free_pages, (64 << 20) / PAGE as u64 - 17, "{s:?}");
+        assert_eq!(s.largest_free_run, (64 << 20) / PAGE as u64 - 32, "{s:?}");
+    }
+
+    #[test]
+    fn header_corruption_is_einval() {
+        let m = Mem::new(1 << 20);
+        let h = m.heap(1 << 20);
+        let a = h.alloc(100).unwrap();
+        // SAFETY: test pokes the header's len field.
+        unsafe { (*(m.ptr as *mut Header)).len += PAGE as u64 };
+        let e = h.alloc(10).unwrap_err();
+        assert!(matches!(e, HeapError::Corrupt(_)), "{e}");
+        assert_eq!(e.errno(), libc::EINVAL);
+        // SAFETY: restore.
+        unsafe { (*(m.ptr as *mut Header)).len -= PAGE as u64 };
+        h.free(a).unwrap();
+        // A wrong magic is not a heap.
+        // SAFETY: test pokes the magic.
+        unsafe { (*(m.ptr as *mut Header)).magic.store(7, Ordering::Relaxed) };
+        // SAFETY: memory stays mapped.
+        let e = unsafe { Heap::attach(m.ptr, 1 << 20) }.unwrap_err();
+        assert_eq!(e.errno(), libc::EINVAL);
+        // Memory with data in it is not turned into a heap.
+        let m2 = Mem::new(1 << 20);
+        // SAFETY: test writes into its own memory.
+        unsafe { m2.ptr.add(100).write(1) };
+        // SAFETY: memory stays mapped.
+        assert!(matches!(
+            unsafe { Heap::attach(m2.ptr, 1 << 20) },
+            Err(HeapError::NotAHeap(_))
+        ));
+        // A smashed slab header is detected.
+        let m3 = Mem::new(1 << 20);
+        let h3 = m3.heap(1 << 20);
+        let b = h3.alloc(64).unwrap();
+        // SAFETY: the slab header is at the start of the block's page.
+        unsafe { m3.ptr.add((b as usize) & !(PAGE - 1)).write_bytes(0xff, 16) };
+        assert!(matches!(h3.free(b), Err(HeapError::Corrupt(_))));
+    }
+
+    #[test]
+    fn fragmentation_coalesces() {
+        let m = Mem::new(8 << 20);
+        let h = m.heap(8 << 20);
+        let before = h.stats().unwrap();
+        let mut small = Vec::new();
+        let mut large = Vec::new();
+        for i in 0..2000 {
+            small.push(h.alloc(16 + (i % 100) * 20).unwrap());
+            if i % 10 == 0 {
+                large.push(h.alloc(PAGE * (1 + i % 7) + 5).unwrap());
+            }
+        }
+        // Free every other one, then the rest.
+        for (i, o) in small.iter().enumerate().filter(|(i, _)| i % 2 == 0) {
+            h.free(*o).unwrap_or_else(|e| panic!("{i}: {e}"));
+        }
+        for o in large.iter().step_by(2) {
+            h.free(*o).unwrap();
+        }
+        for o in small.iter().skip(1).step_by(2) {
+            h.free(*o).unwrap();
+        }
+        for o in large.iter().skip(1).step_by(2) {
+            h.free(*o).unwrap();
+        }
+        let after = h.stats().unwrap();
+        assert_eq!(after.blocks, 0);
+        // Every page is free again but the last slab of each class used.
+        assert_eq!(
+            after.free_pages + after.partial_slab_pages,
+            before.free_pages,
+            "{before:?} {after:?}"
+        );
+        assert!(after.partial_slab_pages <= NCLASSES as u64 * 8);
+        // A block of almost everything fits again.
+        let big = h.alloc((after.largest_free_run as usize) * PAGE).unwrap();
+        h.free(big).unwrap();
+    }
+
+    #[test]
+    fn threads_share_a_heap() {
+        let m = Arc::new(Mem::new(64 << 20));
+        let h = m.heap(64 << 20);
+        let threads: Vec<_> = (0..4u8)
+            .map(|t| {
+                let m = m.clone();
+                std::thread::spawn(move || {
+                    let h = m.heap(64 << 20);
+                    let mut live: Vec<(u64, usize)> = Vec::new();
+                    for i in 0..20_000usize {
+                        let size = [8, 64, 200, 1500, 5000][(i * 7 + t as usize) % 5];
+                        let off = h.alloc(size).unwrap();
+                        // SAFETY: the block is ours.
+                        unsafe { m.ptr.add(off as usize).write_bytes(t, size) };
+                        live.push((off, size));
+                        if i % 3 != 0 {
+                            let (o, s) = live.swap_remove((i * 13) % live.len());
+                            // SAFETY: the block is ours.
+                            let data = unsafe { std::slice::from_raw_parts(m.ptr.add(o as usize), s) };
+                            assert!(data.iter().all(|&b| b == t), "block overwritten by another thread");
+                            h.free(o).unwrap();
+                        }
+                    }
+                    for (o, _) in live {
+                        h.free(o).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let s = h.stats().unwrap();
+        assert_eq!(s.blocks, 0);
+        assert_eq!(s.allocated, 0);
+    }
+
+    #[test]
+    fn lock_taken_over_from_dead_thread() {
+        let m = Mem::new(1 << 20);
+        let h = m.heap(1 << 20);
+        // A thread takes the lock and exits without releasing it.
+        let h2 = h;
+        std::thread::spawn(move || std::mem::forget(h2.lock()))
+            .join()
+            .unwrap();
+        let started = Instant::now();
+        h.alloc(10).unwrap();
+        assert!(started.elapsed() < Duration::from_secs(10));
+    }
+
+    /// A model check: random allocs and frees never overlap, keep their
+    /// contents, and return the heap to its initial free space.
+    #[derive(Debug, Clone)]
+    enum Op {
+        Alloc(usize),
+        Free(usize),
+    }
+
+    fn op_strategy() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            3 => (1usize..3000).prop_map(Op::Alloc),
+            1 => (3000usize..40_000).prop_map(Op::Alloc),
+            3 => any::<usize>().prop_map(Op::Free),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+        #[test]
+        fn model(ops in proptest::collection::vec(op_strategy(), 1..400), grow in proptest::bool::ANY) {
+            let len = 2 << 20;
+            let m = Mem::new(8 << 20);
+            let mut h = m.heap(len);
+            let initial = h.stats().unwrap();
+            let mut live: BTreeMap<u64, (usize, u8)> = BTreeMap::new();
+            let mut tag = 0u8;
+            for op in ops {
+                match op {
+                    Op::Alloc(size) => {
+                        let off = match h.alloc(size) {
+                            Ok(o) => o,
+                            Err(HeapError::Full { .. }) => {
+                                if grow {
+                                    h = m.heap(8 << 20);
+                                    h.extend(8 << 20).unwrap();
+                                }
+                                continue;
+                            }
+                            Err(e) => panic!("{e}"),
+                        };
+                        let align = if size <= MAX_SMALL { ALIGN } else { PAGE };
+                        assert_eq!(off as usize % align, 0);
+                        // No overlap with the neighbours.
+                        if let Some((&o, &(s, _))) = live.range(..off).next_back() {
+                            assert!(o + s as u64 <= off, "overlap");
+                        }
+                        if let Some((&o, _)) = live.range(off..).next() {
+                            assert!(off + size as u64 <= o, "overlap");
+                        }
+                        assert!(h.block_size(off).unwrap() >= size);
+                        tag = tag.wrapping_add(1);
+                        // SAFETY: the block is ours.
+                        unsafe { m.ptr.add(off as usize).write_bytes(tag, size) };
+                        live.insert(off, (size, tag));
+                    }
+                    Op::Free(i) => {
+                        if live.is_empty() { continue; }
+                        let off = *live.keys().nth(i % live.len()).unwrap();
+                        let (size, t) = live.remove(&off).unwrap();
+                        // SAFETY: the block is ours.
+                        let data = unsafe { std::slice::from_raw_parts(m.ptr.add(off as usize), size) };
+                        assert!(data.iter().all(|&b| b == t), "contents changed");
+                        h.free(off).unwrap();
+                        assert!(h.free(off).is_err(), "double free accepted");
+                    }
+                }
+            }
+            let h = m.heap(8 << 20);
+            for (&off, _) in &live {
+                h.free(off).unwrap();
+            }
+            let s = h.stats().unwrap();
+            assert_eq!(s.blocks, 0);
+            assert_eq!(s.allocated, 0);
+            if s.len == initial.len {
+                assert_eq!(s.free_pages + s.partial_slab_pages, initial.free_pages);
+            }
+        }
+    }
+}

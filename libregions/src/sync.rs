@@ -1,0 +1,413 @@
+//! Barriers, mutexes and doorbells (paper 003 §5.9): named objects at the manager, reached
+//! through the host agent of a regions mount, so an application needs no cluster secret.
+//!
+//! ```no_run
+//! regions::sync::barrier_init("start", 3)?;
+//! let generation = regions::sync::barrier_wait("start")?;
+//! regions::sync::mutex_init("counter")?;
+//! regions::sync::mutex_lock("counter")?;
+//! // ... critical section ...
+//! regions::sync::mutex_unlock("counter")?;
+//! # Ok::<(), regions::RegionsError>(())
+//! ```
+//!
+//! The free functions use the agent of the mount named by `REGIONS_MOUNT` (default
+//! `/regions`); [`SyncClient`] holds connections for repeated calls, to any agent.
+//!
+//! A mutex is held by a process (host id, pid): its lock word is 8 bytes in a hidden region.
+//! Uncontended, `mutex_lock` is one compare-and-swap `0 -> tag` on that word and
+//! `mutex_unlock` one `tag -> 0`, made straight from this process: through the mapped segment
+//! when the word lives on this host, else over the tcp transport with a capability the
+//! manager minted. Only when the word is taken (or has waiters) does the call go to the
+//! manager, which queues callers in FIFO order and hands the word to the next one. The
+//! manager releases a mutex whose holder exits (the host agent watches it) or whose host
+//! stops heartbeating. Threads of one process share its identity: guard a mutex with an
+//! in-process lock if several threads of one process contend for it.
+//!
+//! Waiting calls (barrier, lock, doorbell) block without a deadline; each uses a connection
+//! of its own, so other threads' calls are not held up.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use prost::Message;
+use regions_proto::v1::{
+    self, AgentReply, AgentRequest, MutexLocation, SyncCall, SyncOp, agent_reply::Body,
+    agent_request::Request,
+};
+
+use crate::agent::{AgentClient, agent_socket_for, default_mount};
+use crate::error::{RegionsError, Result};
+use crate::transport::local::LocalSegment;
+use crate::transport::tcp::{RetryPolicy, TcpTransport};
+use crate::transport::{Span, Transport, TransportStats};
+
+/// Set in a lock word while callers queue at the manager.
+pub const WAITERS: u64 = 1 << 63;
+/// Largest agent reply accepted.
+const MAX_REPLY: usize = 1 << 20;
+/// Idle agent connections kept.
+const MAX_IDLE: usize = 4;
+/// Renew a capability this long before it expires (ms).
+const RENEW_MS: u64 = 10_000;
+
+/// A mutex's lock word and the way to reach it from this process.
+struct Word {
+    location: MutexLocation,
+    span: Span,
+    /// `None`: no direct path; every lock and unlock goes through the manager.
+    access: Option<Box<dyn Transport>>,
+}
+
+/// A handle on the sync objects of a cluster, through one host agent.
+pub struct SyncClient {
+    socket: PathBuf,
+    pid: u32,
+    idle: Mutex<Vec<UnixStream>>,
+    words: Mutex<HashMap<String, Arc<Word>>>,
+    stats: Arc<TransportStats>,
+}
+
+impl std::fmt::Debug for SyncClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SyncClient")
+            .field("socket", &self.socket)
+            .finish_non_exhaustive()
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl SyncClient {
+    /// The agent of the regions mount at `mount` (default: `REGIONS_MOUNT`, else `/regions`).
+    pub fn for_mount(mount: Option<&Path>) -> Result<SyncClient> {
+        let mount = mount.map(Path::to_path_buf).unwrap_or_else(default_mount);
+        Ok(SyncClient::connect(&agent_socket_for(&mount)?))
+    }
+
+    /// The host agent listening on `socket` (connections are made on first use).
+    pub fn connect(socket: &Path) -> SyncClient {
+        SyncClient {
+            socket: socket.to_path_buf(),
+            pid: std::process::id(),
+            idle: Mutex::new(Vec::new()),
+            words: Mutex::new(HashMap::new()),
+            stats: Arc::default(),
+        }
+    }
+
+    /// The agent socket this client talks to.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    fn agent_error(&self, errno: i32, message: impl Into<String>) -> RegionsError {
+        RegionsError::Agent {
+            path: self.socket.display().to_string(),
+            errno,
+            message: message.into(),
+        }
+    }
+
+    fn stream(&self) -> Result<UnixStream> {
+        if let Some(s) = self.idle.lock().ok().and_then(|mut idle| idle.pop()) {
+            return Ok(s);
+        }
+        UnixStream::connect(&self.socket).map_err(|e| {
+            self.agent_error(
+                e.raw_os_error().unwrap_or(libc::EIO),
+                format!(
+                    "cannot connect: {e}; is regions-daemon running with --socket {}?",
+                    self.socket.display()
+                ),
+            )
+        })
+    }
+
+    /// One sync call through the agent; blocks until the manager answers.
+    fn call(&self, op: SyncOp, name: &str, n: u32) -> Result<v1::SyncResult> {
+        let request = AgentRequest {
+            request: Some(Request::Sync(SyncCall {
+                op: op as i32,
+                name: name.to_owned(),
+                n,
+            })),
+        };
+        let body = request.encode_to_vec();
+        let mut frame = Vec::with_capacity(4 + body.len());
+        frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        frame.extend_from_slice(&body);
+        let mut stream = self.stream()?;
+        let io = |what: &str, e: std::io::Error| {
+            self.agent_error(libc::EIO, format!("cannot {what} (sync {name:?}): {e}"))
+        };
+        stream.write_all(&frame).map_err(|e| io("send", e))?;
+        let mut len = [0u8; 4];
+        stream.read_exact(&mut len).map_err(|e| io("receive", e))?;
+        let len = u32::from_le_bytes(len) as usize;
+        if len > MAX_REPLY {
+            return Err(self.agent_error(libc::EIO, format!("reply of {len} bytes is too large")));
+        }
+        let mut buf = vec![0u8; len];
+        stream.read_exact(&mut buf).map_err(|e| io("receive", e))?;
+        if let Ok(mut idle) = self.idle.lock()
+            && idle.len() < MAX_IDLE
+        {
+            idle.push(stream);
+        }
+        let reply = AgentReply::decode(&buf[..])
+            .map_err(|e| self.agent_error(libc::EIO, format!("undecodable reply: {e}")))?;
+        if reply.errno != 0 {
+            return Err(self.agent_error(reply.errno, reply.message));
+        }
+        match reply.body {
+            Some(Body::Sync(r)) => Ok(r),
+            _ => Err(self.agent_error(libc::EIO, "sync reply without a result")),
+        }
+    }
+
+    /// Creates barrier `name` of `n` parties (an existing one with the same `n` is fine).
+    pub fn barrier_init(&self, name: &str, n: u32) -> Result<()> {
+        self.call(SyncOp::BarrierInit, name, n).map(drop)
+    }
+
+    /// Waits until `n` callers reached the barrier in this round; returns the round's
+    /// generation (1 for the first round).
+    pub fn barrier_wait(&self, name: &str) -> Result<u64> {
+        self.call(SyncOp::BarrierWait, name, 0)
+            .map(|r| r.value as u64)
+    }
+
+    /// Creates mutex `name` (an existing mutex is fine).
+    pub fn mutex_init(&self, name: &str) -> Result<()> {
+        self.forget(name);
+        self.call(SyncOp::MutexInit, name, 0).map(drop)
+    }
+
+    /// Creates doorbell `name` (an existing doorbell is fine).
+    pub fn bell_init(&self, name: &str) -> Result<()> {
+        self.call(SyncOp::BellInit, name, 0).map(drop)
+    }
+
+    /// Rings doorbell `name`.
+    pub fn bell_ring(&self, name: &str) -> Result<()> {
+        self.call(SyncOp::BellRing, name, 0).map(drop)
+    }
+
+    /// Waits for a ring of `name` since this process's last wait (any ring, before the
+    /// first); returns the ring count.
+    pub fn bell_wait(&self, name: &str) -> Result<i64> {
+        self.call(SyncOp::BellWait, name, 0).map(|r| r.value)
+    }
+
+    /// Deletes `name`; its waiters fail with `ENOENT`.
+    pub fn delete(&self, name: &str) -> Result<()> {
+        self.forget(name);
+        self.call(SyncOp::Delete, name, 0).map(drop)
+    }
+
+    fn forget(&self, name: &str) {
+        if let Ok(mut words) = self.words.lock() {
+            words.remove(name);
+        }
+    }
+
+    /// The lock word of `name`, located once (and again when its capability is due).
+    fn word(&self, name: &str) -> Result<Arc<Word>> {
+        if let Some(w) = self.words.lock().ok().and_then(|w| w.get(name).cloned())
+            && (w.location.capability.is_empty()
+                || w.location.capability_expires_ms > now_ms() + RENEW_MS)
+        {
+            return Ok(w);
+        }
+        let location = self
+            .call(SyncOp::MutexLocate, name, 0)?
+            .location
+            .ok_or_else(|| self.agent_error(libc::EIO, "locate reply without a location"))?;
+        let span = Span {
+            region_offset: location.region_offset,
+            pool: location.pool,
+            pool_offset: location.pool_offset,
+            len: 8,
+        };
+        let access = self.access(&location);
+        let word = Arc::new(Word {
+            location,
+            span,
+            access,
+        });
+        if let Ok(mut words) = self.words.lock() {
+            words.insert(name.to_owned(), Arc::clone(&word));
+        }
+        Ok(word)
+    }
+
+    /// The direct path to a lock word: its segment mapped when it is on this host, else the
+    /// tcp transport with the location's capability.
+    fn access(&self, location: &MutexLocation) -> Option<Box<dyn Transport>> {
+        let my_host = ((location.tag & !WAITERS) >> 32) as u32;
+        if my_host == location.host_id {
+            let segment = AgentClient::connect(&self.socket)
+                .and_then(|mut agent| agent.segment(location.ino, true));
+            match segment {
+                Ok(Some(seg)) if seg.size >= location.region_offset + 8 => {
+                    match LocalSegment::map(seg.fd, seg.size, true, Arc::clone(&self.stats)) {
+                        Ok(local) => return Some(Box::new(local)),
+                        Err(e) => tracing::debug!(error = %e, "cannot map the lock region"),
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => tracing::debug!(error = %e, "no local segment of the lock region"),
+            }
+        }
+        if location.capability.is_empty() || location.transport_addr.is_empty() {
+            return None;
+        }
+        Some(Box::new(TcpTransport::with_capability(
+            &location.transport_addr,
+            1,
+            &location.capability,
+            RetryPolicy::default(),
+            Arc::clone(&self.stats),
+        )))
+    }
+
+    /// Locks mutex `name` for this process: a compare-and-swap on its word when free, else
+    /// queued in FIFO order at the manager.
+    pub fn mutex_lock(&self, name: &str) -> Result<()> {
+        let word = self.word(name)?;
+        let tag = word.location.tag;
+        if let Some(t) = &word.access {
+            match t.compare_and_swap(&word.span, 0, tag) {
+                Ok(0) => return Ok(()),
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::debug!(error = %e, "lock word unreachable directly; asking the manager");
+                    self.forget(name);
+                }
+            }
+        }
+        self.call(SyncOp::MutexLock, name, 0).map(drop)
+    }
+
+    /// Unlocks mutex `name` held by this process (`EPERM` if it does not hold it).
+    pub fn mutex_unlock(&self, name: &str) -> Result<()> {
+        let word = self.word(name)?;
+        let tag = word.location.tag;
+        if let Some(t) = &word.access {
+            match t.compare_and_swap(&word.span, tag, 0) {
+                Ok(old) if old == tag => return Ok(()),
+                Ok(old) if old & !WAITERS == tag => {} // waiters: the manager hands it on
+                Ok(old) => {
+                    return Err(RegionsError::Manager {
+                        errno: libc::EPERM,
+                        message: format!(
+                            "mutex {name:?} is not held by this process (lock word {old:#x})"
+                        ),
+                    });
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "lock word unreachable directly; asking the manager");
+                    self.forget(name);
+                }
+            }
+        }
+        self.call(SyncOp::MutexUnlock, name, 0).map(drop)
+    }
+
+    /// Where mutex `name`'s word is and whether this process reaches it directly
+    /// ("local", "tcp ...", or "manager").
+    pub fn mutex_path(&self, name: &str) -> Result<String> {
+        let word = self.word(name)?;
+        Ok(word
+            .access
+            .as_ref()
+            .map_or_else(|| "manager".to_owned(), |t| t.describe()))
+    }
+}
+
+/// The process-wide clients of the free functions, by agent socket.
+fn shared() -> Result<Arc<SyncClient>> {
+    static CLIENTS: OnceLock<Mutex<HashMap<PathBuf, Arc<SyncClient>>>> = OnceLock::new();
+    let mount = default_mount();
+    let clients = CLIENTS.get_or_init(Mutex::default);
+    let mut map = clients
+        .lock()
+        .map_err(|_| RegionsError::Invalid("sync client table poisoned".into()))?;
+    let pid = std::process::id();
+    if let Some(c) = map.get(&mount)
+        && c.pid == pid
+    {
+        return Ok(Arc::clone(c));
+    }
+    // First use, or a forked child: the agent knows callers by their connections' pid.
+    let client = Arc::new(SyncClient::for_mount(Some(&mount))?);
+    map.insert(mount, Arc::clone(&client));
+    Ok(client)
+}
+
+/// Creates barrier `name` of `n` parties (`EINVAL` for 0, `EEXIST` if it exists otherwise).
+pub fn barrier_init(name: &str, n: u32) -> Result<()> {
+    shared()?.barrier_init(name, n)
+}
+
+/// Waits for the barrier's round; returns its generation (from 1).
+pub fn barrier_wait(name: &str) -> Result<u64> {
+    shared()?.barrier_wait(name)
+}
+
+/// Creates mutex `name`.
+pub fn mutex_init(name: &str) -> Result<()> {
+    shared()?.mutex_init(name)
+}
+
+/// Locks mutex `name` for this process.
+pub fn mutex_lock(name: &str) -> Result<()> {
+    shared()?.mutex_lock(name)
+}
+
+/// Unlocks mutex `name`.
+pub fn mutex_unlock(name: &str) -> Result<()> {
+    shared()?.mutex_unlock(name)
+}
+
+/// Creates doorbell `name`.
+pub fn bell_init(name: &str) -> Result<()> {
+    shared()?.bell_init(name)
+}
+
+/// Rings doorbell `name`.
+pub fn bell_ring(name: &str) -> Result<()> {
+    shared()?.bell_ring(name)
+}
+
+/// Waits for a ring since this process's last wait; returns the ring count.
+pub fn bell_wait(name: &str) -> Result<i64> {
+    shared()?.bell_wait(name)
+}
+
+/// Deletes barrier, mutex or doorbell `name`.
+pub fn delete(name: &str) -> Result<()> {
+    shared()?.delete(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_agent_is_a_clear_error() {
+        let c = SyncClient::connect(Path::new("/nonexistent/agent.sock"));
+        let err = c.bell_ring("x").unwrap_err();
+        assert_eq!(err.errno(), libc::ENOENT);
+        assert!(err.to_string().contains("regions-daemon"), "{err}");
+    }
+}

@@ -1,0 +1,377 @@
+//! Region lifetime and host failure at the manager (DESIGN.md, "Lifetime" and "Errors and
+//! faults"; paper 003 §5.1, §5.5):
+//!
+//! - Owner-bound regions: a node component (the host agent of the owner's host) reports that
+//!   an owner process exited, and that owner's non-persistent regions are deleted: their
+//!   names go at once, their memory at their last close, as with an unlink.
+//! - A host whose lease expired takes its owners' non-persistent regions with it (the owner
+//!   of a region is the process and host that created it, `Attr.owner_pid`/`owner_host`).
+//! - A daemon that registers with a new incarnation lost its memory: every region with a
+//!   chunk in its pools is marked lost, durably and in the same change as the registration.
+//!   Opens, map reads, extends and truncates of a lost region answer `EIO` until it is
+//!   unlinked, and its chunks are left out of the daemon's resync (`PoolChunks`), so the new
+//!   daemon never serves them as if zeros were data.
+//!
+//! The lost mark is kept in the inode's attribute map under [`LOST_KEY`], a key outside the
+//! `user.` namespace that no client can name, so stores written before it still load.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::error::{ManagerError, Result};
+use crate::manager::Manager;
+use crate::model::Time;
+use crate::state::{State, entry_gid};
+
+/// Attribute-map key of the lost mark; its value says why, for people.
+pub const LOST_KEY: &str = "regions.lost";
+
+/// Shortest and longest pause between lease checks.
+const MIN_TICK: Duration = Duration::from_millis(50);
+const MAX_TICK: Duration = Duration::from_millis(500);
+
+impl State {
+    /// Why region `ino` is lost, if it is.
+    pub fn lost_reason(&self, ino: u64) -> Option<String> {
+        let inode = self.inodes.get(&ino)?;
+        inode
+            .xattrs
+            .get(LOST_KEY)
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+    }
+
+    /// `EIO` when region `ino` is lost.
+    pub fn check_not_lost(&self, ino: u64) -> Result<()> {
+        match self.lost_reason(ino) {
+            Some(reason) => Err(ManagerError::Lost { ino, reason }),
+            None => Ok(()),
+        }
+    }
+
+    /// Marks every region with a chunk in `host`'s pools lost (its daemon restarted and its
+    /// memory is gone); returns them.
+    pub fn mark_lost_on(&mut self, host: u32, reason: &str) -> Vec<u64> {
+        let gids: HashSet<u32> = self.alloc.host_pools(host).map(|p| p.pool.gid).collect();
+        if gids.is_empty() {
+            return Vec::new();
+        }
+        let mut hit: Vec<u64> = self
+            .maps
+            .iter()
+            .filter(|(_, map)| {
+                map.iter()
+                    .any(|e| entry_gid(*e).is_some_and(|g| gids.contains(&g)))
+            })
+            .map(|(ino, _)| *ino)
+            .filter(|ino| self.inodes.contains_key(ino) && self.lost_reason(*ino).is_none())
+            .collect();
+        hit.sort_unstable();
+        for ino in &hit {
+            if let Ok(inode) = self.inode_mut(*ino) {
+                inode
+                    .xattrs
+                    .insert(LOST_KEY.to_owned(), reason.as_bytes().to_vec());
+            }
+        }
+        hit
+    }
+
+    /// Whether the chunks of region `ino` are to be left out of a daemon's resync.
+    pub fn skip_in_resync(&self, ino: u64) -> bool {
+        self.inodes
+            .get(&ino)
+            .is_some_and(|i| i.xattrs.contains_key(LOST_KEY))
+    }
+
+    /// Removes region `ino`'s name as the system (no permission check), as an unlink does:
+    /// its memory goes now, or at its last close. A region with no name is left alone.
+    pub fn delete_region(&mut self, ino: u64) -> Result<()> {
+        let inode = self.region(ino)?;
+        if inode.nlink == 0 {
+            return Ok(());
+        }
+        let parent = inode.parent;
+        let name = self
+            .dirs
+            .get(&parent)
+            .and_then(|d| {
+                d.by_name
+                    .iter()
+                    .find(|(_, e)| e.ino == ino)
+                    .map(|(n, _)| n.clone())
+            })
+            .ok_or_else(|| {
+                ManagerError::NotFound(format!("the name of region {ino} in directory {parent}"))
+            })?;
+        self.remove_entry(parent, &name);
+        let now = Time::now();
+        let inode = self.inode_mut(ino)?;
+        inode.nlink = 0;
+        inode.parent = 0;
+        inode.ctime = now;
+        if !self.open.contains_key(&ino) {
+            self.free_region(ino);
+        }
+        let dir = self.inode_mut(parent)?;
+        dir.mtime = now;
+        dir.ctime = now;
+        Ok(())
+    }
+
+    /// Named non-persistent regions created on `host` (by process `pid`, when given).
+    pub fn owned_regions(&self, host: u32, pid: Option<u32>) -> Vec<u64> {
+        let mut inos: Vec<u64> = self
+            .inodes
+            .values()
+            .filter(|i| {
+                !i.is_dir()
+                    && i.nlink > 0
+                    && !i.attrs.persistent
+                    && i.owner_host == host
+                    && pid.is_none_or(|p| i.owner_pid == p)
+            })
+            .map(|i| i.ino)
+            .collect();
+        inos.sort_unstable();
+        inos
+    }
+
+    /// Deletes the non-persistent regions of owner `pid` on `host` (every owner of `host` when
+    /// `pid` is `None`); returns them.
+    pub fn release_owner(&mut self, host: u32, pid: Option<u32>) -> Vec<u64> {
+        let mut deleted = Vec::new();
+        for ino in self.owned_regions(host, pid) {
+            match self.delete_region(ino) {
+                Ok(()) => deleted.push(ino),
+                Err(e) => tracing::warn!(host, ino, error = %e, "cannot delete an owner's region"),
+            }
+        }
+        deleted
+    }
+
+    /// Hosts whose lease ended. A host not heard from since this manager started has no
+    /// lease to end; it counts only once `grace_over` (one lease after the start).
+    pub fn expired_hosts(&self, grace_over: bool) -> Vec<u32> {
+        self.hosts
+            .keys()
+            .copied()
+            .filter(|h| !self.is_live(*h) && (grace_over || self.leases.contains_key(h)))
+            .collect()
+    }
+}
+
+impl Manager {
+    /// Owner `pid` on `host` exited: deletes its non-persistent regions; returns them.
+    pub async fn release_owner(&self, host: u32, pid: u32) -> Result<Vec<u64>> {
+        if host == 0 || pid == 0 {
+            return Err(ManagerError::Invalid(format!(
+                "release of owner pid {pid} on host {host}: both must be non-zero"
+            )));
+        }
+        let deleted = self
+            .write(|s| Ok(s.release_owner(host, Some(pid))))
+            .await?;
+        if !deleted.is_empty() {
+            tracing::info!(host, pid, regions = ?deleted, "owner exited: deleted its non-persistent regions");
+        }
+        Ok(deleted)
+    }
+
+    /// Deletes the non-persistent regions of the owners on every host whose lease expired;
+    /// returns (host, regions) for those that had any.
+    pub async fn expire_leases(&self, grace_over: bool) -> Result<Vec<(u32, Vec<u64>)>> {
+        self.write(|s| {
+            let mut out = Vec::new();
+            for host in s.expired_hosts(grace_over) {
+                let deleted = s.release_owner(host, None);
+                if !deleted.is_empty() {
+                    out.push((host, deleted));
+                }
+            }
+            Ok(out)
+        })
+        .await
+    }
+}
+
+/// Checks leases every quarter lease (50–500 ms) until the manager shuts down; see
+/// [`Manager::expire_leases`].
+pub async fn run_lease_expiry(manager: Arc<Manager>) {
+    let started = Instant::now();
+    let lease = manager.config().lease;
+    let tick = (lease / 4).clamp(MIN_TICK, MAX_TICK);
+    let mut closing = manager.closing();
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(tick) => {}
+            _ = closing.wait_for(|c| *c) => return,
+        }
+        let grace_over = started.elapsed() >= lease;
+        match manager.expire_leases(grace_over).await {
+            Ok(expired) => {
+                for (host, regions) in expired {
+                    tracing::warn!(
+                        host,
+                        ?regions,
+                        "host lease expired: deleted the non-persistent regions its processes owned"
+                    );
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "lease check failed");
+                if matches!(e, ManagerError::Store(_)) {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::access::Caller;
+    use crate::cluster::HostRegistration;
+    use crate::model::ROOT_INO;
+
+    const MIB: u64 = 1 << 20;
+
+    fn reg(host: u32, incarnation: u64) -> HostRegistration {
+        HostRegistration {
+            host_id: host,
+            transport_addr: format!("127.0.0.1:{}", 7200 + host),
+            agent_socket: String::new(),
+            memory_offered: 64 * MIB,
+            incarnation,
+        }
+    }
+
+    fn state(lease: Duration) -> State {
+        let mut s = State::new(lease, 0o1777);
+        for h in 1..=3 {
+            s.register_host(&reg(h, 1)).unwrap();
+            s.register_pool(h, 0, 64 * MIB).unwrap();
+        }
+        s
+    }
+
+    fn who(host: u32, pid: u32) -> Caller {
+        Caller {
+            uid: 1000,
+            gid: 1000,
+            groups: vec![],
+            pid,
+            host_id: host,
+        }
+    }
+
+    fn region(s: &mut State, c: &Caller, name: &str, persistent: bool, bytes: u64) -> u64 {
+        let o = regions_proto::v1::RegionAttrOverrides {
+            persistent: Some(persistent),
+            ..Default::default()
+        };
+        let ino = s.create_entry(c, ROOT_INO, name, 0o644, Some(&o)).unwrap().ino;
+        s.resize(ino, Some(bytes), bytes, false).unwrap();
+        ino
+    }
+
+    #[test]
+    fn owner_release_deletes_only_its_non_persistent_regions() {
+        let mut s = state(Duration::from_secs(60));
+        let a = region(&mut s, &who(1, 10), "a", false, MIB);
+        let keep = region(&mut s, &who(1, 10), "keep", true, MIB);
+        let other_pid = region(&mut s, &who(1, 11), "b", false, MIB);
+        let other_host = region(&mut s, &who(2, 10), "c", false, MIB);
+        let free_before = s.alloc.host_free(1);
+        assert_eq!(s.release_owner(1, Some(10)), vec![a]);
+        assert!(s.child(ROOT_INO, "a").is_none());
+        assert!(!s.inodes.contains_key(&a), "no handle: freed at once");
+        assert_eq!(s.alloc.host_free(1), free_before + MIB);
+        for ino in [keep, other_pid, other_host] {
+            assert!(s.inode(ino).is_ok());
+        }
+        // An open region loses its name now and its memory at the last close.
+        let h = s.open_region(&who(3, 5), other_pid, false).unwrap();
+        assert_eq!(s.release_owner(1, Some(11)), vec![other_pid]);
+        assert!(s.child(ROOT_INO, "b").is_none());
+        assert!(s.inodes.contains_key(&other_pid));
+        assert!(s.release_handle(h.id));
+        assert!(!s.inodes.contains_key(&other_pid));
+        // Renamed regions are found by inode.
+        s.rename(&who(2, 10), ROOT_INO, "c", ROOT_INO, "c2", 0)
+            .unwrap();
+        assert_eq!(s.release_owner(2, None), vec![other_host]);
+        assert!(s.child(ROOT_INO, "c2").is_none());
+    }
+
+    #[test]
+    fn expired_hosts_need_a_lease_that_ended_or_the_grace() {
+        let mut s = state(Duration::from_millis(30));
+        s.leases.remove(&3); // known from the store, not heard from since the start
+        std::thread::sleep(Duration::from_millis(50));
+        s.heartbeat(2, 1).unwrap();
+        assert_eq!(s.expired_hosts(false), vec![1]);
+        assert_eq!(s.expired_hosts(true), vec![1, 3]);
+    }
+
+    #[test]
+    fn a_restarted_host_loses_the_regions_it_held() {
+        let mut s = state(Duration::from_secs(60));
+        let c = who(1, 10);
+        let mut spread = regions_proto::v1::RegionAttrOverrides {
+            persistent: Some(true),
+            multihosted: Some(true),
+            ..Default::default()
+        };
+        let on2 = {
+            let o = regions_proto::v1::RegionAttrOverrides {
+                persistent: Some(true),
+                hostalloc: Some("2".into()),
+                ..Default::default()
+            };
+            let ino = s.create_entry(&c, ROOT_INO, "on2", 0o644, Some(&o)).unwrap().ino;
+            s.resize(ino, Some(MIB), MIB, false).unwrap();
+            ino
+        };
+        let wide = {
+            let ino = s
+                .create_entry(&c, ROOT_INO, "wide", 0o644, Some(&spread))
+                .unwrap()
+                .ino;
+            s.resize(ino, Some(8 * MIB), 8 * MIB, false).unwrap();
+            ino
+        };
+        spread.hostalloc = Some("1,3".into());
+        let elsewhere = s
+            .create_entry(&c, ROOT_INO, "elsewhere", 0o644, Some(&spread))
+            .unwrap()
+            .ino;
+        s.resize(elsewhere, Some(8 * MIB), 8 * MIB, false).unwrap();
+        assert_eq!(s.register_host(&reg(2, 2)).unwrap(), Some(1));
+        let lost = s.mark_lost_on(2, "host 2 restarted");
+        assert_eq!(lost, vec![on2, wide]);
+        assert!(s.mark_lost_on(2, "again").is_empty(), "marked once");
+        for ino in [on2, wide] {
+            let e = s.open_region(&c, ino, false).unwrap_err();
+            assert_eq!(e.errno(), libc::EIO);
+            assert!(e.to_string().contains("host 2 restarted"), "{e}");
+            assert_eq!(s.region_info(ino, None).unwrap_err().errno(), libc::EIO);
+            assert_eq!(
+                s.resize(ino, Some(0), 0, true).unwrap_err().errno(),
+                libc::EIO
+            );
+            assert!(s.inode(ino).is_ok(), "stat still works");
+        }
+        assert!(s.open_region(&c, elsewhere, true).is_ok());
+        // The restarted daemon's resync leaves the lost chunks out.
+        for p in s.alloc.host_pools(2).map(|p| p.pool.gid).collect::<Vec<_>>() {
+            assert!(s.pool_chunks(p).unwrap().is_empty());
+        }
+        // Unlink works and frees the memory.
+        let free = s.alloc.host_free(2);
+        s.unlink(&c, ROOT_INO, "on2").unwrap();
+        assert_eq!(s.alloc.host_free(2), free + MIB);
+        assert!(s.listxattr(&c, wide).unwrap().iter().all(|n| n != LOST_KEY));
+    }
+}

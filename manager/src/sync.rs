@@ -1,0 +1,981 @@
+//! Barriers, mutexes and doorbells (paper 003 §5.9; DESIGN.md, "Control plane"): named
+//! objects whose definitions are durable in the store and whose waiting callers live in
+//! memory, served as the `Sync` gRPC service.
+//!
+//! - **Barrier** `n`: the `n`-th caller of a round releases the round; rounds are numbered
+//!   (generations, from 1) and the barrier is reused round after round.
+//! - **Doorbell**: a ring count. `BellWait` returns once the count is above what this caller
+//!   (host id, pid) saw at its previous wait (0 before its first), and returns the count.
+//! - **Mutex**: an 8-byte lock word in a hidden region the manager allocates (one persistent
+//!   region with no name, slots 64 bytes apart). The word is 0 when free, else the holder's
+//!   tag `(host_id << 32) | pid`, with [`WAITERS`] set while callers queue here. Clients lock
+//!   with a transport compare-and-swap `0 -> tag` and unlock with `tag -> 0`; only when that
+//!   fails do they call `MutexLock` / `MutexUnlock`, and the manager (which changes the word
+//!   over the transport with the cluster secret, one operation at a time per mutex) queues
+//!   them in FIFO order and hands the word straight to the next waiter. A holder loses the
+//!   lock when its process exits (its host agent watches it and calls `ReleaseDead`) or when
+//!   its host's lease ends.
+//!
+//! Waiting calls end when the caller goes away: tonic drops the call's future and the guards
+//! here take the waiter out of its queue.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::Duration;
+
+use regions::transport::tcp::{RetryPolicy, TcpTransport};
+use regions::transport::{Span, Transport, TransportStats};
+use regions_proto::auth::Secret;
+use regions_proto::layout::{CHUNK_SIZE, MapEntry};
+use regions_proto::v1::{self, sync_server::Sync};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{oneshot, watch};
+use tonic::{Request, Response, Status};
+
+use crate::access::Caller;
+use crate::capability::Minter;
+use crate::error::{ManagerError, Result};
+use crate::manager::Manager;
+use crate::model::{Kind, ROOT_INO, RegionAttrs};
+use crate::state::State;
+
+/// Set in a lock word while callers queue for it at the manager.
+pub const WAITERS: u64 = 1 << 63;
+/// Bytes between lock words (one cache line each).
+pub const SLOT_STRIDE: u64 = 64;
+/// Store key of the lock region's record (no object may have an empty name).
+pub const LOCK_REGION_KEY: &str = "";
+/// Longest object name.
+pub const MAX_NAME: usize = 255;
+
+/// The lock word tag of process `pid` on host `host`.
+pub fn tag(host: u32, pid: u32) -> u64 {
+    (u64::from(host & 0x7fff_ffff) << 32) | u64::from(pid)
+}
+
+/// Host of a tag.
+pub fn tag_host(tag: u64) -> u32 {
+    ((tag & !WAITERS) >> 32) as u32
+}
+
+/// A named object's definition (stored).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SyncDef {
+    Barrier { n: u32 },
+    /// The lock word's offset in the lock region.
+    Mutex { offset: u64 },
+    Bell,
+}
+
+impl SyncDef {
+    fn kind(&self) -> &'static str {
+        match self {
+            SyncDef::Barrier { .. } => "barrier",
+            SyncDef::Mutex { .. } => "mutex",
+            SyncDef::Bell => "doorbell",
+        }
+    }
+}
+
+/// The hidden region holding lock words (stored).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LockRegion {
+    pub ino: u64,
+    /// Slots handed out so far (the next new slot's index).
+    pub next: u64,
+    /// Offsets of slots freed by deleted mutexes.
+    pub free: Vec<u64>,
+}
+
+/// Sync definitions in the manager's state.
+#[derive(Clone, Debug, Default)]
+pub struct SyncState {
+    pub defs: BTreeMap<String, SyncDef>,
+    pub lock_region: Option<LockRegion>,
+}
+
+/// Loads one stored sync record.
+pub fn load_record(state: &mut State, key: &str, bytes: &[u8]) -> Result<(), postcard::Error> {
+    if key == LOCK_REGION_KEY {
+        state.sync.lock_region = Some(postcard::from_bytes(bytes)?);
+    } else {
+        state.sync.defs.insert(key.to_owned(), postcard::from_bytes(bytes)?);
+    }
+    Ok(())
+}
+
+/// The stored form of sync record `key` (`None`: deleted).
+pub fn record_of(state: &State, key: &str) -> Result<Option<Vec<u8>>, postcard::Error> {
+    if key == LOCK_REGION_KEY {
+        state
+            .sync
+            .lock_region
+            .as_ref()
+            .map(postcard::to_allocvec)
+            .transpose()
+    } else {
+        state
+            .sync
+            .defs
+            .get(key)
+            .map(postcard::to_allocvec)
+            .transpose()
+    }
+}
+
+fn check_name(name: &str) -> Result<()> {
+    if name.is_empty() || name.contains('\0') {
+        return Err(ManagerError::Invalid(format!(
+            "sync object name {name:?}: names must be non-empty and contain no NUL"
+        )));
+    }
+    if name.len() > MAX_NAME {
+        return Err(ManagerError::NameTooLong(name.len()));
+    }
+    Ok(())
+}
+
+/// Where a lock word is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WordPlace {
+    pub ino: u64,
+    pub region_offset: u64,
+    pub pool: u32,
+    pub pool_offset: u64,
+    pub host_id: u32,
+    pub transport_addr: String,
+}
+
+impl State {
+    /// The definition of `name`.
+    pub fn sync_def(&self, name: &str) -> Result<SyncDef> {
+        check_name(name)?;
+        self.sync.defs.get(name).cloned().ok_or_else(|| {
+            ManagerError::NotFound(format!(
+                "sync object {name:?} (create it first with the matching init call)"
+            ))
+        })
+    }
+
+    /// Creates `name` as `def` (a mutex's slot is allocated here); an existing object with
+    /// the same kind and parameters is left as it is; anything else is `EEXIST`.
+    pub fn sync_init(&mut self, caller: &Caller, name: &str, def: SyncDef) -> Result<SyncDef> {
+        check_name(name)?;
+        if let SyncDef::Barrier { n: 0 } = def {
+            return Err(ManagerError::Invalid(format!(
+                "barrier {name:?} with 0 parties; use 1 or more"
+            )));
+        }
+        if let Some(existing) = self.sync.defs.get(name) {
+            let same = match (existing, &def) {
+                (SyncDef::Mutex { .. }, SyncDef::Mutex { .. }) => true,
+                (a, b) => a == b,
+            };
+            if same {
+                return Ok(existing.clone());
+            }
+            return Err(ManagerError::Exists(format!(
+                "sync object {name:?} as a {} with other parameters ({existing:?}); delete it first",
+                existing.kind()
+            )));
+        }
+        let def = match def {
+            SyncDef::Mutex { .. } => SyncDef::Mutex {
+                offset: self.alloc_lock_slot(caller.host_id)?,
+            },
+            other => other,
+        };
+        self.sync.defs.insert(name.to_owned(), def.clone());
+        self.dirty.sync.insert(name.to_owned());
+        Ok(def)
+    }
+
+    /// Deletes `name`; a mutex's slot is freed for reuse (its word is cleared by the caller).
+    pub fn sync_delete(&mut self, name: &str) -> Result<SyncDef> {
+        let def = self.sync_def(name)?;
+        self.sync.defs.remove(name);
+        self.dirty.sync.insert(name.to_owned());
+        if let (SyncDef::Mutex { offset }, Some(region)) = (&def, self.sync.lock_region.as_mut()) {
+            region.free.push(*offset);
+            self.dirty.sync.insert(LOCK_REGION_KEY.to_owned());
+        }
+        Ok(def)
+    }
+
+    /// A free lock-word slot, creating or growing the lock region as needed (placed on
+    /// `host` when it is the first mutex, like a region created there).
+    fn alloc_lock_slot(&mut self, host: u32) -> Result<u64> {
+        if let Some(region) = self.sync.lock_region.as_mut()
+            && let Some(offset) = region.free.pop()
+        {
+            self.dirty.sync.insert(LOCK_REGION_KEY.to_owned());
+            return Ok(offset);
+        }
+        let created = match &self.sync.lock_region {
+            Some(r) => {
+                if self.region(r.ino).is_err() {
+                    return Err(ManagerError::Store(format!(
+                        "the lock region {} of the sync service is missing",
+                        r.ino
+                    )));
+                }
+                None
+            }
+            None => {
+                let root = self.inode(ROOT_INO)?.clone();
+                let mut inode = self.new_inode(Kind::Region, 0o666, &Caller::root(host), &root);
+                // No name: nobody can open or unlink it through the namespace.
+                inode.nlink = 1;
+                inode.attrs = RegionAttrs {
+                    persistent: true,
+                    ..RegionAttrs::default()
+                };
+                let ino = inode.ino;
+                self.put_inode(inode);
+                self.sync.lock_region = Some(LockRegion {
+                    ino,
+                    next: 0,
+                    free: Vec::new(),
+                });
+                Some(ino)
+            }
+        };
+        let (ino, next) = match &self.sync.lock_region {
+            Some(r) => (r.ino, r.next),
+            None => return Err(ManagerError::Store("lock region vanished".into())),
+        };
+        let offset = next * SLOT_STRIDE;
+        let size = self.region(ino)?.size;
+        if offset + SLOT_STRIDE > size {
+            let grown = (offset + SLOT_STRIDE).div_ceil(CHUNK_SIZE) * CHUNK_SIZE;
+            if let Err(e) = self.resize(ino, Some(grown), grown, false) {
+                if let Some(ino) = created {
+                    // Undo: no half-made lock region.
+                    self.maps.remove(&ino);
+                    self.inodes.remove(&ino);
+                    self.sync.lock_region = None;
+                }
+                return Err(e);
+            }
+        }
+        if let Some(r) = self.sync.lock_region.as_mut() {
+            r.next += 1;
+        }
+        self.dirty.sync.insert(LOCK_REGION_KEY.to_owned());
+        Ok(offset)
+    }
+
+    /// Where the lock word at `offset` of the lock region lives.
+    pub fn lock_word(&self, offset: u64) -> Result<WordPlace> {
+        let region = self
+            .sync
+            .lock_region
+            .as_ref()
+            .ok_or_else(|| ManagerError::NotFound("the lock region (no mutex exists)".into()))?;
+        self.check_not_lost(region.ino)?;
+        let map = self.maps.get(&region.ino).map_or(&[][..], Vec::as_slice);
+        let entry = map
+            .get((offset / CHUNK_SIZE) as usize)
+            .and_then(|raw| MapEntry::decode(*raw))
+            .ok_or_else(|| {
+                ManagerError::Store(format!("lock word at {offset} has no memory behind it"))
+            })?;
+        let host_id = self.pool_host(entry.gid).unwrap_or(0);
+        let transport_addr = self
+            .hosts
+            .get(&host_id)
+            .map(|h| h.transport_addr.clone())
+            .unwrap_or_default();
+        Ok(WordPlace {
+            ino: region.ino,
+            region_offset: offset,
+            pool: entry.gid,
+            pool_offset: entry.pool_offset + offset % CHUNK_SIZE,
+            host_id,
+            transport_addr,
+        })
+    }
+}
+
+/// A caller queued for a mutex.
+struct Waiter {
+    id: u64,
+    tag: u64,
+    grant: oneshot::Sender<()>,
+}
+
+struct MutexRt {
+    offset: u64,
+    /// One word operation sequence at a time.
+    ops: tokio::sync::Mutex<()>,
+    queue: StdMutex<VecDeque<Waiter>>,
+}
+
+struct BarrierRt {
+    n: u32,
+    /// Callers arrived in the current round.
+    arrived: StdMutex<u32>,
+    /// (completed rounds, deleted).
+    done: watch::Sender<(u64, bool)>,
+}
+
+struct BellRt {
+    /// (rings, deleted).
+    rings: watch::Sender<(u64, bool)>,
+    /// Ring count each caller saw at its last wait.
+    seen: StdMutex<HashMap<(u32, u32), u64>>,
+}
+
+#[derive(Default)]
+struct Runtime {
+    mutexes: HashMap<String, Arc<MutexRt>>,
+    barriers: HashMap<String, Arc<BarrierRt>>,
+    bells: HashMap<String, Arc<BellRt>>,
+}
+
+/// The `Sync` service: definitions in the manager's state, waiters here.
+#[derive(Clone)]
+pub struct SyncService {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    manager: Arc<Manager>,
+    secret: Secret,
+    minter: Minter,
+    runtime: StdMutex<Runtime>,
+    transports: StdMutex<HashMap<String, Arc<TcpTransport>>>,
+    stats: Arc<TransportStats>,
+    next_waiter: AtomicU64,
+}
+
+/// Takes a queued waiter out when its call ends without a grant.
+struct QueueGuard {
+    rt: Arc<MutexRt>,
+    id: u64,
+}
+
+impl Drop for QueueGuard {
+    fn drop(&mut self) {
+        if let Ok(mut q) = self.rt.queue.lock() {
+            q.retain(|w| w.id != self.id);
+        }
+    }
+}
+
+/// Takes an arrival back when a barrier call ends before its round completes.
+struct ArrivalGuard {
+    rt: Arc<BarrierRt>,
+    round: u64,
+    armed: bool,
+}
+
+impl Drop for ArrivalGuard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if let Ok(mut arrived) = self.rt.arrived.lock()
+            && self.rt.done.borrow().0 == self.round
+        {
+            *arrived = arrived.saturating_sub(1);
+        }
+    }
+}
+
+fn poisoned() -> ManagerError {
+    ManagerError::Store("a sync lock was poisoned".into())
+}
+
+impl SyncService {
+    /// The service for `manager`; lock words are changed over the transport with `secret`.
+    pub fn new(manager: Arc<Manager>, secret: Secret) -> SyncService {
+        SyncService {
+            inner: Arc::new(Inner {
+                minter: Minter::from_env(&secret),
+                manager,
+                secret,
+                runtime: StdMutex::new(Runtime::default()),
+                transports: StdMutex::new(HashMap::new()),
+                stats: Arc::default(),
+                next_waiter: AtomicU64::new(1),
+            }),
+        }
+    }
+
+    fn manager(&self) -> &Manager {
+        &self.inner.manager
+    }
+
+    async fn def(&self, name: &str) -> Result<SyncDef> {
+        let name = name.to_owned();
+        self.manager().read(move |s| s.sync_def(&name)).await
+    }
+
+    pub async fn init(&self, caller: &Caller, name: &str, def: SyncDef) -> Result<SyncDef> {
+        let caller = caller.clone();
+        let name = name.to_owned();
+        self.manager()
+            .write_allocating(move |s| s.sync_init(&caller, &name, def.clone()))
+            .await
+    }
+
+    fn mutex_rt(&self, name: &str, offset: u64) -> Result<Arc<MutexRt>> {
+        let mut rt = self.inner.runtime.lock().map_err(|_| poisoned())?;
+        let entry = rt
+            .mutexes
+            .entry(name.to_owned())
+            .or_insert_with(|| Self::new_mutex(offset));
+        if entry.offset != offset {
+            *entry = Self::new_mutex(offset);
+        }
+        Ok(Arc::clone(entry))
+    }
+
+    fn new_mutex(offset: u64) -> Arc<MutexRt> {
+        Arc::new(MutexRt {
+            offset,
+            ops: tokio::sync::Mutex::new(()),
+            queue: StdMutex::new(VecDeque::new()),
+        })
+    }
+
+    fn barrier_rt(&self, name: &str, n: u32) -> Result<Arc<BarrierRt>> {
+        let mut rt = self.inner.runtime.lock().map_err(|_| poisoned())?;
+        let new = || {
+            Arc::new(BarrierRt {
+                n,
+                arrived: StdMutex::new(0),
+                done: watch::channel((0, false)).0,
+            })
+        };
+        let entry = rt.barriers.entry(name.to_owned()).or_insert_with(new);
+        if entry.n != n {
+            entry.done.send_modify(|d| d.1 = true);
+            *entry = new();
+        }
+        Ok(Arc::clone(entry))
+    }
+
+    fn bell_rt(&self, name: &str) -> Result<Arc<BellRt>> {
+        let mut rt = self.inner.runtime.lock().map_err(|_| poisoned())?;
+        Ok(Arc::clone(rt.bells.entry(name.to_owned()).or_insert_with(
+            || {
+                Arc::new(BellRt {
+                    rings: watch::channel((0, false)).0,
+                    seen: StdMutex::new(HashMap::new()),
+                })
+            },
+        )))
+    }
+
+    // ---- barriers ----
+
+    /// Waits until the round this caller joins completes; returns its generation (from 1).
+    pub async fn barrier_wait(&self, name: &str) -> Result<u64> {
+        let SyncDef::Barrier { n } = self.def(name).await? else {
+            return Err(ManagerError::Invalid(format!("{name:?} is not a barrier")));
+        };
+        let rt = self.barrier_rt(name, n)?;
+        let (round, mut rx) = {
+            let mut arrived = rt.arrived.lock().map_err(|_| poisoned())?;
+            let round = rt.done.borrow().0;
+            *arrived += 1;
+            if *arrived >= rt.n {
+                *arrived = 0;
+                rt.done.send_modify(|d| d.0 += 1);
+                return Ok(round + 1);
+            }
+            (round, rt.done.subscribe())
+        };
+        let mut guard = ArrivalGuard {
+            rt: Arc::clone(&rt),
+            round,
+            armed: true,
+        };
+        let seen = *rx
+            .wait_for(|(done, deleted)| *done > round || *deleted)
+            .await
+            .map_err(|_| ManagerError::NotFound(format!("barrier {name:?} (deleted)")))?;
+        guard.armed = false;
+        if seen.0 > round {
+            Ok(round + 1)
+        } else {
+            Err(ManagerError::NotFound(format!(
+                "barrier {name:?} (deleted while waiting)"
+            )))
+        }
+    }
+
+    // ---- doorbells ----
+
+    pub async fn bell_ring(&self, name: &str) -> Result<u64> {
+        let SyncDef::Bell = self.def(name).await? else {
+            return Err(ManagerError::Invalid(format!("{name:?} is not a doorbell")));
+        };
+        let rt = self.bell_rt(name)?;
+        let mut count = 0;
+        rt.rings.send_modify(|r| {
+            r.0 += 1;
+            count = r.0;
+        });
+        Ok(count)
+    }
+
+    pub async fn bell_wait(&self, caller: &Caller, name: &str) -> Result<u64> {
+        let SyncDef::Bell = self.def(name).await? else {
+            return Err(ManagerError::Invalid(format!("{name:?} is not a doorbell")));
+        };
+        let rt = self.bell_rt(name)?;
+        let key = (caller.host_id, caller.pid);
+        let last = rt
+            .seen
+            .lock()
+            .map_err(|_| poisoned())?
+            .get(&key)
+            .copied()
+            .unwrap_or(0);
+        let mut rx = rt.rings.subscribe();
+        let (count, deleted) = *rx
+            .wait_for(|(count, deleted)| *count > last || *deleted)
+            .await
+            .map_err(|_| ManagerError::NotFound(format!("doorbell {name:?} (deleted)")))?;
+        if count <= last && deleted {
+            return Err(ManagerError::NotFound(format!(
+                "doorbell {name:?} (deleted while waiting)"
+            )));
+        }
+        rt.seen.lock().map_err(|_| poisoned())?.insert(key, count);
+        Ok(count)
+    }
+
+    // ---- mutexes ----
+
+    async fn word_place(&self, offset: u64) -> Result<WordPlace> {
+        self.manager().read(move |s| s.lock_word(offset)).await
+    }
+
+    fn transport(&self, addr: &str) -> Result<Arc<TcpTransport>> {
+        let mut map = self.inner.transports.lock().map_err(|_| poisoned())?;
+        Ok(Arc::clone(map.entry(addr.to_owned()).or_insert_with(|| {
+            Arc::new(TcpTransport::new(
+                addr,
+                self.inner.secret.token().as_bytes(),
+                RetryPolicy::default(),
+                Arc::clone(&self.inner.stats),
+            ))
+        })))
+    }
+
+    /// Compare-and-swap on a lock word; returns the old value.
+    async fn cas(&self, place: &WordPlace, expected: u64, new: u64) -> Result<u64> {
+        if place.transport_addr.is_empty() {
+            return Err(ManagerError::Store(format!(
+                "host {} holding the lock region is unknown",
+                place.host_id
+            )));
+        }
+        let transport = self.transport(&place.transport_addr)?;
+        let span = Span {
+            region_offset: place.region_offset,
+            pool: place.pool,
+            pool_offset: place.pool_offset,
+            len: 8,
+        };
+        let host = place.host_id;
+        tokio::task::spawn_blocking(move || transport.compare_and_swap(&span, expected, new))
+            .await
+            .map_err(|e| ManagerError::Store(format!("lock word task failed: {e}")))?
+            .map_err(|e| {
+                ManagerError::Unavailable(format!(
+                    "cannot reach the lock word at host {host}: {e}"
+                ))
+            })
+    }
+
+    async fn mutex(&self, name: &str) -> Result<(Arc<MutexRt>, WordPlace)> {
+        let SyncDef::Mutex { offset } = self.def(name).await? else {
+            return Err(ManagerError::Invalid(format!("{name:?} is not a mutex")));
+        };
+        let rt = self.mutex_rt(name, offset)?;
+        let place = self.word_place(offset).await?;
+        Ok((rt, place))
+    }
+
+    /// Where the lock word of `name` is, with a capability for its region.
+    pub async fn mutex_locate(&self, caller: &Caller, name: &str) -> Result<v1::MutexLocation> {
+        let (_, place) = self.mutex(name).await?;
+        let (capability, capability_expires_ms) = self.inner.minter.mint(place.ino, true);
+        Ok(v1::MutexLocation {
+            ino: place.ino,
+            region_offset: place.region_offset,
+            pool: place.pool,
+            pool_offset: place.pool_offset,
+            host_id: place.host_id,
+            transport_addr: place.transport_addr,
+            tag: tag(caller.host_id, caller.pid),
+            lease_ms: self.manager().config().lease.as_millis() as u64,
+            capability,
+            capability_expires_ms,
+        })
+    }
+
+    /// Locks `name` for `caller`, queueing in FIFO order behind other waiters.
+    pub async fn mutex_lock(&self, caller: &Caller, name: &str) -> Result<u64> {
+        let (rt, place) = self.mutex(name).await?;
+        let me = tag(caller.host_id, caller.pid);
+        let lease = self.manager().config().lease.as_millis() as u64;
+        let (id, granted) = {
+            let _ops = rt.ops.lock().await;
+            let mut seen = self.cas(&place, 0, me).await?;
+            loop {
+                if seen == 0 {
+                    return Ok(lease);
+                }
+                if seen & WAITERS != 0 {
+                    break;
+                }
+                let got = self.cas(&place, seen, seen | WAITERS).await?;
+                if got == seen {
+                    break;
+                }
+                seen = if got == 0 {
+                    self.cas(&place, 0, me).await?
+                } else {
+                    got
+                };
+            }
+            let (tx, rx) = oneshot::channel();
+            let id = self.inner.next_waiter.fetch_add(1, Ordering::Relaxed);
+            rt.queue.lock().map_err(|_| poisoned())?.push_back(Waiter {
+                id,
+                tag: me,
+                grant: tx,
+            });
+            (id, rx)
+        };
+        let _guard = QueueGuard {
+            rt: Arc::clone(&rt),
+            id,
+        };
+        match granted.await {
+            Ok(()) => Ok(lease),
+            Err(_) => Err(ManagerError::NotFound(format!(
+                "mutex {name:?} (deleted while waiting)"
+            ))),
+        }
+    }
+
+    /// Unlocks `name` held by `caller`, handing it to the next waiter.
+    pub async fn mutex_unlock(&self, caller: &Caller, name: &str) -> Result<()> {
+        let (rt, place) = self.mutex(name).await?;
+        let me = tag(caller.host_id, caller.pid);
+        let _ops = rt.ops.lock().await;
+        let word = self.cas(&place, 0, 0).await?;
+        if word & !WAITERS != me {
+            return Err(ManagerError::Perm(format!(
+                "mutex {name:?} is not held by process {} on host {} (lock word {word:#x})",
+                caller.pid, caller.host_id
+            )));
+        }
+        self.hand_off(&rt, &place, word).await
+    }
+
+    /// Gives the word (holding `word`) to the next live waiter, or frees it. Holds `rt.ops`.
+    async fn hand_off(&self, rt: &MutexRt, place: &WordPlace, mut word: u64) -> Result<()> {
+        loop {
+            let (next, more) = {
+                let mut q = rt.queue.lock().map_err(|_| poisoned())?;
+                let mut next = None;
+                while let Some(w) = q.pop_front() {
+                    if !w.grant.is_closed() {
+                        next = Some(w);
+                        break;
+                    }
+                }
+                (next, !q.is_empty())
+            };
+            let Some(waiter) = next else {
+                let got = self.cas(place, word, 0).await?;
+                if got == word || got == 0 {
+                    return Ok(());
+                }
+                word = got;
+                continue;
+            };
+            let new = waiter.tag | if more { WAITERS } else { 0 };
+            let got = self.cas(place, word, new).await?;
+            if got != word {
+                // Changed under us (cannot happen while we hold `ops`, but stay correct).
+                if let Ok(mut q) = rt.queue.lock() {
+                    q.push_front(waiter);
+                }
+                word = got;
+                continue;
+            }
+            match waiter.grant.send(()) {
+                Ok(()) => return Ok(()),
+                // The waiter left after all: pass the word on.
+                Err(()) => word = new,
+            }
+        }
+    }
+
+    /// Releases every mutex whose holder matches `dead`, and drops queued waiters matching it.
+    async fn release_matching(&self, what: &str, dead: impl Fn(u64) -> bool) -> Result<usize> {
+        let mutexes: Vec<(String, u64)> = self
+            .manager()
+            .read(|s| {
+                Ok(s.sync
+                    .defs
+                    .iter()
+                    .filter_map(|(name, d)| match d {
+                        SyncDef::Mutex { offset } => Some((name.clone(), *offset)),
+                        _ => None,
+                    })
+                    .collect())
+            })
+            .await?;
+        let mut released = 0;
+        for (name, offset) in mutexes {
+            let rt = self.mutex_rt(&name, offset)?;
+            if let Ok(mut q) = rt.queue.lock() {
+                q.retain(|w| !dead(w.tag));
+            }
+            let place = match self.word_place(offset).await {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(mutex = %name, error = %e, "cannot find a lock word to release");
+                    continue;
+                }
+            };
+            let _ops = rt.ops.lock().await;
+            let word = match self.cas(&place, 0, 0).await {
+                Ok(w) => w,
+                Err(e) => {
+                    tracing::warn!(mutex = %name, error = %e, "cannot read a lock word to release");
+                    continue;
+                }
+            };
+            if word != 0 && dead(word & !WAITERS) {
+                tracing::warn!(mutex = %name, holder = format!("{:#x}", word & !WAITERS), "{what}: releasing the mutex it held");
+                self.hand_off(&rt, &place, word).await?;
+                released += 1;
+            }
+        }
+        Ok(released)
+    }
+
+    /// Processes `pids` of `host` exited.
+    pub async fn release_dead(&self, host: u32, pids: &[u32]) -> Result<usize> {
+        let tags: HashSet<u64> = pids.iter().map(|p| tag(host, *p)).collect();
+        if let Ok(rt) = self.inner.runtime.lock() {
+            for bell in rt.bells.values() {
+                if let Ok(mut seen) = bell.seen.lock() {
+                    seen.retain(|(h, p), _| !(*h == host && pids.contains(p)));
+                }
+            }
+        }
+        self.release_matching("holder process exited", |t| tags.contains(&t))
+            .await
+    }
+
+    /// Deletes `name`; its waiters get `ENOENT`, a mutex's word is cleared.
+    pub async fn delete(&self, name: &str) -> Result<()> {
+        let owned = name.to_owned();
+        let def = self.manager().write(move |s| s.sync_delete(&owned)).await?;
+        let rt = {
+            let mut rt = self.inner.runtime.lock().map_err(|_| poisoned())?;
+            if let Some(b) = rt.barriers.remove(name) {
+                b.done.send_modify(|d| d.1 = true);
+            }
+            if let Some(b) = rt.bells.remove(name) {
+                b.rings.send_modify(|r| r.1 = true);
+            }
+            rt.mutexes.remove(name)
+        };
+        if let Some(rt) = rt
+            && let Ok(mut q) = rt.queue.lock()
+        {
+            q.clear(); // waiters see their grant dropped: ENOENT
+        }
+        if let SyncDef::Mutex { offset } = def {
+            // Clear the word for the slot's next user.
+            match self.word_place(offset).await {
+                Ok(place) => {
+                    let word = self.cas(&place, 0, 0).await.unwrap_or(0);
+                    if word != 0 {
+                        let _ = self.cas(&place, word, 0).await;
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot clear a deleted mutex's word"),
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases the mutexes held on hosts whose lease ended, checking every quarter lease
+    /// until the manager shuts down.
+    pub async fn run_host_expiry(self) {
+        let lease = self.manager().config().lease;
+        let tick = (lease / 4).clamp(Duration::from_millis(50), Duration::from_millis(500));
+        let started = tokio::time::Instant::now();
+        let mut closing = self.manager().closing();
+        let mut handled: HashSet<u32> = HashSet::new();
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(tick) => {}
+                _ = closing.wait_for(|c| *c) => return,
+            }
+            let grace_over = started.elapsed() >= lease;
+            let expired = match self.manager().read(|s| Ok(s.expired_hosts(grace_over))).await {
+                Ok(e) => e,
+                Err(_) => continue,
+            };
+            handled.retain(|h| expired.contains(h));
+            for host in expired {
+                if handled.contains(&host) {
+                    continue;
+                }
+                match self
+                    .release_matching("host lease expired", |t| tag_host(t) == host)
+                    .await
+                {
+                    Ok(_) => {
+                        handled.insert(host);
+                    }
+                    Err(e) => tracing::warn!(host, error = %e, "cannot release a dead host's mutexes"),
+                }
+            }
+        }
+    }
+}
+
+/// Turns a manager result into a reply, logging refusals.
+fn reply<T>(op: &'static str, result: Result<T>) -> Result<Response<T>, Status> {
+    match result {
+        Ok(v) => Ok(Response::new(v)),
+        Err(e) => {
+            tracing::debug!(op, error = %e, "sync request refused");
+            Err(e.into())
+        }
+    }
+}
+
+fn value(v: u64) -> v1::SyncReply {
+    v1::SyncReply {
+        value: i64::try_from(v).unwrap_or(i64::MAX),
+    }
+}
+
+fn caller(c: Option<&v1::Caller>) -> Result<Caller, Status> {
+    Caller::from_proto(c).map_err(Status::from)
+}
+
+#[tonic::async_trait]
+impl Sync for SyncService {
+    async fn barrier_init(
+        &self,
+        r: Request<v1::BarrierInitRequest>,
+    ) -> Result<Response<v1::SyncReply>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let result = self.init(&c, &r.name, SyncDef::Barrier { n: r.n }).await;
+        reply("barrier_init", result.map(|_| value(0)))
+    }
+
+    async fn barrier_wait(
+        &self,
+        r: Request<v1::SyncNameRequest>,
+    ) -> Result<Response<v1::SyncReply>, Status> {
+        let r = r.into_inner();
+        caller(r.caller.as_ref())?;
+        reply("barrier_wait", self.barrier_wait(&r.name).await.map(value))
+    }
+
+    async fn mutex_init(
+        &self,
+        r: Request<v1::SyncNameRequest>,
+    ) -> Result<Response<v1::SyncReply>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let result = self.init(&c, &r.name, SyncDef::Mutex { offset: 0 }).await;
+        reply("mutex_init", result.map(|_| value(0)))
+    }
+
+    async fn mutex_lock(
+        &self,
+        r: Request<v1::SyncNameRequest>,
+    ) -> Result<Response<v1::SyncReply>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        reply("mutex_lock", self.mutex_lock(&c, &r.name).await.map(value))
+    }
+
+    async fn mutex_unlock(
+        &self,
+        r: Request<v1::SyncNameRequest>,
+    ) -> Result<Response<v1::SyncReply>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let result = self.mutex_unlock(&c, &r.name).await;
+        reply("mutex_unlock", result.map(|()| value(0)))
+    }
+
+    async fn bell_init(
+        &self,
+        r: Request<v1::SyncNameRequest>,
+    ) -> Result<Response<v1::SyncReply>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let result = self.init(&c, &r.name, SyncDef::Bell).await;
+        reply("bell_init", result.map(|_| value(0)))
+    }
+
+    async fn bell_ring(
+        &self,
+        r: Request<v1::SyncNameRequest>,
+    ) -> Result<Response<v1::SyncReply>, Status> {
+        let r = r.into_inner();
+        caller(r.caller.as_ref())?;
+        reply("bell_ring", self.bell_ring(&r.name).await.map(value))
+    }
+
+    async fn bell_wait(
+        &self,
+        r: Request<v1::SyncNameRequest>,
+    ) -> Result<Response<v1::SyncReply>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        reply("bell_wait", self.bell_wait(&c, &r.name).await.map(value))
+    }
+
+    async fn delete(
+        &self,
+        r: Request<v1::SyncNameRequest>,
+    ) -> Result<Response<v1::SyncReply>, Status> {
+        let r = r.into_inner();
+        caller(r.caller.as_ref())?;
+        reply("delete", self.delete(&r.name).await.map(|()| value(0)))
+    }
+
+    async fn mutex_locate(
+        &self,
+        r: Request<v1::SyncNameRequest>,
+    ) -> Result<Response<v1::MutexLocation>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        reply("mutex_locate", self.mutex_locate(&c, &r.name).await)
+    }
+
+    async fn release_dead(
+        &self,
+        r: Request<v1::ReleaseDeadRequest>,
+    ) -> Result<Response<v1::SyncReply>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let result = self.release_dead(c.host_id, &r.pids).await;
+        reply("release_dead", result.map(|n| value(n as u64)))
+    }
+}

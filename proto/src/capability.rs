@@ -1,0 +1,281 @@
+//! Transport capabilities (DESIGN.md, "Capabilities"): a token bound to (region, rights,
+//! expiry) that the manager mints when a caller opens a region and daemons verify on the
+//! transport, so an application can reach the pool memory of the regions it opened and nothing
+//! else, without ever holding the cluster secret.
+//!
+//! A token is 64 bytes, little-endian:
+//!
+//! | off | field     | type | notes                                              |
+//! |-----|-----------|------|----------------------------------------------------|
+//! | 0   | version   | u8   | [`TOKEN_VERSION`]                                  |
+//! | 1   | rights    | u8   | [`RIGHT_READ`] \| [`RIGHT_WRITE`]                  |
+//! | 2   | reserved  | 6 B  | must be 0                                          |
+//! | 8   | ino       | u64  | the region                                         |
+//! | 16  | expires   | u64  | Unix time in milliseconds                          |
+//! | 24  | nonce     | u64  | random; tells tokens apart in logs                 |
+//! | 32  | mac       | 32 B | HMAC-SHA256 of bytes 0..32 under the capability key |
+//!
+//! The capability key is derived from the cluster secret, which the manager and the daemons
+//! share; a token cannot be forged or altered without it. Tokens are not revoked one by one:
+//! they expire (minutes), and renewal asks the manager again, which re-checks permissions.
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+use crate::auth::Secret;
+
+/// Encoded size of a token.
+pub const TOKEN_LEN: usize = 64;
+/// The token format this build speaks.
+pub const TOKEN_VERSION: u8 = 1;
+/// The holder may read the region's memory.
+pub const RIGHT_READ: u8 = 1;
+/// The holder may write the region's memory (write, vector write, CAS, fetch-add).
+pub const RIGHT_WRITE: u8 = 2;
+/// Bytes covered by the MAC.
+const BODY_LEN: usize = 32;
+/// Domain separation of the key derivation.
+const KEY_LABEL: &[u8] = b"regions transport capability key v1";
+
+type HmacSha256 = Hmac<Sha256>;
+
+/// Why a presented token is refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum CapabilityError {
+    /// The token is not 64 bytes or has unknown version / reserved bits.
+    #[error("malformed capability token: {0}")]
+    Malformed(String),
+    /// The MAC does not match: forged, altered, or minted with another cluster secret.
+    #[error(
+        "capability token was not minted by this cluster (bad MAC): open the region again \
+         through the host agent"
+    )]
+    BadMac,
+    /// The token's expiry has passed.
+    #[error(
+        "capability for region {ino} expired {ago_ms} ms ago: renew it through the host agent"
+    )]
+    Expired {
+        /// The region.
+        ino: u64,
+        /// How long ago it expired.
+        ago_ms: u64,
+    },
+}
+
+/// What a token grants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capability {
+    /// The region.
+    pub ino: u64,
+    /// [`RIGHT_READ`] | [`RIGHT_WRITE`] bits.
+    pub rights: u8,
+    /// Expiry, Unix time in milliseconds.
+    pub expires_ms: u64,
+    /// Random tag of this token.
+    pub nonce: u64,
+}
+
+impl Capability {
+    /// Whether the token allows writes.
+    pub fn can_write(&self) -> bool {
+        self.rights & RIGHT_WRITE != 0
+    }
+
+    /// Whether the token allows reads.
+    pub fn can_read(&self) -> bool {
+        self.rights & RIGHT_READ != 0
+    }
+
+    /// `Err(Expired)` once `now_ms` has reached the expiry.
+    pub fn check_time(&self, now_ms: u64) -> Result<(), CapabilityError> {
+        if now_ms >= self.expires_ms {
+            return Err(CapabilityError::Expired {
+                ino: self.ino,
+                ago_ms: now_ms - self.expires_ms,
+            });
+        }
+        Ok(())
+    }
+
+    fn body(&self) -> [u8; BODY_LEN] {
+        let mut b = [0u8; BODY_LEN];
+        b[0] = TOKEN_VERSION;
+        b[1] = self.rights;
+        b[8..16].copy_from_slice(&self.ino.to_le_bytes());
+        b[16..24].copy_from_slice(&self.expires_ms.to_le_bytes());
+        b[24..32].copy_from_slice(&self.nonce.to_le_bytes());
+        b
+    }
+
+    /// Reads a token's fields without checking its MAC (clients use it to learn the expiry of
+    /// a token they were handed; only the key holder can tell whether it is genuine).
+    pub fn decode_unverified(token: &[u8]) -> Result<Capability, CapabilityError> {
+        if token.len() != TOKEN_LEN {
+            return Err(CapabilityError::Malformed(format!(
+                "{} bytes, expected {TOKEN_LEN}",
+                token.len()
+            )));
+        }
+        if token[0] != TOKEN_VERSION {
+            return Err(CapabilityError::Malformed(format!(
+                "version {}, this build speaks {TOKEN_VERSION}",
+                token[0]
+            )));
+        }
+        if token[2..8].iter().any(|&b| b != 0) {
+            return Err(CapabilityError::Malformed("reserved bytes are not 0".into()));
+        }
+        let rights = token[1];
+        if rights & !(RIGHT_READ | RIGHT_WRITE) != 0 {
+            return Err(CapabilityError::Malformed(format!("unknown rights {rights:#x}")));
+        }
+        let word = |at: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&token[at..at + 8]);
+            u64::from_le_bytes(w)
+        };
+        Ok(Capability {
+            ino: word(8),
+            rights,
+            expires_ms: word(16),
+            nonce: word(24),
+        })
+    }
+}
+
+/// The key that mints and verifies tokens (derived from the cluster secret).
+#[derive(Clone)]
+pub struct CapabilityKey([u8; 32]);
+
+impl std::fmt::Debug for CapabilityKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CapabilityKey(..)")
+    }
+}
+
+impl CapabilityKey {
+    /// The key of the cluster whose secret is `secret`.
+    pub fn from_secret(secret: &Secret) -> CapabilityKey {
+        let mut mac = HmacSha256::new_from_slice(secret.token().as_bytes())
+            .unwrap_or_else(|_| unreachable_hmac());
+        mac.update(KEY_LABEL);
+        CapabilityKey(mac.finalize().into_bytes().into())
+    }
+
+    fn mac(&self) -> HmacSha256 {
+        HmacSha256::new_from_slice(&self.0).unwrap_or_else(|_| unreachable_hmac())
+    }
+
+    /// Encodes and signs `cap`.
+    pub fn mint(&self, cap: &Capability) -> Vec<u8> {
+        let body = cap.body();
+        let mut mac = self.mac();
+        mac.update(&body);
+        let tag = mac.finalize().into_bytes();
+        let mut token = Vec::with_capacity(TOKEN_LEN);
+        token.extend_from_slice(&body);
+        token.extend_from_slice(&tag);
+        token
+    }
+
+    /// Checks the token's form and MAC (constant time) and returns what it grants. The expiry
+    /// is not checked here: see [`Capability::check_time`].
+    pub fn verify(&self, token: &[u8]) -> Result<Capability, CapabilityError> {
+        let cap = Capability::decode_unverified(token)?;
+        let mut mac = self.mac();
+        mac.update(&token[..BODY_LEN]);
+        mac.verify_slice(&token[BODY_LEN..])
+            .map_err(|_| CapabilityError::BadMac)?;
+        Ok(cap)
+    }
+}
+
+/// HMAC-SHA256 accepts keys of any length, so key setup cannot fail.
+#[cold]
+fn unreachable_hmac() -> HmacSha256 {
+    // A zero-length key is valid for HMAC; this path is never taken.
+    HmacSha256::new_from_slice(&[0u8; 32]).unwrap_or_else(|_| std::process::abort())
+}
+
+/// Now as Unix time in milliseconds.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(s: &str) -> CapabilityKey {
+        CapabilityKey::from_secret(&Secret::new(s).unwrap())
+    }
+
+    fn cap() -> Capability {
+        Capability {
+            ino: 42,
+            rights: RIGHT_READ | RIGHT_WRITE,
+            expires_ms: 1_000_000,
+            nonce: 7,
+        }
+    }
+
+    #[test]
+    fn mint_verify_round_trip() {
+        let k = key("secret");
+        let token = k.mint(&cap());
+        assert_eq!(token.len(), TOKEN_LEN);
+        assert_eq!(k.verify(&token), Ok(cap()));
+        assert_eq!(Capability::decode_unverified(&token), Ok(cap()));
+        assert!(cap().can_write() && cap().can_read());
+    }
+
+    #[test]
+    fn altered_or_foreign_tokens_are_refused() {
+        let k = key("secret");
+        let token = k.mint(&cap());
+        assert_eq!(key("other").verify(&token), Err(CapabilityError::BadMac));
+        // Flip each body and MAC byte in turn (rights, ino, expiry, nonce, tag).
+        for i in [1usize, 8, 16, 23, 24, 32, 63] {
+            let mut bad = token.clone();
+            bad[i] ^= 1;
+            assert!(k.verify(&bad).is_err(), "byte {i}");
+        }
+        // Upgrading a read-only token to write is caught by the MAC.
+        let ro = Capability {
+            rights: RIGHT_READ,
+            ..cap()
+        };
+        let mut t = k.mint(&ro);
+        t[1] = RIGHT_READ | RIGHT_WRITE;
+        assert_eq!(k.verify(&t), Err(CapabilityError::BadMac));
+    }
+
+    #[test]
+    fn malformed_tokens_are_refused() {
+        let k = key("secret");
+        assert!(matches!(k.verify(&[0u8; 10]), Err(CapabilityError::Malformed(_))));
+        let mut t = k.mint(&cap());
+        t[0] = 9;
+        assert!(matches!(k.verify(&t), Err(CapabilityError::Malformed(_))));
+        let mut t = k.mint(&cap());
+        t[3] = 1;
+        assert!(matches!(k.verify(&t), Err(CapabilityError::Malformed(_))));
+        let mut t = k.mint(&cap());
+        t[1] = 0x80;
+        assert!(matches!(k.verify(&t), Err(CapabilityError::Malformed(_))));
+    }
+
+    #[test]
+    fn expiry() {
+        let c = cap();
+        assert!(c.check_time(999_999).is_ok());
+        assert_eq!(
+            c.check_time(1_000_005),
+            Err(CapabilityError::Expired { ino: 42, ago_ms: 5 })
+        );
+        assert!(now_ms() > 1_600_000_000_000);
+    }
+}

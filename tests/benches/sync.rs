@@ -1,0 +1,160 @@
+//! Sync primitives against the transport they are built on, measured in the same run.
+//!
+//! ```sh
+//! cargo build --release --bins
+//! cargo bench -p regions-tests --bench sync
+//! ```
+//!
+//! A cluster of three hosts on loopback (release binaries, see
+//! [`regions_tests::bin_path`]). Baseline: one transport round trip, an 8-byte
+//! compare-and-swap from this process to the daemon of host 2 (tcp transport). Measured:
+//!
+//! - uncontended `mutex_lock` + `mutex_unlock` from a process whose lock word is on another
+//!   host (tcp transport with the manager's capability: target at most 2 round trips), and
+//!   from a process on the word's own host (the segment mapped: CPU atomics);
+//! - a 3-party barrier, one party per host (target at most 3 round trips per round).
+//!
+//! `BENCH_OPS` sets the iterations (default 5,000; barrier rounds are a tenth of that).
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use regions::sync::SyncClient;
+use regions::{Client, ClientConfig};
+use regions_proto::v1;
+use regions_tests::Cluster;
+
+fn per_op(total: Duration, n: usize) -> Duration {
+    total / n.max(1) as u32
+}
+
+fn us(d: Duration) -> String {
+    format!("{:.1} us", d.as_secs_f64() * 1e6)
+}
+
+fn run() -> anyhow::Result<()> {
+    let ops: usize = std::env::var("BENCH_OPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5_000);
+    let cluster = Cluster::start(3, "256M")?;
+    let sock = |h: u32| -> anyhow::Result<std::path::PathBuf> {
+        Ok(cluster.daemon(h)?.socket.clone())
+    };
+
+    // Baseline: one CAS round trip to host 2's daemon.
+    let client = Client::connect(ClientConfig::new(
+        &cluster.manager_url(),
+        cluster.secret.clone(),
+        1,
+    ))?;
+    let attr = client.create_path(
+        "rt",
+        0o644,
+        Some(v1::RegionAttrOverrides {
+            hostalloc: Some("2".into()),
+            ..Default::default()
+        }),
+        4096,
+    )?;
+    let region = client.open(attr.ino, true)?;
+    anyhow::ensure!(region.hosts() == vec![2], "baseline region is not on host 2");
+    for _ in 0..200 {
+        region.compare_and_swap(0, 0, 0)?;
+    }
+    let t = Instant::now();
+    for i in 0..ops as u64 {
+        region.compare_and_swap(0, i, i + 1)?;
+    }
+    let rtt = per_op(t.elapsed(), ops);
+
+    // The mutex's word is placed on host 1 (the host of its first init).
+    let local = SyncClient::connect(&sock(1)?);
+    local.mutex_init("bench")?;
+    let remote = SyncClient::connect(&sock(2)?);
+    let measure = |c: &SyncClient| -> anyhow::Result<Duration> {
+        for _ in 0..200 {
+            c.mutex_lock("bench")?;
+            c.mutex_unlock("bench")?;
+        }
+        let t = Instant::now();
+        for _ in 0..ops {
+            c.mutex_lock("bench")?;
+            c.mutex_unlock("bench")?;
+        }
+        Ok(per_op(t.elapsed(), ops))
+    };
+    let remote_lock = measure(&remote)?;
+    let remote_path = remote.mutex_path("bench")?;
+    let local_lock = measure(&local)?;
+    let local_path = local.mutex_path("bench")?;
+
+    // 3-party barrier, one party per host (threads of this process, one agent each).
+    let rounds = (ops / 10).max(20);
+    local.barrier_init("bench-barrier", 3)?;
+    let parties: Vec<Arc<SyncClient>> = (1..=3)
+        .map(|h| sock(h).map(|s| Arc::new(SyncClient::connect(&s))))
+        .collect::<anyhow::Result<_>>()?;
+    for p in &parties {
+        // Warm the connections.
+        p.bell_init("bench-warm")?;
+    }
+    let t = Instant::now();
+    let handles: Vec<_> = parties
+        .iter()
+        .map(|p| {
+            let p = Arc::clone(p);
+            std::thread::spawn(move || -> anyhow::Result<()> {
+                for _ in 0..rounds {
+                    p.barrier_wait("bench-barrier")?;
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join()
+            .map_err(|_| anyhow::anyhow!("barrier thread panicked"))??;
+    }
+    let barrier = per_op(t.elapsed(), rounds);
+
+    let ratio = |d: Duration| d.as_secs_f64() / rtt.as_secs_f64();
+    println!("sync primitives vs one transport round trip (same run, {ops} ops)");
+    println!("| what | per op | x round trip | target |");
+    println!("|---|---:|---:|---:|");
+    println!("| transport CAS round trip (baseline) | {} | 1.00 | |", us(rtt));
+    println!(
+        "| mutex lock+unlock, word on another host ({remote_path}) | {} | {:.2} | <= 2 |",
+        us(remote_lock),
+        ratio(remote_lock)
+    );
+    println!(
+        "| mutex lock+unlock, word on this host ({local_path}) | {} | {:.2} | <= 2 |",
+        us(local_lock),
+        ratio(local_lock)
+    );
+    println!(
+        "| 3-party barrier round ({rounds} rounds) | {} | {:.2} | <= 3 |",
+        us(barrier),
+        ratio(barrier)
+    );
+    drop(cluster);
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    // `cargo test --benches` runs benches with --bench absent: keep it short then.
+    if !std::env::args().any(|a| a == "--bench") && std::env::var_os("BENCH_OPS").is_none() {
+        // SAFETY: single-threaded at this point; nothing else reads the environment yet.
+        unsafe { std::env::set_var("BENCH_OPS", "200") };
+    }
+    match run().context("sync bench") {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

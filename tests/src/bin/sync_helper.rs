@@ -1,0 +1,81 @@
+//! A separate OS process for the sync tests: drives `regions::sync` through a host agent.
+//!
+//! ```text
+//! regions-sync-helper barrier SOCKET NAME ROUNDS MANAGER SECRET_FILE HOST REGION
+//! regions-sync-helper counter SOCKET NAME TIMES MANAGER SECRET_FILE HOST REGION
+//! regions-sync-helper hold SOCKET NAME          (locks, prints "locked", sleeps)
+//! regions-sync-helper lock-once SOCKET NAME     (locks, prints "locked", unlocks)
+//! ```
+//!
+//! `barrier`: every round adds 1 to the 8-byte word at offset 0 of REGION (fetch-add), waits
+//! at the barrier, then checks that all parties of the round had arrived (the word is at least
+//! parties × round) and prints the generation. `counter`: TIMES times, under the mutex, reads
+//! the word at offset 0 of REGION, adds one and writes it back (not atomic by itself).
+
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::{Context, bail};
+use regions::sync::SyncClient;
+use regions::{Client, ClientConfig};
+use regions_proto::auth::Secret;
+
+fn region(manager: &str, secret: &str, host: &str, path: &str) -> anyhow::Result<regions::Region> {
+    let secret = Secret::from_file(Path::new(secret))?;
+    let client = Client::connect(ClientConfig::new(manager, secret, host.parse()?))?;
+    let attr = client.lookup_path(path)?;
+    Ok(client.open(attr.ino, true)?)
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let arg = |i: usize| -> anyhow::Result<&str> {
+        args.get(i)
+            .map(String::as_str)
+            .with_context(|| format!("missing argument {i}; see the source for usage"))
+    };
+    let sync = SyncClient::connect(Path::new(arg(1)?));
+    let name = arg(2)?;
+    let mut out = std::io::stdout();
+    match arg(0)? {
+        "barrier" => {
+            let rounds: u64 = arg(3)?.parse()?;
+            let r = region(arg(4)?, arg(5)?, arg(6)?, arg(7)?)?;
+            for round in 1..=rounds {
+                r.fetch_add(0, 1)?;
+                let generation = sync.barrier_wait(name)?;
+                let mut word = [0u8; 8];
+                r.read_at(0, &mut word)?;
+                let arrived = u64::from_le_bytes(word);
+                writeln!(out, "{round} {generation} {arrived}")?;
+            }
+        }
+        "counter" => {
+            let times: u64 = arg(3)?.parse()?;
+            let r = region(arg(4)?, arg(5)?, arg(6)?, arg(7)?)?;
+            for _ in 0..times {
+                sync.mutex_lock(name)?;
+                let mut word = [0u8; 8];
+                r.read_at(0, &mut word)?;
+                let v = u64::from_le_bytes(word) + 1;
+                r.write_at(0, &v.to_le_bytes())?;
+                sync.mutex_unlock(name)?;
+            }
+            writeln!(out, "done {}", sync.mutex_path(name)?)?;
+        }
+        "hold" => {
+            sync.mutex_lock(name)?;
+            writeln!(out, "locked")?;
+            out.flush()?;
+            std::thread::sleep(std::time::Duration::from_secs(600));
+        }
+        "lock-once" => {
+            sync.mutex_lock(name)?;
+            writeln!(out, "locked")?;
+            out.flush()?;
+            sync.mutex_unlock(name)?;
+        }
+        other => bail!("unknown command {other}"),
+    }
+    Ok(())
+}
