@@ -6,12 +6,18 @@
 #       Column 11 is the response of the regression: 1*c12 + 2*c13 + ... +
 #       9*c20 + N(0,1) noise; the other columns are N(0,1).
 #
-#   Rscript ffdemo.R measure REGIONS_DIR TMPFS_DIR ROWS COLS ROUNDS
-#       opens both copies (same seed) read-only as ffdfs and runs, in each
-#       round, R-Agg (mean over columns 1-10) and R-LR (lm of c11 on c12..c20)
-#       on tmpfs and on regions, alternating. Prints the times and their
-#       ratios, and fails unless every result equals the tmpfs one within
-#       floating-point tolerance and the fitted coefficients match 1..9.
+#   Rscript ffdemo.R run WORKLOAD DIR ROWS COLS OUT
+#       opens DIR read-only as an ffdf and times one run of WORKLOAD:
+#       R-Agg (mean over columns 1-10, chunk by chunk) or R-LR (lm of c11 on
+#       c12..c20); saves time and result to OUT. One fresh R process per run,
+#       so that no run inherits another's heap (the first big lm in an R
+#       process pays for growing it, which skews whichever copy goes first).
+#
+#   Rscript ffdemo.R compare DIR ROUNDS
+#       prints the times of DIR/<round>-<workload>-<tmpfs|regions>.rds and
+#       their ratios, and fails unless every regions result equals the tmpfs
+#       one within floating-point tolerance and R-LR finds the coefficients
+#       1..9.
 #
 # Sections are 128 KiB wide (options(ffpagesize)), as in the paper.
 
@@ -24,7 +30,7 @@ die <- function(...) {
 }
 
 args <- commandArgs(trailingOnly = TRUE)
-if (length(args) < 1) die("usage: generate DIR ROWS COLS SEED | measure REGIONS_DIR TMPFS_DIR ROWS COLS ROUNDS")
+if (length(args) < 1) die("usage: generate DIR ROWS COLS SEED | run R-Agg|R-LR DIR ROWS COLS OUT | compare DIR ROUNDS")
 
 col_name <- function(j) sprintf("c%02d", j)
 col_file <- function(dir, j) file.path(dir, paste0(col_name(j), ".ff"))
@@ -80,50 +86,54 @@ r_lr <- function(df) {
   coef(lm(as.formula(paste(col_name(lr_y), "~ .")), data = d))
 }
 
-timed <- function(f, df) {
+workloads <- list("R-Agg" = r_agg, "R-LR" = r_lr)
+
+# One timed run of one workload in this (fresh) R process; saves the time
+# and the result to OUT for `compare`.
+run_one <- function(workload, dir, n, ncols, out) {
+  f <- workloads[[workload]]
+  if (is.null(f)) die("unknown workload ", workload, " (R-Agg or R-LR)")
+  df <- open_ffdf(dir, n, ncols)
+  invisible(lm(y ~ x, data.frame(x = rnorm(1000), y = rnorm(1000))))
   gc(verbose = FALSE)
-  t <- system.time(r <- f(df))[["elapsed"]]
-  list(time = t, result = r)
+  time <- system.time(result <- f(df))[["elapsed"]]
+  saveRDS(list(time = time, result = result), out)
+  cat(sprintf("   %-22s %6.3f s\n", sub("[.]rds$", "", basename(out)), time))
 }
 
-measure <- function(rdir, tdir, n, ncols, rounds) {
-  regions <- open_ffdf(rdir, n, ncols)
-  tmpfs <- open_ffdf(tdir, n, ncols)
-  # Warm R itself up (lm, chunk) on a small in-memory frame so that the
-  # first timed run does not pay for it.
-  invisible(lm(y ~ x, data.frame(x = rnorm(1000), y = rnorm(1000))))
-  cat(sprintf("R-Agg: mean over %d columns; R-LR: lm over %d columns; %d rows (%.0f MiB per workload)\n",
-              length(agg_cols), 1 + length(lr_x), n, 10 * n * 8 / 2^20))
+# Reads DIR/<round>-<workload>-<tmpfs|regions>.rds, prints times and ratios,
+# fails unless every regions result equals the tmpfs one.
+compare <- function(dir, rounds) {
+  cat(sprintf("R-Agg: mean over %d columns; R-LR: lm of one column on %d others\n",
+              length(agg_cols), length(lr_x)))
   cat(sprintf("%-6s %-8s %-5s %10s %10s %7s\n", "round", "workload", "", "tmpfs s", "regions s", "ratio"))
   ok <- TRUE
   worst <- 0
-  summary <- list()
+  summary <- character()
   for (round in seq_len(rounds)) {
     state <- if (round == 1) "cold" else "warm"
-    for (w in list(list("R-Agg", r_agg), list("R-LR", r_lr))) {
-      t <- timed(w[[2]], tmpfs)
-      r <- timed(w[[2]], regions)
-      diff <- max(abs(r$result - t$result) / pmax(abs(t$result), 1e-300))
-      worst <- max(worst, diff)
+    for (w in names(workloads)) {
+      t <- readRDS(file.path(dir, sprintf("%d-%s-tmpfs.rds", round, w)))
+      r <- readRDS(file.path(dir, sprintf("%d-%s-regions.rds", round, w)))
+      worst <- max(worst, abs(r$result - t$result) / pmax(abs(t$result), 1e-300))
       if (!isTRUE(all.equal(r$result, t$result, tolerance = 1e-9))) {
         ok <- FALSE
-        message("ffdemo: ", w[[1]], " on regions differs from tmpfs: ", paste(format(r$result), collapse = " "),
+        message("ffdemo: ", w, " on regions differs from tmpfs: ", paste(format(r$result), collapse = " "),
                 " vs ", paste(format(t$result), collapse = " "))
       }
-      if (w[[1]] == "R-LR") {
-        est <- unname(t$result[-1])
-        if (any(abs(est - beta) > 0.05)) {
-          ok <- FALSE
-          message("ffdemo: R-LR coefficients ", paste(format(est), collapse = " "), " are not 1..9")
-        }
+      if (w == "R-LR" && any(abs(unname(t$result[-1]) - beta) > 0.05)) {
+        ok <- FALSE
+        message("ffdemo: R-LR coefficients ", paste(format(t$result[-1]), collapse = " "), " are not 1..9")
       }
       ratio <- r$time / max(t$time, 1e-9)
-      summary[[length(summary) + 1]] <- sprintf("%s-%s %.3f %.3f %.3f", w[[1]], state, t$time, r$time, ratio)
-      cat(sprintf("%-6d %-8s %-5s %10.3f %10.3f %7.3f\n", round, w[[1]], state, t$time, r$time, ratio))
+      summary <- c(summary, sprintf("%s-%s %.3f %.3f %.3f", w, state, t$time, r$time, ratio))
+      cat(sprintf("%-6d %-8s %-5s %10.3f %10.3f %7.3f\n", round, w, state, t$time, r$time, ratio))
     }
   }
-  cat(sprintf("R-Agg means (regions): %s\n", paste(sprintf("%.5f", r_agg(regions)), collapse = " ")))
-  cat(sprintf("R-LR coefficients (regions): %s\n", paste(sprintf("%.4f", r_lr(regions)), collapse = " ")))
+  agg <- readRDS(file.path(dir, sprintf("%d-R-Agg-regions.rds", rounds)))$result
+  lr <- readRDS(file.path(dir, sprintf("%d-R-LR-regions.rds", rounds)))$result
+  cat(sprintf("R-Agg means (regions): %s\n", paste(sprintf("%.5f", agg), collapse = " ")))
+  cat(sprintf("R-LR coefficients (regions): %s\n", paste(sprintf("%.4f", lr), collapse = " ")))
   cat(sprintf("results equal to tmpfs: %s (largest relative difference %.3g)\n", if (ok) "yes" else "NO", worst))
   for (s in summary) cat("summary", s, "\n")
   if (!ok) quit(status = 1)
@@ -132,8 +142,10 @@ measure <- function(rdir, tdir, n, ncols, rounds) {
 mode <- args[[1]]
 if (mode == "generate" && length(args) == 5) {
   generate(args[[2]], as.integer(args[[3]]), as.integer(args[[4]]), as.integer(args[[5]]))
-} else if (mode == "measure" && length(args) == 6) {
-  measure(args[[2]], args[[3]], as.integer(args[[4]]), as.integer(args[[5]]), as.integer(args[[6]]))
+} else if (mode == "run" && length(args) == 6) {
+  run_one(args[[2]], args[[3]], as.integer(args[[4]]), as.integer(args[[5]]), args[[6]])
+} else if (mode == "compare" && length(args) == 3) {
+  compare(args[[2]], as.integer(args[[3]]))
 } else {
-  die("usage: generate DIR ROWS COLS SEED | measure REGIONS_DIR TMPFS_DIR ROWS COLS ROUNDS")
+  die("usage: generate DIR ROWS COLS SEED | run R-Agg|R-LR DIR ROWS COLS OUT | compare DIR ROUNDS")
 }

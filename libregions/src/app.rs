@@ -78,6 +78,8 @@ impl MapState {
 /// A region opened through the host agent.
 pub struct AppRegion {
     ino: u64,
+    /// Device of the mount the region was opened through (0 when opened by inode).
+    dev: u64,
     handle: u64,
     write: bool,
     host_id: u32,
@@ -116,6 +118,27 @@ fn fd_writable(fd: BorrowedFd<'_>) -> Result<bool> {
     Ok(matches!(flags & libc::O_ACCMODE, libc::O_RDWR | libc::O_WRONLY))
 }
 
+/// The device number of the file system `fd` is on.
+pub fn device_of(fd: BorrowedFd<'_>) -> Result<u64> {
+    file_id(fd).map(|(dev, _)| dev)
+}
+
+/// (device, inode) of `fd`; under a regions mount the inode is the region's.
+pub fn file_id(fd: BorrowedFd<'_>) -> Result<(u64, u64)> {
+    let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: fstat writes a full `struct stat` into the buffer for a valid descriptor.
+    let r = unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) };
+    if r != 0 {
+        return Err(RegionsError::io(
+            "cannot stat the region fd",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: fstat succeeded, so the struct is initialised.
+    let st = unsafe { st.assume_init() };
+    Ok((st.st_dev, st.st_ino))
+}
+
 fn renew_at(now: u64, expires_ms: u64) -> u64 {
     now + expires_ms.saturating_sub(now) / 2
 }
@@ -126,12 +149,12 @@ impl AppRegion {
     pub fn open_fd(fd: BorrowedFd<'_>) -> Result<Arc<AppRegion>> {
         let write = fd_writable(fd)?;
         let (agent, ino) = AgentClient::for_fd(fd)?;
-        Self::open_with(agent, ino, write)
+        Self::open_with(agent, ino, write, device_of(fd)?)
     }
 
     /// Opens region `ino` through the agent at `socket`.
     pub fn open_ino(socket: &Path, ino: u64, write: bool) -> Result<Arc<AppRegion>> {
-        Self::open_with(AgentClient::connect(socket)?, ino, write)
+        Self::open_with(AgentClient::connect(socket)?, ino, write, 0)
     }
 
     /// Opens the region at `path` under a regions mount (read-write when `write`).
@@ -141,11 +164,17 @@ impl AppRegion {
             .write(write)
             .open(path)
             .map_err(|e| RegionsError::io(format!("cannot open {}", path.display()), e))?;
-        let (agent, ino) = AgentClient::for_fd(std::os::fd::AsFd::as_fd(&file))?;
-        Self::open_with(agent, ino, write)
+        let fd = std::os::fd::AsFd::as_fd(&file);
+        let (agent, ino) = AgentClient::for_fd(fd)?;
+        Self::open_with(agent, ino, write, device_of(fd)?)
     }
 
-    fn open_with(mut agent: AgentClient, ino: u64, write: bool) -> Result<Arc<AppRegion>> {
+    fn open_with(
+        mut agent: AgentClient,
+        ino: u64,
+        write: bool,
+        dev: u64,
+    ) -> Result<Arc<AppRegion>> {
         let host_id = agent.stats()?.host_id;
         let info = agent.open(ino, write)?;
         if info.capability.is_empty() {
@@ -166,6 +195,7 @@ impl AppRegion {
         let cap_id = rand::random::<u64>() | 1;
         Ok(Arc::new(AppRegion {
             ino,
+            dev,
             handle: info.handle,
             write,
             host_id,
@@ -191,6 +221,12 @@ impl AppRegion {
 
     pub fn ino(&self) -> u64 {
         self.ino
+    }
+
+    /// Device number of the mount it was opened through (0 when opened by inode): with the
+    /// inode, it names the region among several clusters.
+    pub fn dev(&self) -> u64 {
+        self.dev
     }
 
     /// Whether the region was opened for writing.

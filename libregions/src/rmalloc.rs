@@ -488,10 +488,10 @@ impl Heap {
             let len = (*h).len;
             if (*h).page_size as usize != PAGE
                 || len < MIN_HEAP as u64
-                || len % PAGE as u64 != 0
+                || !len.is_multiple_of(PAGE as u64)
                 || (*h).npages != len / PAGE as u64
                 || (*h).map_cap < (*h).npages
-                || (*h).map_off % PAGE as u64 != 0
+                || !(*h).map_off.is_multiple_of(PAGE as u64)
                 || (*h).map_off + (*h).map_cap * 4 > len
             {
                 return Err(HeapError::Corrupt("header fields out of range".into()));
@@ -578,8 +578,11 @@ impl Heap {
                 let ns = unsafe { &(*self.header()).lock_ns }.load(Ordering::Relaxed);
                 let holder = word.load(Ordering::Relaxed);
                 let tid = holder & !LOCK_WAITERS;
-                if tid != 0 && ns != 0 && ns == pid_namespace() && !thread_alive(tid) {
-                    if word
+                if tid != 0
+                    && ns != 0
+                    && ns == pid_namespace()
+                    && !thread_alive(tid)
+                    && word
                         .compare_exchange(
                             holder,
                             me | LOCK_WAITERS,
@@ -587,13 +590,12 @@ impl Heap {
                             Ordering::Relaxed,
                         )
                         .is_ok()
-                    {
-                        tracing::warn!(
-                            dead_tid = tid,
-                            "rmalloc: took over the heap lock from a thread that died holding it"
-                        );
-                        return;
-                    }
+                {
+                    tracing::warn!(
+                        dead_tid = tid,
+                        "rmalloc: took over the heap lock from a thread that died holding it"
+                    );
+                    return;
                 }
             }
         }
@@ -702,7 +704,7 @@ impl Heap {
         if off == 0 {
             return Ok(());
         }
-        if off % PAGE as u64 != 0 || off >> PAGE_SHIFT >= self.npages() {
+        if !off.is_multiple_of(PAGE as u64) || off >> PAGE_SHIFT >= self.npages() {
             return Err(HeapError::Corrupt(format!("free run link {off:#x}")));
         }
         Ok(())
@@ -767,7 +769,10 @@ impl Heap {
             if kind(e) == K_FREE {
                 let plen = value(e);
                 if plen == 0 || plen > page {
-                    return Err(HeapError::Corrupt(format!("free run tag at page {}", page - 1)));
+                    return Err(HeapError::Corrupt(format!(
+                        "free run tag at page {}",
+                        page - 1
+                    )));
                 }
                 let pstart = page - plen;
                 self.remove_run(pstart)?;
@@ -799,7 +804,7 @@ impl Heap {
 
     fn slab_check(&self, off: u64, class: usize) -> HResult<*mut Slab> {
         let (pages, n) = slab_geometry(class);
-        if off % PAGE as u64 != 0 || (off >> PAGE_SHIFT) + pages as u64 > self.npages() {
+        if !off.is_multiple_of(PAGE as u64) || (off >> PAGE_SHIFT) + pages as u64 > self.npages() {
             return Err(HeapError::Corrupt(format!("slab offset {off:#x}")));
         }
         let s = self.slab_at(off >> PAGE_SHIFT);
@@ -908,7 +913,7 @@ impl Heap {
             let first = off + SLAB_HDR as u64;
             let block = if (*s).free != 0 {
                 let b = (*s).free;
-                if b < first || b >= first + n * size || (b - first) % size != 0 {
+                if b < first || b >= first + n * size || !(b - first).is_multiple_of(size) {
                     return Err(HeapError::Corrupt(format!("slab {off:#x} free list")));
                 }
                 (*s).free = (self.base.add(b as usize) as *const u64).read();
@@ -949,7 +954,7 @@ impl Heap {
         let first = slab + SLAB_HDR as u64;
         // SAFETY: s is a checked slab; the block is checked to be one of it.
         unsafe {
-            if off < first || (off - first) % size != 0 {
+            if off < first || !(off - first).is_multiple_of(size) {
                 return Err(HeapError::BadPointer(format!(
                     "offset {off:#x} is not the start of a block"
                 )));
@@ -1047,7 +1052,7 @@ impl Heap {
         let e = self.map_entry(page);
         let bytes = match kind(e) {
             K_SLAB => self.free_small(off, page, e)?,
-            K_LARGE if off % PAGE as u64 == 0 => {
+            K_LARGE if off.is_multiple_of(PAGE as u64) => {
                 let pages = value(e);
                 if pages == 0 || page + pages > npages {
                     return Err(HeapError::Corrupt(format!("large block at page {page}")));
@@ -1074,7 +1079,9 @@ impl Heap {
     pub fn free_ptr(&self, ptr: *const u8) -> HResult<()> {
         let off = (ptr as usize).wrapping_sub(self.base as usize);
         if ptr < self.base as *const u8 || off >= self.mapped {
-            return Err(HeapError::BadPointer(format!("{ptr:p} is outside the heap")));
+            return Err(HeapError::BadPointer(format!(
+                "{ptr:p} is outside the heap"
+            )));
         }
         self.free(off as u64)
     }
@@ -1090,7 +1097,7 @@ impl Heap {
         let e = self.map_entry(page);
         match kind(e) {
             K_SLAB => Ok(CLASS_SIZES[((value(e) >> 8) as usize).min(NCLASSES - 1)] as usize),
-            K_LARGE if off % PAGE as u64 == 0 => Ok(value(e) as usize * PAGE),
+            K_LARGE if off.is_multiple_of(PAGE as u64) => Ok(value(e) as usize * PAGE),
             _ => Err(HeapError::BadPointer(format!("offset {off:#x}"))),
         }
     }
@@ -1178,13 +1185,19 @@ impl Heap {
         Ok(())
     }
 
-    /// The root block offset, if one is set.
+    /// The root block offset, if one is set. Takes no lock (the slot is
+    /// atomic), so it works on a read-only mapping.
     pub fn root(&self) -> HResult<Option<u64>> {
-        let _g = self.lock();
-        self.check_header()?;
+        let h = self.header();
         // SAFETY: the header is mapped.
-        let v = unsafe { &(*self.header()).root }.load(Ordering::Acquire);
-        Ok(v.checked_sub(1))
+        let (v, len) = unsafe { ((*h).root.load(Ordering::Acquire), (*h).len) };
+        match v.checked_sub(1) {
+            Some(off) if off >= len => Err(HeapError::Corrupt(format!(
+                "root offset {off:#x} is outside the heap"
+            ))),
+            Some(off) if off >= self.mapped as u64 => Err(HeapError::NeedsMapping { len }),
+            r => Ok(r),
+        }
     }
 
     /// Heap usage; also walks the free runs to validate them.
@@ -1308,10 +1321,10 @@ mod tests {
         assert_eq!(CLASS_SIZES[class_of(17)], 32);
         assert_eq!(CLASS_SIZES[class_of(129)], 160);
         assert_eq!(CLASS_SIZES[class_of(2048)], 2048);
-        for c in 0..NCLASSES {
+        for (c, &size) in CLASS_SIZES.iter().enumerate() {
             let (pages, n) = slab_geometry(c);
-            assert!((1..=8).contains(&pages) && n >= 15 && n <= MAX_SLAB_BLOCKS);
-            assert!(SLAB_HDR + n * CLASS_SIZES[c] as usize <= pages * PAGE);
+            assert!((1..=8).contains(&pages) && (15..=MAX_SLAB_BLOCKS).contains(&n));
+            assert!(SLAB_HDR + n * size as usize <= pages * PAGE);
         }
         assert_eq!(bin_of(1), 0);
         assert_eq!(bin_of(32), 31);
@@ -1340,9 +1353,12 @@ mod tests {
         let h2 = m.heap(1 << 20);
         assert_eq!(h2.root().unwrap(), Some(b));
         h2.free(b).unwrap();
-        assert_eq!(h.free(b), Err(HeapError::BadPointer(format!(
-            "offset {b:#x} is not allocated (double free?)"
-        ))));
+        assert_eq!(
+            h.free(b),
+            Err(HeapError::BadPointer(format!(
+                "offset {b:#x} is not allocated (double free?)"
+            )))
+        );
         assert!(matches!(h.free(b + 8), Err(HeapError::BadPointer(_))));
         assert!(matches!(h.free(1 << 30), Err(HeapError::BadPointer(_))));
         assert!(matches!(h.free(0), Err(HeapError::BadPointer(_))));
@@ -1479,8 +1495,12 @@ mod tests {
                         if i % 3 != 0 {
                             let (o, s) = live.swap_remove((i * 13) % live.len());
                             // SAFETY: the block is ours.
-                            let data = unsafe { std::slice::from_raw_parts(m.ptr.add(o as usize), s) };
-                            assert!(data.iter().all(|&b| b == t), "block overwritten by another thread");
+                            let data =
+                                unsafe { std::slice::from_raw_parts(m.ptr.add(o as usize), s) };
+                            assert!(
+                                data.iter().all(|&b| b == t),
+                                "block overwritten by another thread"
+                            );
                             h.free(o).unwrap();
                         }
                     }
@@ -1581,7 +1601,7 @@ mod tests {
                 }
             }
             let h = m.heap(8 << 20);
-            for (&off, _) in &live {
+            for &off in live.keys() {
                 h.free(off).unwrap();
             }
             let s = h.stats().unwrap();

@@ -14,15 +14,28 @@
 //! The free functions use the agent of the mount named by `REGIONS_MOUNT` (default
 //! `/regions`); [`SyncClient`] holds connections for repeated calls, to any agent.
 //!
-//! A mutex is held by a process (host id, pid): its lock word is 8 bytes in a hidden region.
-//! Uncontended, `mutex_lock` is one compare-and-swap `0 -> tag` on that word and
-//! `mutex_unlock` one `tag -> 0`, made straight from this process: through the mapped segment
-//! when the word lives on this host, else over the tcp transport with a capability the
-//! manager minted. Only when the word is taken (or has waiters) does the call go to the
-//! manager, which queues callers in FIFO order and hands the word to the next one. The
-//! manager releases a mutex whose holder exits (the host agent watches it) or whose host
-//! stops heartbeating. Threads of one process share its identity: guard a mutex with an
-//! in-process lock if several threads of one process contend for it.
+//! A mutex is held by a thread (host id, pid, tid; see [`tag`]): its lock word is 8 bytes in
+//! a hidden region. Uncontended, `mutex_lock` is one compare-and-swap `0 -> tag` on that word
+//! and `mutex_unlock` one `tag -> 0`, made straight from this process: through the mapped
+//! segment when the word lives on this host, else over the tcp transport with a capability
+//! the manager minted. Only when the word is taken (or has waiters) does the call go to the
+//! manager, which queues callers in FIFO order and hands the word to the next one. Threads of
+//! one process exclude each other like threads of different processes; the thread that
+//! locked must unlock. The manager releases a mutex whose holder's *process* exits (the host
+//! agent watches it) or whose host stops heartbeating; a thread that exits holding a mutex
+//! keeps it until its process exits.
+//!
+//! A barrier of `n` has an arrival word in the same hidden region that counts arrivals and is
+//! never reset: the caller whose fetch-add takes it from `c` to `c + 1` joins round
+//! `c / n + 1`, which is complete once the word reaches `(c / n + 1) * n`. The `n`-th arrival
+//! of a round returns at once; the others read the word over the transport (a short busy
+//! poll, then backing off) and, when the round takes longer, sleep at the manager
+//! (`BarrierSleep`), which sets [`SLEEPERS`] in the word so that the completing arrival wakes
+//! it (`BarrierWake`) and rereads the word on a short tick in case that wake never comes (the
+//! completer was killed). An arrival, once made, counts; a party killed before arriving
+//! leaves its round incomplete until the barrier is deleted. Deleting a barrier or mutex
+//! marks its word [`DELETED`] (slots are never reused), so callers with a stale location get
+//! `ENOENT` (or find the object created again under the same name).
 //!
 //! Waiting calls (barrier, lock, doorbell) block without a deadline; each uses a connection
 //! of its own, so other threads' calls are not held up.
@@ -32,7 +45,7 @@ use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use prost::Message;
 use regions_proto::v1::{
@@ -48,6 +61,74 @@ use crate::transport::{Span, Transport, TransportStats};
 
 /// Set in a lock word while callers queue at the manager.
 pub const WAITERS: u64 = 1 << 63;
+/// Set in a barrier's arrival word while callers sleep at the manager.
+pub const SLEEPERS: u64 = 1 << 63;
+/// Set in the word of a deleted barrier or mutex (its slot is never used again).
+pub const DELETED: u64 = 1 << 62;
+/// The arrival count bits of a barrier's word.
+pub const COUNT_MASK: u64 = DELETED - 1;
+/// Bits of a lock word tag: host id, pid, tid (low to high: tid, pid, host).
+pub const TAG_HOST_BITS: u32 = 16;
+pub const TAG_PID_BITS: u32 = 22;
+pub const TAG_TID_BITS: u32 = 22;
+
+/// The lock word tag of thread `tid` of process `pid` on host `host` (`tid` 0: the process
+/// as a whole), or `None` when a part does not fit its bits (host ids below 65536; pids and
+/// tids below 2^22, which Linux guarantees: `kernel.pid_max` is at most 4194304).
+pub fn tag(host: u32, pid: u32, tid: u32) -> Option<u64> {
+    if host >> TAG_HOST_BITS != 0 || pid >> TAG_PID_BITS != 0 || tid >> TAG_TID_BITS != 0 {
+        return None;
+    }
+    Some(
+        (u64::from(host) << (TAG_PID_BITS + TAG_TID_BITS))
+            | (u64::from(pid) << TAG_TID_BITS)
+            | u64::from(tid),
+    )
+}
+
+/// Host id of a tag (flag bits ignored).
+pub fn tag_host(tag: u64) -> u32 {
+    ((tag >> (TAG_PID_BITS + TAG_TID_BITS)) & ((1 << TAG_HOST_BITS) - 1)) as u32
+}
+
+/// Pid of a tag.
+pub fn tag_pid(tag: u64) -> u32 {
+    ((tag >> TAG_TID_BITS) & ((1 << TAG_PID_BITS) - 1)) as u32
+}
+
+/// Tid of a tag (0: the process as a whole).
+pub fn tag_tid(tag: u64) -> u32 {
+    (tag & ((1 << TAG_TID_BITS) - 1)) as u32
+}
+
+/// Why an id does not fit a tag, for errors.
+pub fn tag_overflow_hint(host: u32, pid: u32, tid: u32) -> String {
+    let pid_max = std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "unknown".into());
+    format!(
+        "host {host}, pid {pid}, tid {tid} do not fit a lock word tag (host ids below {}, \
+         pids and tids below {}; kernel.pid_max is {pid_max}): use smaller host ids or lower \
+         kernel.pid_max to at most {}",
+        1u64 << TAG_HOST_BITS,
+        1u64 << TAG_PID_BITS,
+        1u64 << TAG_PID_BITS
+    )
+}
+
+/// The calling thread's Linux tid.
+fn gettid() -> u32 {
+    // SAFETY: gettid(2) has no preconditions and cannot fail.
+    let tid = unsafe { libc::gettid() };
+    u32::try_from(tid).unwrap_or(u32::MAX)
+}
+
+/// A barrier waiter polls the word without pausing this long, ...
+const BARRIER_BUSY: Duration = Duration::from_micros(300);
+/// ... then with pauses doubling from the first to the last, ...
+const BARRIER_PAUSE: (Duration, Duration) = (Duration::from_micros(20), Duration::from_millis(1));
+/// ... and sleeps at the manager once the round took this long.
+const BARRIER_POLL: Duration = Duration::from_millis(20);
 /// Largest agent reply accepted.
 const MAX_REPLY: usize = 1 << 20;
 /// Idle agent connections kept.
@@ -55,12 +136,21 @@ const MAX_IDLE: usize = 4;
 /// Renew a capability this long before it expires (ms).
 const RENEW_MS: u64 = 10_000;
 
-/// A mutex's lock word and the way to reach it from this process.
+/// A mutex's lock word or a barrier's arrival word, and the way to reach it from this
+/// process.
 struct Word {
     location: MutexLocation,
     span: Span,
-    /// `None`: no direct path; every lock and unlock goes through the manager.
+    /// `None`: no direct path; every call goes through the manager.
     access: Option<Box<dyn Transport>>,
+}
+
+impl Word {
+    /// Whether the location's capability is still good for a while.
+    fn fresh(&self) -> bool {
+        self.location.capability.is_empty()
+            || self.location.capability_expires_ms > now_ms() + RENEW_MS
+    }
 }
 
 /// A handle on the sync objects of a cluster, through one host agent.
@@ -69,6 +159,8 @@ pub struct SyncClient {
     pid: u32,
     idle: Mutex<Vec<UnixStream>>,
     words: Mutex<HashMap<String, Arc<Word>>>,
+    /// Barrier words by name (`None`: the barrier has no word; waits go to the manager).
+    barriers: Mutex<HashMap<String, Option<Arc<Word>>>>,
     stats: Arc<TransportStats>,
 }
 
@@ -100,6 +192,7 @@ impl SyncClient {
             pid: std::process::id(),
             idle: Mutex::new(Vec::new()),
             words: Mutex::new(HashMap::new()),
+            barriers: Mutex::new(HashMap::new()),
             stats: Arc::default(),
         }
     }
@@ -134,12 +227,20 @@ impl SyncClient {
 
     /// One sync call through the agent; blocks until the manager answers.
     fn call(&self, op: SyncOp, name: &str, n: u32) -> Result<v1::SyncResult> {
+        self.call_with(SyncCall {
+            op: op as i32,
+            name: name.to_owned(),
+            n,
+            tid: gettid(),
+            generation: 0,
+        })
+    }
+
+    /// One sync call through the agent; blocks until the manager answers.
+    fn call_with(&self, call: SyncCall) -> Result<v1::SyncResult> {
+        let name = call.name.clone();
         let request = AgentRequest {
-            request: Some(Request::Sync(SyncCall {
-                op: op as i32,
-                name: name.to_owned(),
-                n,
-            })),
+            request: Some(Request::Sync(call)),
         };
         let body = request.encode_to_vec();
         let mut frame = Vec::with_capacity(4 + body.len());
@@ -176,14 +277,153 @@ impl SyncClient {
 
     /// Creates barrier `name` of `n` parties (an existing one with the same `n` is fine).
     pub fn barrier_init(&self, name: &str, n: u32) -> Result<()> {
+        self.forget_barrier(name);
         self.call(SyncOp::BarrierInit, name, n).map(drop)
     }
 
     /// Waits until `n` callers reached the barrier in this round; returns the round's
     /// generation (1 for the first round).
     pub fn barrier_wait(&self, name: &str) -> Result<u64> {
-        self.call(SyncOp::BarrierWait, name, 0)
-            .map(|r| r.value as u64)
+        // A second try only after finding the cached word deleted (the name may be new).
+        for _ in 0..2 {
+            let Some(word) = self.barrier_word(name)? else {
+                return self
+                    .call(SyncOp::BarrierWait, name, 0)
+                    .map(|r| r.value as u64);
+            };
+            let Some(t) = &word.access else {
+                return self
+                    .call(SyncOp::BarrierWait, name, 0)
+                    .map(|r| r.value as u64);
+            };
+            let n = u64::from(word.location.n.max(1));
+            let old = t.fetch_add(&word.span, 1).inspect_err(|_| {
+                // Whether the arrival counted is unknown: do not arrive again elsewhere.
+                self.forget_barrier(name);
+            })?;
+            if old & DELETED != 0 {
+                self.forget_barrier(name);
+                continue;
+            }
+            let arrived = old & COUNT_MASK;
+            let generation = arrived / n + 1;
+            let target = generation * n;
+            if arrived + 1 == target {
+                if old & SLEEPERS != 0 {
+                    // Best effort: the sleepers' manager also rereads the word on a tick.
+                    if let Err(e) = self.call(SyncOp::BarrierWake, name, 0) {
+                        tracing::debug!(error = %e, barrier = name, "cannot wake barrier sleepers");
+                    }
+                }
+                return Ok(generation);
+            }
+            return self.barrier_poll(name, &word, t.as_ref(), generation, target);
+        }
+        Err(RegionsError::Manager {
+            errno: libc::ENOENT,
+            message: format!("barrier {name:?} was deleted"),
+        })
+    }
+
+    /// Waits for the word to reach `target` arrivals: polls it, then sleeps at the manager.
+    fn barrier_poll(
+        &self,
+        name: &str,
+        word: &Word,
+        t: &dyn Transport,
+        generation: u64,
+        target: u64,
+    ) -> Result<u64> {
+        let start = Instant::now();
+        let mut pause = BARRIER_PAUSE.0;
+        // Reads of a mapped word cost nothing: let other threads run between them.
+        let local = t.describe() == "local";
+        loop {
+            let v = match t.fetch_add(&word.span, 0) {
+                Ok(v) => v,
+                Err(e) => {
+                    tracing::debug!(error = %e, barrier = name, "cannot read the barrier word; asking the manager");
+                    break;
+                }
+            };
+            if v & DELETED != 0 {
+                self.forget_barrier(name);
+                return Err(RegionsError::Manager {
+                    errno: libc::ENOENT,
+                    message: format!("barrier {name:?} was deleted while waiting"),
+                });
+            }
+            if v & COUNT_MASK >= target {
+                return Ok(generation);
+            }
+            let waited = start.elapsed();
+            if waited >= BARRIER_POLL {
+                break;
+            }
+            if waited >= BARRIER_BUSY {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(BARRIER_PAUSE.1);
+            } else if local {
+                std::thread::yield_now();
+            }
+        }
+        self.call_with(SyncCall {
+            op: SyncOp::BarrierSleep as i32,
+            name: name.to_owned(),
+            n: 0,
+            tid: gettid(),
+            generation,
+        })
+        .map(|r| r.value as u64)
+    }
+
+    /// The arrival word of barrier `name`, located once (and again when its capability is
+    /// due); `None` for a barrier without one.
+    fn barrier_word(&self, name: &str) -> Result<Option<Arc<Word>>> {
+        if let Some(w) = self
+            .barriers
+            .lock()
+            .ok()
+            .and_then(|b| b.get(name).cloned())
+            && w.as_ref().is_none_or(|w| w.fresh())
+        {
+            return Ok(w);
+        }
+        let word = match self.call(SyncOp::BarrierLocate, name, 0) {
+            Ok(r) => {
+                let location = r.location.ok_or_else(|| {
+                    self.agent_error(libc::EIO, "locate reply without a location")
+                })?;
+                Some(self.word_at(location))
+            }
+            Err(e) if e.errno() == libc::ENOTSUP => None,
+            Err(e) => return Err(e),
+        };
+        if let Ok(mut b) = self.barriers.lock() {
+            b.insert(name.to_owned(), word.clone());
+        }
+        Ok(word)
+    }
+
+    fn forget_barrier(&self, name: &str) {
+        if let Ok(mut b) = self.barriers.lock() {
+            b.remove(name);
+        }
+    }
+
+    fn word_at(&self, location: MutexLocation) -> Arc<Word> {
+        let span = Span {
+            region_offset: location.region_offset,
+            pool: location.pool,
+            pool_offset: location.pool_offset,
+            len: 8,
+        };
+        let access = self.access(&location);
+        Arc::new(Word {
+            location,
+            span,
+            access,
+        })
     }
 
     /// Creates mutex `name` (an existing mutex is fine).
@@ -211,6 +451,7 @@ impl SyncClient {
     /// Deletes `name`; its waiters fail with `ENOENT`.
     pub fn delete(&self, name: &str) -> Result<()> {
         self.forget(name);
+        self.forget_barrier(name);
         self.call(SyncOp::Delete, name, 0).map(drop)
     }
 
@@ -223,8 +464,7 @@ impl SyncClient {
     /// The lock word of `name`, located once (and again when its capability is due).
     fn word(&self, name: &str) -> Result<Arc<Word>> {
         if let Some(w) = self.words.lock().ok().and_then(|w| w.get(name).cloned())
-            && (w.location.capability.is_empty()
-                || w.location.capability_expires_ms > now_ms() + RENEW_MS)
+            && w.fresh()
         {
             return Ok(w);
         }
@@ -232,18 +472,7 @@ impl SyncClient {
             .call(SyncOp::MutexLocate, name, 0)?
             .location
             .ok_or_else(|| self.agent_error(libc::EIO, "locate reply without a location"))?;
-        let span = Span {
-            region_offset: location.region_offset,
-            pool: location.pool,
-            pool_offset: location.pool_offset,
-            len: 8,
-        };
-        let access = self.access(&location);
-        let word = Arc::new(Word {
-            location,
-            span,
-            access,
-        });
+        let word = self.word_at(location);
         if let Ok(mut words) = self.words.lock() {
             words.insert(name.to_owned(), Arc::clone(&word));
         }
@@ -253,7 +482,7 @@ impl SyncClient {
     /// The direct path to a lock word: its segment mapped when it is on this host, else the
     /// tcp transport with the location's capability.
     fn access(&self, location: &MutexLocation) -> Option<Box<dyn Transport>> {
-        let my_host = ((location.tag & !WAITERS) >> 32) as u32;
+        let my_host = tag_host(location.tag);
         if my_host == location.host_id {
             let segment = AgentClient::connect(&self.socket)
                 .and_then(|mut agent| agent.segment(location.ino, true));
@@ -280,14 +509,32 @@ impl SyncClient {
         )))
     }
 
-    /// Locks mutex `name` for this process: a compare-and-swap on its word when free, else
+    /// This thread's tag for `word` (the location's tag names the process).
+    fn my_tag(&self, word: &Word) -> Result<u64> {
+        let host = tag_host(word.location.tag);
+        let pid = tag_pid(word.location.tag);
+        let tid = gettid();
+        tag(host, pid, tid).ok_or_else(|| RegionsError::Manager {
+            errno: libc::EOVERFLOW,
+            message: tag_overflow_hint(host, pid, tid),
+        })
+    }
+
+    /// Locks mutex `name` for this thread: a compare-and-swap on its word when free, else
     /// queued in FIFO order at the manager.
     pub fn mutex_lock(&self, name: &str) -> Result<()> {
         let word = self.word(name)?;
-        let tag = word.location.tag;
+        let tag = self.my_tag(&word)?;
         if let Some(t) = &word.access {
             match t.compare_and_swap(&word.span, 0, tag) {
                 Ok(0) => return Ok(()),
+                Ok(old) if old & DELETED != 0 => self.forget(name),
+                Ok(old) if old & !WAITERS == tag => {
+                    return Err(RegionsError::Manager {
+                        errno: libc::EDEADLK,
+                        message: format!("mutex {name:?} is already held by this thread"),
+                    });
+                }
                 Ok(_) => {}
                 Err(e) => {
                     tracing::debug!(error = %e, "lock word unreachable directly; asking the manager");
@@ -298,19 +545,20 @@ impl SyncClient {
         self.call(SyncOp::MutexLock, name, 0).map(drop)
     }
 
-    /// Unlocks mutex `name` held by this process (`EPERM` if it does not hold it).
+    /// Unlocks mutex `name` held by this thread (`EPERM` if it does not hold it).
     pub fn mutex_unlock(&self, name: &str) -> Result<()> {
         let word = self.word(name)?;
-        let tag = word.location.tag;
+        let tag = self.my_tag(&word)?;
         if let Some(t) = &word.access {
             match t.compare_and_swap(&word.span, tag, 0) {
                 Ok(old) if old == tag => return Ok(()),
                 Ok(old) if old & !WAITERS == tag => {} // waiters: the manager hands it on
+                Ok(old) if old & DELETED != 0 => self.forget(name), // the manager says ENOENT
                 Ok(old) => {
                     return Err(RegionsError::Manager {
                         errno: libc::EPERM,
                         message: format!(
-                            "mutex {name:?} is not held by this process (lock word {old:#x})"
+                            "mutex {name:?} is not held by this thread (lock word {old:#x})"
                         ),
                     });
                 }
@@ -369,7 +617,7 @@ pub fn mutex_init(name: &str) -> Result<()> {
     shared()?.mutex_init(name)
 }
 
-/// Locks mutex `name` for this process.
+/// Locks mutex `name` for this thread.
 pub fn mutex_lock(name: &str) -> Result<()> {
     shared()?.mutex_lock(name)
 }
@@ -402,6 +650,25 @@ pub fn delete(name: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tags_pack_host_pid_and_tid() {
+        let t = tag(65535, (1 << 22) - 1, 12345).unwrap();
+        assert_eq!(tag_host(t), 65535);
+        assert_eq!(tag_pid(t), (1 << 22) - 1);
+        assert_eq!(tag_tid(t), 12345);
+        assert_eq!(t & (WAITERS | DELETED), 0, "flag bits stay free");
+        assert_eq!(tag_host(t | WAITERS), 65535);
+        assert!(tag(1 << 16, 1, 1).is_none());
+        assert!(tag(1, 1 << 22, 1).is_none());
+        assert!(tag(1, 1, 1 << 22).is_none());
+        assert_ne!(tag(1, 2, 3), tag(1, 2, 4), "threads differ");
+        assert!(tag_overflow_hint(1, 1 << 22, 0).contains("pid_max"));
+        let me = gettid();
+        assert!(me > 0 && me >> TAG_TID_BITS == 0);
+        let other = std::thread::spawn(gettid).join().unwrap();
+        assert_ne!(me, other);
+    }
 
     #[test]
     fn a_missing_agent_is_a_clear_error() {

@@ -62,9 +62,13 @@ pub fn tag_host(tag: u64) -> u32 {
 /// A named object's definition (stored).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum SyncDef {
-    Barrier { n: u32 },
+    Barrier {
+        n: u32,
+    },
     /// The lock word's offset in the lock region.
-    Mutex { offset: u64 },
+    Mutex {
+        offset: u64,
+    },
     Bell,
 }
 
@@ -100,7 +104,10 @@ pub fn load_record(state: &mut State, key: &str, bytes: &[u8]) -> Result<(), pos
     if key == LOCK_REGION_KEY {
         state.sync.lock_region = Some(postcard::from_bytes(bytes)?);
     } else {
-        state.sync.defs.insert(key.to_owned(), postcard::from_bytes(bytes)?);
+        state
+            .sync
+            .defs
+            .insert(key.to_owned(), postcard::from_bytes(bytes)?);
     }
     Ok(())
 }
@@ -268,11 +275,10 @@ impl State {
 
     /// Where the lock word at `offset` of the lock region lives.
     pub fn lock_word(&self, offset: u64) -> Result<WordPlace> {
-        let region = self
-            .sync
-            .lock_region
-            .as_ref()
-            .ok_or_else(|| ManagerError::NotFound("the lock region (no mutex exists)".into()))?;
+        let region =
+            self.sync.lock_region.as_ref().ok_or_else(|| {
+                ManagerError::NotFound("the lock region (no mutex exists)".into())
+            })?;
         self.check_not_lost(region.ino)?;
         let map = self.maps.get(&region.ino).map_or(&[][..], Vec::as_slice);
         let entry = map
@@ -558,14 +564,16 @@ impl SyncService {
 
     fn transport(&self, addr: &str) -> Result<Arc<TcpTransport>> {
         let mut map = self.inner.transports.lock().map_err(|_| poisoned())?;
-        Ok(Arc::clone(map.entry(addr.to_owned()).or_insert_with(|| {
-            Arc::new(TcpTransport::new(
-                addr,
-                self.inner.secret.token().as_bytes(),
-                RetryPolicy::default(),
-                Arc::clone(&self.inner.stats),
-            ))
-        })))
+        Ok(Arc::clone(map.entry(addr.to_owned()).or_insert_with(
+            || {
+                Arc::new(TcpTransport::new(
+                    addr,
+                    self.inner.secret.token().as_bytes(),
+                    RetryPolicy::default(),
+                    Arc::clone(&self.inner.stats),
+                ))
+            },
+        )))
     }
 
     /// Compare-and-swap on a lock word; returns the old value.
@@ -588,9 +596,7 @@ impl SyncService {
             .await
             .map_err(|e| ManagerError::Store(format!("lock word task failed: {e}")))?
             .map_err(|e| {
-                ManagerError::Unavailable(format!(
-                    "cannot reach the lock word at host {host}: {e}"
-                ))
+                ManagerError::Unavailable(format!("cannot reach the lock word at host {host}: {e}"))
             })
     }
 
@@ -829,7 +835,11 @@ impl SyncService {
                 _ = closing.wait_for(|c| *c) => return,
             }
             let grace_over = started.elapsed() >= lease;
-            let expired = match self.manager().read(|s| Ok(s.expired_hosts(grace_over))).await {
+            let expired = match self
+                .manager()
+                .read(|s| Ok(s.expired_hosts(grace_over)))
+                .await
+            {
                 Ok(e) => e,
                 Err(_) => continue,
             };
@@ -845,7 +855,9 @@ impl SyncService {
                     Ok(_) => {
                         handled.insert(host);
                     }
-                    Err(e) => tracing::warn!(host, error = %e, "cannot release a dead host's mutexes"),
+                    Err(e) => {
+                        tracing::warn!(host, error = %e, "cannot release a dead host's mutexes")
+                    }
                 }
             }
         }

@@ -116,13 +116,7 @@ impl ThreadDefaults {
 
     /// setxattr: handles `user.regions.thread.*` on the root for thread
     /// `tid` (None for any other name). An empty value clears the default.
-    pub fn setxattr(
-        &self,
-        tid: u32,
-        ino: u64,
-        name: &OsStr,
-        value: &[u8],
-    ) -> Option<FsResult<()>> {
+    pub fn setxattr(&self, tid: u32, ino: u64, name: &OsStr, value: &[u8]) -> Option<FsResult<()>> {
         let attr = Self::attr_name(ino, name)?;
         Some(self.set(tid, attr, value))
     }
@@ -244,8 +238,14 @@ mod tests {
     fn set_get_clear_per_thread() {
         let d = ThreadDefaults::new();
         let me = tid();
-        assert!(d.setxattr(me, 5, os("user.regions.thread.persistent"), b"0").is_none());
-        assert!(d.setxattr(me, ROOT_INO, os("user.regions.persistent"), b"0").is_none());
+        assert!(
+            d.setxattr(me, 5, os("user.regions.thread.persistent"), b"0")
+                .is_none()
+        );
+        assert!(
+            d.setxattr(me, ROOT_INO, os("user.regions.persistent"), b"0")
+                .is_none()
+        );
         d.setxattr(me, ROOT_INO, os("user.regions.thread.persistent"), b"0")
             .unwrap()
             .unwrap();
@@ -264,7 +264,9 @@ mod tests {
         // Another thread has none.
         let d = std::sync::Arc::new(d);
         let d2 = d.clone();
-        let other = std::thread::spawn(move || d2.overrides(tid())).join().unwrap();
+        let other = std::thread::spawn(move || d2.overrides(tid()))
+            .join()
+            .unwrap();
         assert!(other.is_none());
         // Bad values are refused.
         assert!(matches!(

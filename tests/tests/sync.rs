@@ -150,10 +150,7 @@ fn barrier_of_three_processes_on_three_hosts_for_100_rounds() -> anyhow::Result<
         let lines = h.finish(HELPER_TIMEOUT)?;
         assert_eq!(lines.len(), rounds as usize);
         for line in lines {
-            let v: Vec<u64> = line
-                .split(' ')
-                .map(str::parse)
-                .collect::<Result<_, _>>()?;
+            let v: Vec<u64> = line.split(' ').map(str::parse).collect::<Result<_, _>>()?;
             let (round, generation, arrived) = (v[0], v[1], v[2]);
             assert_eq!(generation, round, "generations count rounds from 1");
             assert!(
@@ -231,23 +228,28 @@ fn doorbell_rings_and_waits_in_order() -> anyhow::Result<()> {
         .map_err(|_| anyhow::anyhow!("responder panicked"))??;
     assert_eq!(pings, (3..3 + rounds).collect::<Vec<i64>>());
     assert_eq!(pongs, (1..=rounds).collect::<Vec<i64>>());
-    // A wait blocks until the next ring; deleting the bell ends it with ENOENT.
+    // A first wait sees the rings so far at once; the next blocks until the next ring;
+    // deleting the bell ends a wait with ENOENT.
     let csock = socket(&c, 3);
     let waiter = std::thread::spawn(move || {
         let c3 = SyncClient::connect(&csock);
-        let first = c3.bell_wait("pong");
-        let second = c3.bell_wait("pong");
-        (first.map_err(|e| e.errno()), second.map_err(|e| e.errno()))
+        let errno = |r: regions::Result<i64>| r.map_err(|e| e.errno());
+        (
+            errno(c3.bell_wait("pong")),
+            errno(c3.bell_wait("pong")),
+            errno(c3.bell_wait("pong")),
+        )
     });
     std::thread::sleep(Duration::from_millis(300));
     a.bell_ring("pong")?;
     std::thread::sleep(Duration::from_millis(300));
     a.delete("pong")?;
-    let (first, second) = waiter
+    let (first, second, third) = waiter
         .join()
         .map_err(|_| anyhow::anyhow!("waiter panicked"))?;
-    assert_eq!(first, Ok(rounds + 1));
-    assert_eq!(second, Err(libc::ENOENT));
+    assert_eq!(first, Ok(rounds));
+    assert_eq!(second, Ok(rounds + 1));
+    assert_eq!(third, Err(libc::ENOENT));
     Ok(())
 }
 
@@ -307,9 +309,7 @@ fn unknown_existing_and_invalid_objects() -> anyhow::Result<()> {
 #[test]
 fn regionfs_sync_cli_on_three_mounts() -> anyhow::Result<()> {
     let c = Cluster::start(3, "64M")?;
-    let mounts: Vec<_> = (1..=3)
-        .map(|h| c.mount(h))
-        .collect::<anyhow::Result<_>>()?;
+    let mounts: Vec<_> = (1..=3).map(|h| c.mount(h)).collect::<anyhow::Result<_>>()?;
     let regionfs = bin_path("regionfs")?;
     let cli = |mount: &Path, args: &[&str]| -> anyhow::Result<Helper> {
         let mut all = vec!["sync".to_owned(), "--mount".into(), s(mount)];
@@ -321,7 +321,10 @@ fn regionfs_sync_cli_on_three_mounts() -> anyhow::Result<()> {
     let first = cli(&mounts[0].mountpoint, &["barrier", "gate", "3"])?;
     let second = cli(&mounts[1].mountpoint, &["barrier", "gate", "3"])?;
     std::thread::sleep(Duration::from_millis(300));
-    assert!(matches!(first.lines.try_recv(), Err(_)));
+    assert!(
+        first.lines.try_recv().is_err(),
+        "a party passed before the third arrived"
+    );
     let third = cli(&mounts[2].mountpoint, &["barrier", "gate", "3"])?;
     for h in [first, second, third] {
         assert_eq!(h.finish(HELPER_TIMEOUT)?, vec!["1".to_owned()]);
@@ -338,7 +341,20 @@ fn regionfs_sync_cli_on_three_mounts() -> anyhow::Result<()> {
     };
     let shells: Vec<Helper> = mounts
         .iter()
-        .map(|m| cli(&m.mountpoint, &["lock", "--init", "logm", "--", "sh", "-c", &script(&m.mountpoint)]))
+        .map(|m| {
+            cli(
+                &m.mountpoint,
+                &[
+                    "lock",
+                    "--init",
+                    "logm",
+                    "--",
+                    "sh",
+                    "-c",
+                    &script(&m.mountpoint),
+                ],
+            )
+        })
         .collect::<anyhow::Result<_>>()?;
     for h in shells {
         h.finish(HELPER_TIMEOUT)?;
@@ -348,7 +364,17 @@ fn regionfs_sync_cli_on_three_mounts() -> anyhow::Result<()> {
     let expected: Vec<String> = (0..15).map(|i| i.to_string()).collect();
     assert_eq!(lines, expected, "appends under the mutex never interleave");
     let status = Command::new(&regionfs)
-        .args(["sync", "--mount", &s(&mounts[1].mountpoint), "lock", "logm", "--", "sh", "-c", "exit 7"])
+        .args([
+            "sync",
+            "--mount",
+            &s(&mounts[1].mountpoint),
+            "lock",
+            "logm",
+            "--",
+            "sh",
+            "-c",
+            "exit 7",
+        ])
         .status()?;
     assert_eq!(status.code(), Some(7));
     // ring / wait, and a clear error for unknown names.
@@ -359,7 +385,13 @@ fn regionfs_sync_cli_on_three_mounts() -> anyhow::Result<()> {
         vec!["1".to_owned()]
     );
     let out = Command::new(&regionfs)
-        .args(["sync", "--mount", &s(&mounts[2].mountpoint), "ring", "missing"])
+        .args([
+            "sync",
+            "--mount",
+            &s(&mounts[2].mountpoint),
+            "ring",
+            "missing",
+        ])
         .output()?;
     assert!(!out.status.success());
     assert!(

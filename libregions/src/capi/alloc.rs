@@ -69,11 +69,17 @@ fn identity(fd: c_int) -> Result<(u64, u64)> {
         let e = std::io::Error::last_os_error();
         return Err(RegionsError::io(format!("statx of fd {fd}"), e));
     }
-    Ok((libc::makedev(st.stx_dev_major, st.stx_dev_minor), st.stx_ino))
+    Ok((
+        libc::makedev(st.stx_dev_major, st.stx_dev_minor),
+        st.stx_ino,
+    ))
 }
 
-fn cache() -> &'static Mutex<HashMap<(u64, u64), Arc<Mapping>>> {
-    static CACHE: OnceLock<Mutex<HashMap<(u64, u64), Arc<Mapping>>>> = OnceLock::new();
+/// Mappings by region identity (device, inode).
+type MappingCache = Mutex<HashMap<(u64, u64), Arc<Mapping>>>;
+
+fn cache() -> &'static MappingCache {
+    static CACHE: OnceLock<MappingCache> = OnceLock::new();
     CACHE.get_or_init(Mutex::default)
 }
 
@@ -136,10 +142,12 @@ fn grow_to(m: &Mapping, len: usize) -> Result<()> {
 fn heap_of(m: &Mapping, create: bool) -> Result<Heap> {
     for _ in 0..8 {
         let len = m.len();
-        if !create && (len < PAGE || {
-            // SAFETY: the mapping covers at least a page.
-            !unsafe { Heap::is_heap(m.base()) }
-        }) {
+        if !create
+            && (len < PAGE || {
+                // SAFETY: the mapping covers at least a page.
+                !unsafe { Heap::is_heap(m.base()) }
+            })
+        {
             return Err(RegionsError::Invalid(format!(
                 "region {} holds no rmalloc heap",
                 m.ino()
@@ -166,7 +174,11 @@ fn heap_of(m: &Mapping, create: bool) -> Result<Heap> {
 
 /// Runs a heap operation, growing the mapping when the heap is longer than
 /// it (another process grew the region) and retrying.
-fn with_heap<T>(m: &Mapping, mut heap: Heap, f: impl Fn(&Heap) -> Result<T, HeapError>) -> Result<T> {
+fn with_heap<T>(
+    m: &Mapping,
+    mut heap: Heap,
+    f: impl Fn(&Heap) -> Result<T, HeapError>,
+) -> Result<T> {
     for _ in 0..8 {
         match f(&heap) {
             Err(HeapError::NeedsMapping { len }) => {

@@ -26,13 +26,27 @@ pub(crate) fn set_errno(e: i32) {
     unsafe { *libc::__errno_location() = e };
 }
 
+/// Environment variable that makes every failing C call print its error
+/// (what failed and why) to stderr; C callers otherwise see only `errno`.
+pub const DEBUG_ENV: &str = "REGIONS_DEBUG";
+
+fn report(e: &crate::RegionsError) {
+    static VERBOSE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let verbose = *VERBOSE
+        .get_or_init(|| std::env::var_os(DEBUG_ENV).is_some_and(|v| !v.is_empty() && v != "0"));
+    if verbose {
+        eprintln!("libregions: {e} (errno {})", e.errno());
+    }
+    tracing::debug!(error = %e, errno = e.errno(), "libregions C call failed");
+}
+
 /// Runs `f` for a C function returning `int`: its value on success, -1 with
 /// `errno` set on an error or a panic.
 pub(crate) fn ffi_int(f: impl FnOnce() -> Result<i32>) -> c_int {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(v)) => v,
         Ok(Err(e)) => {
-            tracing::debug!(error = %e, errno = e.errno(), "libregions C call failed");
+            report(&e);
             set_errno(e.errno());
             -1
         }
@@ -49,7 +63,7 @@ pub(crate) fn ffi_ptr(f: impl FnOnce() -> Result<*mut c_void>) -> *mut c_void {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(p)) => p,
         Ok(Err(e)) => {
-            tracing::debug!(error = %e, errno = e.errno(), "libregions C call failed");
+            report(&e);
             set_errno(e.errno());
             std::ptr::null_mut()
         }

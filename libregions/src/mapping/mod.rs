@@ -94,6 +94,9 @@ pub struct Mapping {
     /// Remote page states, by page index.
     pages: RwLock<Vec<AtomicU8>>,
     segment: Mutex<Option<OwnedFd>>,
+    /// Page after the last missing fault's window: a fault there means sequential access,
+    /// which starts read-ahead of the next windows.
+    next_sequential: AtomicUsize,
     /// Serialises growth and unmapping.
     resize: Mutex<bool>,
 }
@@ -112,7 +115,8 @@ impl std::fmt::Debug for Mapping {
 #[derive(Default)]
 struct Registry {
     by_base: BTreeMap<usize, Arc<Mapping>>,
-    by_ino: BTreeMap<u64, usize>,
+    /// (device of the mount, inode) → base.
+    by_ino: BTreeMap<(u64, u64), usize>,
 }
 
 fn registry() -> &'static Mutex<Registry> {
@@ -126,27 +130,98 @@ fn lock_registry() -> std::sync::MutexGuard<'static, Registry> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Reserves the fixed-address window, once per process. Called by every mapping call; call it
-/// early (e.g. at program start) so that nothing else lands in the window first.
+/// Address space left free after the program's own mappings inside the window (a PIE binary
+/// and its brk heap load around 0x55xx_xxxx_xxxx), so that the heap can still grow.
+const HEAP_ROOM: usize = 64 << 30;
+
+/// The parts of the fixed window this process reserved.
+static WINDOW: OnceLock<std::result::Result<Vec<(usize, usize)>, String>> = OnceLock::new();
+
+/// Ranges of `/proc/self/maps` that intersect `[start, end)`.
+fn occupied(start: usize, end: usize) -> Vec<(usize, usize)> {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let mut out: Vec<(usize, usize)> = maps
+        .lines()
+        .filter_map(|l| {
+            let range = l.split_whitespace().next()?;
+            let (a, b) = range.split_once('-')?;
+            Some((
+                usize::from_str_radix(a, 16).ok()?,
+                usize::from_str_radix(b, 16).ok()?,
+            ))
+        })
+        .filter(|&(a, b)| a < end && b > start)
+        .collect();
+    out.sort_unstable();
+    out
+}
+
+/// The free gaps of `[start, end)` around `taken` (sorted), each taken range extended by
+/// `room` at its end.
+fn gaps(start: usize, end: usize, taken: &[(usize, usize)], room: usize) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut at = start;
+    for &(a, b) in taken {
+        if a > at {
+            out.push((at, a.min(end)));
+        }
+        at = at.max(b.saturating_add(room));
+        if at >= end {
+            break;
+        }
+    }
+    if at < end {
+        out.push((at, end));
+    }
+    out.retain(|&(a, b)| b > a);
+    out
+}
+
+/// Reserves the fixed-address window, once per process: every part of it that the program
+/// does not already use (its binary and heap may sit inside). Called by every mapping call;
+/// call it early (e.g. at program start) so that nothing else lands in the window first.
 pub fn init() -> Result<()> {
-    static WINDOW: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    window().map(drop)
+}
+
+fn window() -> Result<&'static [(usize, usize)]> {
+    let start = VADDR_WINDOW_START as usize;
+    let end = VADDR_WINDOW_END as usize;
     WINDOW
         .get_or_init(|| {
-            sys::reserve_fixed_noreplace(
-                VADDR_WINDOW_START as usize,
-                (VADDR_WINDOW_END - VADDR_WINDOW_START) as usize,
-            )
-            .map_err(|e| e.to_string())
+            let mut reserved = Vec::new();
+            for (a, b) in gaps(start, end, &occupied(start, end), HEAP_ROOM) {
+                match sys::reserve_fixed_noreplace(a, b - a) {
+                    Ok(()) => reserved.push((a, b)),
+                    Err(e) => tracing::warn!(
+                        start = format_args!("{a:#x}"),
+                        end = format_args!("{b:#x}"),
+                        error = %e,
+                        "cannot reserve part of the fixed-address window"
+                    ),
+                }
+            }
+            if reserved.is_empty() {
+                return Err("no part of it is free".to_owned());
+            }
+            Ok(reserved)
         })
-        .clone()
+        .as_ref()
+        .map(Vec::as_slice)
         .map_err(|e| RegionsError::Mapping {
             errno: libc::ENOMEM,
             message: format!(
-                "cannot reserve the fixed-address window [{VADDR_WINDOW_START:#x}, \
-                 {VADDR_WINDOW_END:#x}): {e}; something else in this process maps memory there \
-                 (call regions::mapping::init() earlier)"
+                "cannot reserve the fixed-address window [{start:#x}, {end:#x}): {e}; something \
+                 else in this process maps memory there (call regions::mapping::init() earlier)"
             ),
         })
+}
+
+/// Whether `[addr, addr + len)` lies inside the reserved window.
+fn in_window(addr: usize, len: usize) -> Result<bool> {
+    Ok(window()?
+        .iter()
+        .any(|&(a, b)| addr >= a && addr.saturating_add(len) <= b))
 }
 
 fn map_err(errno: i32, message: String) -> RegionsError {
@@ -175,15 +250,14 @@ fn reservation_for(len: usize) -> usize {
 /// already mapped in this process returns the same mapping.
 pub fn map_fd(fd: BorrowedFd<'_>) -> Result<Arc<Mapping>> {
     init()?;
-    let (_, ino) = crate::agent::AgentClient::for_fd(fd)?;
-    if let Some(m) = by_ino(ino) {
+    if let Some(m) = by_ino(crate::app::file_id(fd)?) {
         return Ok(m);
     }
     let region = AppRegion::open_fd(fd)?;
     map_region(region)
 }
 
-fn by_ino(ino: u64) -> Option<Arc<Mapping>> {
+fn by_ino(ino: (u64, u64)) -> Option<Arc<Mapping>> {
     let reg = lock_registry();
     reg.by_ino
         .get(&ino)
@@ -194,7 +268,8 @@ fn by_ino(ino: u64) -> Option<Arc<Mapping>> {
 /// Maps an opened region (see [`map_fd`]).
 pub fn map_region(region: Arc<AppRegion>) -> Result<Arc<Mapping>> {
     init()?;
-    if let Some(m) = by_ino(region.ino()) {
+    let key = (region.dev(), region.ino());
+    if let Some(m) = by_ino(key) {
         return Ok(m);
     }
     let len = round_up(region.size(), PAGE as u64) as usize;
@@ -208,6 +283,18 @@ pub fn map_region(region: Arc<AppRegion>) -> Result<Arc<Mapping>> {
                 format!(
                     "region {} has fixed address {vaddr:#x}, outside the window \
                      [{VADDR_WINDOW_START:#x}, {VADDR_WINDOW_END:#x})",
+                    region.ino()
+                ),
+            ));
+        }
+        if !in_window(vaddr as usize, reserved)? {
+            return Err(map_err(
+                libc::ENOMEM,
+                format!(
+                    "the fixed address range [{vaddr:#x}, {:#x}) of region {} is not free in \
+                     this process (the program's binary or heap lies there): it cannot be \
+                     mapped at its fixed address here",
+                    vaddr as usize + reserved,
                     region.ino()
                 ),
             ));
@@ -245,6 +332,7 @@ pub fn map_region(region: Arc<AppRegion>) -> Result<Arc<Mapping>> {
         chunks: RwLock::new(Vec::new()),
         pages: RwLock::new(Vec::new()),
         segment: Mutex::new(None),
+        next_sequential: AtomicUsize::new(usize::MAX),
         resize: Mutex::new(false),
     });
     if let Err(e) = mapping.map_range(0, len) {
@@ -254,7 +342,7 @@ pub fn map_region(region: Arc<AppRegion>) -> Result<Arc<Mapping>> {
     let mut reg = lock_registry();
     if let Some(existing) = reg
         .by_ino
-        .get(&mapping.region.ino())
+        .get(&key)
         .and_then(|b| reg.by_base.get(b))
         .cloned()
     {
@@ -264,7 +352,7 @@ pub fn map_region(region: Arc<AppRegion>) -> Result<Arc<Mapping>> {
         return Ok(existing);
     }
     reg.by_base.insert(base, Arc::clone(&mapping));
-    reg.by_ino.insert(mapping.region.ino(), base);
+    reg.by_ino.insert(key, base);
     Ok(mapping)
 }
 
@@ -294,7 +382,7 @@ pub fn unmap(addr: *const u8) -> Result<()> {
     {
         let mut reg = lock_registry();
         reg.by_base.remove(&m.base);
-        reg.by_ino.remove(&m.region.ino());
+        reg.by_ino.remove(&(m.region.dev(), m.region.ino()));
     }
     m.teardown();
     synced
@@ -603,9 +691,20 @@ impl Mapping {
         }
         let c = p / CHUNK_PAGES;
         let chunk_end = ((c + 1) * CHUNK_PAGES).min(pages.len());
-        let window_end = (p + prefetch_pages()).min(chunk_end);
+        let window = prefetch_pages();
+        let window_end = (p + window).min(chunk_end);
+        let total = pages.len();
         let runs = Self::claim(&pages, p, window_end);
         drop(pages);
+        // Sequential faults: fetch the next windows in the background meanwhile.
+        let sequential = self.next_sequential.swap(window_end, Ordering::Relaxed) == p;
+        if sequential && window > 1 && window_end < total {
+            let ahead = (window * 4).min(total - window_end);
+            faults.submit(Job::Prefetch {
+                addr: self.base + window_end * PAGE,
+                len: ahead * PAGE,
+            });
+        }
         if runs.first().is_none_or(|r| r.0 != p) {
             // Lost the race for the faulting page; whoever won wakes the thread.
             if let Err(e) = self.fetch_runs(faults, c, &runs) {
@@ -930,6 +1029,19 @@ mod tests {
         init().unwrap();
         // The window is taken: nothing else can land in it.
         assert!(sys::reserve_fixed_noreplace(VADDR_WINDOW_START as usize, PAGE).is_err());
+        assert!(in_window(VADDR_WINDOW_START as usize, 1 << 30).unwrap());
+        assert!(!in_window(VADDR_WINDOW_END as usize - PAGE, 2 * PAGE).unwrap());
+    }
+
+    #[test]
+    fn gaps_skip_taken_ranges_and_leave_heap_room() {
+        assert_eq!(gaps(0, 100, &[], 0), vec![(0, 100)]);
+        assert_eq!(
+            gaps(0, 100, &[(10, 20), (30, 40)], 5),
+            vec![(0, 10), (25, 30), (45, 100)]
+        );
+        assert_eq!(gaps(0, 100, &[(0, 20), (90, 120)], 0), vec![(20, 90)]);
+        assert!(gaps(0, 100, &[(0, 100)], 0).is_empty());
     }
 
     #[test]

@@ -1,6 +1,7 @@
-//! The process's userfaultfd: one reader thread takes fault events off it and hands them to a
-//! bounded pool of worker threads through a bounded queue; the workers fetch pages through the
-//! transport and install them (`UFFDIO_COPY`, write-protected so that the first write is
+//! The process's userfaultfd: a bounded pool of fault threads each reads fault events off it and
+//! serves them in place (no hand-off on the fault path), and background threads take
+//! read-ahead work from a bounded queue. Fault threads fetch pages through the transport and
+//! install them (`UFFDIO_COPY`, write-protected so that the first write is
 //! seen), mark pages dirty on write-protect faults, and make a fault that cannot be served raise
 //! `SIGBUS` in the faulting thread (the page is replaced by a mapping of an empty memfd, then
 //! the thread is woken: its retried access lies past the end of that file).
@@ -14,10 +15,12 @@ use userfaultfd::{Event, FaultKind, FeatureFlags, RegisterMode, Uffd, UffdBuilde
 
 use super::sys::{self, PAGE};
 
-/// Fault events queued for the workers before the reader waits.
-const QUEUE: usize = 1024;
+/// Background jobs queued before more are dropped.
+const QUEUE: usize = 256;
 /// Default number of fault-serving threads (env `REGIONS_FAULT_THREADS`).
 const DEFAULT_WORKERS: usize = 4;
+/// Threads serving background read-ahead.
+const PREFETCHERS: usize = 2;
 
 /// Work for the fault threads.
 pub(crate) enum Job {
@@ -71,41 +74,48 @@ fn start() -> io::Result<Arc<Faults>> {
         queue: tx,
     });
     let rx = Arc::new(Mutex::new(rx));
-    let workers = std::env::var("REGIONS_FAULT_THREADS")
+    for i in 0..PREFETCHERS {
+        let rx = Arc::clone(&rx);
+        std::thread::Builder::new()
+            .name(format!("regions-ahead-{i}"))
+            .spawn(move || worker(&rx))?;
+    }
+    let readers = std::env::var("REGIONS_FAULT_THREADS")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
         .filter(|n| (1..=64).contains(n))
         .unwrap_or(DEFAULT_WORKERS);
-    for i in 0..workers {
-        let rx = Arc::clone(&rx);
+    for i in 0..readers {
+        let reader = Arc::clone(&faults);
         std::thread::Builder::new()
             .name(format!("regions-fault-{i}"))
-            .spawn(move || worker(&rx))?;
+            .spawn(move || read_loop(&reader))?;
     }
-    let reader = Arc::clone(&faults);
-    std::thread::Builder::new()
-        .name("regions-uffd".into())
-        .spawn(move || read_loop(&reader))?;
     Ok(faults)
 }
 
 fn read_loop(faults: &Faults) {
+    let mut errors = 0u32;
     loop {
         match faults.uffd.read_event() {
             Ok(Some(Event::Pagefault { kind, addr, .. })) => {
+                errors = 0;
                 let addr = addr as usize & !(PAGE - 1);
                 let job = match kind {
                     FaultKind::WriteProtected => Job::WriteProtect(addr),
                     _ => Job::Missing(addr),
                 };
-                if faults.queue.send(job).is_err() {
-                    return;
-                }
+                super::serve(job);
             }
             Ok(Some(other)) => tracing::debug!(event = ?other, "ignoring a userfaultfd event"),
             Ok(None) => {}
+            // Interrupted reads come back; a broken descriptor keeps failing.
+            Err(e) if errors < 100 => {
+                errors += 1;
+                tracing::debug!(error = %e, "reading the userfaultfd failed; retrying");
+            }
             Err(e) => {
-                tracing::error!(error = %e, "reading the userfaultfd failed; remote mappings stop being served");
+                tracing::error!(error = %e, "reading the userfaultfd keeps failing; remote mappings stop being served");
                 return;
             }
         }

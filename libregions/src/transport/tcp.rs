@@ -91,7 +91,15 @@ pub struct TcpTransport {
     next_id: AtomicU64,
     retry: RetryPolicy,
     stats: Arc<TransportStats>,
+    /// Set when a request gave up on the daemon, cleared when it answers again: meanwhile
+    /// each request makes one quick attempt ([`PROBE`]) instead of retrying for the whole
+    /// deadline, so that a caller issuing several requests (a FUSE read and its readahead)
+    /// gets `EIO` once within the bound, not once per request.
+    down: std::sync::atomic::AtomicBool,
 }
+
+/// The deadline of a request to a daemon known to be unreachable.
+const PROBE: Duration = Duration::from_millis(500);
 
 impl TcpTransport {
     /// A transport to the daemon at `addr` ("host:port") that authenticates
@@ -125,6 +133,7 @@ impl TcpTransport {
             next_id: AtomicU64::new(1),
             retry,
             stats,
+            down: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -152,7 +161,7 @@ impl TcpTransport {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
-    fn connect(&self, timeout: Duration) -> Result<Conn, Failure> {
+    fn connect(&self, timeout: Duration, io_timeout: Duration) -> Result<Conn, Failure> {
         let addr = self
             .addr
             .to_socket_addrs()
@@ -171,8 +180,8 @@ impl TcpTransport {
             })?;
         let stream = TcpStream::connect_timeout(&addr, timeout.max(Duration::from_millis(10)))?;
         stream.set_nodelay(true)?;
-        stream.set_read_timeout(Some(self.retry.deadline))?;
-        stream.set_write_timeout(Some(self.retry.deadline))?;
+        stream.set_read_timeout(Some(io_timeout))?;
+        stream.set_write_timeout(Some(io_timeout))?;
         let (token, generation) = match self.auth.lock() {
             Ok(a) => (a.token.clone(), a.generation),
             Err(_) => (Bytes::new(), 0),
@@ -216,18 +225,31 @@ impl TcpTransport {
         let start = Instant::now();
         let mut backoff = self.retry.backoff;
         let mut attempts = 0u32;
+        let down = self.down.load(Ordering::Relaxed);
+        let deadline = if down {
+            self.retry.deadline.min(PROBE)
+        } else {
+            self.retry.deadline
+        };
+        let answered = || {
+            if down && self.down.swap(false, Ordering::Relaxed) {
+                tracing::info!(addr = %self.addr, "daemon reachable again");
+            }
+        };
         loop {
             attempts += 1;
-            let remaining = self.retry.deadline.saturating_sub(start.elapsed());
+            let remaining = deadline.saturating_sub(start.elapsed());
             let pooled = self.idle.lock().ok().and_then(|mut idle| idle.pop());
             let (conn, fresh) = match pooled {
                 Some(c) => (Ok(c), false),
-                None => (self.connect(remaining), true),
+                None => (self.connect(remaining, deadline), true),
             };
             let reason = match conn {
                 Ok(mut conn) => match op(&mut conn) {
                     Ok(v) => {
-                        let current = conn.generation == self.generation();
+                        answered();
+                        // A probe's connection has probe timeouts: not kept.
+                        let current = conn.generation == self.generation() && !down;
                         if let Ok(mut idle) = self.idle.lock()
                             && idle.len() < MAX_IDLE
                             && current
@@ -236,7 +258,10 @@ impl TcpTransport {
                         }
                         return Ok(v);
                     }
-                    Err(Failure::Final(e)) => return Err(e),
+                    Err(Failure::Final(e)) => {
+                        answered();
+                        return Err(e);
+                    }
                     // A pooled connection may have gone stale: one free retry.
                     Err(Failure::Retry(r)) if !fresh && attempts == 1 => {
                         tracing::debug!(addr = %self.addr, reason = %r, "stale connection, reconnecting");
@@ -255,8 +280,13 @@ impl TcpTransport {
                 Err(Failure::Final(e)) => return Err(e),
                 Err(Failure::Retry(r)) => r,
             };
-            if start.elapsed() + backoff >= self.retry.deadline {
-                tracing::warn!(addr = %self.addr, attempts, reason = %reason, "daemon unreachable; giving up");
+            if start.elapsed() + backoff >= deadline {
+                if !self.down.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(addr = %self.addr, attempts, reason = %reason, "daemon unreachable; giving up (further requests make one quick attempt until it answers)");
+                    if let Ok(mut idle) = self.idle.lock() {
+                        idle.clear();
+                    }
+                }
                 return Err(RegionsError::DaemonUnreachable {
                     addr: self.addr.clone(),
                     attempts,

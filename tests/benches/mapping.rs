@@ -1,0 +1,245 @@
+//! Faults of a userfaultfd mapping (libregions) against the transport they use and against the
+//! FUSE mmap path of regionfs, measured in the same run.
+//!
+//! ```sh
+//! cargo build --release --bins
+//! cargo bench -p regions-tests --bench mapping
+//! ```
+//!
+//! Starts a manager and two daemons on loopback (`target/release` binaries) and a regionfs mount
+//! for host 1, fills regions held by host 2 over the transport, and measures from host 1:
+//!
+//! 1. Cold 4 KiB fault through libregions (`regions::mapping`, prefetch window 1 page, distinct
+//!    random pages) vs one bare 4 KiB `TcpTransport::read` of the same region (target: ratio of
+//!    medians <= 1.5) and vs a cold 4 KiB fault of a `MAP_SHARED` mapping of the region file
+//!    under the regionfs mount with `MADV_RANDOM` (target: <= 0.5).
+//! 2. Sequential first touch of every page of 1 GiB held remotely (default prefetch window, 16
+//!    pages; and the largest, 32) vs bare transport throughput reading the same GiB
+//!    sequentially in 64 KiB and in 4 MiB requests (target: >= 0.7).
+//!
+//! Without `--bench` (as `cargo test --benches` runs it) a tiny version runs as a smoke test.
+
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use rand::rngs::SmallRng;
+use rand::seq::SliceRandom;
+use rand::{RngCore as _, SeedableRng as _};
+use regions::app::AppRegion;
+use regions::mapping;
+use regions::transport::{Span, Transport as _};
+use regions_tests::Cluster;
+
+const PAGE: usize = 4096;
+
+struct Sizes {
+    lat_region: usize,
+    lat_pages: usize,
+    seq_region: usize,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn p99(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[(v.len() * 99 / 100).min(v.len() - 1)]
+}
+
+/// Creates the region file `path` (held by the host of its mount) and fills it with random
+/// bytes over the transport.
+fn fill(path: &std::path::Path, len: usize) -> anyhow::Result<()> {
+    std::fs::File::create(path).with_context(|| format!("create {}", path.display()))?;
+    let w = AppRegion::open_path(path, true)?;
+    let mut rng = SmallRng::seed_from_u64(len as u64);
+    let mut buf = vec![0u8; 4 << 20];
+    let mut at = 0;
+    while at < len {
+        let n = buf.len().min(len - at);
+        rng.fill_bytes(&mut buf[..n]);
+        w.write_at(at as u64, &buf[..n])?;
+        at += n;
+    }
+    Ok(())
+}
+
+fn touch(p: *const u8) -> u8 {
+    // SAFETY: callers pass addresses inside live mappings.
+    unsafe { std::ptr::read_volatile(p) }
+}
+
+fn main() -> anyhow::Result<()> {
+    let full = std::env::args().any(|a| a == "--bench");
+    let sizes = if full {
+        Sizes {
+            lat_region: 64 << 20,
+            lat_pages: 4000,
+            seq_region: 1 << 30,
+        }
+    } else {
+        Sizes {
+            lat_region: 4 << 20,
+            lat_pages: 100,
+            seq_region: 8 << 20,
+        }
+    };
+    let cluster = Cluster::start(2, "3G")?;
+    let m1 = cluster.mount(1)?;
+    let m2 = cluster.mount(2)?;
+    // Regions are created through host 2's mount, so host 2 holds them.
+    for name in ["uffd", "fuse", "bare"] {
+        fill(&m2.path(name), sizes.lat_region)?;
+    }
+    fill(&m2.path("seq"), sizes.seq_region)?;
+    let mut rng = SmallRng::seed_from_u64(7);
+    let mut order: Vec<usize> = (0..sizes.lat_region / PAGE).collect();
+    order.shuffle(&mut rng);
+    order.truncate(sizes.lat_pages);
+
+    // 1a. libregions cold faults, one page per fault.
+    mapping::set_prefetch_pages(1);
+    let f = std::fs::File::open(m1.path("uffd"))?;
+    let m = mapping::map_fd(f.as_fd())?;
+    let mut uffd_us = Vec::with_capacity(order.len());
+    let mut sum = 0u64;
+    for &p in &order {
+        let t = Instant::now();
+        sum += u64::from(touch(unsafe { m.base().add(p * PAGE) }));
+        uffd_us.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    // The mapping reads what the region holds.
+    let check = AppRegion::open_path(&m1.path("uffd"), false)?;
+    let mut page = vec![0u8; PAGE];
+    check.read_at((order[0] * PAGE) as u64, &mut page)?;
+    // SAFETY: the page is mapped and was just touched.
+    let mapped = unsafe { std::slice::from_raw_parts(m.base().add(order[0] * PAGE), PAGE) };
+    ensure!(mapped == &page[..], "mapping differs from the region");
+
+    // 1b. Bare transport: one 4 KiB read of the same kind of region.
+    let bare = AppRegion::open_path(&m1.path("bare"), false)?;
+    let mut buf = vec![0u8; PAGE];
+    let mut bare_us = Vec::with_capacity(order.len());
+    for &p in &order {
+        let off = p * PAGE;
+        let loc = bare.chunk((off / (128 << 10)) as u64)?;
+        let span = Span {
+            region_offset: off as u64,
+            pool: loc.pool,
+            pool_offset: loc.pool_offset + (off % (128 << 10)) as u64,
+            len: PAGE as u64,
+        };
+        let t = bare.transport(&loc.addr)?;
+        let start = Instant::now();
+        t.read(&[span], &mut buf)?;
+        bare_us.push(start.elapsed().as_secs_f64() * 1e6);
+        sum += u64::from(buf[0]);
+    }
+
+    // 1c. regionfs FUSE mmap faults (MADV_RANDOM: one FUSE read per page).
+    let ff = std::fs::File::open(m1.path("fuse"))?;
+    // SAFETY: a fresh shared read-only mapping of the whole file, unmapped below.
+    let fuse = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            sizes.lat_region,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(&ff),
+            0,
+        )
+    };
+    ensure!(fuse != libc::MAP_FAILED, "mmap of the regionfs file failed");
+    // SAFETY: advice on the mapping just made.
+    unsafe { libc::madvise(fuse, sizes.lat_region, libc::MADV_RANDOM) };
+    let mut fuse_us = Vec::with_capacity(order.len());
+    for &p in &order {
+        let t = Instant::now();
+        sum += u64::from(touch(fuse.cast::<u8>().wrapping_add(p * PAGE)));
+        fuse_us.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    // SAFETY: unmapping the mapping made above.
+    unsafe { libc::munmap(fuse, sizes.lat_region) };
+
+    let (u, b, fu) = (
+        median(&mut uffd_us),
+        median(&mut bare_us),
+        median(&mut fuse_us),
+    );
+    println!("cold 4 KiB fault, {} distinct random pages:", order.len());
+    println!(
+        "  libregions uffd   p50 {u:7.1} us  p99 {:7.1} us",
+        p99(&mut uffd_us)
+    );
+    println!(
+        "  bare transport    p50 {b:7.1} us  p99 {:7.1} us",
+        p99(&mut bare_us)
+    );
+    println!(
+        "  regionfs FUSE     p50 {fu:7.1} us  p99 {:7.1} us",
+        p99(&mut fuse_us)
+    );
+    println!("  ratio uffd/bare  {:.2}  (target <= 1.5)", u / b);
+    println!("  ratio uffd/FUSE  {:.2}  (target <= 0.5)", u / fu);
+
+    // 2. Sequential first touch of the whole remote region.
+    let seq_bytes = sizes.seq_region as f64;
+    let gib = |secs: f64| seq_bytes / secs / f64::from(1u32 << 30);
+    let mut results = Vec::new();
+    for window in [mapping::DEFAULT_PREFETCH_PAGES, 32] {
+        mapping::set_prefetch_pages(window);
+        let f = std::fs::File::open(m1.path("seq"))?;
+        let m = mapping::map_fd(f.as_fd())?;
+        let start = Instant::now();
+        let mut p = 0;
+        while p < sizes.seq_region {
+            sum += u64::from(touch(unsafe { m.base().add(p) }));
+            p += PAGE;
+        }
+        let secs = start.elapsed().as_secs_f64();
+        results.push((window, gib(secs)));
+        mapping::unmap(m.base())?;
+    }
+    let seq = AppRegion::open_path(&m1.path("seq"), false)?;
+    let mut bare_seq = Vec::new();
+    for piece in [64usize << 10, 4 << 20] {
+        let mut buf = vec![0u8; piece];
+        let start = Instant::now();
+        let mut at = 0;
+        while at < sizes.seq_region {
+            seq.read_at(at as u64, &mut buf)?;
+            at += piece;
+        }
+        bare_seq.push((piece, gib(start.elapsed().as_secs_f64())));
+        sum += u64::from(buf[0]);
+    }
+    println!(
+        "sequential first touch of {} MiB held remotely:",
+        sizes.seq_region >> 20
+    );
+    for (window, rate) in &results {
+        println!("  libregions uffd, window {window:2} pages  {rate:6.2} GiB/s");
+    }
+    for (piece, rate) in &bare_seq {
+        println!(
+            "  bare transport, {:5} KiB reads     {rate:6.2} GiB/s",
+            piece >> 10
+        );
+    }
+    let best_bare = bare_seq.iter().map(|b| b.1).fold(0.0, f64::max);
+    println!(
+        "  ratio uffd(default window)/bare(best) {:.2}  (target >= 0.7)",
+        results[0].1 / best_bare
+    );
+    println!(
+        "  ratio uffd(32 pages)/bare(best)       {:.2}",
+        results[1].1 / best_bare
+    );
+    println!("(checksum {sum})");
+    drop(m2);
+    drop(m1);
+    std::thread::sleep(Duration::from_millis(10));
+    Ok(())
+}

@@ -1,0 +1,222 @@
+//! rmalloc against glibc malloc in the same process: 64-byte allocate+free
+//! pairs per second (issue 5 target: rmalloc >= 0.5x glibc).
+//!
+//! ```sh
+//! cargo build --release --bins
+//! cargo bench -p regions-tests --bench rmalloc
+//! ```
+//!
+//! Two patterns, each against `malloc`/`free` of glibc measured in the same
+//! run, interleaved, median of 5 runs:
+//!
+//! - *pair*: allocate 64 bytes, write a byte, free it, repeated;
+//! - *batch*: allocate 1,000 blocks of 64 bytes, then free them all.
+//!
+//! And three places for rmalloc:
+//!
+//! 1. the allocator core ([`regions::rmalloc::Heap`]) over anonymous shared
+//!    memory (what the allocator itself costs);
+//! 2. the same core over a region mapped with `regions::mapping` (a real
+//!    cluster: manager, daemon, regionfs mount; the region is on this host,
+//!    so the mapping is its segment memfd);
+//! 3. the C functions `rmalloc(fd, 64)` / `rfree(p)` on that region, which
+//!    also resolve the descriptor (a `statx`) and the pointer (the mapping
+//!    registry) on every call.
+//!
+//! `BENCH_QUICK=1`, or running without `--bench` (as `cargo test --benches`
+//! does), runs a tiny version as a smoke test.
+
+use std::hint::black_box;
+use std::os::fd::AsRawFd;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use regions::capi::alloc::{rfree, rmalloc};
+use regions::rmalloc::Heap;
+use regions_tests::Cluster;
+
+const BATCH: usize = 1000;
+
+fn quick() -> bool {
+    std::env::var_os("BENCH_QUICK").is_some() || !std::env::args().any(|a| a == "--bench")
+}
+
+/// Pairs per second of `alloc`+`free`.
+fn pairs(n: usize, alloc: &mut dyn FnMut() -> *mut u8, free: &mut dyn FnMut(*mut u8)) -> f64 {
+    let t = Instant::now();
+    for i in 0..n {
+        let p = alloc();
+        assert!(!p.is_null());
+        // SAFETY: a live 64-byte block.
+        unsafe { p.write(i as u8) };
+        free(black_box(p));
+    }
+    n as f64 / t.elapsed().as_secs_f64()
+}
+
+/// Pairs per second, allocating BATCH blocks then freeing them.
+fn batches(n: usize, alloc: &mut dyn FnMut() -> *mut u8, free: &mut dyn FnMut(*mut u8)) -> f64 {
+    let mut live = Vec::with_capacity(BATCH);
+    let rounds = (n / BATCH).max(1);
+    let t = Instant::now();
+    for _ in 0..rounds {
+        for i in 0..BATCH {
+            let p = alloc();
+            assert!(!p.is_null());
+            // SAFETY: a live 64-byte block.
+            unsafe { p.write(i as u8) };
+            live.push(p);
+        }
+        for p in live.drain(..) {
+            free(black_box(p));
+        }
+    }
+    (rounds * BATCH) as f64 / t.elapsed().as_secs_f64()
+}
+
+fn glibc_alloc() -> *mut u8 {
+    // SAFETY: plain malloc.
+    unsafe { libc::malloc(black_box(64)) as *mut u8 }
+}
+
+fn glibc_free(p: *mut u8) {
+    // SAFETY: p came from malloc.
+    unsafe { libc::free(p as *mut libc::c_void) }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Runs `ours` and glibc interleaved; prints and returns the ratio.
+fn compare(
+    label: &str,
+    n: usize,
+    runs: usize,
+    pattern: fn(usize, &mut dyn FnMut() -> *mut u8, &mut dyn FnMut(*mut u8)) -> f64,
+    alloc: &mut dyn FnMut() -> *mut u8,
+    free: &mut dyn FnMut(*mut u8),
+) -> f64 {
+    // Warm-up.
+    pattern(n / 10 + 1, alloc, free);
+    pattern(n / 10 + 1, &mut glibc_alloc, &mut glibc_free);
+    let mut ours = Vec::new();
+    let mut base = Vec::new();
+    for _ in 0..runs {
+        ours.push(pattern(n, alloc, free));
+        base.push(pattern(n, &mut glibc_alloc, &mut glibc_free));
+    }
+    let (o, b) = (median(ours), median(base));
+    println!(
+        "{label:<44} {:>7.2} M pairs/s   glibc {:>7.2} M pairs/s   ratio {:.2}",
+        o / 1e6,
+        b / 1e6,
+        o / b
+    );
+    o / b
+}
+
+fn heap_fns(heap: Heap) -> (impl FnMut() -> *mut u8, impl FnMut(*mut u8)) {
+    (
+        move || heap.alloc_ptr(64).expect("rmalloc"),
+        move |p: *mut u8| heap.free_ptr(p).expect("rfree"),
+    )
+}
+
+fn main() -> ExitCode {
+    let quick = quick();
+    let (n, runs) = if quick { (20_000, 1) } else { (3_000_000, 5) };
+    println!("rmalloc vs glibc malloc, 64-byte blocks, {n} pairs per run, median of {runs}");
+
+    // 1. The core over anonymous memory.
+    let len = 64 << 20;
+    // SAFETY: a fresh anonymous shared mapping.
+    let mem = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(mem, libc::MAP_FAILED);
+    // SAFETY: the mapping stays for the whole run.
+    let heap = unsafe { Heap::attach(mem as *mut u8, len) }.expect("heap");
+    let (mut a, mut f) = heap_fns(heap);
+    let r1 = compare(
+        "core, anonymous memory, pair",
+        n,
+        runs,
+        pairs,
+        &mut a,
+        &mut f,
+    );
+    compare(
+        "core, anonymous memory, batch",
+        n,
+        runs,
+        batches,
+        &mut a,
+        &mut f,
+    );
+
+    // 2. and 3. A region mapped from a real mount.
+    let mapped = (|| -> anyhow::Result<()> {
+        let cluster = Cluster::start(1, "1G")?;
+        let mount = cluster.mount(1)?;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(mount.path("heap"))?;
+        let fd = file.as_raw_fd();
+        let first = rmalloc(fd, 64);
+        anyhow::ensure!(
+            !first.is_null(),
+            "rmalloc on the mount failed: {}",
+            std::io::Error::last_os_error()
+        );
+        rfree(first);
+        let m = regions::mapping::lookup(first as *const u8)
+            .ok_or_else(|| anyhow::anyhow!("no mapping after rmalloc"))?;
+        // SAFETY: the mapping stays while `m` is held.
+        let heap = unsafe { Heap::attach(m.base(), m.len()) }?;
+        let (mut a, mut f) = heap_fns(heap);
+        compare(
+            "core, mapped region (local memfd), pair",
+            n,
+            runs,
+            pairs,
+            &mut a,
+            &mut f,
+        );
+        let mut ca = || rmalloc(fd, 64) as *mut u8;
+        let mut cf = |p: *mut u8| assert_eq!(rfree(p as *mut libc::c_void), 0);
+        compare(
+            "C rmalloc(fd)/rfree, mapped region, pair",
+            n,
+            runs,
+            pairs,
+            &mut ca,
+            &mut cf,
+        );
+        compare(
+            "C rmalloc(fd)/rfree, mapped region, batch",
+            n,
+            runs,
+            batches,
+            &mut ca,
+            &mut cf,
+        );
+        drop(file);
+        Ok(())
+    })();
+    if let Err(e) = mapped {
+        println!("mapped region: skipped: {e:#}");
+    }
+    println!("target: core pair ratio >= 0.5 (measured {r1:.2})");
+    ExitCode::SUCCESS
+}

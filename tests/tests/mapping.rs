@@ -1,0 +1,316 @@
+//! Mapping regions into processes (issue 5): two host ids, real manager, daemons and regionfs
+//! mounts; region fds come from real files under the mounts. Remote chunks are served by
+//! userfaultfd through capability-authenticated transports, local ones by the segment memfd.
+
+use std::ffi::CString;
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsFd;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{Receiver, channel};
+use std::time::{Duration, Instant};
+
+use regions::agent::AgentClient;
+use regions::app::AppRegion;
+use regions::mapping;
+use regions_tests::{Cluster, MountProcess, bin_path};
+
+/// Mounts first so they stop before the cluster.
+struct Setup {
+    m1: MountProcess,
+    m2: MountProcess,
+    cluster: Cluster,
+}
+
+fn setup() -> Setup {
+    let cluster = Cluster::start(2, "512M").expect("cluster");
+    let m1 = cluster.mount(1).expect("mount host 1");
+    let m2 = cluster.mount(2).expect("mount host 2");
+    Setup { m1, m2, cluster }
+}
+
+impl Setup {
+    fn stats(&self, host: u32) -> regions_proto::v1::DaemonStats {
+        let socket = &self.cluster.daemon(host).expect("daemon").socket;
+        AgentClient::connect(socket)
+            .and_then(|mut a| a.stats())
+            .expect("daemon stats")
+    }
+}
+
+fn word(off: usize) -> u64 {
+    (off as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5eed
+}
+
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len / 8).flat_map(|i| word(i * 8).to_le_bytes()).collect()
+}
+
+/// Writes `data` as a new region file through a mount (its host holds it) and syncs it.
+fn create(path: &Path, data: &[u8]) {
+    let mut f = std::fs::File::create(path).expect("create region file");
+    f.write_all(data).expect("write region");
+    f.sync_all().expect("sync region");
+}
+
+fn setxattr(p: &Path, name: &str, value: &[u8]) {
+    let c = CString::new(p.as_os_str().as_bytes()).unwrap();
+    let n = CString::new(name).unwrap();
+    // SAFETY: valid NUL-terminated strings and a buffer of the given length.
+    let r = unsafe { libc::setxattr(c.as_ptr(), n.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
+    assert_eq!(r, 0, "setxattr {name}: {}", std::io::Error::last_os_error());
+}
+
+fn getxattr(p: &Path, name: &str) -> String {
+    let c = CString::new(p.as_os_str().as_bytes()).unwrap();
+    let n = CString::new(name).unwrap();
+    let mut buf = vec![0u8; 256];
+    // SAFETY: valid NUL-terminated strings and a buffer of the given length.
+    let r = unsafe { libc::getxattr(c.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    assert!(r >= 0, "getxattr {name}: {}", std::io::Error::last_os_error());
+    buf.truncate(r as usize);
+    String::from_utf8(buf).unwrap()
+}
+
+fn parse_addr(s: &str) -> u64 {
+    let s = s.trim();
+    match s.strip_prefix("0x") {
+        Some(hex) => u64::from_str_radix(hex, 16).unwrap(),
+        None => s.parse().unwrap(),
+    }
+}
+
+/// A `regions-map-helper` process speaking its line protocol.
+struct Helper {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: Receiver<String>,
+}
+
+impl Helper {
+    fn spawn(path: &Path, mode: &str) -> Helper {
+        let mut child = Command::new(bin_path("regions-map-helper").expect("helper binary"))
+            .arg(path)
+            .arg(mode)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn helper");
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().expect("helper stdout");
+        let (tx, rx) = channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut h = Helper {
+            child,
+            stdin,
+            lines: rx,
+        };
+        assert_eq!(h.line(), "ready");
+        h
+    }
+
+    fn line(&mut self) -> String {
+        self.lines
+            .recv_timeout(Duration::from_secs(30))
+            .expect("helper answered within 30 s")
+    }
+
+    fn send(&mut self, cmd: &str) {
+        let stdin = self.stdin.as_mut().expect("helper stdin");
+        writeln!(stdin, "{cmd}").expect("write to helper");
+        stdin.flush().expect("flush helper stdin");
+    }
+
+    fn cmd(&mut self, cmd: &str) -> String {
+        self.send(cmd);
+        self.line()
+    }
+
+    /// Waits at most `bound` for the process to end.
+    fn wait(&mut self, bound: Duration) -> Option<std::process::ExitStatus> {
+        let start = Instant::now();
+        while start.elapsed() < bound {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for Helper {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        if self.wait(Duration::from_secs(5)).is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Reads the u64 at `off` of a mapping.
+fn read_word(m: &mapping::Mapping, off: usize) -> u64 {
+    assert!(off + 8 <= m.len());
+    // SAFETY: an aligned word inside the live mapping.
+    unsafe { std::ptr::read_volatile(m.base().add(off).cast::<u64>()) }
+}
+
+#[test]
+fn remote_region_maps_at_its_fixed_address_on_both_hosts() {
+    let s = setup();
+    let dir = s.m2.path("fix");
+    std::fs::create_dir(&dir).unwrap();
+    setxattr(&dir, "user.regions.fixvaddr", b"1");
+    let len = 1 << 20;
+    let data = pattern(len);
+    create(&s.m2.path("fix/data"), &data);
+    let vaddr = parse_addr(&getxattr(&s.m2.path("fix/data"), "user.regions.vaddr"));
+    assert_ne!(vaddr, 0, "FIXVADDR region has an address");
+
+    // Host 1: the region is on host 2, so every page comes through userfaultfd + transport.
+    let before = s.stats(2);
+    let file = std::fs::File::open(s.m1.path("fix/data")).unwrap();
+    let m = mapping::map_fd(file.as_fd()).expect("map on host 1");
+    assert_eq!(m.base() as u64, vaddr, "mapped at the fixed address");
+    assert!(m.len() >= len);
+    // SAFETY: the mapping holds at least `len` readable bytes.
+    let seen = unsafe { std::slice::from_raw_parts(m.base(), len) };
+    assert!(seen == &data[..], "bytes read through the mapping match the writer's");
+    let after = s.stats(2);
+    assert!(
+        after.transport_bytes_read - before.transport_bytes_read >= len as u64,
+        "pages were fetched from host 2's daemon"
+    );
+    // Mapping it again returns the same mapping.
+    let again = mapping::map_fd(file.as_fd()).unwrap();
+    assert_eq!(again.base(), m.base());
+    assert!(mapping::lookup(unsafe { m.base().add(100) }).is_some());
+
+    // Host 2 (another process; the region is local there): the same address.
+    let mut h = Helper::spawn(&s.m2.path("fix/data"), "ro");
+    assert_eq!(parse_addr(&h.cmd("base")), vaddr);
+    assert_eq!(h.cmd("r 8192").parse::<u64>().unwrap(), word(8192));
+    mapping::unmap(m.base()).unwrap();
+    assert!(mapping::lookup(m.base()).is_none());
+}
+
+#[test]
+fn markdirty_zero_never_fetches_and_msync_publishes() {
+    let s = setup();
+    let len = 1 << 20;
+    create(&s.m2.path("dz"), &vec![0xABu8; len]);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(s.m1.path("dz"))
+        .unwrap();
+    let m = mapping::map_fd(file.as_fd()).expect("map");
+    let dirty = 256 << 10;
+    let before = s.stats(2);
+    m.markdirty(m.base(), dirty, true).expect("markdirty zero");
+    assert_eq!(read_word(&m, 0), 0, "zero pages, not the remote bytes");
+    let data = pattern(dirty);
+    // SAFETY: the first `dirty` bytes are mapped writable.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), m.base(), dirty) };
+    let after = s.stats(2);
+    assert_eq!(
+        after.transport_bytes_read, before.transport_bytes_read,
+        "markdirty(zero) and writes to those pages fetch nothing"
+    );
+    m.msync(m.base(), m.len()).expect("msync");
+    let synced = s.stats(2);
+    assert!(synced.transport_bytes_written - after.transport_bytes_written >= dirty as u64);
+    assert_eq!(synced.transport_bytes_read, before.transport_bytes_read);
+
+    // A fresh reader on host 2 sees the written pages and the untouched rest.
+    let reader = AppRegion::open_path(&s.m2.path("dz"), false).expect("fresh reader");
+    let mut got = vec![0u8; dirty + 4096];
+    assert_eq!(reader.read_at(0, &mut got).unwrap(), got.len());
+    assert!(got[..dirty] == data[..], "msync published the writes");
+    assert!(got[dirty..].iter().all(|&b| b == 0xAB));
+    mapping::unmap(m.base()).unwrap();
+}
+
+#[test]
+fn clearcache_then_reread_sees_the_writers_newer_data() {
+    let s = setup();
+    create(&s.m2.path("cc"), &1u64.to_le_bytes().repeat(8192));
+    let file = std::fs::File::open(s.m1.path("cc")).unwrap();
+    let m = mapping::map_fd(file.as_fd()).expect("map");
+    assert_eq!(read_word(&m, 0), 1);
+    let writer = AppRegion::open_path(&s.m2.path("cc"), true).expect("writer");
+    writer.write_at(0, &2u64.to_le_bytes()).unwrap();
+    assert_eq!(read_word(&m, 0), 1, "the page stays cached until cleared");
+    m.clearcache(m.base(), m.len()).expect("clearcache");
+    assert_eq!(read_word(&m, 0), 2, "re-read after clearcache fetches the new data");
+    mapping::unmap(m.base()).unwrap();
+}
+
+#[test]
+fn sigbus_within_the_bound_when_the_regions_host_is_gone() {
+    let mut s = setup();
+    create(&s.m2.path("gone"), &pattern(1 << 20));
+    let mut h = Helper::spawn(&s.m1.path("gone"), "ro");
+    s.cluster.daemons[1].sigkill().expect("kill host 2's daemon");
+    let start = Instant::now();
+    h.send("r 65536");
+    let status = h
+        .wait(Duration::from_secs(15))
+        .expect("the faulting process ended instead of hanging");
+    assert_eq!(status.signal(), Some(libc::SIGBUS), "died of SIGBUS: {status:?}");
+    let took = start.elapsed();
+    eprintln!("SIGBUS after {took:?}");
+}
+
+#[test]
+fn two_processes_on_one_host_see_each_others_writes_at_once() {
+    let s = setup();
+    create(&s.m1.path("shared"), &[0u8; 64 << 10]);
+    let before = s.stats(1);
+    let mut a = Helper::spawn(&s.m1.path("shared"), "rw");
+    let mut b = Helper::spawn(&s.m1.path("shared"), "rw");
+    assert_eq!(a.cmd("w 0 42"), "ok");
+    assert_eq!(b.cmd("r 0"), "42");
+    assert_eq!(b.cmd("w 4096 7"), "ok");
+    assert_eq!(a.cmd("r 4096"), "7");
+    let after = s.stats(1);
+    assert_eq!(
+        after.transport_bytes_read, before.transport_bytes_read,
+        "same-host mappings share the segment memfd, no transport"
+    );
+}
+
+#[test]
+fn read_only_capability_refuses_writes() {
+    let s = setup();
+    create(&s.m2.path("ro"), &[5u8; 64 << 10]);
+    let ro = AppRegion::open_path(&s.m1.path("ro"), false).expect("read-only open");
+    let mut buf = [0u8; 16];
+    assert_eq!(ro.read_at(0, &mut buf).unwrap(), 16);
+    assert_eq!(buf, [5u8; 16]);
+    let err = ro.write_at(0, b"nope").expect_err("write with a read-only capability");
+    assert_eq!(err.errno(), libc::EACCES, "{err}");
+    // The mapping of a read-only fd refuses to mark pages dirty.
+    let file = std::fs::File::open(s.m1.path("ro")).unwrap();
+    let m = mapping::map_fd(file.as_fd()).unwrap();
+    assert_eq!(
+        m.markdirty(m.base(), 4096, true).unwrap_err().errno(),
+        libc::EACCES
+    );
+    mapping::unmap(m.base()).unwrap();
+    // A writable open gets a writable capability.
+    let rw = AppRegion::open_path(&s.m1.path("ro"), true).expect("read-write open");
+    rw.write_at(0, b"yes!").unwrap();
+    assert_eq!(ro.read_at(0, &mut buf).unwrap(), 16);
+    assert_eq!(&buf[..4], b"yes!");
+}
