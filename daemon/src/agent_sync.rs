@@ -137,6 +137,8 @@ fn forward(
     let name = v1::SyncNameRequest {
         caller: Some(caller.clone()),
         name: call.name.clone(),
+        tid: call.tid,
+        generation: call.generation,
     };
     let mut c = agent.client.clone();
     let value = |r: Result<tonic::Response<v1::SyncReply>, tonic::Status>| {
@@ -169,6 +171,12 @@ fn forward(
                 value: 0,
                 location: Some(r.into_inner()),
             }),
+            SyncOp::BarrierLocate => c.barrier_locate(request(name)).await.map(|r| SyncResult {
+                value: 0,
+                location: Some(r.into_inner()),
+            }),
+            SyncOp::BarrierSleep => value(c.barrier_sleep(wait(name)).await),
+            SyncOp::BarrierWake => value(c.barrier_wake(request(name)).await),
             SyncOp::Unspecified => Err(tonic::Status::invalid_argument(
                 "sync call without an operation",
             )),

@@ -244,21 +244,64 @@ unsafe impl Send for Heap {}
 // SAFETY: as above.
 unsafe impl Sync for Heap {}
 
-fn class_of(size: usize) -> usize {
-    static TABLE: OnceLock<[u8; MAX_SMALL / ALIGN + 1]> = OnceLock::new();
-    let t = TABLE.get_or_init(|| {
-        let mut t = [0u8; MAX_SMALL / ALIGN + 1];
-        for (i, slot) in t.iter_mut().enumerate() {
-            let bytes = (i * ALIGN) as u32;
-            *slot = CLASS_SIZES.iter().position(|&c| c >= bytes).unwrap_or(0) as u8;
+/// Size class by size in 16-byte units.
+const CLASS_OF: [u8; MAX_SMALL / ALIGN + 1] = {
+    let mut t = [0u8; MAX_SMALL / ALIGN + 1];
+    let mut i = 0;
+    while i < t.len() {
+        let mut c = 0;
+        while (CLASS_SIZES[c] as usize) < i * ALIGN {
+            c += 1;
         }
-        t
-    });
-    t[size.div_ceil(ALIGN)] as usize
+        t[i] = c as u8;
+        i += 1;
+    }
+    t
+};
+
+fn class_of(size: usize) -> usize {
+    CLASS_OF[size.div_ceil(ALIGN)] as usize
 }
 
+/// Pages per slab and blocks per slab of every class.
+const GEOMETRY: [(usize, usize); NCLASSES] = {
+    let mut g = [(0, 0); NCLASSES];
+    let mut c = 0;
+    while c < NCLASSES {
+        g[c] = compute_geometry(c);
+        c += 1;
+    }
+    g
+};
+
+/// ceil(2^32 / size) of every class: for x < 2^20, x / size is
+/// (x * RECIPROCAL) >> 32 (no division on the hot path).
+const RECIPROCAL: [u64; NCLASSES] = {
+    let mut r = [0; NCLASSES];
+    let mut c = 0;
+    while c < NCLASSES {
+        r[c] = (1u64 << 32).div_ceil(CLASS_SIZES[c] as u64);
+        c += 1;
+    }
+    r
+};
+
 /// Pages per slab and blocks per slab of class `c`.
-const fn slab_geometry(c: usize) -> (usize, usize) {
+fn slab_geometry(c: usize) -> (usize, usize) {
+    GEOMETRY[c]
+}
+
+/// The index of the block at `rel` bytes from a slab's first block, None
+/// when `rel` is not the start of a block.
+fn block_index(rel: u64, class: usize) -> Option<usize> {
+    if rel >= 1 << 20 {
+        return None;
+    }
+    let i = (rel * RECIPROCAL[class]) >> 32;
+    (i * CLASS_SIZES[class] as u64 == rel).then_some(i as usize)
+}
+
+const fn compute_geometry(c: usize) -> (usize, usize) {
     let size = CLASS_SIZES[c] as usize;
     let mut pages = (size * 64 + SLAB_HDR).div_ceil(PAGE);
     if pages > 8 {
@@ -407,14 +450,16 @@ impl Heap {
         }
         // SAFETY: the header lies in the first page, which is mapped.
         let magic = unsafe { &(*h).magic };
-        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut deadline = None;
         loop {
             match magic.load(Ordering::Acquire) {
                 // The layout fields are checked under the lock by every
                 // operation (another process may be growing the heap now).
                 MAGIC => return Ok(heap),
                 MAGIC_INIT => {
-                    if Instant::now() > deadline {
+                    let until =
+                        *deadline.get_or_insert_with(|| Instant::now() + Duration::from_secs(5));
+                    if Instant::now() > until {
                         return Err(HeapError::InitTimeout);
                     }
                     std::thread::sleep(Duration::from_millis(1));
@@ -911,23 +956,23 @@ impl Heap {
         unsafe {
             let n = (*s).nblocks as u64;
             let first = off + SLAB_HDR as u64;
-            let block = if (*s).free != 0 {
+            let (block, i) = if (*s).free != 0 {
                 let b = (*s).free;
-                if b < first || b >= first + n * size || !(b - first).is_multiple_of(size) {
-                    return Err(HeapError::Corrupt(format!("slab {off:#x} free list")));
-                }
+                let i = match b.checked_sub(first).and_then(|rel| block_index(rel, class)) {
+                    Some(i) if (i as u64) < n => i,
+                    _ => return Err(HeapError::Corrupt(format!("slab {off:#x} free list"))),
+                };
                 (*s).free = (self.base.add(b as usize) as *const u64).read();
-                b
+                (b, i)
             } else if ((*s).bump as u64) < n {
-                let b = first + (*s).bump as u64 * size;
+                let i = (*s).bump as usize;
                 (*s).bump += 1;
-                b
+                (first + i as u64 * size, i)
             } else {
                 return Err(HeapError::Corrupt(format!(
                     "full slab {off:#x} on the partial list"
                 )));
             };
-            let i = ((block - first) / size) as usize;
             if (*s).bitmap[i / 64] & (1 << (i % 64)) != 0 {
                 return Err(HeapError::Corrupt(format!(
                     "slab {off:#x} free list holds a live block"
@@ -954,12 +999,14 @@ impl Heap {
         let first = slab + SLAB_HDR as u64;
         // SAFETY: s is a checked slab; the block is checked to be one of it.
         unsafe {
-            if off < first || !(off - first).is_multiple_of(size) {
+            let Some(i) = off
+                .checked_sub(first)
+                .and_then(|rel| block_index(rel, class))
+            else {
                 return Err(HeapError::BadPointer(format!(
                     "offset {off:#x} is not the start of a block"
                 )));
-            }
-            let i = ((off - first) / size) as usize;
+            };
             if i >= (*s).bump as usize || (*s).bitmap[i / 64] & (1 << (i % 64)) == 0 {
                 return Err(HeapError::BadPointer(format!(
                     "offset {off:#x} is not allocated (double free?)"
@@ -1397,6 +1444,29 @@ mod tests {
         // first heap) is free: pages 1..16 and 32.. .
         assert_eq!(s.free_pages, (64 << 20) / PAGE as u64 - 17, "{s:?}");
         assert_eq!(s.largest_free_run, (64 << 20) / PAGE as u64 - 32, "{s:?}");
+    }
+
+    #[test]
+    fn small_memory_asks_for_more() {
+        let m = Mem::new(1 << 20);
+        let want = HeapError::NeedsMapping {
+            len: MIN_HEAP as u64,
+        };
+        // SAFETY: the memory stays mapped.
+        assert_eq!(unsafe { Heap::attach(m.ptr, 0) }.unwrap_err(), want);
+        // SAFETY: as above.
+        assert_eq!(unsafe { Heap::attach(m.ptr, PAGE) }.unwrap_err(), want);
+        let h = m.heap(MIN_HEAP);
+        assert_eq!(h.stats().unwrap().len, MIN_HEAP as u64);
+        // A view mapping less than the heap is told to map more.
+        // SAFETY: as above.
+        let small = unsafe { Heap::attach(m.ptr, PAGE) }.unwrap();
+        assert_eq!(
+            small.alloc(8).unwrap_err(),
+            HeapError::NeedsMapping {
+                len: MIN_HEAP as u64
+            }
+        );
     }
 
     #[test]

@@ -161,6 +161,8 @@ pub struct SyncClient {
     words: Mutex<HashMap<String, Arc<Word>>>,
     /// Barrier words by name (`None`: the barrier has no word; waits go to the manager).
     barriers: Mutex<HashMap<String, Option<Arc<Word>>>>,
+    /// Whether words are used directly (else every call goes through the manager).
+    direct: bool,
     stats: Arc<TransportStats>,
 }
 
@@ -193,8 +195,16 @@ impl SyncClient {
             idle: Mutex::new(Vec::new()),
             words: Mutex::new(HashMap::new()),
             barriers: Mutex::new(HashMap::new()),
+            direct: true,
             stats: Arc::default(),
         }
+    }
+
+    /// This client with every call going through the manager (no transport fast path):
+    /// for comparison and tests; it interoperates with clients that use the fast path.
+    pub fn through_manager(mut self) -> SyncClient {
+        self.direct = false;
+        self
     }
 
     /// The agent socket this client talks to.
@@ -377,14 +387,30 @@ impl SyncClient {
         .map(|r| r.value as u64)
     }
 
+    /// How many parties arrived at barrier `name` since it was created (all rounds), read
+    /// from its word (`ENOTSUP` for a barrier without a word or out of this process's reach).
+    pub fn barrier_arrivals(&self, name: &str) -> Result<u64> {
+        let unsupported = || RegionsError::Manager {
+            errno: libc::ENOTSUP,
+            message: format!("barrier {name:?} has no arrival word this process can read"),
+        };
+        let word = self.barrier_word(name)?.ok_or_else(unsupported)?;
+        let t = word.access.as_ref().ok_or_else(unsupported)?;
+        let v = t.fetch_add(&word.span, 0)?;
+        if v & DELETED != 0 {
+            self.forget_barrier(name);
+            return Err(RegionsError::Manager {
+                errno: libc::ENOENT,
+                message: format!("barrier {name:?} was deleted"),
+            });
+        }
+        Ok(v & COUNT_MASK)
+    }
+
     /// The arrival word of barrier `name`, located once (and again when its capability is
     /// due); `None` for a barrier without one.
     fn barrier_word(&self, name: &str) -> Result<Option<Arc<Word>>> {
-        if let Some(w) = self
-            .barriers
-            .lock()
-            .ok()
-            .and_then(|b| b.get(name).cloned())
+        if let Some(w) = self.barriers.lock().ok().and_then(|b| b.get(name).cloned())
             && w.as_ref().is_none_or(|w| w.fresh())
         {
             return Ok(w);
@@ -482,6 +508,9 @@ impl SyncClient {
     /// The direct path to a lock word: its segment mapped when it is on this host, else the
     /// tcp transport with the location's capability.
     fn access(&self, location: &MutexLocation) -> Option<Box<dyn Transport>> {
+        if !self.direct {
+            return None;
+        }
         let my_host = tag_host(location.tag);
         if my_host == location.host_id {
             let segment = AgentClient::connect(&self.socket)

@@ -3,18 +3,28 @@
 //! memory, served as the `Sync` gRPC service.
 //!
 //! - **Barrier** `n`: the `n`-th caller of a round releases the round; rounds are numbered
-//!   (generations, from 1) and the barrier is reused round after round.
+//!   (generations, from 1) and the barrier is reused round after round. A barrier has an
+//!   8-byte arrival word in the lock region (below) counting arrivals, never reset: clients
+//!   arrive with a transport fetch-add and wait by reading the word; `BarrierSleep` blocks
+//!   here until the word reaches a round's count (this service reads the word when called,
+//!   when a completing client calls `BarrierWake` because [`SLEEPERS`] was set, and on a
+//!   short tick). Barriers stored before arrival words existed (`SyncDef::Barrier`) count
+//!   arrivals here in memory (`BarrierWait`).
 //! - **Doorbell**: a ring count. `BellWait` returns once the count is above what this caller
 //!   (host id, pid) saw at its previous wait (0 before its first), and returns the count.
 //! - **Mutex**: an 8-byte lock word in a hidden region the manager allocates (one persistent
-//!   region with no name, slots 64 bytes apart). The word is 0 when free, else the holder's
-//!   tag `(host_id << 32) | pid`, with [`WAITERS`] set while callers queue here. Clients lock
+//!   region with no name, slots 64 bytes apart). The word is 0 when free, else the holding
+//!   thread's tag (host id, pid, tid: `regions::sync::tag`), with [`WAITERS`] set while
+//!   callers queue here. Clients lock
 //!   with a transport compare-and-swap `0 -> tag` and unlock with `tag -> 0`; only when that
 //!   fails do they call `MutexLock` / `MutexUnlock`, and the manager (which changes the word
 //!   over the transport with the cluster secret, one operation at a time per mutex) queues
 //!   them in FIFO order and hands the word straight to the next waiter. A holder loses the
 //!   lock when its process exits (its host agent watches it and calls `ReleaseDead`) or when
 //!   its host's lease ends.
+//!
+//! Slots are never reused: deleting a mutex or barrier sets [`DELETED`] in its word, so a
+//! client still holding the old location finds out instead of touching another object.
 //!
 //! Waiting calls end when the caller goes away: tonic drops the call's future and the guards
 //! here take the waiter out of its queue.
@@ -40,8 +50,7 @@ use crate::manager::Manager;
 use crate::model::{Kind, ROOT_INO, RegionAttrs};
 use crate::state::State;
 
-/// Set in a lock word while callers queue for it at the manager.
-pub const WAITERS: u64 = 1 << 63;
+pub use regions::sync::{COUNT_MASK, DELETED, SLEEPERS, WAITERS, tag_host, tag_pid};
 /// Bytes between lock words (one cache line each).
 pub const SLOT_STRIDE: u64 = 64;
 /// Store key of the lock region's record (no object may have an empty name).
@@ -49,19 +58,19 @@ pub const LOCK_REGION_KEY: &str = "";
 /// Longest object name.
 pub const MAX_NAME: usize = 255;
 
-/// The lock word tag of process `pid` on host `host`.
-pub fn tag(host: u32, pid: u32) -> u64 {
-    (u64::from(host & 0x7fff_ffff) << 32) | u64::from(pid)
-}
+/// How often a barrier sleeper rereads its word in case no wake comes.
+const BARRIER_TICK: Duration = Duration::from_millis(100);
 
-/// Host of a tag.
-pub fn tag_host(tag: u64) -> u32 {
-    ((tag & !WAITERS) >> 32) as u32
+/// The lock word tag of thread `tid` (0: the whole process) of `pid` on host `host`.
+pub fn tag(host: u32, pid: u32, tid: u32) -> Result<u64> {
+    regions::sync::tag(host, pid, tid)
+        .ok_or_else(|| ManagerError::Invalid(regions::sync::tag_overflow_hint(host, pid, tid)))
 }
 
 /// A named object's definition (stored).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum SyncDef {
+    /// A barrier counted in memory here (stored before barriers had words; still loaded).
     Barrier {
         n: u32,
     },
@@ -70,12 +79,17 @@ pub enum SyncDef {
         offset: u64,
     },
     Bell,
+    /// A barrier of `n` with its arrival word at `offset` in the lock region.
+    BarrierWord {
+        n: u32,
+        offset: u64,
+    },
 }
 
 impl SyncDef {
     fn kind(&self) -> &'static str {
         match self {
-            SyncDef::Barrier { .. } => "barrier",
+            SyncDef::Barrier { .. } | SyncDef::BarrierWord { .. } => "barrier",
             SyncDef::Mutex { .. } => "mutex",
             SyncDef::Bell => "doorbell",
         }
@@ -88,7 +102,7 @@ pub struct LockRegion {
     pub ino: u64,
     /// Slots handed out so far (the next new slot's index).
     pub next: u64,
-    /// Offsets of slots freed by deleted mutexes.
+    /// Unused: slots are never reused (kept so that stored records load).
     pub free: Vec<u64>,
 }
 
@@ -165,11 +179,12 @@ impl State {
         })
     }
 
-    /// Creates `name` as `def` (a mutex's slot is allocated here); an existing object with
-    /// the same kind and parameters is left as it is; anything else is `EEXIST`.
+    /// Creates `name` as `def` (a mutex's or barrier's slot is allocated here: the offset in
+    /// `def` is ignored); an existing object with the same kind and parameters is left as it
+    /// is; anything else is `EEXIST`.
     pub fn sync_init(&mut self, caller: &Caller, name: &str, def: SyncDef) -> Result<SyncDef> {
         check_name(name)?;
-        if let SyncDef::Barrier { n: 0 } = def {
+        if let SyncDef::Barrier { n: 0 } | SyncDef::BarrierWord { n: 0, .. } = def {
             return Err(ManagerError::Invalid(format!(
                 "barrier {name:?} with 0 parties; use 1 or more"
             )));
@@ -177,6 +192,10 @@ impl State {
         if let Some(existing) = self.sync.defs.get(name) {
             let same = match (existing, &def) {
                 (SyncDef::Mutex { .. }, SyncDef::Mutex { .. }) => true,
+                (
+                    SyncDef::Barrier { n: a } | SyncDef::BarrierWord { n: a, .. },
+                    SyncDef::Barrier { n: b } | SyncDef::BarrierWord { n: b, .. },
+                ) => a == b,
                 (a, b) => a == b,
             };
             if same {
@@ -191,6 +210,10 @@ impl State {
             SyncDef::Mutex { .. } => SyncDef::Mutex {
                 offset: self.alloc_lock_slot(caller.host_id)?,
             },
+            SyncDef::Barrier { n } | SyncDef::BarrierWord { n, .. } => SyncDef::BarrierWord {
+                n,
+                offset: self.alloc_lock_slot(caller.host_id)?,
+            },
             other => other,
         };
         self.sync.defs.insert(name.to_owned(), def.clone());
@@ -198,27 +221,17 @@ impl State {
         Ok(def)
     }
 
-    /// Deletes `name`; a mutex's slot is freed for reuse (its word is cleared by the caller).
+    /// Deletes `name` (the caller marks a word [`DELETED`]; its slot is not reused).
     pub fn sync_delete(&mut self, name: &str) -> Result<SyncDef> {
         let def = self.sync_def(name)?;
         self.sync.defs.remove(name);
         self.dirty.sync.insert(name.to_owned());
-        if let (SyncDef::Mutex { offset }, Some(region)) = (&def, self.sync.lock_region.as_mut()) {
-            region.free.push(*offset);
-            self.dirty.sync.insert(LOCK_REGION_KEY.to_owned());
-        }
         Ok(def)
     }
 
-    /// A free lock-word slot, creating or growing the lock region as needed (placed on
-    /// `host` when it is the first mutex, like a region created there).
+    /// A new lock-word slot (never one used before), creating or growing the lock region as
+    /// needed (placed on `host` when it is the first, like a region created there).
     fn alloc_lock_slot(&mut self, host: u32) -> Result<u64> {
-        if let Some(region) = self.sync.lock_region.as_mut()
-            && let Some(offset) = region.free.pop()
-        {
-            self.dirty.sync.insert(LOCK_REGION_KEY.to_owned());
-            return Ok(offset);
-        }
         let created = match &self.sync.lock_region {
             Some(r) => {
                 if self.region(r.ino).is_err() {
@@ -326,6 +339,36 @@ struct BarrierRt {
     done: watch::Sender<(u64, bool)>,
 }
 
+/// A barrier with an arrival word: its sleepers.
+struct WordBarrierRt {
+    offset: u64,
+    /// One change of the word's SLEEPERS bit at a time.
+    ops: tokio::sync::Mutex<()>,
+    /// Arrival counts sleepers wait for, with how many wait for each.
+    targets: StdMutex<BTreeMap<u64, usize>>,
+    /// (arrivals last read from the word, deleted).
+    seen: watch::Sender<(u64, bool)>,
+}
+
+/// Takes a sleeper's target out when its call ends.
+struct SleeperGuard {
+    rt: Arc<WordBarrierRt>,
+    target: u64,
+}
+
+impl Drop for SleeperGuard {
+    fn drop(&mut self) {
+        if let Ok(mut targets) = self.rt.targets.lock()
+            && let Some(k) = targets.get_mut(&self.target)
+        {
+            *k -= 1;
+            if *k == 0 {
+                targets.remove(&self.target);
+            }
+        }
+    }
+}
+
 struct BellRt {
     /// (rings, deleted).
     rings: watch::Sender<(u64, bool)>,
@@ -337,6 +380,7 @@ struct BellRt {
 struct Runtime {
     mutexes: HashMap<String, Arc<MutexRt>>,
     barriers: HashMap<String, Arc<BarrierRt>>,
+    word_barriers: HashMap<String, Arc<WordBarrierRt>>,
     bells: HashMap<String, Arc<BellRt>>,
 }
 
@@ -480,8 +524,14 @@ impl SyncService {
 
     /// Waits until the round this caller joins completes; returns its generation (from 1).
     pub async fn barrier_wait(&self, name: &str) -> Result<u64> {
-        let SyncDef::Barrier { n } = self.def(name).await? else {
-            return Err(ManagerError::Invalid(format!("{name:?} is not a barrier")));
+        let n = match self.def(name).await? {
+            SyncDef::Barrier { n } => n,
+            SyncDef::BarrierWord { n, offset } => {
+                let rt = self.word_barrier_rt(name, offset)?;
+                let place = self.word_place(offset).await?;
+                return self.barrier_arrive(name, n, &rt, &place).await;
+            }
+            _ => return Err(ManagerError::Invalid(format!("{name:?} is not a barrier"))),
         };
         let rt = self.barrier_rt(name, n)?;
         let (round, mut rx) = {
@@ -511,6 +561,205 @@ impl SyncService {
             Err(ManagerError::NotFound(format!(
                 "barrier {name:?} (deleted while waiting)"
             )))
+        }
+    }
+
+    fn word_barrier_rt(&self, name: &str, offset: u64) -> Result<Arc<WordBarrierRt>> {
+        let mut rt = self.inner.runtime.lock().map_err(|_| poisoned())?;
+        let new = || {
+            Arc::new(WordBarrierRt {
+                offset,
+                ops: tokio::sync::Mutex::new(()),
+                targets: StdMutex::new(BTreeMap::new()),
+                seen: watch::channel((0, false)).0,
+            })
+        };
+        let entry = rt.word_barriers.entry(name.to_owned()).or_insert_with(new);
+        if entry.offset != offset {
+            entry.seen.send_modify(|s| s.1 = true);
+            *entry = new();
+        }
+        Ok(Arc::clone(entry))
+    }
+
+    /// Barrier `name`'s parties, sleepers and arrival word (`ENOTSUP` without a word).
+    async fn word_barrier(&self, name: &str) -> Result<(u32, Arc<WordBarrierRt>, WordPlace)> {
+        match self.def(name).await? {
+            SyncDef::BarrierWord { n, offset } => {
+                let rt = self.word_barrier_rt(name, offset)?;
+                let place = self.word_place(offset).await?;
+                Ok((n, rt, place))
+            }
+            SyncDef::Barrier { .. } => Err(ManagerError::NotSupported(format!(
+                "barrier {name:?} has no arrival word (made by an older manager); wait with \
+                 BarrierWait, or delete and create it again"
+            ))),
+            _ => Err(ManagerError::Invalid(format!("{name:?} is not a barrier"))),
+        }
+    }
+
+    /// Where barrier `name`'s arrival word is, with a capability for its region.
+    pub async fn barrier_locate(&self, caller: &Caller, name: &str) -> Result<v1::MutexLocation> {
+        let (n, _, place) = self.word_barrier(name).await?;
+        let mut location = self.location(caller, place)?;
+        location.n = n;
+        Ok(location)
+    }
+
+    /// Tells the sleepers of `rt` what the word holds.
+    fn publish(rt: &WordBarrierRt, word: u64) {
+        rt.seen.send_if_modified(|s| {
+            let mut changed = false;
+            if word & DELETED != 0 && !s.1 {
+                s.1 = true;
+                changed = true;
+            }
+            if word & COUNT_MASK > s.0 {
+                s.0 = word & COUNT_MASK;
+                changed = true;
+            }
+            changed
+        });
+    }
+
+    /// Arrives at a barrier with a word for a caller without direct access to it.
+    async fn barrier_arrive(
+        &self,
+        name: &str,
+        n: u32,
+        rt: &Arc<WordBarrierRt>,
+        place: &WordPlace,
+    ) -> Result<u64> {
+        let old = self.fetch_add(place, 1).await?;
+        if old & DELETED != 0 {
+            return Err(ManagerError::NotFound(format!(
+                "barrier {name:?} (deleted)"
+            )));
+        }
+        let n = u64::from(n.max(1));
+        let arrived = old & COUNT_MASK;
+        let generation = arrived / n + 1;
+        let target = generation * n;
+        if arrived + 1 == target {
+            Self::publish(rt, arrived + 1);
+            if old & SLEEPERS != 0
+                && let Err(e) = self.barrier_wake(name).await
+            {
+                tracing::debug!(barrier = name, error = %e, "cannot clear a barrier's sleepers bit");
+            }
+            return Ok(generation);
+        }
+        self.barrier_sleep_rt(name, rt, place, generation, target)
+            .await
+    }
+
+    /// Waits until round `generation` of barrier `name` is complete.
+    pub async fn barrier_sleep(&self, name: &str, generation: u64) -> Result<u64> {
+        let (n, rt, place) = self.word_barrier(name).await?;
+        let target = generation
+            .checked_mul(u64::from(n))
+            .filter(|t| *t > 0 && *t <= COUNT_MASK)
+            .ok_or_else(|| {
+                ManagerError::Invalid(format!(
+                    "round {generation} of barrier {name:?}: rounds count from 1"
+                ))
+            })?;
+        self.barrier_sleep_rt(name, &rt, &place, generation, target)
+            .await
+    }
+
+    /// Waits until the word counts `target` arrivals: sets SLEEPERS so the completing
+    /// arrival wakes us, and rereads the word on a tick in case it never does.
+    async fn barrier_sleep_rt(
+        &self,
+        name: &str,
+        rt: &Arc<WordBarrierRt>,
+        place: &WordPlace,
+        generation: u64,
+        target: u64,
+    ) -> Result<u64> {
+        let deleted =
+            || ManagerError::NotFound(format!("barrier {name:?} (deleted while waiting)"));
+        let mut rx = rt.seen.subscribe();
+        let _guard = {
+            let _ops = rt.ops.lock().await;
+            let mut v = self.read_word(place).await?;
+            loop {
+                Self::publish(rt, v);
+                if v & DELETED != 0 {
+                    return Err(deleted());
+                }
+                if v & COUNT_MASK >= target {
+                    return Ok(generation);
+                }
+                if v & SLEEPERS != 0 {
+                    break;
+                }
+                let got = self.cas(place, v, v | SLEEPERS).await?;
+                if got == v {
+                    break;
+                }
+                v = got;
+            }
+            *rt.targets
+                .lock()
+                .map_err(|_| poisoned())?
+                .entry(target)
+                .or_insert(0) += 1;
+            SleeperGuard {
+                rt: Arc::clone(rt),
+                target,
+            }
+        };
+        loop {
+            let (count, gone) = *rx.borrow_and_update();
+            if count >= target {
+                return Ok(generation);
+            }
+            if gone {
+                return Err(deleted());
+            }
+            tokio::select! {
+                changed = rx.changed() => {
+                    if changed.is_err() {
+                        return Err(deleted());
+                    }
+                }
+                () = tokio::time::sleep(BARRIER_TICK) => match self.read_word(place).await {
+                    Ok(v) => Self::publish(rt, v),
+                    Err(e) => tracing::debug!(barrier = name, error = %e, "cannot reread a barrier word"),
+                },
+            }
+        }
+    }
+
+    /// A caller completed a round of `name` and saw SLEEPERS: wakes the sleepers and clears
+    /// the bit unless some sleeper waits for a later round. Returns the arrivals.
+    pub async fn barrier_wake(&self, name: &str) -> Result<u64> {
+        let (_, rt, place) = self.word_barrier(name).await?;
+        let _ops = rt.ops.lock().await;
+        let mut v = self.read_word(&place).await?;
+        loop {
+            Self::publish(&rt, v);
+            let count = v & COUNT_MASK;
+            if v & SLEEPERS == 0 || v & DELETED != 0 {
+                return Ok(count);
+            }
+            let later = rt
+                .targets
+                .lock()
+                .map_err(|_| poisoned())?
+                .range(count + 1..)
+                .next()
+                .is_some();
+            if later {
+                return Ok(count);
+            }
+            let got = self.cas(&place, v, v & !SLEEPERS).await?;
+            if got == v {
+                return Ok(count);
+            }
+            v = got;
         }
     }
 
@@ -578,6 +827,29 @@ impl SyncService {
 
     /// Compare-and-swap on a lock word; returns the old value.
     async fn cas(&self, place: &WordPlace, expected: u64, new: u64) -> Result<u64> {
+        self.word_op(place, move |t, span| {
+            t.compare_and_swap(span, expected, new)
+        })
+        .await
+    }
+
+    /// Fetch-add on a word; returns the old value.
+    async fn fetch_add(&self, place: &WordPlace, addend: u64) -> Result<u64> {
+        self.word_op(place, move |t, span| t.fetch_add(span, addend))
+            .await
+    }
+
+    /// The value of a word.
+    async fn read_word(&self, place: &WordPlace) -> Result<u64> {
+        self.fetch_add(place, 0).await
+    }
+
+    /// One atomic operation on a word over the transport.
+    async fn word_op(
+        &self,
+        place: &WordPlace,
+        op: impl FnOnce(&TcpTransport, &Span) -> regions::Result<u64> + Send + 'static,
+    ) -> Result<u64> {
         if place.transport_addr.is_empty() {
             return Err(ManagerError::Store(format!(
                 "host {} holding the lock region is unknown",
@@ -592,7 +864,7 @@ impl SyncService {
             len: 8,
         };
         let host = place.host_id;
-        tokio::task::spawn_blocking(move || transport.compare_and_swap(&span, expected, new))
+        tokio::task::spawn_blocking(move || op(&transport, &span))
             .await
             .map_err(|e| ManagerError::Store(format!("lock word task failed: {e}")))?
             .map_err(|e| {
@@ -612,6 +884,11 @@ impl SyncService {
     /// Where the lock word of `name` is, with a capability for its region.
     pub async fn mutex_locate(&self, caller: &Caller, name: &str) -> Result<v1::MutexLocation> {
         let (_, place) = self.mutex(name).await?;
+        self.location(caller, place)
+    }
+
+    /// The location of a word for `caller` (its tag names the process: tid 0).
+    fn location(&self, caller: &Caller, place: WordPlace) -> Result<v1::MutexLocation> {
         let (capability, capability_expires_ms) = self.inner.minter.mint(place.ino, true);
         Ok(v1::MutexLocation {
             ino: place.ino,
@@ -620,24 +897,30 @@ impl SyncService {
             pool_offset: place.pool_offset,
             host_id: place.host_id,
             transport_addr: place.transport_addr,
-            tag: tag(caller.host_id, caller.pid),
+            tag: tag(caller.host_id, caller.pid, 0)?,
             lease_ms: self.manager().config().lease.as_millis() as u64,
             capability,
             capability_expires_ms,
+            n: 0,
         })
     }
 
-    /// Locks `name` for `caller`, queueing in FIFO order behind other waiters.
-    pub async fn mutex_lock(&self, caller: &Caller, name: &str) -> Result<u64> {
+    /// Locks `name` for thread `tid` of `caller`, queueing in FIFO order behind other
+    /// waiters.
+    pub async fn mutex_lock(&self, caller: &Caller, tid: u32, name: &str) -> Result<u64> {
         let (rt, place) = self.mutex(name).await?;
-        let me = tag(caller.host_id, caller.pid);
+        let me = tag(caller.host_id, caller.pid, tid)?;
         let lease = self.manager().config().lease.as_millis() as u64;
-        let (id, granted) = {
+        let deleted = || ManagerError::NotFound(format!("mutex {name:?} (deleted while waiting)"));
+        let (id, mut granted) = {
             let _ops = rt.ops.lock().await;
             let mut seen = self.cas(&place, 0, me).await?;
             loop {
                 if seen == 0 {
                     return Ok(lease);
+                }
+                if seen & DELETED != 0 {
+                    return Err(deleted());
                 }
                 if seen & WAITERS != 0 {
                     break;
@@ -665,23 +948,31 @@ impl SyncService {
             rt: Arc::clone(&rt),
             id,
         };
-        match granted.await {
-            Ok(()) => Ok(lease),
-            Err(_) => Err(ManagerError::NotFound(format!(
-                "mutex {name:?} (deleted while waiting)"
-            ))),
+        loop {
+            tokio::select! {
+                got = &mut granted => return got.map(|()| lease).map_err(|_| deleted()),
+                // A delete that raced with this call may have missed our queue entry.
+                () = tokio::time::sleep(BARRIER_TICK * 10) => {
+                    if let Ok(word) = self.read_word(&place).await && word & DELETED != 0 {
+                        return Err(deleted());
+                    }
+                }
+            }
         }
     }
 
-    /// Unlocks `name` held by `caller`, handing it to the next waiter.
-    pub async fn mutex_unlock(&self, caller: &Caller, name: &str) -> Result<()> {
+    /// Unlocks `name` held by thread `tid` of `caller`, handing it to the next waiter.
+    pub async fn mutex_unlock(&self, caller: &Caller, tid: u32, name: &str) -> Result<()> {
         let (rt, place) = self.mutex(name).await?;
-        let me = tag(caller.host_id, caller.pid);
+        let me = tag(caller.host_id, caller.pid, tid)?;
         let _ops = rt.ops.lock().await;
-        let word = self.cas(&place, 0, 0).await?;
+        let word = self.read_word(&place).await?;
+        if word & DELETED != 0 {
+            return Err(ManagerError::NotFound(format!("mutex {name:?} (deleted)")));
+        }
         if word & !WAITERS != me {
             return Err(ManagerError::Perm(format!(
-                "mutex {name:?} is not held by process {} on host {} (lock word {word:#x})",
+                "mutex {name:?} is not held by thread {tid} of process {} on host {} (lock word {word:#x})",
                 caller.pid, caller.host_id
             )));
         }
@@ -691,6 +982,9 @@ impl SyncService {
     /// Gives the word (holding `word`) to the next live waiter, or frees it. Holds `rt.ops`.
     async fn hand_off(&self, rt: &MutexRt, place: &WordPlace, mut word: u64) -> Result<()> {
         loop {
+            if word & DELETED != 0 {
+                return Ok(());
+            }
             let (next, more) = {
                 let mut q = rt.queue.lock().map_err(|_| poisoned())?;
                 let mut next = None;
@@ -764,7 +1058,7 @@ impl SyncService {
                     continue;
                 }
             };
-            if word != 0 && dead(word & !WAITERS) {
+            if word != 0 && word & DELETED == 0 && dead(word & !WAITERS) {
                 tracing::warn!(mutex = %name, holder = format!("{:#x}", word & !WAITERS), "{what}: releasing the mutex it held");
                 self.hand_off(&rt, &place, word).await?;
                 released += 1;
@@ -773,9 +1067,9 @@ impl SyncService {
         Ok(released)
     }
 
-    /// Processes `pids` of `host` exited.
+    /// Processes `pids` of `host` exited: any thread of theirs loses its mutexes.
     pub async fn release_dead(&self, host: u32, pids: &[u32]) -> Result<usize> {
-        let tags: HashSet<u64> = pids.iter().map(|p| tag(host, *p)).collect();
+        let pid_set: HashSet<u32> = pids.iter().copied().collect();
         if let Ok(rt) = self.inner.runtime.lock() {
             for bell in rt.bells.values() {
                 if let Ok(mut seen) = bell.seen.lock() {
@@ -783,15 +1077,18 @@ impl SyncService {
                 }
             }
         }
-        self.release_matching("holder process exited", |t| tags.contains(&t))
-            .await
+        self.release_matching("holder process exited", |t| {
+            tag_host(t) == host && pid_set.contains(&tag_pid(t))
+        })
+        .await
     }
 
-    /// Deletes `name`; its waiters get `ENOENT`, a mutex's word is cleared.
+    /// Deletes `name`; its waiters get `ENOENT`, a mutex's or barrier's word is marked
+    /// [`DELETED`].
     pub async fn delete(&self, name: &str) -> Result<()> {
         let owned = name.to_owned();
         let def = self.manager().write(move |s| s.sync_delete(&owned)).await?;
-        let rt = {
+        let (mutex, barrier) = {
             let mut rt = self.inner.runtime.lock().map_err(|_| poisoned())?;
             if let Some(b) = rt.barriers.remove(name) {
                 b.done.send_modify(|d| d.1 = true);
@@ -799,26 +1096,56 @@ impl SyncService {
             if let Some(b) = rt.bells.remove(name) {
                 b.rings.send_modify(|r| r.1 = true);
             }
-            rt.mutexes.remove(name)
+            (rt.mutexes.remove(name), rt.word_barriers.remove(name))
         };
-        if let Some(rt) = rt
-            && let Ok(mut q) = rt.queue.lock()
-        {
-            q.clear(); // waiters see their grant dropped: ENOENT
-        }
-        if let SyncDef::Mutex { offset } = def {
-            // Clear the word for the slot's next user.
-            match self.word_place(offset).await {
-                Ok(place) => {
-                    let word = self.cas(&place, 0, 0).await.unwrap_or(0);
-                    if word != 0 {
-                        let _ = self.cas(&place, word, 0).await;
-                    }
+        match def {
+            SyncDef::Mutex { offset } => {
+                let _ops = match &mutex {
+                    Some(rt) => Some(rt.ops.lock().await),
+                    None => None,
+                };
+                self.poison(name, offset).await;
+                if let Some(rt) = &mutex
+                    && let Ok(mut q) = rt.queue.lock()
+                {
+                    q.clear(); // waiters see their grant dropped: ENOENT
                 }
-                Err(e) => tracing::warn!(error = %e, "cannot clear a deleted mutex's word"),
             }
+            SyncDef::BarrierWord { offset, .. } => {
+                let _ops = match &barrier {
+                    Some(rt) => Some(rt.ops.lock().await),
+                    None => None,
+                };
+                self.poison(name, offset).await;
+                if let Some(rt) = &barrier {
+                    rt.seen.send_modify(|s| s.1 = true);
+                }
+            }
+            _ => {}
         }
         Ok(())
+    }
+
+    /// Sets [`DELETED`] in the word at `offset` (best effort: logged on failure).
+    async fn poison(&self, name: &str, offset: u64) {
+        let place = match self.word_place(offset).await {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(name, error = %e, "cannot find a deleted object's word");
+                return;
+            }
+        };
+        let mut v = 0;
+        loop {
+            match self.cas(&place, v, v | DELETED).await {
+                Ok(got) if got == v || got & DELETED != 0 => return,
+                Ok(got) => v = got,
+                Err(e) => {
+                    tracing::warn!(name, error = %e, "cannot mark a deleted object's word");
+                    return;
+                }
+            }
+        }
     }
 
     /// Releases the mutexes held on hosts whose lease ended, checking every quarter lease
@@ -893,7 +1220,8 @@ impl Sync for SyncService {
     ) -> Result<Response<v1::SyncReply>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        let result = self.init(&c, &r.name, SyncDef::Barrier { n: r.n }).await;
+        let def = SyncDef::BarrierWord { n: r.n, offset: 0 };
+        let result = self.init(&c, &r.name, def).await;
         reply("barrier_init", result.map(|_| value(0)))
     }
 
@@ -922,7 +1250,10 @@ impl Sync for SyncService {
     ) -> Result<Response<v1::SyncReply>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        reply("mutex_lock", self.mutex_lock(&c, &r.name).await.map(value))
+        reply(
+            "mutex_lock",
+            self.mutex_lock(&c, r.tid, &r.name).await.map(value),
+        )
     }
 
     async fn mutex_unlock(
@@ -931,7 +1262,7 @@ impl Sync for SyncService {
     ) -> Result<Response<v1::SyncReply>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        let result = self.mutex_unlock(&c, &r.name).await;
+        let result = self.mutex_unlock(&c, r.tid, &r.name).await;
         reply("mutex_unlock", result.map(|()| value(0)))
     }
 
@@ -979,6 +1310,34 @@ impl Sync for SyncService {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
         reply("mutex_locate", self.mutex_locate(&c, &r.name).await)
+    }
+
+    async fn barrier_locate(
+        &self,
+        r: Request<v1::SyncNameRequest>,
+    ) -> Result<Response<v1::MutexLocation>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        reply("barrier_locate", self.barrier_locate(&c, &r.name).await)
+    }
+
+    async fn barrier_sleep(
+        &self,
+        r: Request<v1::SyncNameRequest>,
+    ) -> Result<Response<v1::SyncReply>, Status> {
+        let r = r.into_inner();
+        caller(r.caller.as_ref())?;
+        let result = self.barrier_sleep(&r.name, r.generation).await;
+        reply("barrier_sleep", result.map(value))
+    }
+
+    async fn barrier_wake(
+        &self,
+        r: Request<v1::SyncNameRequest>,
+    ) -> Result<Response<v1::SyncReply>, Status> {
+        let r = r.into_inner();
+        caller(r.caller.as_ref())?;
+        reply("barrier_wake", self.barrier_wake(&r.name).await.map(value))
     }
 
     async fn release_dead(

@@ -715,3 +715,5 @@ pub fn has_errno(status: &tonic::Status) -> bool {
         .get(regions_proto::errno::ERRNO_KEY)
         .is_some()
 }
+
+pub mod netns;

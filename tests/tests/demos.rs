@@ -4,8 +4,8 @@
 //! stops everything it started. These tests check that each demo ran to its
 //! end and reported equal results.
 
-use std::path::{Path, PathBuf};
 use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 

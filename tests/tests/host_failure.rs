@@ -67,6 +67,8 @@ fn write_cmd(path: &Path) -> Vec<String> {
         format!("of={}", path.display()),
         "bs=4k".into(),
         "count=1".into(),
+        // Away from the bytes the reads ask for: the page this write dirties is cached.
+        "seek=128".into(),
         "conv=notrunc,fsync".into(),
     ]
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use regions::sync::SyncClient;
 use regions::{Client, ClientConfig};
-use regions_tests::{Cluster, bin_path};
+use regions_tests::{Cluster, ManagerProcess, bin_path};
 
 /// Bound of every wait for a helper process.
 const HELPER_TIMEOUT: Duration = Duration::from_secs(120);
@@ -24,8 +24,13 @@ struct Helper {
 
 impl Helper {
     fn start(program: &Path, args: &[String]) -> anyhow::Result<Helper> {
+        Helper::start_env(program, args, &[])
+    }
+
+    fn start_env(program: &Path, args: &[String], env: &[(&str, &str)]) -> anyhow::Result<Helper> {
         let mut child = Command::new(program)
             .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -400,5 +405,313 @@ fn regionfs_sync_cli_on_three_mounts() -> anyhow::Result<()> {
         String::from_utf8_lossy(&out.stderr)
     );
     cli(&mounts[0].mountpoint, &["delete", "door"])?.finish(HELPER_TIMEOUT)?;
+    Ok(())
+}
+
+/// `counter` helper arguments: TIMES increments of REGION's word under mutex NAME, through
+/// host `h`'s agent, by `threads` threads.
+fn counter_args(
+    c: &Cluster,
+    h: u32,
+    name: &str,
+    times: u64,
+    region: &str,
+    threads: usize,
+) -> Vec<String> {
+    vec![
+        "counter".into(),
+        s(&socket(c, h)),
+        name.into(),
+        times.to_string(),
+        c.manager_url(),
+        s(&c.secret_file),
+        h.to_string(),
+        region.into(),
+        threads.to_string(),
+    ]
+}
+
+#[test]
+fn mutex_excludes_threads_of_one_process_and_other_processes() -> anyhow::Result<()> {
+    let c = Cluster::start(3, "64M")?;
+    SyncClient::connect(&socket(&c, 1)).mutex_init("tm")?;
+    shared_region(&c, "tcounter")?;
+    // Four threads of one process on host 1 (the word's host: CPU atomics on the mapped
+    // segment), one process each on hosts 2 and 3 (tcp transport); one of those goes
+    // through the manager only.
+    let threads = Helper::sync_helper(&counter_args(&c, 1, "tm", 500, "tcounter", 4))?;
+    let second = Helper::sync_helper(&counter_args(&c, 2, "tm", 1000, "tcounter", 1))?;
+    let third = Helper::start_env(
+        &helper_bin(),
+        &counter_args(&c, 3, "tm", 1000, "tcounter", 1),
+        &[("SYNC_HELPER_THROUGH_MANAGER", "1")],
+    )?;
+    let mut paths = Vec::new();
+    for h in [threads, second, third] {
+        paths.extend(h.finish(HELPER_TIMEOUT)?);
+    }
+    assert_eq!(
+        read_word(&c, "tcounter")?,
+        4 * 500 + 2 * 1000,
+        "an increment was lost: two holders at once"
+    );
+    assert_eq!(paths.len(), 3);
+    assert!(paths[0].contains("local"), "{paths:?}");
+    assert!(paths[1].contains("tcp"), "{paths:?}");
+    assert!(paths[2].contains("manager"), "{paths:?}");
+    // The holding thread unlocks: another thread of this process gets EPERM.
+    let me = std::sync::Arc::new(SyncClient::connect(&socket(&c, 2)));
+    me.mutex_lock("tm")?;
+    let other = std::sync::Arc::clone(&me);
+    let errno = std::thread::spawn(move || other.mutex_unlock("tm").map_err(|e| e.errno()))
+        .join()
+        .map_err(|_| anyhow::anyhow!("thread panicked"))?;
+    assert_eq!(errno, Err(libc::EPERM));
+    me.mutex_unlock("tm")?;
+    Ok(())
+}
+
+#[test]
+fn barrier_parties_through_the_manager_and_the_fast_path_mix() -> anyhow::Result<()> {
+    let c = Cluster::start(3, "64M")?;
+    SyncClient::connect(&socket(&c, 1)).barrier_init("mix", 3)?;
+    shared_region(&c, "mixarrivals")?;
+    let rounds = 40u64;
+    let helpers: Vec<Helper> = (1..=3)
+        .map(|h| {
+            let args = [
+                "barrier".into(),
+                s(&socket(&c, h)),
+                "mix".into(),
+                rounds.to_string(),
+                c.manager_url(),
+                s(&c.secret_file),
+                h.to_string(),
+                "mixarrivals".into(),
+            ];
+            let env: &[(&str, &str)] = if h == 2 {
+                &[("SYNC_HELPER_THROUGH_MANAGER", "1")]
+            } else {
+                &[]
+            };
+            Helper::start_env(&helper_bin(), &args, env)
+        })
+        .collect::<anyhow::Result<_>>()?;
+    for h in helpers {
+        let lines = h.finish(HELPER_TIMEOUT)?;
+        assert_eq!(lines.len(), rounds as usize);
+        for line in lines {
+            let v: Vec<u64> = line.split(' ').map(str::parse).collect::<Result<_, _>>()?;
+            assert_eq!(v[1], v[0], "generations count rounds from 1");
+            assert!(
+                v[2] >= 3 * v[0],
+                "round {} passed after {} arrivals",
+                v[0],
+                v[2]
+            );
+        }
+    }
+    assert_eq!(
+        SyncClient::connect(&socket(&c, 3)).barrier_arrivals("mix")?,
+        3 * rounds
+    );
+    Ok(())
+}
+
+/// Runs `f` on a thread; its result arrives on the returned channel.
+fn on_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Receiver<T> {
+    let (tx, rx) = channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx
+}
+
+#[test]
+fn barrier_sleepers_wake_and_delete_and_reinit_are_seen() -> anyhow::Result<()> {
+    let c = Cluster::start(3, "64M")?;
+    let (s1, s2, s3) = (socket(&c, 1), socket(&c, 2), socket(&c, 3));
+    let a = std::sync::Arc::new(SyncClient::connect(&s1));
+    let b = SyncClient::connect(&s2);
+    a.barrier_init("slow", 2)?;
+    // A waits long past its polling budget (it sleeps at the manager); B's late arrival
+    // completes the round and wakes it. Then the other way round.
+    for generation in 1..=2u64 {
+        let a2 = std::sync::Arc::clone(&a);
+        let waiter = on_thread(move || a2.barrier_wait("slow").map_err(|e| e.errno()));
+        std::thread::sleep(Duration::from_millis(400));
+        assert!(waiter.try_recv().is_err(), "passed a barrier of 2 alone");
+        assert_eq!(b.barrier_wait("slow")?, generation);
+        assert_eq!(waiter.recv_timeout(HELPER_TIMEOUT)?, Ok(generation));
+    }
+    assert_eq!(b.barrier_arrivals("slow")?, 4);
+    // Deleting the barrier ends a sleeping wait with ENOENT.
+    let a2 = std::sync::Arc::clone(&a);
+    let waiter = on_thread(move || a2.barrier_wait("slow").map_err(|e| e.errno()));
+    std::thread::sleep(Duration::from_millis(400));
+    SyncClient::connect(&s3).delete("slow")?;
+    assert_eq!(waiter.recv_timeout(HELPER_TIMEOUT)?, Err(libc::ENOENT));
+    // Created again with 3 parties: B still has the old word cached, sees it deleted and
+    // finds the new one; all three pass round 1 of the new barrier.
+    SyncClient::connect(&s3).barrier_init("slow", 3)?;
+    let b_wait = on_thread(move || b.barrier_wait("slow").map_err(|e| e.errno()));
+    let c3 = on_thread(move || {
+        SyncClient::connect(&s3)
+            .barrier_wait("slow")
+            .map_err(|e| e.errno())
+    });
+    assert_eq!(a.barrier_wait("slow")?, 1);
+    assert_eq!(b_wait.recv_timeout(HELPER_TIMEOUT)?, Ok(1));
+    assert_eq!(c3.recv_timeout(HELPER_TIMEOUT)?, Ok(1));
+    assert_eq!(a.barrier_arrivals("slow")?, 3);
+    Ok(())
+}
+
+#[test]
+fn a_party_killed_while_waiting_leaves_the_barrier_usable() -> anyhow::Result<()> {
+    let c = Cluster::start(3, "64M")?;
+    let a = SyncClient::connect(&socket(&c, 1));
+    a.barrier_init("k", 2)?;
+    shared_region(&c, "karrivals")?;
+    let mut party = Helper::sync_helper(&[
+        "barrier".into(),
+        s(&socket(&c, 2)),
+        "k".into(),
+        "1".into(),
+        c.manager_url(),
+        s(&c.secret_file),
+        "2".into(),
+        "karrivals".into(),
+    ])?;
+    let deadline = Instant::now() + HELPER_TIMEOUT;
+    while a.barrier_arrivals("k")? < 1 {
+        anyhow::ensure!(Instant::now() < deadline, "the party never arrived");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Past its polling budget: it sleeps at the manager, which set the sleepers bit.
+    std::thread::sleep(Duration::from_millis(300));
+    party.sigkill()?;
+    // Its arrival counted: the next arrival completes round 1 (and finds no one to wake).
+    assert_eq!(a.barrier_wait("k")?, 1);
+    // Later rounds work as before.
+    let s3 = socket(&c, 3);
+    let other = on_thread(move || {
+        SyncClient::connect(&s3)
+            .barrier_wait("k")
+            .map_err(|e| e.errno())
+    });
+    assert_eq!(a.barrier_wait("k")?, 2);
+    assert_eq!(other.recv_timeout(HELPER_TIMEOUT)?, Ok(2));
+    Ok(())
+}
+
+/// Retries `f` (bounded) while the restarted manager and the agents' connections come back.
+fn eventually<T>(what: &str, mut f: impl FnMut() -> regions::Result<T>) -> anyhow::Result<T> {
+    let deadline = Instant::now() + HELPER_TIMEOUT;
+    loop {
+        match f() {
+            Ok(v) => return Ok(v),
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("{what}: not yet ({e}); retrying");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            Err(e) => bail!("{what}: {e}"),
+        }
+    }
+}
+
+#[test]
+fn sync_definitions_survive_a_manager_restart() -> anyhow::Result<()> {
+    let mut c = Cluster::start(3, "64M")?;
+    let (s1, s2) = (socket(&c, 1), socket(&c, 2));
+    let a = SyncClient::connect(&s1);
+    a.barrier_init("rb", 2)?;
+    a.mutex_init("rm")?;
+    a.bell_init("rr")?;
+    let b2 = std::sync::Arc::new(SyncClient::connect(&s2));
+    for generation in 1..=3u64 {
+        let b = std::sync::Arc::clone(&b2);
+        let other = on_thread(move || b.barrier_wait("rb").map_err(|e| e.errno()));
+        assert_eq!(a.barrier_wait("rb")?, generation);
+        assert_eq!(other.recv_timeout(HELPER_TIMEOUT)?, Ok(generation));
+    }
+    a.mutex_lock("rm")?;
+    a.mutex_unlock("rm")?;
+    a.bell_ring("rr")?;
+
+    let addr = c.manager.addr.to_string();
+    c.manager.sigkill()?;
+    let data = c.dir.path().join("manager");
+    c.manager = ManagerProcess::start_in(&[], &addr, &data, &c.secret_file, &[])?;
+
+    // Fresh clients (nothing cached): every definition is still there with its parameters.
+    let fresh = SyncClient::connect(&s2);
+    eventually("mutex_init after the restart", || fresh.mutex_init("rm"))?;
+    assert_eq!(
+        fresh.barrier_init("rb", 3).unwrap_err().errno(),
+        libc::EEXIST
+    );
+    fresh.barrier_init("rb", 2)?;
+    assert_eq!(fresh.bell_init("rb").unwrap_err().errno(), libc::EEXIST);
+    fresh.bell_init("rr")?;
+    assert_eq!(fresh.bell_ring("nope").unwrap_err().errno(), libc::ENOENT);
+    // The barrier carries on with the next generation (its word outlived the manager).
+    for generation in 4..=6u64 {
+        let b = std::sync::Arc::clone(&b2);
+        let other = on_thread(move || b.barrier_wait("rb").map_err(|e| e.errno()));
+        assert_eq!(fresh.barrier_wait("rb")?, generation);
+        assert_eq!(other.recv_timeout(HELPER_TIMEOUT)?, Ok(generation));
+    }
+    // The mutex still excludes (a holder here blocks a waiter there) and hands over.
+    fresh.mutex_lock("rm")?;
+    let s1b = s1.clone();
+    let waiter = on_thread(move || {
+        let w = SyncClient::connect(&s1b);
+        w.mutex_lock("rm")
+            .and_then(|()| w.mutex_unlock("rm"))
+            .map_err(|e| e.errno())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(waiter.try_recv().is_err(), "the waiter got a held mutex");
+    fresh.mutex_unlock("rm")?;
+    assert_eq!(waiter.recv_timeout(HELPER_TIMEOUT)?, Ok(()));
+    // The doorbell rings on: a first wait sees both rings.
+    fresh.bell_ring("rr")?;
+    assert!(SyncClient::connect(&s1).bell_wait("rr")? >= 1);
+    Ok(())
+}
+
+#[test]
+fn a_dead_hosts_mutex_is_released_when_its_lease_ends() -> anyhow::Result<()> {
+    let c = Cluster::start_with(3, "64M", &["--lease-ms", "1000"])?;
+    // The lock word lives on host 1; the holder uses host 2's agent, the waiter host 3's.
+    SyncClient::connect(&socket(&c, 1)).mutex_init("lease")?;
+    let holder = Helper::sync_helper(&["hold".into(), s(&socket(&c, 2)), "lease".into()])?;
+    assert_eq!(holder.line(HELPER_TIMEOUT)?, "locked");
+    let waiter = Helper::sync_helper(&["lock-once".into(), s(&socket(&c, 3)), "lease".into()])?;
+    assert!(
+        waiter.line(Duration::from_millis(1500)).is_err(),
+        "the waiter got a held mutex while the holder's host was alive"
+    );
+    // Host 2 dies (its agent, which watched the holder, with it); the holder process
+    // itself lives on, cut off. Its host's lease ends and the manager hands the mutex on.
+    let mut c = c;
+    let d2 = c
+        .daemons
+        .iter_mut()
+        .find(|d| d.host_id == 2)
+        .context("no daemon 2")?;
+    d2.sigkill()?;
+    assert_eq!(waiter.line(HELPER_TIMEOUT)?, "locked");
+    waiter.finish(HELPER_TIMEOUT)?;
+    let mut holder = holder;
+    assert!(
+        holder.child.try_wait()?.is_none(),
+        "the holder process is still alive"
+    );
+    // Free again for anyone.
+    let me = SyncClient::connect(&socket(&c, 1));
+    me.mutex_lock("lease")?;
+    me.mutex_unlock("lease")?;
     Ok(())
 }

@@ -35,6 +35,8 @@ use uffd::{Faults, Job};
 pub const DEFAULT_PREFETCH_PAGES: usize = 16;
 /// Smallest address range reserved for a mapping (room to grow in place).
 const MIN_RESERVATION: usize = 256 << 20;
+/// Background read-ahead of sequential access, in prefetch windows.
+const READ_AHEAD: usize = 16;
 /// Pages per chunk.
 const CHUNK_PAGES: usize = (CHUNK_SIZE as usize) / PAGE;
 
@@ -97,6 +99,8 @@ pub struct Mapping {
     /// Page after the last missing fault's window: a fault there means sequential access,
     /// which starts read-ahead of the next windows.
     next_sequential: AtomicUsize,
+    /// End of the pages handed to background read-ahead.
+    frontier: AtomicUsize,
     /// Serialises growth and unmapping.
     resize: Mutex<bool>,
 }
@@ -333,6 +337,7 @@ pub fn map_region(region: Arc<AppRegion>) -> Result<Arc<Mapping>> {
         pages: RwLock::new(Vec::new()),
         segment: Mutex::new(None),
         next_sequential: AtomicUsize::new(usize::MAX),
+        frontier: AtomicUsize::new(0),
         resize: Mutex::new(false),
     });
     if let Err(e) = mapping.map_range(0, len) {
@@ -629,21 +634,47 @@ impl Mapping {
         Ok((loc.addr, spans))
     }
 
-    /// Fetches the claimed `runs` (all inside chunk `c`) and installs them. On failure the
-    /// claims are given back (pages missing again) and the error returned.
-    fn fetch_runs(&self, faults: &Faults, c: usize, runs: &[(usize, usize)]) -> Result<()> {
+    /// Spans of page runs that may cross chunks, all on one daemon (else `Invalid`): the
+    /// daemon's address and the spans, in run order.
+    fn spans_across(&self, runs: &[(usize, usize)]) -> Result<(String, Vec<Span>)> {
+        let mut addr: Option<String> = None;
+        let mut spans = Vec::new();
+        for &(a, b) in runs {
+            let mut x = a;
+            while x < b {
+                let c = x / CHUNK_PAGES;
+                let y = b.min((c + 1) * CHUNK_PAGES);
+                let (at, mut piece) = self.spans_of(c, &[(x, y)])?;
+                match &addr {
+                    Some(known) if *known != at => {
+                        return Err(RegionsError::Invalid("runs span daemons".into()));
+                    }
+                    Some(_) => {}
+                    None => addr = Some(at),
+                }
+                spans.append(&mut piece);
+                x = y;
+            }
+        }
+        Ok((addr.unwrap_or_default(), spans))
+    }
+
+    /// Fetches the claimed `runs` (all on one daemon; they may cross chunks) in one transport
+    /// call and installs them. On failure the claims are given back (pages missing again, their
+    /// waiters woken) and the error returned.
+    fn fetch_runs(&self, faults: &Faults, runs: &[(usize, usize)]) -> Result<()> {
         if runs.is_empty() {
             return Ok(());
         }
         let total: usize = runs.iter().map(|(a, b)| (b - a) * PAGE).sum();
         let mut buf = vec![0u8; total];
-        let fetched = self.spans_of(c, runs).and_then(|(addr, spans)| {
+        let fetched = self.spans_across(runs).and_then(|(addr, spans)| {
             let t = self.region.transport(&addr)?;
             match t.read(&spans, &mut buf) {
                 Err(RegionsError::Daemon { errno, .. }) if errno == libc::EFAULT => {
                     // A stale map: fetch it again and retry once.
                     self.region.refresh()?;
-                    let (addr, spans) = self.spans_of(c, runs)?;
+                    let (addr, spans) = self.spans_across(runs)?;
                     self.region.transport(&addr)?.read(&spans, &mut buf)
                 }
                 other => other,
@@ -655,6 +686,9 @@ impl Mapping {
                 for s in &pages[a..b] {
                     s.store(MISSING, Ordering::Release);
                 }
+                // Threads that faulted on these pages while they were claimed wait for this
+                // fetch: wake them so that they fault again and get served (or SIGBUS).
+                faults.wake(self.base + a * PAGE, (b - a) * PAGE);
             }
             return Err(e);
         }
@@ -670,6 +704,7 @@ impl Mapping {
                 for s in &pages[a..b] {
                     s.store(MISSING, Ordering::Release);
                 }
+                faults.wake(self.base + a * PAGE, (b - a) * PAGE);
                 return Err(io_err("installing fetched pages", e));
             }
             at += n;
@@ -683,36 +718,46 @@ impl Mapping {
             Ok(p) => p,
             Err(_) => return faults.lose(self.base + p * PAGE, PAGE),
         };
-        match self.state(&pages, p) {
+        let window = prefetch_pages();
+        let total = pages.len();
+        let state = self.state(&pages, p);
+        let c = p / CHUNK_PAGES;
+        let chunk_end = ((c + 1) * CHUNK_PAGES).min(total);
+        let window_end = (p + window).min(chunk_end);
+        // Sequential access (a fault where the last window ended, at the read-ahead frontier,
+        // or inside read-ahead still in flight): fetch the next windows in the background.
+        let frontier = self.frontier.load(Ordering::Relaxed);
+        let sequential = p == self.next_sequential.load(Ordering::Relaxed)
+            || p == frontier
+            || (state == FETCHING && p < frontier && p + READ_AHEAD * window >= frontier);
+        if sequential && window > 1 {
+            let start = frontier.max(window_end);
+            let ahead = (window * READ_AHEAD).min(total.saturating_sub(start));
+            if ahead > 0 {
+                self.frontier.store(start + ahead, Ordering::Relaxed);
+                faults.submit(Job::Prefetch {
+                    addr: self.base + start * PAGE,
+                    len: ahead * PAGE,
+                });
+            }
+        }
+        match state {
             MISSING => {}
             // Another thread is fetching it: its install wakes this one.
             FETCHING => return,
             _ => return faults.wake(self.base + p * PAGE, PAGE),
         }
-        let c = p / CHUNK_PAGES;
-        let chunk_end = ((c + 1) * CHUNK_PAGES).min(pages.len());
-        let window = prefetch_pages();
-        let window_end = (p + window).min(chunk_end);
-        let total = pages.len();
+        self.next_sequential.store(window_end, Ordering::Relaxed);
         let runs = Self::claim(&pages, p, window_end);
         drop(pages);
-        // Sequential faults: fetch the next windows in the background meanwhile.
-        let sequential = self.next_sequential.swap(window_end, Ordering::Relaxed) == p;
-        if sequential && window > 1 && window_end < total {
-            let ahead = (window * 4).min(total - window_end);
-            faults.submit(Job::Prefetch {
-                addr: self.base + window_end * PAGE,
-                len: ahead * PAGE,
-            });
-        }
         if runs.first().is_none_or(|r| r.0 != p) {
             // Lost the race for the faulting page; whoever won wakes the thread.
-            if let Err(e) = self.fetch_runs(faults, c, &runs) {
+            if let Err(e) = self.fetch_runs(faults, &runs) {
                 tracing::debug!(error = %e, "prefetch on fault failed");
             }
             return;
         }
-        if let Err(e) = self.fetch_runs(faults, c, &runs) {
+        if let Err(e) = self.fetch_runs(faults, &runs) {
             tracing::warn!(
                 ino = self.ino(),
                 offset = p * PAGE,
@@ -762,20 +807,26 @@ impl Mapping {
             Ok(f) => f,
             Err(_) => return Ok(()), // nothing remote can be mapped then
         };
+        // Consecutive remote chunks on one daemon go in one (pipelined) transport call.
+        let mut batch: Vec<(usize, usize)> = Vec::new();
+        let mut batch_addr: Option<String> = None;
         let mut c = first / CHUNK_PAGES;
         while c * CHUNK_PAGES < last {
             let a = (c * CHUNK_PAGES).max(first);
             let b = ((c + 1) * CHUNK_PAGES).min(last);
-            if self.is_remote(a) {
-                let runs = {
-                    let pages = self.pages.read().map_err(|_| poisoned())?;
-                    Self::claim(&pages, a, b.min(pages.len()))
-                };
-                self.fetch_runs(&faults, c, &runs)?;
-            }
             c += 1;
+            if !self.is_remote(a) {
+                continue;
+            }
+            let addr = self.region.chunk((a / CHUNK_PAGES) as u64)?.addr;
+            if batch_addr.as_ref().is_some_and(|x| *x != addr) {
+                self.fetch_runs(&faults, &std::mem::take(&mut batch))?;
+            }
+            batch_addr = Some(addr);
+            let pages = self.pages.read().map_err(|_| poisoned())?;
+            batch.extend(Self::claim(&pages, a, b.min(pages.len())));
         }
-        Ok(())
+        self.fetch_runs(&faults, &batch)
     }
 
     /// Marks `[addr, addr + len)` dirty so that [`Mapping::msync`] writes it back. With `zero`,

@@ -92,14 +92,19 @@ pub struct TcpTransport {
     retry: RetryPolicy,
     stats: Arc<TransportStats>,
     /// Set when a request gave up on the daemon, cleared when it answers again: meanwhile
-    /// each request makes one quick attempt ([`PROBE`]) instead of retrying for the whole
-    /// deadline, so that a caller issuing several requests (a FUSE read and its readahead)
-    /// gets `EIO` once within the bound, not once per request.
+    /// requests fail at once for [`QUIET`] after the last failure, then one makes a quick
+    /// attempt ([`PROBE`]) instead of retrying for the whole deadline, so that a caller
+    /// issuing several requests (a FUSE read, then the same page again) gets `EIO` once
+    /// within the bound, not once per request.
     down: std::sync::atomic::AtomicBool,
+    /// When the daemon last failed a request while `down`.
+    down_at: Mutex<Instant>,
 }
 
 /// The deadline of a request to a daemon known to be unreachable.
 const PROBE: Duration = Duration::from_millis(500);
+/// How long after a failure requests to an unreachable daemon fail without an attempt.
+const QUIET: Duration = Duration::from_secs(1);
 
 impl TcpTransport {
     /// A transport to the daemon at `addr` ("host:port") that authenticates
@@ -134,6 +139,7 @@ impl TcpTransport {
             retry,
             stats,
             down: std::sync::atomic::AtomicBool::new(false),
+            down_at: Mutex::new(Instant::now()),
         }
     }
 
@@ -226,6 +232,23 @@ impl TcpTransport {
         let mut backoff = self.retry.backoff;
         let mut attempts = 0u32;
         let down = self.down.load(Ordering::Relaxed);
+        if down && let Ok(mut at) = self.down_at.lock() {
+            let since = at.elapsed();
+            if since < QUIET {
+                return Err(RegionsError::DaemonUnreachable {
+                    addr: self.addr.clone(),
+                    attempts: 0,
+                    elapsed_ms: 0,
+                    reason: format!(
+                        "it failed {} ms ago; not tried again for {} ms",
+                        since.as_millis(),
+                        QUIET.as_millis()
+                    ),
+                });
+            }
+            // This request probes; others keep failing at once meanwhile.
+            *at = Instant::now();
+        }
         let deadline = if down {
             self.retry.deadline.min(PROBE)
         } else {
@@ -281,6 +304,9 @@ impl TcpTransport {
                 Err(Failure::Retry(r)) => r,
             };
             if start.elapsed() + backoff >= deadline {
+                if let Ok(mut at) = self.down_at.lock() {
+                    *at = Instant::now();
+                }
                 if !self.down.swap(true, Ordering::Relaxed) {
                     tracing::warn!(addr = %self.addr, attempts, reason = %reason, "daemon unreachable; giving up (further requests make one quick attempt until it answers)");
                     if let Ok(mut idle) = self.idle.lock() {

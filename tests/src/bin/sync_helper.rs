@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! regions-sync-helper barrier SOCKET NAME ROUNDS MANAGER SECRET_FILE HOST REGION
-//! regions-sync-helper counter SOCKET NAME TIMES MANAGER SECRET_FILE HOST REGION
+//! regions-sync-helper counter SOCKET NAME TIMES MANAGER SECRET_FILE HOST REGION [THREADS]
 //! regions-sync-helper hold SOCKET NAME          (locks, prints "locked", sleeps)
 //! regions-sync-helper lock-once SOCKET NAME     (locks, prints "locked", unlocks)
 //! ```
@@ -10,7 +10,11 @@
 //! `barrier`: every round adds 1 to the 8-byte word at offset 0 of REGION (fetch-add), waits
 //! at the barrier, then checks that all parties of the round had arrived (the word is at least
 //! parties × round) and prints the generation. `counter`: TIMES times, under the mutex, reads
-//! the word at offset 0 of REGION, adds one and writes it back (not atomic by itself).
+//! the word at offset 0 of REGION, adds one and writes it back (not atomic by itself); with
+//! THREADS, that many threads of this process each do so TIMES times, sharing one client.
+//!
+//! With `SYNC_HELPER_THROUGH_MANAGER=1` every sync call goes through the manager (no
+//! transport fast path).
 
 use std::io::Write;
 use std::path::Path;
@@ -34,7 +38,10 @@ fn main() -> anyhow::Result<()> {
             .map(String::as_str)
             .with_context(|| format!("missing argument {i}; see the source for usage"))
     };
-    let sync = SyncClient::connect(Path::new(arg(1)?));
+    let mut sync = SyncClient::connect(Path::new(arg(1)?));
+    if std::env::var_os("SYNC_HELPER_THROUGH_MANAGER").is_some_and(|v| v == "1") {
+        sync = sync.through_manager();
+    }
     let name = arg(2)?;
     let mut out = std::io::stdout();
     match arg(0)? {
@@ -52,15 +59,31 @@ fn main() -> anyhow::Result<()> {
         }
         "counter" => {
             let times: u64 = arg(3)?.parse()?;
-            let r = region(arg(4)?, arg(5)?, arg(6)?, arg(7)?)?;
-            for _ in 0..times {
-                sync.mutex_lock(name)?;
-                let mut word = [0u8; 8];
-                r.read_at(0, &mut word)?;
-                let v = u64::from_le_bytes(word) + 1;
-                r.write_at(0, &v.to_le_bytes())?;
-                sync.mutex_unlock(name)?;
-            }
+            let threads: usize = args.get(8).map_or(Ok(1), |t| t.parse())?;
+            let sync = &sync;
+            std::thread::scope(|scope| -> anyhow::Result<()> {
+                let workers: Vec<_> = (0..threads)
+                    .map(|_| {
+                        scope.spawn(move || -> anyhow::Result<()> {
+                            let r = region(arg(4)?, arg(5)?, arg(6)?, arg(7)?)?;
+                            for _ in 0..times {
+                                sync.mutex_lock(name)?;
+                                let mut word = [0u8; 8];
+                                r.read_at(0, &mut word)?;
+                                let v = u64::from_le_bytes(word) + 1;
+                                r.write_at(0, &v.to_le_bytes())?;
+                                sync.mutex_unlock(name)?;
+                            }
+                            Ok(())
+                        })
+                    })
+                    .collect();
+                for w in workers {
+                    w.join()
+                        .map_err(|_| anyhow::anyhow!("a counter thread panicked"))??;
+                }
+                Ok(())
+            })?;
             writeln!(out, "done {}", sync.mutex_path(name)?)?;
         }
         "hold" => {
