@@ -176,13 +176,10 @@ impl AgentHandler {
                 crate::agent_map::extend(self, &caller, &r)
             }
             Some(agent_request::Request::MapClose(r)) => crate::agent_map::close(self, &caller, &r),
-            Some(agent_request::Request::OwnerCreate(r)) => {
-                crate::owners::create(self, &caller, r)
+            Some(agent_request::Request::OwnerCreate(r)) => crate::owners::create(self, &caller, r),
+            Some(agent_request::Request::Sync(call)) => {
+                (crate::agent_sync::handle(self, &caller, call, None), None)
             }
-            Some(agent_request::Request::Sync(call)) => (
-                crate::agent_sync::handle(self, &caller, call, None),
-                None,
-            ),
             Some(agent_request::Request::Stats(_)) => {
                 let stats = self
                     .stats
@@ -429,7 +426,10 @@ fn serve_connection(stream: &UnixStream, handler: &AgentHandler) {
                 request: Some(agent_request::Request::Sync(call)),
             }) => {
                 let caller = handler.caller(&cred);
-                (crate::agent_sync::handle(handler, &caller, call, Some(stream)), None)
+                (
+                    crate::agent_sync::handle(handler, &caller, call, Some(stream)),
+                    None,
+                )
             }
             Ok(request) => handler.handle(&cred, request),
             Err(e) => (

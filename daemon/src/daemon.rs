@@ -64,9 +64,10 @@ impl Daemon {
         let pools = Arc::new(Pools::new());
         let stats = Arc::new(Stats::default());
         let status = Arc::new(RegistrationStatus::default());
-        let authority: Arc<dyn crate::manager_client::Authority> = Arc::new(
-            ManagerAuthority::new(clients.clone(), tokio::runtime::Handle::current()),
-        );
+        let authority: Arc<dyn crate::manager_client::Authority> = Arc::new(ManagerAuthority::new(
+            clients.clone(),
+            tokio::runtime::Handle::current(),
+        ));
         let owners = crate::owners::OwnerWatch::start(crate::owners::releaser(
             Arc::clone(&authority),
             config.host_id,

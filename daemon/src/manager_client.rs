@@ -91,11 +91,15 @@ pub trait Authority: Send + Sync {
     fn access(&self, caller: &Caller, ino: u64, mask: u32) -> Result<()>;
     /// Creates a region as `request.caller`, its owner (`Namespace.Create`).
     fn create(&self, _request: v1::CreateRequest) -> Result<v1::Attr> {
-        Err(DaemonError::Invalid("this authority cannot create regions".into()))
+        Err(DaemonError::Invalid(
+            "this authority cannot create regions".into(),
+        ))
     }
     /// Owner `pid` of this host exited: its non-persistent regions go (`Cluster.ReleaseOwner`).
     fn release_owner(&self, _host_id: u32, _pid: u32) -> Result<Vec<u64>> {
-        Err(DaemonError::Invalid("this authority cannot release owners".into()))
+        Err(DaemonError::Invalid(
+            "this authority cannot release owners".into(),
+        ))
     }
     /// The region's map (left out when `known_version` is current), with a fresh transport
     /// capability when `want_capability` (`Regions.GetMap`).
@@ -107,15 +111,21 @@ pub trait Authority: Send + Sync {
         _want_capability: bool,
         _write: bool,
     ) -> Result<v1::RegionInfo> {
-        Err(DaemonError::Invalid("this authority serves no region maps".into()))
+        Err(DaemonError::Invalid(
+            "this authority serves no region maps".into(),
+        ))
     }
     /// Grows region `ino` to at least `size` bytes (`Regions.Extend`).
     fn extend(&self, _caller: &Caller, _ino: u64, _size: u64) -> Result<v1::RegionInfo> {
-        Err(DaemonError::Invalid("this authority cannot grow regions".into()))
+        Err(DaemonError::Invalid(
+            "this authority cannot grow regions".into(),
+        ))
     }
     /// Closes an open handle (`Regions.Close`).
     fn close(&self, _caller: &Caller, _handle: u64) -> Result<()> {
-        Err(DaemonError::Invalid("this authority cannot close handles".into()))
+        Err(DaemonError::Invalid(
+            "this authority cannot close handles".into(),
+        ))
     }
 }
 

@@ -150,7 +150,10 @@ impl Drop for OwnerWatch {
 
 impl Shared {
     fn retry_later(&self, pid: u32) {
-        tracing::warn!(pid, "cannot release a region owner that exited now; retrying every {RETRY:?}");
+        tracing::warn!(
+            pid,
+            "cannot release a region owner that exited now; retrying every {RETRY:?}"
+        );
         if let Ok(mut r) = self.retry.lock() {
             r.push((pid, Instant::now() + RETRY));
         }
@@ -232,7 +235,10 @@ pub fn releaser(authority: Arc<dyn Authority>, host_id: u32) -> OnExit {
             }
             true
         }
-        Err(e) if [libc::EIO, libc::ETIMEDOUT, libc::EAGAIN, libc::ECONNREFUSED].contains(&e.errno()) => {
+        Err(e)
+            if [libc::EIO, libc::ETIMEDOUT, libc::EAGAIN, libc::ECONNREFUSED]
+                .contains(&e.errno()) =>
+        {
             tracing::debug!(pid, error = %e, "cannot reach the manager to release an owner");
             false
         }
@@ -351,7 +357,11 @@ mod tests {
         }
         assert_eq!(*attempts.lock().unwrap(), 3);
         std::thread::sleep(Duration::from_millis(1200));
-        assert_eq!(*attempts.lock().unwrap(), 3, "no more attempts after success");
+        assert_eq!(
+            *attempts.lock().unwrap(),
+            3,
+            "no more attempts after success"
+        );
     }
 
     #[test]

@@ -66,7 +66,9 @@ impl ConnAuth {
     ) -> Result<(), String> {
         if id == 0 {
             if !secret.matches(token) {
-                return Err("wrong cluster secret: use the same --secret-file as the manager".into());
+                return Err(
+                    "wrong cluster secret: use the same --secret-file as the manager".into(),
+                );
             }
             self.secret = true;
             return Ok(());
@@ -155,7 +157,8 @@ mod tests {
     fn capabilities_bind_region_rights_and_time() {
         let (s, k) = setup();
         let mut a = ConnAuth::default();
-        a.present(&s, &k, 1, &token(&k, 10, RIGHT_READ, 60_000)).unwrap();
+        a.present(&s, &k, 1, &token(&k, 10, RIGHT_READ, 60_000))
+            .unwrap();
         a.present(&s, &k, 2, &token(&k, 11, RIGHT_READ | RIGHT_WRITE, 60_000))
             .unwrap();
         assert_eq!(a.authorize(&req(Op::Read, 1)), Ok(Reach::Region(10)));
@@ -165,7 +168,10 @@ mod tests {
             assert_eq!(a.authorize(&req(op, 2)), Ok(Reach::Region(11)));
         }
         assert!(a.authorize(&req(Op::Read, 3)).is_err(), "unknown id");
-        assert!(a.authorize(&req(Op::Read, 0)).is_err(), "id 0 without the secret");
+        assert!(
+            a.authorize(&req(Op::Read, 0)).is_err(),
+            "id 0 without the secret"
+        );
         assert!(!Reach::Region(10).allows(|ino| ino == 11));
         assert!(Reach::Region(10).allows(|ino| ino == 10));
         // Expired tokens are refused when presented, and once they expire.
@@ -175,11 +181,17 @@ mod tests {
                 .contains("expired")
         );
         let mut b = ConnAuth::default();
-        b.present(&s, &k, 1, &token(&k, 10, RIGHT_READ, 30)).unwrap();
+        b.present(&s, &k, 1, &token(&k, 10, RIGHT_READ, 30))
+            .unwrap();
         std::thread::sleep(std::time::Duration::from_millis(40));
-        assert!(b.authorize(&req(Op::Read, 1)).unwrap_err().contains("expired"));
+        assert!(
+            b.authorize(&req(Op::Read, 1))
+                .unwrap_err()
+                .contains("expired")
+        );
         // Renewal under the same id.
-        b.present(&s, &k, 1, &token(&k, 10, RIGHT_READ, 60_000)).unwrap();
+        b.present(&s, &k, 1, &token(&k, 10, RIGHT_READ, 60_000))
+            .unwrap();
         assert!(b.authorize(&req(Op::Read, 1)).is_ok());
         // Forged tokens are refused.
         let mut forged = token(&k, 10, RIGHT_READ, 60_000);

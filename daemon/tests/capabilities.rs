@@ -11,9 +11,7 @@ use bytes::{Bytes, BytesMut};
 use common::{Client, TOKEN, server, status};
 use regions_daemon::pools::Pools;
 use regions_proto::auth::Secret;
-use regions_proto::capability::{
-    Capability, CapabilityKey, RIGHT_READ, RIGHT_WRITE, now_ms,
-};
+use regions_proto::capability::{Capability, CapabilityKey, RIGHT_READ, RIGHT_WRITE, now_ms};
 use regions_proto::frame::{Frame, Range, Request};
 use regions_proto::layout::CHUNK_SIZE;
 
@@ -102,7 +100,10 @@ fn a_capability_reaches_its_region_with_its_rights() {
         assert!(r.error_message().unwrap().contains("read-only"));
     }
     // Another region's chunks, also as part of a vector, and unknown ids are refused.
-    assert_eq!(status(&call(&mut c, &read(4 * C, 8), 5).unwrap()), libc::EACCES);
+    assert_eq!(
+        status(&call(&mut c, &read(4 * C, 8), 5).unwrap()),
+        libc::EACCES
+    );
     let across = Request::ReadV {
         ranges: vec![
             Range {
@@ -121,7 +122,12 @@ fn a_capability_reaches_its_region_with_its_rights() {
     assert_eq!(status(&call(&mut c, &read(0, 8), 6).unwrap()), libc::EACCES);
     assert_eq!(status(&call(&mut c, &read(0, 8), 0).unwrap()), libc::EACCES);
     // A second, writable capability on the same connection for region 11.
-    let ok = hello(&mut c, token(TOKEN, 11, RIGHT_READ | RIGHT_WRITE, 60_000), 7).unwrap();
+    let ok = hello(
+        &mut c,
+        token(TOKEN, 11, RIGHT_READ | RIGHT_WRITE, 60_000),
+        7,
+    )
+    .unwrap();
     assert_eq!(status(&ok), 0);
     assert_eq!(status(&call(&mut c, &write(4 * C), 7).unwrap()), 0);
     let r = call(&mut c, &read(4 * C, 8), 7).unwrap();
@@ -146,13 +152,19 @@ fn forged_and_expired_tokens_are_refused_and_renewal_works() {
     assert!(r.error_message().unwrap().contains("expired"));
     // Expires while in use, then renewed under the same id.
     let mut c = Client::connect(srv.local_addr());
-    assert_eq!(status(&hello(&mut c, token(TOKEN, 10, RIGHT_READ, 300), 1).unwrap()), 0);
+    assert_eq!(
+        status(&hello(&mut c, token(TOKEN, 10, RIGHT_READ, 300), 1).unwrap()),
+        0
+    );
     assert_eq!(status(&call(&mut c, &read(0, 8), 1).unwrap()), 0);
     std::thread::sleep(Duration::from_millis(400));
     let r = call(&mut c, &read(0, 8), 1).unwrap();
     assert_eq!(status(&r), libc::EACCES);
     assert!(r.error_message().unwrap().contains("expired"));
-    assert_eq!(status(&hello(&mut c, token(TOKEN, 10, RIGHT_READ, 60_000), 1).unwrap()), 0);
+    assert_eq!(
+        status(&hello(&mut c, token(TOKEN, 10, RIGHT_READ, 60_000), 1).unwrap()),
+        0
+    );
     assert_eq!(status(&call(&mut c, &read(0, 8), 1).unwrap()), 0);
     // The cluster secret still reaches everything.
     let mut s = Client::authenticated(srv.local_addr(), TOKEN);

@@ -70,12 +70,16 @@ int rsetdefaultattr(int attr, const char *val, int len);
  * Named barriers, mutexes and doorbells at the manager, reached through the
  * host agent of REGIONS_MOUNT (default /regions). 0 on success, -1 with errno:
  * ENOENT unknown name, EEXIST re-init with other parameters (or another
- * kind), EINVAL bad n or name, EPERM unlocking a mutex this process does not
- * hold, EIO manager or lock word unreachable. A mutex is held by a process;
- * it is released when the process exits or its host's lease ends. */
+ * kind), EINVAL bad n or name, EPERM unlocking a mutex this thread does not
+ * hold, EDEADLK locking a mutex this thread holds, EIO manager or lock word
+ * unreachable. A mutex is held by a thread (threads of one process exclude
+ * each other; the locking thread unlocks); it is released when the holder's
+ * process exits or its host's lease ends. */
 /* Creates barrier name of n parties (fine if it exists with the same n). */
 int rbarrier_init(const char *name, int n);
-/* Waits until n callers reached the barrier in this round; reusable. */
+/* Waits until n callers reached the barrier in this round; reusable.
+ * Arrives with one fetch-add on the barrier's word, then polls the word over
+ * the transport (sleeping at the manager when the round takes long). */
 int rbarrier_wait(const char *name);
 int rmutex_init(const char *name);
 /* Uncontended: one compare-and-swap on the lock word; else queued (FIFO). */

@@ -115,7 +115,10 @@ fn fd_writable(fd: BorrowedFd<'_>) -> Result<bool> {
             std::io::Error::last_os_error(),
         ));
     }
-    Ok(matches!(flags & libc::O_ACCMODE, libc::O_RDWR | libc::O_WRONLY))
+    Ok(matches!(
+        flags & libc::O_ACCMODE,
+        libc::O_RDWR | libc::O_WRONLY
+    ))
 }
 
 /// The device number of the file system `fd` is on.
@@ -348,15 +351,17 @@ impl AppRegion {
         self.renew_if_due()?;
         let token = self.token.lock().map_err(|_| Self::poisoned())?.clone();
         let mut map = self.transports.lock().map_err(|_| Self::poisoned())?;
-        Ok(Arc::clone(map.entry(addr.to_owned()).or_insert_with(|| {
-            Arc::new(TcpTransport::with_capability(
-                addr,
-                self.cap_id,
-                &token,
-                self.retry,
-                Arc::clone(&self.stats),
-            ))
-        })))
+        Ok(Arc::clone(map.entry(addr.to_owned()).or_insert_with(
+            || {
+                Arc::new(TcpTransport::with_capability(
+                    addr,
+                    self.cap_id,
+                    &token,
+                    self.retry,
+                    Arc::clone(&self.stats),
+                ))
+            },
+        )))
     }
 
     /// Splits `[offset, offset + len)` into spans per daemon address.

@@ -26,8 +26,8 @@ pub mod error;
 pub mod manager_client;
 pub mod mapping;
 pub mod region;
-pub mod sync;
 pub mod rmalloc;
+pub mod sync;
 pub mod transport;
 mod xattr;
 

@@ -387,6 +387,14 @@ impl SyncClient {
         .map(|r| r.value as u64)
     }
 
+    /// How this process reaches barrier `name`'s word ("local", "tcp ...", or "manager").
+    pub fn barrier_path(&self, name: &str) -> Result<String> {
+        Ok(self
+            .barrier_word(name)?
+            .and_then(|w| w.access.as_ref().map(|t| t.describe()))
+            .unwrap_or_else(|| "manager".to_owned()))
+    }
+
     /// How many parties arrived at barrier `name` since it was created (all rounds), read
     /// from its word (`ENOTSUP` for a barrier without a word or out of this process's reach).
     pub fn barrier_arrivals(&self, name: &str) -> Result<u64> {

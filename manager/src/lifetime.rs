@@ -169,9 +169,7 @@ impl Manager {
                 "release of owner pid {pid} on host {host}: both must be non-zero"
             )));
         }
-        let deleted = self
-            .write(|s| Ok(s.release_owner(host, Some(pid))))
-            .await?;
+        let deleted = self.write(|s| Ok(s.release_owner(host, Some(pid)))).await?;
         if !deleted.is_empty() {
             tracing::info!(host, pid, regions = ?deleted, "owner exited: deleted its non-persistent regions");
         }
@@ -271,7 +269,10 @@ mod tests {
             persistent: Some(persistent),
             ..Default::default()
         };
-        let ino = s.create_entry(c, ROOT_INO, name, 0o644, Some(&o)).unwrap().ino;
+        let ino = s
+            .create_entry(c, ROOT_INO, name, 0o644, Some(&o))
+            .unwrap()
+            .ino;
         s.resize(ino, Some(bytes), bytes, false).unwrap();
         ino
     }
@@ -330,7 +331,10 @@ mod tests {
                 hostalloc: Some("2".into()),
                 ..Default::default()
             };
-            let ino = s.create_entry(&c, ROOT_INO, "on2", 0o644, Some(&o)).unwrap().ino;
+            let ino = s
+                .create_entry(&c, ROOT_INO, "on2", 0o644, Some(&o))
+                .unwrap()
+                .ino;
             s.resize(ino, Some(MIB), MIB, false).unwrap();
             ino
         };
@@ -365,7 +369,12 @@ mod tests {
         }
         assert!(s.open_region(&c, elsewhere, true).is_ok());
         // The restarted daemon's resync leaves the lost chunks out.
-        for p in s.alloc.host_pools(2).map(|p| p.pool.gid).collect::<Vec<_>>() {
+        for p in s
+            .alloc
+            .host_pools(2)
+            .map(|p| p.pool.gid)
+            .collect::<Vec<_>>()
+        {
             assert!(s.pool_chunks(p).unwrap().is_empty());
         }
         // Unlink works and frees the memory.

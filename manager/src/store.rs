@@ -436,7 +436,10 @@ pub fn collect(state: &mut State) -> Result<Vec<Record>, StoreError> {
         out.push(Record::Handle(*id, v));
     }
     for key in &dirty.sync {
-        out.push(Record::Sync(key.clone(), crate::sync::record_of(state, key)?));
+        out.push(Record::Sync(
+            key.clone(),
+            crate::sync::record_of(state, key)?,
+        ));
     }
     if dirty.counters {
         out.push(Record::Counter("next_ino".into(), state.counters.next_ino));

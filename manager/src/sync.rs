@@ -1350,3 +1350,113 @@ impl Sync for SyncService {
         reply("release_dead", result.map(|n| value(n as u64)))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::cluster::HostRegistration;
+
+    use super::*;
+
+    fn state() -> State {
+        let mut s = State::new(Duration::from_secs(10), 0o1777);
+        s.register_host(&HostRegistration {
+            host_id: 1,
+            transport_addr: "127.0.0.1:1".into(),
+            agent_socket: String::new(),
+            memory_offered: 8 * CHUNK_SIZE,
+            incarnation: 1,
+        })
+        .unwrap();
+        s.register_pool(1, 0, 8 * CHUNK_SIZE).unwrap();
+        s
+    }
+
+    #[test]
+    fn barriers_and_mutexes_get_slots_that_are_never_reused() {
+        let mut s = state();
+        let c = Caller::root(1);
+        let barrier = |n| SyncDef::BarrierWord { n, offset: 0 };
+        let mutex = SyncDef::Mutex { offset: 0 };
+        assert_eq!(
+            s.sync_init(&c, "b", barrier(0)).unwrap_err().errno(),
+            libc::EINVAL
+        );
+        assert_eq!(
+            s.sync_init(&c, "b", barrier(2)).unwrap(),
+            SyncDef::BarrierWord { n: 2, offset: 0 }
+        );
+        assert_eq!(
+            s.sync_init(&c, "b", barrier(2)).unwrap(),
+            SyncDef::BarrierWord { n: 2, offset: 0 },
+            "same parameters: the existing barrier"
+        );
+        assert_eq!(
+            s.sync_init(&c, "b", barrier(3)).unwrap_err().errno(),
+            libc::EEXIST
+        );
+        assert_eq!(
+            s.sync_init(&c, "b", mutex.clone()).unwrap_err().errno(),
+            libc::EEXIST
+        );
+        assert_eq!(
+            s.sync_init(&c, "m", mutex.clone()).unwrap(),
+            SyncDef::Mutex {
+                offset: SLOT_STRIDE
+            }
+        );
+        s.sync_delete("m").unwrap();
+        s.sync_delete("b").unwrap();
+        assert_eq!(s.sync_def("m").unwrap_err().errno(), libc::ENOENT);
+        assert_eq!(
+            s.sync_init(&c, "m", mutex).unwrap(),
+            SyncDef::Mutex {
+                offset: 2 * SLOT_STRIDE
+            },
+            "a deleted object's slot is not reused"
+        );
+        let place = s.lock_word(2 * SLOT_STRIDE).unwrap();
+        assert_eq!((place.host_id, place.region_offset), (1, 2 * SLOT_STRIDE));
+    }
+
+    #[test]
+    fn stored_barriers_without_words_still_load_and_match() {
+        let mut s = state();
+        // A record written before barriers had words.
+        let legacy = postcard::to_allocvec(&SyncDef::Barrier { n: 2 }).unwrap();
+        load_record(&mut s, "old", &legacy).unwrap();
+        assert_eq!(s.sync_def("old").unwrap(), SyncDef::Barrier { n: 2 });
+        let c = Caller::root(1);
+        assert_eq!(
+            s.sync_init(&c, "old", SyncDef::BarrierWord { n: 2, offset: 0 })
+                .unwrap(),
+            SyncDef::Barrier { n: 2 }
+        );
+        assert_eq!(
+            s.sync_init(&c, "old", SyncDef::BarrierWord { n: 3, offset: 0 })
+                .unwrap_err()
+                .errno(),
+            libc::EEXIST
+        );
+        // New definitions and the lock region round-trip through their records.
+        s.sync_init(&c, "new", SyncDef::BarrierWord { n: 4, offset: 0 })
+            .unwrap();
+        let mut t = state();
+        for key in ["new", LOCK_REGION_KEY] {
+            let bytes = record_of(&s, key).unwrap().unwrap();
+            load_record(&mut t, key, &bytes).unwrap();
+        }
+        assert_eq!(t.sync.defs["new"], s.sync.defs["new"]);
+        assert_eq!(t.sync.lock_region, s.sync.lock_region);
+    }
+
+    #[test]
+    fn tags_out_of_range_are_refused_clearly() {
+        assert_eq!(tag(1 << 16, 1, 1).unwrap_err().errno(), libc::EINVAL);
+        let err = tag(1, 1 << 22, 0).unwrap_err();
+        assert!(err.to_string().contains("pid_max"), "{err}");
+        let t = tag(3, 4, 5).unwrap();
+        assert_eq!((tag_host(t | WAITERS), tag_pid(t)), (3, 4));
+    }
+}

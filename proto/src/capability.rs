@@ -52,9 +52,7 @@ pub enum CapabilityError {
     )]
     BadMac,
     /// The token's expiry has passed.
-    #[error(
-        "capability for region {ino} expired {ago_ms} ms ago: renew it through the host agent"
-    )]
+    #[error("capability for region {ino} expired {ago_ms} ms ago: renew it through the host agent")]
     Expired {
         /// The region.
         ino: u64,
@@ -124,11 +122,15 @@ impl Capability {
             )));
         }
         if token[2..8].iter().any(|&b| b != 0) {
-            return Err(CapabilityError::Malformed("reserved bytes are not 0".into()));
+            return Err(CapabilityError::Malformed(
+                "reserved bytes are not 0".into(),
+            ));
         }
         let rights = token[1];
         if rights & !(RIGHT_READ | RIGHT_WRITE) != 0 {
-            return Err(CapabilityError::Malformed(format!("unknown rights {rights:#x}")));
+            return Err(CapabilityError::Malformed(format!(
+                "unknown rights {rights:#x}"
+            )));
         }
         let word = |at: usize| {
             let mut w = [0u8; 8];
@@ -256,7 +258,10 @@ mod tests {
     #[test]
     fn malformed_tokens_are_refused() {
         let k = key("secret");
-        assert!(matches!(k.verify(&[0u8; 10]), Err(CapabilityError::Malformed(_))));
+        assert!(matches!(
+            k.verify(&[0u8; 10]),
+            Err(CapabilityError::Malformed(_))
+        ));
         let mut t = k.mint(&cap());
         t[0] = 9;
         assert!(matches!(k.verify(&t), Err(CapabilityError::Malformed(_))));

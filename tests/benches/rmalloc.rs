@@ -37,6 +37,9 @@ use regions_tests::Cluster;
 
 const BATCH: usize = 1000;
 
+/// A measurement: pairs per second of `n` allocations and frees.
+type Pattern = fn(usize, &mut dyn FnMut() -> *mut u8, &mut dyn FnMut(*mut u8)) -> f64;
+
 fn quick() -> bool {
     std::env::var_os("BENCH_QUICK").is_some() || !std::env::args().any(|a| a == "--bench")
 }
@@ -94,7 +97,7 @@ fn compare(
     label: &str,
     n: usize,
     runs: usize,
-    pattern: fn(usize, &mut dyn FnMut() -> *mut u8, &mut dyn FnMut(*mut u8)) -> f64,
+    pattern: Pattern,
     alloc: &mut dyn FnMut() -> *mut u8,
     free: &mut dyn FnMut(*mut u8),
 ) -> f64 {

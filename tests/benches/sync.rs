@@ -12,7 +12,9 @@
 //! - uncontended `mutex_lock` + `mutex_unlock` from a process whose lock word is on another
 //!   host (tcp transport with the manager's capability: target at most 2 round trips), and
 //!   from a process on the word's own host (the segment mapped: CPU atomics);
-//! - a 3-party barrier, one party per host (target at most 3 round trips per round).
+//! - a 3-party barrier, one party per host (target at most 3 round trips per round): the
+//!   fast path (fetch-add on the arrival word, then polling it), and for comparison the same
+//!   barrier with every call through agent and manager.
 //!
 //! `BENCH_OPS` sets the iterations (default 5,000; barrier rounds are a tenth of that).
 
@@ -122,6 +124,38 @@ fn run() -> anyhow::Result<()> {
             .map_err(|_| anyhow::anyhow!("barrier thread panicked"))??;
     }
     let barrier = per_op(t.elapsed(), rounds);
+    let barrier_path = parties
+        .iter()
+        .map(|p| p.barrier_path("bench-barrier"))
+        .collect::<regions::Result<Vec<_>>>()?
+        .join(", ");
+
+    // The same barrier with every call through the manager (no fast path), for comparison.
+    let slow_rounds = (rounds / 4).max(10);
+    let slow: Vec<Arc<SyncClient>> = (1..=3)
+        .map(|h| sock(h).map(|s| Arc::new(SyncClient::connect(&s).through_manager())))
+        .collect::<anyhow::Result<_>>()?;
+    for p in &slow {
+        p.bell_init("bench-warm")?;
+    }
+    let t = Instant::now();
+    let handles: Vec<_> = slow
+        .iter()
+        .map(|p| {
+            let p = Arc::clone(p);
+            std::thread::spawn(move || -> anyhow::Result<()> {
+                for _ in 0..slow_rounds {
+                    p.barrier_wait("bench-barrier")?;
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join()
+            .map_err(|_| anyhow::anyhow!("barrier thread panicked"))??;
+    }
+    let slow_barrier = per_op(t.elapsed(), slow_rounds);
 
     let ratio = |d: Duration| d.as_secs_f64() / rtt.as_secs_f64();
     println!("sync primitives vs one transport round trip (same run, {ops} ops)");
@@ -142,9 +176,14 @@ fn run() -> anyhow::Result<()> {
         ratio(local_lock)
     );
     println!(
-        "| 3-party barrier round ({rounds} rounds) | {} | {:.2} | <= 3 |",
+        "| 3-party barrier round ({rounds} rounds; {barrier_path}) | {} | {:.2} | <= 3 |",
         us(barrier),
         ratio(barrier)
+    );
+    println!(
+        "| 3-party barrier round, all through the manager ({slow_rounds} rounds) | {} | {:.2} | |",
+        us(slow_barrier),
+        ratio(slow_barrier)
     );
     drop(cluster);
     Ok(())

@@ -70,10 +70,6 @@ fn install() -> tempfile::TempDir {
 /// installed library.
 fn compile(prefix: &Path, sources: &[PathBuf], out: &Path, extra: &str) {
     let srcs: Vec<String> = sources.iter().map(|s| s.display().to_string()).collect();
-    let extra = format!(
-        "{extra} {}",
-        std::env::var("C_ABI_CFLAGS").unwrap_or_default()
-    );
     let script = format!(
         "cc -O1 -g -Wall -Werror -I{inc} {srcs} -o {out} $(pkg-config --cflags --libs regions) {extra}",
         inc = workspace().join("examples/c").display(),

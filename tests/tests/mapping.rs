@@ -45,7 +45,9 @@ fn word(off: usize) -> u64 {
 }
 
 fn pattern(len: usize) -> Vec<u8> {
-    (0..len / 8).flat_map(|i| word(i * 8).to_le_bytes()).collect()
+    (0..len / 8)
+        .flat_map(|i| word(i * 8).to_le_bytes())
+        .collect()
 }
 
 /// Writes `data` as a new region file through a mount (its host holds it) and syncs it.
@@ -59,7 +61,15 @@ fn setxattr(p: &Path, name: &str, value: &[u8]) {
     let c = CString::new(p.as_os_str().as_bytes()).unwrap();
     let n = CString::new(name).unwrap();
     // SAFETY: valid NUL-terminated strings and a buffer of the given length.
-    let r = unsafe { libc::setxattr(c.as_ptr(), n.as_ptr(), value.as_ptr().cast(), value.len(), 0) };
+    let r = unsafe {
+        libc::setxattr(
+            c.as_ptr(),
+            n.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
     assert_eq!(r, 0, "setxattr {name}: {}", std::io::Error::last_os_error());
 }
 
@@ -69,7 +79,11 @@ fn getxattr(p: &Path, name: &str) -> String {
     let mut buf = vec![0u8; 256];
     // SAFETY: valid NUL-terminated strings and a buffer of the given length.
     let r = unsafe { libc::getxattr(c.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-    assert!(r >= 0, "getxattr {name}: {}", std::io::Error::last_os_error());
+    assert!(
+        r >= 0,
+        "getxattr {name}: {}",
+        std::io::Error::last_os_error()
+    );
     buf.truncate(r as usize);
     String::from_utf8(buf).unwrap()
 }
@@ -185,7 +199,10 @@ fn remote_region_maps_at_its_fixed_address_on_both_hosts() {
     assert!(m.len() >= len);
     // SAFETY: the mapping holds at least `len` readable bytes.
     let seen = unsafe { std::slice::from_raw_parts(m.base(), len) };
-    assert!(seen == &data[..], "bytes read through the mapping match the writer's");
+    assert!(
+        seen == &data[..],
+        "bytes read through the mapping match the writer's"
+    );
     let after = s.stats(2);
     assert!(
         after.transport_bytes_read - before.transport_bytes_read >= len as u64,
@@ -194,7 +211,7 @@ fn remote_region_maps_at_its_fixed_address_on_both_hosts() {
     // Mapping it again returns the same mapping.
     let again = mapping::map_fd(file.as_fd()).unwrap();
     assert_eq!(again.base(), m.base());
-    assert!(mapping::lookup(unsafe { m.base().add(100) }).is_some());
+    assert!(mapping::lookup(m.base().wrapping_add(100)).is_some());
 
     // Host 2 (another process; the region is local there): the same address.
     let mut h = Helper::spawn(&s.m2.path("fix/data"), "ro");
@@ -252,7 +269,11 @@ fn clearcache_then_reread_sees_the_writers_newer_data() {
     writer.write_at(0, &2u64.to_le_bytes()).unwrap();
     assert_eq!(read_word(&m, 0), 1, "the page stays cached until cleared");
     m.clearcache(m.base(), m.len()).expect("clearcache");
-    assert_eq!(read_word(&m, 0), 2, "re-read after clearcache fetches the new data");
+    assert_eq!(
+        read_word(&m, 0),
+        2,
+        "re-read after clearcache fetches the new data"
+    );
     mapping::unmap(m.base()).unwrap();
 }
 
@@ -261,13 +282,19 @@ fn sigbus_within_the_bound_when_the_regions_host_is_gone() {
     let mut s = setup();
     create(&s.m2.path("gone"), &pattern(1 << 20));
     let mut h = Helper::spawn(&s.m1.path("gone"), "ro");
-    s.cluster.daemons[1].sigkill().expect("kill host 2's daemon");
+    s.cluster.daemons[1]
+        .sigkill()
+        .expect("kill host 2's daemon");
     let start = Instant::now();
     h.send("r 65536");
     let status = h
         .wait(Duration::from_secs(15))
         .expect("the faulting process ended instead of hanging");
-    assert_eq!(status.signal(), Some(libc::SIGBUS), "died of SIGBUS: {status:?}");
+    assert_eq!(
+        status.signal(),
+        Some(libc::SIGBUS),
+        "died of SIGBUS: {status:?}"
+    );
     let took = start.elapsed();
     eprintln!("SIGBUS after {took:?}");
 }
@@ -298,7 +325,9 @@ fn read_only_capability_refuses_writes() {
     let mut buf = [0u8; 16];
     assert_eq!(ro.read_at(0, &mut buf).unwrap(), 16);
     assert_eq!(buf, [5u8; 16]);
-    let err = ro.write_at(0, b"nope").expect_err("write with a read-only capability");
+    let err = ro
+        .write_at(0, b"nope")
+        .expect_err("write with a read-only capability");
     assert_eq!(err.errno(), libc::EACCES, "{err}");
     // The mapping of a read-only fd refuses to mark pages dirty.
     let file = std::fs::File::open(s.m1.path("ro")).unwrap();

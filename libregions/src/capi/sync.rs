@@ -56,7 +56,7 @@ pub unsafe extern "C" fn rmutex_init(name: *const c_char) -> c_int {
     ffi_int(|| sync::mutex_init(unsafe { name_of(name) }?).map(|()| 0))
 }
 
-/// Locks mutex `name` for this process.
+/// Locks mutex `name` for the calling thread.
 ///
 /// # Safety
 /// `name` is NULL or a valid NUL-terminated string.
@@ -66,7 +66,7 @@ pub unsafe extern "C" fn rmutex_lock(name: *const c_char) -> c_int {
     ffi_int(|| sync::mutex_lock(unsafe { name_of(name) }?).map(|()| 0))
 }
 
-/// Unlocks mutex `name`.
+/// Unlocks mutex `name` (held by the calling thread).
 ///
 /// # Safety
 /// `name` is NULL or a valid NUL-terminated string.

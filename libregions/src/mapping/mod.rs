@@ -952,9 +952,9 @@ impl Mapping {
                 at += n;
             }
             let c0 = (a) / CHUNK_PAGES;
-            let written = self.spans_of(c0, &runs).and_then(|(addr, spans)| {
-                self.region.transport(&addr)?.write(&spans, &buf)
-            });
+            let written = self
+                .spans_of(c0, &runs)
+                .and_then(|(addr, spans)| self.region.transport(&addr)?.write(&spans, &buf));
             for &(a, b) in &runs {
                 for s in &pages[a..b] {
                     let to = if written.is_ok() { CLEAN } else { DIRTY };

@@ -29,10 +29,7 @@ pub(crate) enum Job {
     /// A write to a write-protected page at `addr`.
     WriteProtect(usize),
     /// Fetch pages ahead (asynchronous `rprefetch`).
-    Prefetch {
-        addr: usize,
-        len: usize,
-    },
+    Prefetch { addr: usize, len: usize },
 }
 
 /// The process-wide userfaultfd and its threads.
@@ -157,7 +154,9 @@ impl Faults {
         self.uffd
             .register_with_mode(addr as *mut libc::c_void, len, mode)
             .map(drop)
-            .map_err(|e| io::Error::other(format!("registering remote pages with userfaultfd: {e}")))
+            .map_err(|e| {
+                io::Error::other(format!("registering remote pages with userfaultfd: {e}"))
+            })
     }
 
     /// Installs `src` at `dst` (page aligned, whole pages), write-protected if `wp`, and wakes

@@ -629,6 +629,46 @@ impl Transport for TcpTransport {
 mod tests {
     use super::*;
 
+    #[test]
+    fn an_unreachable_daemon_is_waited_for_once_then_probed() {
+        // A port with nothing listening: connections are refused.
+        let addr = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap()
+        };
+        let retry = RetryPolicy {
+            deadline: Duration::from_millis(300),
+            backoff: Duration::from_millis(10),
+        };
+        let t = TcpTransport::new(&addr.to_string(), b"secret", retry, Arc::default());
+        let spans = [span(0, 0, 4096)];
+        let mut buf = vec![0u8; 4096];
+        let first = t.read(&spans, &mut buf).unwrap_err();
+        assert_eq!(first.errno(), libc::EIO);
+        assert!(
+            matches!(first, RegionsError::DaemonUnreachable { attempts, .. } if attempts > 1),
+            "retried until the deadline: {first}"
+        );
+        // Right after: no attempt at all.
+        let second = t.read(&spans, &mut buf).unwrap_err();
+        assert!(
+            matches!(second, RegionsError::DaemonUnreachable { attempts: 0, .. }),
+            "{second}"
+        );
+        assert_eq!(second.errno(), libc::EIO);
+        // After the quiet time: one request probes (and fails again), the next is quiet.
+        std::thread::sleep(QUIET);
+        let probe = t.read(&spans, &mut buf).unwrap_err();
+        assert!(
+            matches!(probe, RegionsError::DaemonUnreachable { attempts, .. } if attempts > 0),
+            "{probe}"
+        );
+        assert!(matches!(
+            t.read(&spans, &mut buf).unwrap_err(),
+            RegionsError::DaemonUnreachable { attempts: 0, .. }
+        ));
+    }
+
     fn span(region_offset: u64, pool_offset: u64, len: u64) -> Span {
         Span {
             region_offset,

@@ -39,8 +39,11 @@ fn main() -> anyhow::Result<()> {
         let words: Vec<&str> = line.split_whitespace().collect();
         let offset = |i: usize| -> anyhow::Result<usize> {
             let off: usize = words.get(i).context("missing offset")?.parse()?;
-            if off + 8 > m.len() || off % 8 != 0 {
-                bail!("offset {off} is not an aligned word inside {} bytes", m.len());
+            if off + 8 > m.len() || !off.is_multiple_of(8) {
+                bail!(
+                    "offset {off} is not an aligned word inside {} bytes",
+                    m.len()
+                );
             }
             Ok(off)
         };
