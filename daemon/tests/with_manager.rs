@@ -404,16 +404,37 @@ async fn a_restarted_daemon_takes_over_its_pools_and_handles_several() {
     let pools = second.pools().list();
     assert_eq!(pools.len(), 2, "{pools:?}");
     assert_eq!(pools[0], first_pools[0]);
-    let addr = second.advertised_addr().to_owned();
-    let m = map_a.clone();
-    let old = tokio::task::spawn_blocking(move || transport_read(&addr, &m, 0, 6))
+    // The old daemon's data died with it: the manager marks the region lost (EIO until
+    // unlinked) and the new daemon never serves its chunks as zeros.
+    let lost = c
+        .regions
+        .open(v1::OpenRequest {
+            caller: Some(root()),
+            ino: a,
+            write: false,
+        })
         .await
-        .unwrap();
+        .expect_err("opening a region whose memory died must fail");
     assert_eq!(
-        old,
-        vec![0u8; 6],
-        "the old daemon's data is gone, the region reads zeros"
+        regions_proto::errno::errno_of(&lost),
+        libc::EIO,
+        "{}",
+        lost.message()
     );
+    let addr = second.advertised_addr().to_owned();
+    let first_chunk = map_a[0];
+    let status_of_old = tokio::task::spawn_blocking(move || {
+        let mut client = Client::authenticated(addr.parse().unwrap(), TOKEN);
+        let reply = client.call(&Request::Read {
+            pool: first_chunk.gid,
+            offset: first_chunk.pool_offset,
+            len: 6,
+        });
+        status(&reply)
+    })
+    .await
+    .unwrap();
+    assert_ne!(status_of_old, 0, "a lost chunk must not be served");
 
     // With two pools, events name no pool: the daemon resyncs, and a region spanning both
     // pools works.
@@ -457,6 +478,9 @@ async fn a_restarted_daemon_takes_over_its_pools_and_handles_several() {
     .await
     .unwrap();
     assert!(released, "region b's segment was not released");
-    assert!(second.pools().segment(a).is_some());
+    assert!(
+        second.pools().segment(a).is_none(),
+        "the lost region a has no memory on the new daemon"
+    );
     second.shutdown().await;
 }

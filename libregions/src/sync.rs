@@ -124,9 +124,9 @@ fn gettid() -> u32 {
 }
 
 /// A barrier waiter polls the word without pausing this long, ...
-const BARRIER_BUSY: Duration = Duration::from_micros(300);
+const BARRIER_BUSY: Duration = Duration::from_millis(2);
 /// ... then with pauses doubling from the first to the last, ...
-const BARRIER_PAUSE: (Duration, Duration) = (Duration::from_micros(20), Duration::from_millis(1));
+const BARRIER_PAUSE: (Duration, Duration) = (Duration::from_micros(20), Duration::from_micros(500));
 /// ... and sleeps at the manager once the round took this long.
 const BARRIER_POLL: Duration = Duration::from_millis(20);
 /// Largest agent reply accepted.
@@ -370,7 +370,14 @@ impl SyncClient {
             if waited >= BARRIER_POLL {
                 break;
             }
-            if waited >= BARRIER_BUSY {
+            // A mapped word is polled without a round trip: pause sooner, leaving the CPU to
+            // the daemon serving the other parties.
+            let busy = if local {
+                BARRIER_BUSY / 20
+            } else {
+                BARRIER_BUSY
+            };
+            if waited >= busy {
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(BARRIER_PAUSE.1);
             } else if local {

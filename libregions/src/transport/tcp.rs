@@ -39,9 +39,11 @@ pub struct RetryPolicy {
 }
 
 impl Default for RetryPolicy {
+    /// Gives up after 4.5 s, so that with the request's own overhead (a FUSE
+    /// round trip, a page fault) the caller sees `EIO` within 5 s.
     fn default() -> Self {
         RetryPolicy {
-            deadline: Duration::from_secs(5),
+            deadline: Duration::from_millis(4500),
             backoff: Duration::from_millis(20),
         }
     }
