@@ -40,7 +40,7 @@
 //! Waiting calls (barrier, lock, doorbell) block without a deadline; each uses a connection
 //! of its own, so other threads' calls are not held up.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -58,6 +58,9 @@ use crate::error::{RegionsError, Result};
 use crate::transport::local::LocalSegment;
 use crate::transport::tcp::{RetryPolicy, TcpTransport};
 use crate::transport::{Span, Transport, TransportStats};
+
+mod unlock;
+use unlock::{Handover, InFlight};
 
 /// Set in a lock word while callers queue at the manager.
 pub const WAITERS: u64 = 1 << 63;
@@ -135,6 +138,9 @@ const MAX_REPLY: usize = 1 << 20;
 const MAX_IDLE: usize = 4;
 /// Renew a capability this long before it expires (ms).
 const RENEW_MS: u64 = 10_000;
+/// Longest wait for this process's posted unlocks of a mutex before locking it (they take
+/// at most a transport deadline plus a manager call).
+const UNLOCK_WAIT: Duration = Duration::from_secs(15);
 
 /// A mutex's lock word or a barrier's arrival word, and the way to reach it from this
 /// process.
@@ -143,6 +149,8 @@ struct Word {
     span: Span,
     /// `None`: no direct path; every call goes through the manager.
     access: Option<Box<dyn Transport>>,
+    /// This process's unlocks of the word that are not finished.
+    unlocks: Arc<InFlight>,
 }
 
 impl Word {
@@ -164,6 +172,10 @@ pub struct SyncClient {
     /// Whether words are used directly (else every call goes through the manager).
     direct: bool,
     stats: Arc<TransportStats>,
+    /// Mutexes locked through this client and not unlocked yet: (name, tid).
+    held: Mutex<HashSet<(String, u32)>>,
+    /// The worker finishing posted unlocks (started on first use).
+    handovers: Mutex<Option<std::sync::mpsc::Sender<Handover>>>,
 }
 
 impl std::fmt::Debug for SyncClient {
@@ -197,6 +209,8 @@ impl SyncClient {
             barriers: Mutex::new(HashMap::new()),
             direct: true,
             stats: Arc::default(),
+            held: Mutex::new(HashSet::new()),
+            handovers: Mutex::new(None),
         }
     }
 
@@ -464,6 +478,7 @@ impl SyncClient {
             location,
             span,
             access,
+            unlocks: InFlight::tracked(),
         })
     }
 
@@ -564,36 +579,100 @@ impl SyncClient {
         })
     }
 
+    /// Records that this thread holds `name` (or no longer does).
+    fn set_held(&self, name: &str, tid: u32, held: bool) -> bool {
+        let Ok(mut set) = self.held.lock() else {
+            return false;
+        };
+        if held {
+            set.insert((name.to_owned(), tid))
+        } else {
+            set.remove(&(name.to_owned(), tid))
+        }
+    }
+
+    /// The sender to the worker finishing posted unlocks.
+    fn handovers(&self) -> Option<std::sync::mpsc::Sender<Handover>> {
+        let mut h = self.handovers.lock().ok()?;
+        if h.is_none() {
+            match unlock::start_worker(self.socket.clone()) {
+                Ok(tx) => *h = Some(tx),
+                Err(e) => tracing::debug!(error = %e, "cannot start the unlock worker"),
+            }
+        }
+        h.clone()
+    }
+
     /// Locks mutex `name` for this thread: a compare-and-swap on its word when free, else
     /// queued in FIFO order at the manager.
     pub fn mutex_lock(&self, name: &str) -> Result<()> {
         let word = self.word(name)?;
         let tag = self.my_tag(&word)?;
         if let Some(t) = &word.access {
-            match t.compare_and_swap(&word.span, 0, tag) {
-                Ok(0) => return Ok(()),
-                Ok(old) if old & DELETED != 0 => self.forget(name),
-                Ok(old) if old & !WAITERS == tag => {
-                    return Err(RegionsError::Manager {
-                        errno: libc::EDEADLK,
-                        message: format!("mutex {name:?} is already held by this thread"),
-                    });
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    tracing::debug!(error = %e, "lock word unreachable directly; asking the manager");
-                    self.forget(name);
+            let mut looked_again = false;
+            loop {
+                // Whether an unlock of this process may not have reached the word yet (one
+                // finishing after the swap below still leaves its reply stale).
+                let unlocking = word.unlocks.any();
+                match t.compare_and_swap(&word.span, 0, tag) {
+                    Ok(0) => {
+                        self.set_held(name, tag_tid(tag), true);
+                        return Ok(());
+                    }
+                    // This process's unlocks were finishing: look again now they are done.
+                    Ok(_) if unlocking && !looked_again => {
+                        word.unlocks.wait(UNLOCK_WAIT);
+                        looked_again = true;
+                    }
+                    Ok(old) if old & DELETED != 0 => {
+                        self.forget(name);
+                        break;
+                    }
+                    Ok(old) if old & !WAITERS == tag => {
+                        return Err(RegionsError::Manager {
+                            errno: libc::EDEADLK,
+                            message: format!("mutex {name:?} is already held by this thread"),
+                        });
+                    }
+                    Ok(_) => break,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "lock word unreachable directly; asking the manager");
+                        self.forget(name);
+                        break;
+                    }
                 }
             }
         }
-        self.call(SyncOp::MutexLock, name, 0).map(drop)
+        word.unlocks.wait(UNLOCK_WAIT);
+        self.call(SyncOp::MutexLock, name, 0)?;
+        self.set_held(name, tag_tid(tag), true);
+        Ok(())
     }
 
     /// Unlocks mutex `name` held by this thread (`EPERM` if it does not hold it).
+    ///
+    /// When this client locked it and reaches the word over the network, the swap is posted
+    /// (see [`unlock`]): the call returns once it is sent, and a later lock from this process
+    /// is applied after it.
     pub fn mutex_unlock(&self, name: &str) -> Result<()> {
         let word = self.word(name)?;
         let tag = self.my_tag(&word)?;
+        let held_here = self.set_held(name, tag_tid(tag), false);
         if let Some(t) = &word.access {
+            if held_here
+                && t.posts_atomics()
+                && let Some(handovers) = self.handovers()
+            {
+                word.unlocks.begin();
+                let done = unlock::completion(name, tag, Arc::clone(&word.unlocks), handovers);
+                match t.post_compare_and_swap(&word.span, tag, 0, done) {
+                    Ok(()) => return Ok(()),
+                    Err(e) => {
+                        word.unlocks.end();
+                        tracing::debug!(error = %e, "cannot post the unlock; unlocking here");
+                    }
+                }
+            }
             match t.compare_and_swap(&word.span, tag, 0) {
                 Ok(old) if old == tag => return Ok(()),
                 Ok(old) if old & !WAITERS == tag => {} // waiters: the manager hands it on

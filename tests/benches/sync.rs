@@ -92,6 +92,17 @@ fn run() -> anyhow::Result<()> {
         Ok(per_op(t.elapsed(), ops))
     };
     let remote_lock = measure(&remote)?;
+    // The two halves of the remote pair, timed one by one.
+    let (mut lock_t, mut unlock_t) = (Duration::ZERO, Duration::ZERO);
+    for _ in 0..ops {
+        let t = Instant::now();
+        remote.mutex_lock("bench")?;
+        let m = Instant::now();
+        remote.mutex_unlock("bench")?;
+        lock_t += m - t;
+        unlock_t += m.elapsed();
+    }
+    let (remote_lock_half, remote_unlock_half) = (per_op(lock_t, ops), per_op(unlock_t, ops));
     let remote_path = remote.mutex_path("bench")?;
     let local_lock = measure(&local)?;
     let local_path = local.mutex_path("bench")?;
@@ -184,6 +195,13 @@ fn run() -> anyhow::Result<()> {
         "| mutex lock+unlock, word on another host ({remote_path}) | {} | {:.2} | <= 2 |",
         us(remote_lock),
         ratio(remote_lock)
+    );
+    println!(
+        "| of which lock / unlock (timed one by one) | {} / {} | {:.2} / {:.2} | |",
+        us(remote_lock_half),
+        us(remote_unlock_half),
+        ratio(remote_lock_half),
+        ratio(remote_unlock_half)
     );
     println!(
         "| mutex lock+unlock, word on this host ({local_path}) | {} | {:.2} | <= 2 |",

@@ -22,6 +22,10 @@ pub struct Span {
     pub len: u64,
 }
 
+/// Where the outcome of a posted atomic goes. It runs on whichever thread reads the reply
+/// and must be short: hand longer work to another thread.
+pub type Completion = Box<dyn FnOnce(Result<u64>) + Send>;
+
 /// One-sided access to region memory.
 pub trait Transport: Send + Sync {
     /// Fills `dst` (whose length is the sum of the spans' lengths) with the
@@ -34,6 +38,25 @@ pub trait Transport: Send + Sync {
     fn compare_and_swap(&self, at: &Span, expected: u64, new: u64) -> Result<u64>;
     /// Adds `addend` to the 8-byte word at `at`; returns the old value.
     fn fetch_add(&self, at: &Span, addend: u64) -> Result<u64>;
+    /// Whether [`Transport::post_compare_and_swap`] returns before the swap is done (else
+    /// posting gains nothing).
+    fn posts_atomics(&self) -> bool {
+        false
+    }
+    /// Compare-and-swap whose caller does not wait for the old value: `done` gets it (or
+    /// the error), on some thread, later. Atomics this transport is asked for afterwards are
+    /// applied after it. `Err` here: nothing was sent, `done` is dropped uncalled. The
+    /// default does it at once.
+    fn post_compare_and_swap(
+        &self,
+        at: &Span,
+        expected: u64,
+        new: u64,
+        done: Completion,
+    ) -> Result<()> {
+        done(self.compare_and_swap(at, expected, new));
+        Ok(())
+    }
     /// Short name for logs ("tcp 127.0.0.1:7101", "local").
     fn describe(&self) -> String;
 }

@@ -13,8 +13,10 @@ use bytes::{Bytes, BytesMut};
 use regions_proto::frame::{FLAG_REPLY, HEADER_LEN, Header, Op, RANGE_LEN};
 use std::borrow::Cow;
 
-use super::{Span, Transport, TransportStats};
+use super::{Completion, Span, Transport, TransportStats};
 use crate::error::{RegionsError, Result};
+
+mod posted;
 
 /// Largest payload of one READ or WRITE request.
 const MAX_IO: u64 = 4 << 20;
@@ -101,6 +103,8 @@ pub struct TcpTransport {
     down: std::sync::atomic::AtomicBool,
     /// When the daemon last failed a request while `down`.
     down_at: Mutex<Instant>,
+    /// Posted atomics and the replies they are owed.
+    lane: Arc<posted::Lane>,
 }
 
 /// The deadline of a request to a daemon known to be unreachable.
@@ -142,6 +146,7 @@ impl TcpTransport {
             stats,
             down: std::sync::atomic::AtomicBool::new(false),
             down_at: Mutex::new(Instant::now()),
+            lane: Arc::default(),
         }
     }
 
@@ -210,13 +215,23 @@ impl TcpTransport {
     }
 
     fn daemon_error(&self, status: u32, message: &str) -> RegionsError {
-        RegionsError::Daemon {
-            addr: self.addr.clone(),
-            errno: status as i32,
-            message: if message.is_empty() {
-                format!("error {status}")
-            } else {
-                message.to_owned()
+        daemon_error(&self.addr, status, message)
+    }
+
+    /// Whether the daemon failed a request recently (see `down`).
+    fn is_down(&self) -> bool {
+        self.down.load(Ordering::Relaxed)
+    }
+
+    /// The error of a connection attempt that failed.
+    fn failure_error(&self, failure: Failure) -> RegionsError {
+        match failure {
+            Failure::Final(e) => e,
+            Failure::Retry(reason) => RegionsError::DaemonUnreachable {
+                addr: self.addr.clone(),
+                attempts: 1,
+                elapsed_ms: 0,
+                reason,
             },
         }
     }
@@ -574,27 +589,58 @@ fn read_word(stream: &mut TcpStream, header: &Header) -> Result<u64, Failure> {
     Ok(u64::from_le_bytes(word))
 }
 
+/// The error a daemon reported.
+fn daemon_error(addr: &str, status: u32, message: &str) -> RegionsError {
+    RegionsError::Daemon {
+        addr: addr.to_owned(),
+        errno: status as i32,
+        message: if message.is_empty() {
+            format!("error {status}")
+        } else {
+            message.to_owned()
+        },
+    }
+}
+
+/// The request of an 8-byte atomic on `at`, with a fresh id, and its payload.
+fn atomic_header(t: &TcpTransport, op: Op, at: &Span, operands: &[u64]) -> (Header, Vec<u8>) {
+    let payload: Vec<u8> = operands.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let mut header = Header::new(op, t.id());
+    header.capability = t.cap_id;
+    header.pool = at.pool;
+    header.offset = at.pool_offset;
+    header.length = 8;
+    header.payload_len = payload.len() as u32;
+    (header, payload)
+}
+
+/// Reads the reply to atomic request `id`: the old value of the word.
+fn read_atomic_reply(stream: &mut TcpStream, id: u64, addr: &str) -> Result<u64, Failure> {
+    let reply = recv_header(stream)?;
+    if reply.request_id != id {
+        return Err(Failure::Retry(format!(
+            "reply to request {} while waiting for {id}",
+            reply.request_id
+        )));
+    }
+    if reply.status != 0 {
+        let msg = recv_message(stream, &reply)?;
+        return Err(Failure::Final(daemon_error(addr, reply.status, &msg)));
+    }
+    read_word(stream, &reply)
+}
+
 impl TcpTransport {
     fn atomic(&self, op: Op, at: &Span, operands: &[u64]) -> Result<u64> {
-        let payload: Vec<u8> = operands.iter().flat_map(|w| w.to_le_bytes()).collect();
+        // Behind posted requests whose replies are still owed, on their connection.
+        if let Some(result) = self.atomic_on_lane(op, at, operands) {
+            return result;
+        }
         self.with_conn(false, |conn| {
-            let mut header = Header::new(op, self.id());
-            header.capability = self.cap_id;
-            header.pool = at.pool;
-            header.offset = at.pool_offset;
-            header.length = 8;
-            header.payload_len = payload.len() as u32;
+            let (header, payload) = atomic_header(self, op, at, operands);
             send(&mut conn.stream, &header, &[&payload])?;
             TransportStats::add(&self.stats.remote_requests, 1);
-            let reply = recv_header(&mut conn.stream)?;
-            if reply.request_id != header.request_id {
-                return Err(Failure::Retry("reply to another request".into()));
-            }
-            if reply.status != 0 {
-                let msg = recv_message(&mut conn.stream, &reply)?;
-                return Err(Failure::Final(self.daemon_error(reply.status, &msg)));
-            }
-            read_word(&mut conn.stream, &reply)
+            read_atomic_reply(&mut conn.stream, header.request_id, &self.addr)
         })
     }
 }
@@ -620,6 +666,20 @@ impl Transport for TcpTransport {
 
     fn fetch_add(&self, at: &Span, addend: u64) -> Result<u64> {
         self.atomic(Op::FetchAdd, at, &[addend])
+    }
+
+    fn posts_atomics(&self) -> bool {
+        true
+    }
+
+    fn post_compare_and_swap(
+        &self,
+        at: &Span,
+        expected: u64,
+        new: u64,
+        done: Completion,
+    ) -> Result<()> {
+        self.post_atomic(Op::Cas, at, &[expected, new], done)
     }
 
     fn describe(&self) -> String {
