@@ -14,10 +14,72 @@ use tonic::transport::{Channel, Endpoint};
 
 use crate::error::{RegionsError, Result};
 
-type Authed = InterceptedService<Channel, AttachSecret>;
+/// A gRPC service stack that attaches the cluster secret.
+pub type Authed = InterceptedService<Channel, AttachSecret>;
 
 /// Largest gRPC message accepted (region maps of large regions).
 const MAX_MESSAGE: usize = 256 << 20;
+
+/// Deadline of every call.
+const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// An authenticated gRPC channel to the manager (the cluster secret on every call), for the
+/// node components' clients.
+#[derive(Clone)]
+pub struct ManagerChannel {
+    channel: Channel,
+    auth: AttachSecret,
+}
+
+impl ManagerChannel {
+    /// Connects to the manager at `addr` (`http://host:port`) within `timeout`, on a runtime
+    /// of one worker thread named `thread_name` that the caller keeps for its blocking calls.
+    pub fn open(
+        addr: &str,
+        secret: &Secret,
+        timeout: Duration,
+        thread_name: &str,
+    ) -> Result<(tokio::runtime::Runtime, ManagerChannel)> {
+        let unreachable = |reason: String| RegionsError::ManagerUnreachable {
+            addr: addr.to_owned(),
+            reason,
+        };
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name(thread_name)
+            .enable_all()
+            .build()
+            .map_err(|e| RegionsError::io("cannot start the gRPC runtime", e))?;
+        let endpoint = Endpoint::from_shared(addr.to_owned())
+            .map_err(|e| unreachable(e.to_string()))?
+            .connect_timeout(timeout)
+            .timeout(CALL_TIMEOUT)
+            .tcp_nodelay(true);
+        let channel = runtime
+            .block_on(endpoint.connect())
+            .map_err(|e| unreachable(e.to_string()))?;
+        let auth = AttachSecret::new(secret);
+        Ok((runtime, ManagerChannel { channel, auth }))
+    }
+
+    fn service(&self) -> Authed {
+        InterceptedService::new(self.channel.clone(), self.auth.clone())
+    }
+
+    /// A client of the namespace service on this channel.
+    pub fn namespace(&self) -> NamespaceClient<Authed> {
+        NamespaceClient::new(self.service())
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE)
+    }
+
+    /// A client of the cluster service on this channel.
+    pub fn cluster(&self) -> ClusterClient<Authed> {
+        ClusterClient::new(self.service())
+            .max_decoding_message_size(MAX_MESSAGE)
+            .max_encoding_message_size(MAX_MESSAGE)
+    }
+}
 
 /// Blocking access to the manager. Calls must come from plain threads, not
 /// from inside an async runtime.
@@ -32,37 +94,14 @@ pub struct ManagerClient {
 impl ManagerClient {
     /// Connects to the manager at `addr` (e.g. `http://127.0.0.1:7070`).
     pub fn connect(addr: &str, secret: &Secret, timeout: Duration) -> Result<ManagerClient> {
-        let unreachable = |reason: String| RegionsError::ManagerUnreachable {
-            addr: addr.to_owned(),
-            reason,
-        };
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("regions-grpc")
-            .enable_all()
-            .build()
-            .map_err(|e| RegionsError::io("cannot start the gRPC runtime", e))?;
-        let endpoint = Endpoint::from_shared(addr.to_owned())
-            .map_err(|e| unreachable(e.to_string()))?
-            .connect_timeout(timeout)
-            .timeout(Duration::from_secs(30))
-            .tcp_nodelay(true);
-        let channel = runtime
-            .block_on(endpoint.connect())
-            .map_err(|e| unreachable(e.to_string()))?;
-        let auth = AttachSecret::new(secret);
-        let svc = || InterceptedService::new(channel.clone(), auth.clone());
+        let (runtime, channel) = ManagerChannel::open(addr, secret, timeout, "regions-grpc")?;
         Ok(ManagerClient {
             addr: addr.to_owned(),
-            namespace: NamespaceClient::new(svc())
+            namespace: channel.namespace(),
+            regions: RegionsClient::new(channel.service())
                 .max_decoding_message_size(MAX_MESSAGE)
                 .max_encoding_message_size(MAX_MESSAGE),
-            regions: RegionsClient::new(svc())
-                .max_decoding_message_size(MAX_MESSAGE)
-                .max_encoding_message_size(MAX_MESSAGE),
-            cluster: ClusterClient::new(svc())
-                .max_decoding_message_size(MAX_MESSAGE)
-                .max_encoding_message_size(MAX_MESSAGE),
+            cluster: channel.cluster(),
             runtime,
         })
     }

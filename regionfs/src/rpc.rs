@@ -9,19 +9,12 @@
 use std::future::Future;
 use std::time::Duration;
 
-use regions_proto::auth::{AttachSecret, Secret};
+use regions::RegionsError;
+use regions::manager_client::{Authed, ManagerChannel};
+use regions_proto::auth::Secret;
 use regions_proto::v1::{self, cluster_client::ClusterClient, namespace_client::NamespaceClient};
-use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
 
 use crate::error::{FsError, FsResult};
-
-type Authed = InterceptedService<Channel, AttachSecret>;
-
-/// Largest gRPC message accepted (the manager's limit).
-const MAX_MESSAGE: usize = 256 << 20;
-/// Deadline of every call.
-const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Blocking namespace and cluster calls.
 pub struct Rpc {
@@ -71,37 +64,20 @@ pub struct SetAttrIn {
 impl Rpc {
     /// Connects to the manager at `addr` (`http://host:port`).
     pub fn connect(addr: &str, secret: &Secret, timeout: Duration) -> FsResult<Rpc> {
-        let unreachable = |reason: String| FsError::ManagerUnreachable {
-            addr: addr.to_owned(),
-            reason,
-        };
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("regionfs-grpc")
-            .enable_all()
-            .build()
-            .map_err(|source| FsError::Io {
-                what: "cannot start the gRPC runtime".into(),
-                source,
+        let (runtime, channel) = ManagerChannel::open(addr, secret, timeout, "regionfs-grpc")
+            .map_err(|e| match e {
+                RegionsError::ManagerUnreachable { addr, reason } => {
+                    FsError::ManagerUnreachable { addr, reason }
+                }
+                other => FsError::ManagerUnreachable {
+                    addr: addr.to_owned(),
+                    reason: other.to_string(),
+                },
             })?;
-        let endpoint = Endpoint::from_shared(addr.to_owned())
-            .map_err(|e| unreachable(e.to_string()))?
-            .connect_timeout(timeout)
-            .timeout(CALL_TIMEOUT)
-            .tcp_nodelay(true);
-        let channel = runtime
-            .block_on(endpoint.connect())
-            .map_err(|e| unreachable(e.to_string()))?;
-        let auth = AttachSecret::new(secret);
-        let svc = || InterceptedService::new(channel.clone(), auth.clone());
         Ok(Rpc {
             addr: addr.to_owned(),
-            namespace: NamespaceClient::new(svc())
-                .max_decoding_message_size(MAX_MESSAGE)
-                .max_encoding_message_size(MAX_MESSAGE),
-            cluster: ClusterClient::new(svc())
-                .max_decoding_message_size(MAX_MESSAGE)
-                .max_encoding_message_size(MAX_MESSAGE),
+            namespace: channel.namespace(),
+            cluster: channel.cluster(),
             runtime,
         })
     }
