@@ -18,10 +18,11 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use regions_proto::frame::Range;
 use regions_proto::layout::CHUNK_SIZE;
+use regions_proto::word_wait;
 
 use crate::error::{DaemonError, Result};
 use crate::rawio::{self, RawSpan};
@@ -753,18 +754,47 @@ impl Pinned<'_> {
         }
     }
 
-    /// 8-byte compare-and-swap on the first range; returns the old value.
+    /// 8-byte compare-and-swap on the first range; returns the old value. Waiters of the
+    /// word ([`word_wait`]) are woken when it changes.
     pub fn compare_and_swap(&self, expected: u64, new: u64) -> Result<u64> {
         self.with_word(|w| {
             match w.compare_exchange(expected, new, Ordering::SeqCst, Ordering::SeqCst) {
-                Ok(old) | Err(old) => old,
+                Ok(old) => {
+                    if new != old {
+                        word_wait::wake(w);
+                    }
+                    old
+                }
+                Err(old) => old,
             }
         })
     }
 
-    /// 8-byte wrapping fetch-add on the first range; returns the old value.
+    /// 8-byte wrapping fetch-add on the first range; returns the old value. Waiters of the
+    /// word are woken.
     pub fn fetch_add(&self, addend: u64) -> Result<u64> {
-        self.with_word(|w| w.fetch_add(addend, Ordering::SeqCst))
+        self.with_word(|w| {
+            let old = w.fetch_add(addend, Ordering::SeqCst);
+            if addend != 0 {
+                word_wait::wake(w);
+            }
+            old
+        })
+    }
+
+    /// Waits (at most `timeout`) for the 8-byte word of the first range to differ from
+    /// `expected`, without the pin: `self` is consumed so that remapping and release are not
+    /// held up by a sleeping request. Returns the value seen last.
+    pub fn wait_change(self, expected: u64, timeout: Duration) -> Result<u64> {
+        let (seen, word) = self.with_word(|w| (w.load(Ordering::SeqCst), w.as_ptr() as usize))?;
+        if seen != expected || timeout.is_zero() {
+            return Ok(seen);
+        }
+        drop(self);
+        // Unpinned, the word may be remapped or released meanwhile: the futex only reads it
+        // in the kernel, and the caller reads it again, pinned.
+        word_wait::wait_at(word, expected, timeout);
+        Ok(expected)
     }
 
     /// Sends `prefix` followed by the ranges' bytes, skipping the first `skip` bytes of the

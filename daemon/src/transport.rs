@@ -36,6 +36,10 @@ use crate::transport_auth::{ConnAuth, OUT_OF_REACH, Reach};
 const MAX_HELLO: u32 = 4096;
 /// Replies buffered before they are written even though more requests are waiting.
 const FLUSH_AT: usize = 64 << 10;
+/// Longest `WaitChange` served (callers ask again).
+const MAX_WAIT: Duration = Duration::from_secs(1);
+/// A waiting `WaitChange` re-reads its word at least this often.
+const WAIT_SLICE: Duration = Duration::from_millis(10);
 /// How often the accept loop checks for shutdown.
 const ACCEPT_POLL: Duration = Duration::from_millis(100);
 /// Vector reads of at least this many ranges, moving at most
@@ -498,6 +502,25 @@ impl Conn {
                 offset,
                 addend,
             } => self.atomic(&h, pool, offset, reach, |p| p.fetch_add(addend)),
+            Request::WaitChange {
+                pool,
+                offset,
+                expected,
+                timeout_us,
+            } => {
+                let timeout = Duration::from_micros(timeout_us).min(MAX_WAIT);
+                self.wait_change(
+                    &h,
+                    Range {
+                        pool,
+                        offset,
+                        len: 8,
+                    },
+                    reach,
+                    expected,
+                    timeout,
+                )?;
+            }
             // Handled above; kept for exhaustiveness.
             Request::Hello { .. } | Request::Write { .. } => {
                 self.reply_err(&h, libc::EINVAL, "unexpected request");
@@ -555,6 +578,43 @@ impl Conn {
         match result {
             Ok(old) => self.reply_ok(h, Bytes::copy_from_slice(&old.to_le_bytes())),
             Err(e) => self.reply_error(h, &e),
+        }
+    }
+
+    /// Replies once the word at `at` differs from `expected` or `timeout` passed, re-reading
+    /// it (pinned) at least every [`WAIT_SLICE`].
+    fn wait_change(
+        &mut self,
+        h: &Header,
+        at: Range,
+        reach: Reach,
+        expected: u64,
+        timeout: Duration,
+    ) -> Result<(), Close> {
+        // Replies to the requests before this one go out before it sleeps.
+        self.flush()?;
+        let deadline = Instant::now() + timeout;
+        let shared = Arc::clone(&self.shared);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let seen = shared.pools.resolve(&[at]).and_then(|resolved| {
+                let pinned = resolved.pin(self.deadline())?;
+                if !reach.allows(|ino| pinned.all_backed_by(ino)) {
+                    return Err(DaemonError::Denied(OUT_OF_REACH.into()));
+                }
+                pinned.wait_change(expected, left.min(WAIT_SLICE))
+            });
+            match seen {
+                Ok(v) if v != expected || left.is_zero() => {
+                    self.reply_ok(h, Bytes::copy_from_slice(&v.to_le_bytes()));
+                    return Ok(());
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    self.reply_error(h, &e);
+                    return Ok(());
+                }
+            }
         }
     }
 

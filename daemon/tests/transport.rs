@@ -403,3 +403,54 @@ fn loopback_latency_and_throughput() {
          {write_gbs:.2} GB/s"
     );
 }
+
+#[test]
+fn wait_change_answers_when_an_atomic_changes_the_word_or_at_its_timeout() {
+    let (srv, _) = server(pools(), Duration::from_millis(50));
+    let addr = srv.local_addr();
+    let value = |f: &regions_proto::frame::Frame| {
+        assert_eq!(status(f), 0);
+        u64::from_le_bytes(f.payload[..8].try_into().unwrap())
+    };
+    let wait = |expected, timeout_us| Request::WaitChange {
+        pool: 1,
+        offset: 3 * C + 16,
+        expected,
+        timeout_us,
+    };
+    let mut waiter = Client::authenticated(addr, TOKEN);
+    // Unchanged: the reply comes at the timeout, with the same value.
+    let start = Instant::now();
+    assert_eq!(value(&waiter.call(&wait(0, 50_000))), 0);
+    assert!(start.elapsed() >= Duration::from_millis(45));
+    // A value other than the expected one: at once.
+    let start = Instant::now();
+    assert_eq!(value(&waiter.call(&wait(9, 5_000_000))), 0);
+    assert!(start.elapsed() < Duration::from_secs(4));
+    // A fetch-add on another connection ends a long wait early.
+    let adder = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        let mut c = Client::authenticated(addr, TOKEN);
+        c.call(&Request::FetchAdd {
+            pool: 1,
+            offset: 3 * C + 16,
+            addend: 5,
+        })
+    });
+    let start = Instant::now();
+    assert_eq!(value(&waiter.call(&wait(0, 5_000_000))), 5);
+    let waited = start.elapsed();
+    assert!(
+        waited >= Duration::from_millis(90) && waited < Duration::from_secs(4),
+        "{waited:?}"
+    );
+    assert_eq!(status(&adder.join().unwrap()), 0);
+    // Misaligned words are refused like other atomics.
+    let r = waiter.call(&Request::WaitChange {
+        pool: 1,
+        offset: 3,
+        expected: 0,
+        timeout_us: 1000,
+    });
+    assert_eq!(status(&r), libc::EINVAL);
+}

@@ -28,8 +28,10 @@
 //! A barrier of `n` has an arrival word in the same hidden region that counts arrivals and is
 //! never reset: the caller whose fetch-add takes it from `c` to `c + 1` joins round
 //! `c / n + 1`, which is complete once the word reaches `(c / n + 1) * n`. The `n`-th arrival
-//! of a round returns at once; the others read the word over the transport (a short busy
-//! poll, then backing off) and, when the round takes longer, sleep at the manager
+//! of a round returns at once; the others re-read the word for a few hundred microseconds,
+//! then wait on the transport for it to change (the daemon answers a `WaitChange` when an
+//! atomic changes it; on the word's own host, a futex on the mapped word) and, when the round
+//! takes longer, sleep at the manager
 //! (`BarrierSleep`), which sets [`SLEEPERS`] in the word so that the completing arrival wakes
 //! it (`BarrierWake`) and rereads the word on a short tick in case that wake never comes (the
 //! completer was killed). An arrival, once made, counts; a party killed before arriving
@@ -126,12 +128,10 @@ fn gettid() -> u32 {
     u32::try_from(tid).unwrap_or(u32::MAX)
 }
 
-/// A barrier waiter polls the word without pausing this long, ...
-const BARRIER_BUSY: Duration = Duration::from_millis(2);
-/// ... then with pauses doubling from the first to the last, ...
-const BARRIER_PAUSE: (Duration, Duration) = (Duration::from_micros(20), Duration::from_micros(500));
-/// ... and sleeps at the manager once the round took this long.
-const BARRIER_POLL: Duration = Duration::from_millis(20);
+/// A barrier waiter re-reads its word back to back this long, ...
+const BARRIER_SPIN: Duration = Duration::from_millis(1);
+/// ... waits for it to change on the transport until this long, then sleeps at the manager.
+const BARRIER_WAIT: Duration = Duration::from_millis(200);
 /// Largest agent reply accepted.
 const MAX_REPLY: usize = 1 << 20;
 /// Idle agent connections kept.
@@ -341,7 +341,9 @@ impl SyncClient {
                 }
                 return Ok(generation);
             }
-            return self.barrier_poll(name, &word, t.as_ref(), generation, target);
+            // The word is at least our arrival now.
+            let seen = old.wrapping_add(1);
+            return self.barrier_poll(name, &word, t.as_ref(), seen, generation, target);
         }
         Err(RegionsError::Manager {
             errno: libc::ENOENT,
@@ -349,54 +351,54 @@ impl SyncClient {
         })
     }
 
-    /// Waits for the word to reach `target` arrivals: polls it, then sleeps at the manager.
+    /// Waits for the word (last seen at `seen`) to reach `target` arrivals: on the
+    /// transport (the daemon, or a futex on the mapped word, answers when it changes), then,
+    /// once the round took [`BARRIER_WAIT`], asleep at the manager.
     fn barrier_poll(
         &self,
         name: &str,
         word: &Word,
         t: &dyn Transport,
+        mut seen: u64,
         generation: u64,
         target: u64,
     ) -> Result<u64> {
         let start = Instant::now();
-        let mut pause = BARRIER_PAUSE.0;
-        // Reads of a mapped word cost nothing: let other threads run between them.
         let local = t.describe() == "local";
         loop {
-            let v = match t.fetch_add(&word.span, 0) {
-                Ok(v) => v,
-                Err(e) => {
-                    tracing::debug!(error = %e, barrier = name, "cannot read the barrier word; asking the manager");
-                    break;
-                }
-            };
-            if v & DELETED != 0 {
+            if seen & DELETED != 0 {
                 self.forget_barrier(name);
                 return Err(RegionsError::Manager {
                     errno: libc::ENOENT,
                     message: format!("barrier {name:?} was deleted while waiting"),
                 });
             }
-            if v & COUNT_MASK >= target {
+            if seen & COUNT_MASK >= target {
                 return Ok(generation);
             }
             let waited = start.elapsed();
-            if waited >= BARRIER_POLL {
+            let left = BARRIER_WAIT.saturating_sub(waited);
+            if left.is_zero() {
                 break;
             }
-            // A mapped word is polled without a round trip: pause sooner, leaving the CPU to
-            // the daemon serving the other parties.
-            let busy = if local {
-                BARRIER_BUSY / 20
+            // First re-read the word back to back (a round trip each, or a load of a mapped
+            // word), which sees a quick round soonest; then let the daemon or the futex answer
+            // when it changes, which costs a wake-up or two but no CPU while waiting.
+            let next = if waited < BARRIER_SPIN {
+                if local {
+                    std::thread::yield_now();
+                }
+                t.fetch_add(&word.span, 0)
             } else {
-                BARRIER_BUSY
+                t.wait_change(&word.span, seen, left)
             };
-            if waited >= busy {
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(BARRIER_PAUSE.1);
-            } else if local {
-                std::thread::yield_now();
-            }
+            seen = match next {
+                Ok(v) => v,
+                Err(e) => {
+                    tracing::debug!(error = %e, barrier = name, "cannot read the barrier word; asking the manager");
+                    break;
+                }
+            };
         }
         self.call_with(SyncCall {
             op: SyncOp::BarrierSleep as i32,

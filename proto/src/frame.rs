@@ -149,6 +149,11 @@ pub enum Op {
     FetchAdd = 7,
     /// Liveness check, no payload.
     Ping = 8,
+    /// Waits until the 8-byte word at `offset` differs from `expected` (changed by a CAS or
+    /// fetch-add at the daemon or through a mapped segment) or `timeout_us` passed; payload =
+    /// expected u64 + timeout_us u64, reply payload = the word's value then. The connection
+    /// serves nothing else meanwhile.
+    WaitChange = 9,
 }
 
 impl TryFrom<u8> for Op {
@@ -164,6 +169,7 @@ impl TryFrom<u8> for Op {
             6 => Op::Cas,
             7 => Op::FetchAdd,
             8 => Op::Ping,
+            9 => Op::WaitChange,
             other => return Err(FrameError::UnknownOp(other)),
         })
     }
@@ -180,6 +186,7 @@ impl fmt::Display for Op {
             Op::Cas => "cas",
             Op::FetchAdd => "fetch-add",
             Op::Ping => "ping",
+            Op::WaitChange => "wait-change",
         })
     }
 }
@@ -509,6 +516,17 @@ pub enum Request {
     },
     /// Liveness check.
     Ping,
+    /// Wait for an 8-byte word at an aligned offset to change.
+    WaitChange {
+        /// Pool global id.
+        pool: u32,
+        /// 8-byte aligned offset.
+        offset: u64,
+        /// The value the caller saw.
+        expected: u64,
+        /// Longest wait in microseconds (the daemon may cap it).
+        timeout_us: u64,
+    },
 }
 
 impl Request {
@@ -523,6 +541,7 @@ impl Request {
             Request::Cas { .. } => Op::Cas,
             Request::FetchAdd { .. } => Op::FetchAdd,
             Request::Ping => Op::Ping,
+            Request::WaitChange { .. } => Op::WaitChange,
         }
     }
 
@@ -636,6 +655,18 @@ impl Request {
                     addend,
                 }
             }
+            Op::WaitChange => {
+                expect_len(op, "payload length (expected u64 + timeout u64)", 16, plen)?;
+                check_atomic(offset)?;
+                let mut p = &payload[..];
+                let (expected, timeout_us) = (p.get_u64_le(), p.get_u64_le());
+                Request::WaitChange {
+                    pool,
+                    offset,
+                    expected,
+                    timeout_us,
+                }
+            }
         })
     }
 
@@ -691,6 +722,17 @@ impl Request {
             } => {
                 (h.pool, h.offset, h.length) = (pool, offset, 8);
                 buf.put_u64_le(addend);
+                buf.freeze()
+            }
+            &Request::WaitChange {
+                pool,
+                offset,
+                expected,
+                timeout_us,
+            } => {
+                (h.pool, h.offset, h.length) = (pool, offset, 8);
+                buf.put_u64_le(expected);
+                buf.put_u64_le(timeout_us);
                 buf.freeze()
             }
         };
@@ -836,6 +878,12 @@ mod tests {
                 addend: 42,
             },
             Request::Ping,
+            Request::WaitChange {
+                pool: 9,
+                offset: 64,
+                expected: 7,
+                timeout_us: 1000,
+            },
         ]
     }
 
@@ -1031,8 +1079,8 @@ mod tests {
             Err(FrameError::UnknownOp(0))
         );
         assert_eq!(
-            with_bytes(&ping, |b| b[3] = 9),
-            Err(FrameError::UnknownOp(9))
+            with_bytes(&ping, |b| b[3] = 10),
+            Err(FrameError::UnknownOp(10))
         );
         assert_eq!(
             with_bytes(&ping, |b| b[0] = 0),
@@ -1209,11 +1257,21 @@ mod tests {
                     new
                 }
             ),
-            (pool, aligned, any::<u64>()).prop_map(|(pool, offset, addend)| Request::FetchAdd {
-                pool,
-                offset,
-                addend
+            (pool.clone(), aligned.clone(), any::<u64>()).prop_map(|(pool, offset, addend)| {
+                Request::FetchAdd {
+                    pool,
+                    offset,
+                    addend,
+                }
             }),
+            (pool, aligned, any::<u64>(), any::<u64>()).prop_map(
+                |(pool, offset, expected, timeout_us)| Request::WaitChange {
+                    pool,
+                    offset,
+                    expected,
+                    timeout_us
+                }
+            ),
             Just(Request::Ping),
         ]
     }

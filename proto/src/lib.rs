@@ -5,12 +5,14 @@
 //! - [`errno`]: how POSIX errnos travel inside gRPC statuses.
 //! - [`auth`]: the cluster secret in request metadata.
 //! - [`frame`]: the binary frame codec of the tcp data transport.
+//! - [`word_wait`]: how processes sharing region memory wait for a word to change.
 
 pub mod auth;
 pub mod capability;
 pub mod errno;
 pub mod frame;
 pub mod layout;
+pub mod word_wait;
 
 /// Generated messages, clients and servers of the manager's services.
 pub mod v1 {

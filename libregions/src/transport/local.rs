@@ -6,6 +6,9 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use regions_proto::word_wait;
 
 use super::{Span, Transport, TransportStats};
 use crate::error::{RegionsError, Result};
@@ -186,17 +189,34 @@ impl Transport for LocalSegment {
 
     fn compare_and_swap(&self, at: &Span, expected: u64, new: u64) -> Result<u64> {
         let word = self.word(at.region_offset)?;
-        Ok(
-            match word.compare_exchange(expected, new, Ordering::SeqCst, Ordering::SeqCst) {
-                Ok(old) | Err(old) => old,
-            },
-        )
+        match word.compare_exchange(expected, new, Ordering::SeqCst, Ordering::SeqCst) {
+            Ok(old) => {
+                if new != old {
+                    word_wait::wake(word);
+                }
+                Ok(old)
+            }
+            Err(old) => Ok(old),
+        }
     }
 
     fn fetch_add(&self, at: &Span, addend: u64) -> Result<u64> {
-        Ok(self
-            .word(at.region_offset)?
-            .fetch_add(addend, Ordering::SeqCst))
+        let word = self.word(at.region_offset)?;
+        let old = word.fetch_add(addend, Ordering::SeqCst);
+        if addend != 0 {
+            word_wait::wake(word);
+        }
+        Ok(old)
+    }
+
+    fn wait_change(&self, at: &Span, expected: u64, timeout: Duration) -> Result<u64> {
+        let word = self.word(at.region_offset)?;
+        let seen = word.load(Ordering::SeqCst);
+        if seen != expected || timeout.is_zero() {
+            return Ok(seen);
+        }
+        word_wait::wait(word, expected, timeout);
+        Ok(word.load(Ordering::SeqCst))
     }
 
     fn describe(&self) -> String {

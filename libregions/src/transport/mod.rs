@@ -9,6 +9,7 @@ pub mod local;
 pub mod tcp;
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use crate::error::Result;
 
@@ -38,6 +39,19 @@ pub trait Transport: Send + Sync {
     fn compare_and_swap(&self, at: &Span, expected: u64, new: u64) -> Result<u64>;
     /// Adds `addend` to the 8-byte word at `at`; returns the old value.
     fn fetch_add(&self, at: &Span, addend: u64) -> Result<u64>;
+    /// Waits until the 8-byte word at `at` differs from `expected` (changed by an atomic of
+    /// any transport) or `timeout` passed, and returns its value then. Transports may return
+    /// sooner (the caller checks and asks again); the default polls.
+    fn wait_change(&self, at: &Span, expected: u64, timeout: Duration) -> Result<u64> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let seen = self.fetch_add(at, 0)?;
+            if seen != expected || Instant::now() >= deadline {
+                return Ok(seen);
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
     /// Whether [`Transport::post_compare_and_swap`] returns before the swap is done (else
     /// posting gains nothing).
     fn posts_atomics(&self) -> bool {

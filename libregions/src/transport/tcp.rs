@@ -668,6 +668,19 @@ impl Transport for TcpTransport {
         self.atomic(Op::FetchAdd, at, &[addend])
     }
 
+    fn wait_change(&self, at: &Span, expected: u64, timeout: Duration) -> Result<u64> {
+        // The daemon serves at most a second; connections time out later than that.
+        let timeout = timeout.min(Duration::from_secs(1));
+        let timeout_us = u64::try_from(timeout.as_micros()).unwrap_or(u64::MAX);
+        self.with_conn(true, |conn| {
+            let (header, payload) =
+                atomic_header(self, Op::WaitChange, at, &[expected, timeout_us]);
+            send(&mut conn.stream, &header, &[&payload])?;
+            TransportStats::add(&self.stats.remote_requests, 1);
+            read_atomic_reply(&mut conn.stream, header.request_id, &self.addr)
+        })
+    }
+
     fn posts_atomics(&self) -> bool {
         true
     }
