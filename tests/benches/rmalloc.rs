@@ -20,8 +20,13 @@
 //!    cluster: manager, daemon, regionfs mount; the region is on this host,
 //!    so the mapping is its segment memfd);
 //! 3. the C functions `rmalloc(fd, 64)` / `rfree(p)` on that region, which
-//!    also resolve the descriptor (a `statx`) and the pointer (the mapping
-//!    registry) on every call.
+//!    also check the descriptor on every call (one `kcmp` system call against
+//!    the duplicate the thread kept; see `regions::capi::alloc`) and find the
+//!    pointer's mapping (a per-thread last-mapping check, no system call).
+//!
+//! Small blocks come from a per-thread cache kept in the region
+//! (`regions::rmalloc`), so the pair patterns measure its lock-free paths,
+//! and the batch pattern its refills and flushes under the heap lock.
 //!
 //! `BENCH_QUICK=1`, or running without `--bench` (as `cargo test --benches`
 //! does), runs a tiny version as a smoke test.

@@ -115,7 +115,21 @@ fn mapreduce_histogram_across_three_hosts_equals_one_process() -> anyhow::Result
         "{out}"
     );
     for host in 1..=3 {
-        assert!(out.contains(&format!("on host {host}: map")), "{out}");
+        assert!(out.contains(&format!("on host {host}: start ")), "{out}");
     }
+    // Every map task was counted by exactly one worker.
+    let tasks: u32 = out
+        .lines()
+        .filter_map(|l| l.split_once(" own tasks, ")?.1.split_once(" taken over"))
+        .map(|(taken, _)| taken.trim().parse::<u32>().unwrap_or(0))
+        .sum::<u32>()
+        + out
+            .lines()
+            .filter_map(|l| {
+                let before = l.split_once(" own tasks, ")?.0;
+                before.rsplit_once(' ')?.1.parse::<u32>().ok()
+            })
+            .sum::<u32>();
+    assert_eq!(tasks, 24, "{out}");
     Ok(())
 }

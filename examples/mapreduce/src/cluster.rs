@@ -30,6 +30,16 @@ pub fn mkdir_on_host(dir: &Path, host: u32) -> Result<()> {
     set_xattr(dir, "user.regions.hostalloc", host.to_string().as_bytes())
 }
 
+/// Claims the name `path` for this process, cluster-wide: true when this
+/// call made the directory, false when some process (on any host) had.
+pub fn claim(path: &Path) -> Result<bool> {
+    match std::fs::create_dir(path) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
+        Err(e) => Err(e).with_context(|| format!("cannot claim {}", path.display())),
+    }
+}
+
 /// The hosts holding the region at `path` (`user.regions.hosts`).
 pub fn hosts_of(path: &Path) -> Result<String> {
     let c_path = c_path(path)?;

@@ -9,9 +9,11 @@ use std::ops::Range;
 pub const CHANNELS: usize = 3;
 /// Histogram bins: one per channel and byte value.
 pub const BINS: usize = CHANNELS * 256;
-/// Slice boundaries are multiples of this: whole pixels and whole pages
-/// (lcm(3, 4096)), so every mapper's slice can be `mmap`ed at its offset.
-pub const UNIT: u64 = 3 * 4096;
+/// Slice boundaries and the input size are multiples of this: whole pixels
+/// and whole 128 KiB blocks (lcm(3, 128 Ki)), so every slice can be
+/// `mmap`ed at its offset and the input fills whole allocation blocks of
+/// the store it lives in (for regions, 128 KiB chunks).
+pub const UNIT: u64 = 3 * 128 * 1024;
 
 /// The input size for at least `min_bytes`: rounded up to a [`UNIT`].
 pub fn input_size(min_bytes: u64) -> u64 {
@@ -110,6 +112,23 @@ pub fn slice(total: u64, n: usize, i: usize) -> Range<u64> {
     start..end
 }
 
+/// The map tasks (each [`slice`]`(total, tasks, t)`) that are worker `i`
+/// of `n`'s own: a contiguous run.
+pub fn own_tasks(tasks: usize, n: usize, i: usize) -> Range<usize> {
+    tasks * i / n..tasks * (i + 1) / n
+}
+
+/// The order in which worker `i` of `n` tries to claim the map tasks: its
+/// own from the first, then the others' from the last (which their owners
+/// reach last), as in a work-stealing queue.
+pub fn task_order(tasks: usize, n: usize, i: usize) -> impl Iterator<Item = usize> {
+    let own = own_tasks(tasks, n, i);
+    let rest = (0..tasks)
+        .rev()
+        .filter(move |t| !own_tasks(tasks, n, i).contains(t));
+    own.chain(rest)
+}
+
 /// The bins that reducer `i` of `n` sums: disjoint, covering all bins.
 pub fn bins(n: usize, i: usize) -> Range<usize> {
     BINS * i / n..BINS * (i + 1) / n
@@ -146,6 +165,22 @@ mod tests {
                     next = r.end;
                 }
                 assert_eq!(next, total);
+            }
+        }
+    }
+
+    #[test]
+    fn every_worker_tries_every_task_once_its_own_first() {
+        for tasks in [1, 3, 7, 24] {
+            for n in 1..=5 {
+                for i in 0..n {
+                    let order: Vec<usize> = task_order(tasks, n, i).collect();
+                    let own: Vec<usize> = own_tasks(tasks, n, i).collect();
+                    assert_eq!(&order[..own.len()], &own[..]);
+                    let mut sorted = order.clone();
+                    sorted.sort_unstable();
+                    assert_eq!(sorted, (0..tasks).collect::<Vec<_>>());
+                }
             }
         }
     }

@@ -7,9 +7,13 @@
 //! 1. generates the input (RGB pixel triples, at least 1 GiB; `--small`:
 //!    24 MiB) in memory and times the single-process histogram of it;
 //! 2. writes it into a region held on the first host, and drops the first
-//!    mount's cached copy (every mapper then reads it from host 1's memory);
+//!    mount's cached copy (the other mappers then read it from host 1's
+//!    memory through the transport; host 1's own mapper maps host 1's
+//!    memory, by FUSE passthrough when the mount offers it);
 //! 3. starts one worker process per mount, each of which:
-//!    maps its slice of the input region with `mmap` and counts it (map),
+//!    counts map tasks (`--tasks` slices of the input, each mapped with
+//!    `mmap`): its own share first, then any other worker's it can claim
+//!    before that worker gets to it (a work queue; a claim is a `mkdir`),
 //!    writes its partial histogram into a region on its own host,
 //!    meets the others at a barrier,
 //!    sums its disjoint range of bins over all partial histograms (reduce)
@@ -17,6 +21,15 @@
 //!    worker 0 collects the reducers' ranges into the `result` region;
 //! 4. reads `result`, checks it equals the single-process histogram, and
 //!    prints the wall times of both and their ratio.
+//!
+//! What the timers cover: the single-process time is the counting of the
+//! in-memory input by one thread (and, beside it, by one thread per
+//! worker), without generating the input. The distributed time runs from
+//! spawning the first worker to reaping the last: worker start, map
+//! (claims, mmaps, the page faults that fetch the input, counting, writing
+//! the partial histogram), barriers, reduce and collect. Writing the input
+//! into its region is data placement, like generating it for the
+//! baseline, and is not in either time.
 //!
 //! Only `cluster.rs` knows about regions; see its header.
 
@@ -73,6 +86,12 @@ struct RunArgs {
     /// Seconds the workers may take before the job is killed.
     #[arg(long, default_value_t = 600)]
     timeout: u64,
+    /// Map tasks the input is split into: each worker counts its own share
+    /// of them, then takes over tasks other workers have not started (a
+    /// work queue, claimed with one mkdir each). Equal to the number of
+    /// mounts, it is a static split.
+    #[arg(long, default_value_t = 24)]
+    tasks: usize,
     /// Keep the job's regions afterwards (default: removed).
     #[arg(long)]
     keep: bool,
@@ -94,6 +113,12 @@ struct WorkerArgs {
     /// The job's barrier.
     #[arg(long)]
     barrier: String,
+    /// Map tasks the input is split into.
+    #[arg(long)]
+    tasks: usize,
+    /// When `run` spawned this worker (microseconds since the Unix epoch).
+    #[arg(long, default_value_t = 0)]
+    spawned_at: u128,
 }
 
 const FULL_SIZE: u64 = 1 << 30;
@@ -124,6 +149,9 @@ fn partial_path(job: &Path, i: usize) -> PathBuf {
 fn reduced_path(job: &Path, i: usize) -> PathBuf {
     job.join(format!("reduced-{i}"))
 }
+fn claims_path(job: &Path) -> PathBuf {
+    job.join("claims")
+}
 fn result_path(job: &Path) -> PathBuf {
     job.join("result")
 }
@@ -136,17 +164,31 @@ fn secs(d: Duration) -> f64 {
 fn worker(a: WorkerArgs) -> Result<bool> {
     let job = a.mount.join(&a.job);
     let started = Instant::now();
+    let start_latency = (epoch_micros().saturating_sub(a.spawned_at) as f64 / 1e6).min(60.0);
 
-    // Map: count this worker's slice of the input, read through mmap.
+    // Map: count map tasks of the input, each read through mmap.
     let input = input_path(&job);
     let size = std::fs::metadata(&input)
         .with_context(|| format!("cannot stat {}", input.display()))?
         .len();
-    let range = hist::slice(size, a.workers, a.index);
+    let order = hist::task_order(a.tasks, a.workers, a.index);
+    let claims = claims_path(&job);
     let mut partial = [0u64; hist::BINS];
-    {
+    let (mut own, mut taken, mut counted) = (0, 0, 0u64);
+    for t in order {
+        // A work queue over the cluster: whoever claims a task counts it.
+        if !cluster::claim(&claims.join(t.to_string()))? {
+            continue;
+        }
+        let range = hist::slice(size, a.tasks, t);
         let mapped = cluster::Mapped::new(&input, range.clone())?;
         hist::count(mapped.bytes(), &mut partial);
+        counted += range.end - range.start;
+        if hist::own_tasks(a.tasks, a.workers, a.index).contains(&t) {
+            own += 1;
+        } else {
+            taken += 1;
+        }
     }
     cluster::publish(&partial_path(&job, a.index), &hist::to_bytes(&partial))?;
     let mapped_at = started.elapsed();
@@ -183,19 +225,37 @@ fn worker(a: WorkerArgs) -> Result<bool> {
         cluster::publish(&result_path(&job), &hist::to_bytes(&result))?;
     }
     let done = started.elapsed();
+    let cpu = cpu_time();
     let host = cluster::host_id(&a.mount)?;
     println!(
-        "worker {} on host {host}: map {:.3} s ({:.0} MiB at {:.0} MiB/s), barrier {:.3} s, reduce {:.3} s, barrier {:.3} s, collect {:.3} s",
+        "worker {} on host {host}: start {start_latency:.3} s, map {:.3} s ({:.0} MiB at {:.0} MiB/s: {own} own tasks, {taken} taken over), barrier {:.3} s, reduce {:.3} s, barrier {:.3} s, collect {:.3} s, cpu {:.3} s",
         a.index,
         secs(mapped_at),
-        (range.end - range.start) as f64 / 1048576.0,
-        (range.end - range.start) as f64 / 1048576.0 / secs(mapped_at).max(1e-9),
+        counted as f64 / 1048576.0,
+        counted as f64 / 1048576.0 / secs(mapped_at).max(1e-9),
         secs(met_at - mapped_at),
         secs(reduced_at - met_at),
         secs(met2_at - reduced_at),
         secs(done - met2_at),
+        cpu,
     );
     Ok(true)
+}
+
+fn epoch_micros() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros())
+}
+
+/// CPU seconds (user and system) this process has used so far.
+fn cpu_time() -> f64 {
+    // SAFETY: getrusage fills the zeroed struct it is given.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid pointer to a rusage of this process.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
 /// Kills every child still running (by PID) and reaps it.
@@ -217,6 +277,8 @@ fn run_workers(a: &RunArgs, job_rel: &str, barrier: &str) -> Result<Vec<String>>
             .arg("--mount")
             .arg(mount)
             .args(["--index", &i.to_string(), "--workers", &n.to_string()])
+            .args(["--tasks", &a.tasks.to_string()])
+            .args(["--spawned-at", &epoch_micros().to_string()])
             .env("REGIONS_MOUNT", mount)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -278,6 +340,12 @@ fn run(a: RunArgs) -> Result<bool> {
     if n == 0 {
         bail!("--mounts names no mount");
     }
+    if a.tasks < n {
+        bail!(
+            "--tasks {} is fewer than the {n} workers: give each at least one",
+            a.tasks
+        );
+    }
     let hosts = a
         .mounts
         .iter()
@@ -315,11 +383,18 @@ fn run(a: RunArgs) -> Result<bool> {
     let barrier = format!("{job_rel}-phase");
     let outcome = (|| -> Result<bool> {
         cluster::mkdir_on_host(&job.join("input"), hosts[0])?;
+        std::fs::create_dir(claims_path(&job)).context("cannot create the claims directory")?;
         let input = input_path(&job);
+        let t = Instant::now();
         cluster::publish(&input, &data)?;
         cluster::drop_cached(&input)?;
+        let placed = t.elapsed();
         let held = cluster::hosts_of(&input)?;
-        println!("input: {} held on host {held}", input.display());
+        println!(
+            "input: {} held on host {held} (written in {:.3} s: data placement, in no timer below)",
+            input.display(),
+            secs(placed)
+        );
         drop(data);
 
         cluster::barrier_init(&a.mounts[0], &barrier, n as u32)?;
@@ -333,6 +408,9 @@ fn run(a: RunArgs) -> Result<bool> {
         let result = cluster::read_range(&result_path(&job), 0..hist::BINS as u64 * 8)?;
         let result = hist::from_bytes(&result).context("the result region is torn")?;
         let equal = result == single;
+        println!(
+            "timers: single process = counting the in-memory input (not generating it); distributed = first worker spawned to last worker reaped (start, map with fetch, barriers, reduce, collect); {threads} cores on this machine, shared by all hosts"
+        );
         println!(
             "single process, in memory, 1 thread : {:8.3} s",
             secs(single_time)

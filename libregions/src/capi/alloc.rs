@@ -8,10 +8,24 @@
 //! cannot. Descriptors are resolved to their mapping through a small cache
 //! keyed by the region's identity (device and inode, from `statx` without a
 //! FUSE round trip), so repeated calls do not reconnect to the host agent.
+//!
+//! The fast path: every thread remembers the last descriptor it passed to
+//! `rmalloc` with a duplicate of it and the mapping, and the last mapping it
+//! freed into. A call with the same descriptor checks with one `kcmp`
+//! (`KCMP_FILE`, which compares the open file descriptions in the kernel
+//! and never reaches the file system) that the number still names the same
+//! open file (the application may have closed it and opened another region
+//! under the same number); an `rfree` inside the remembered mapping uses it
+//! directly. Both hold only while no region was unmapped in the process
+//! since ([`crate::rmalloc::unmap_epoch`]); otherwise, or when `kcmp` is
+//! unavailable, the call takes the path above.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{CString, c_char, c_int, c_void};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::{ffi_int, ffi_ptr, set_errno};
@@ -73,6 +87,158 @@ fn identity(fd: c_int) -> Result<(u64, u64)> {
         libc::makedev(st.stx_dev_major, st.stx_dev_minor),
         st.stx_ino,
     ))
+}
+
+/// The last descriptor a thread allocated with.
+struct LastFd {
+    fd: c_int,
+    /// A duplicate of `fd` taken when it was resolved: `kcmp` compares them.
+    dup: OwnedFd,
+    mapping: Arc<Mapping>,
+    epoch: u64,
+}
+
+/// The last mapping a thread freed into.
+struct LastMap {
+    base: usize,
+    mapping: Arc<Mapping>,
+    epoch: u64,
+}
+
+thread_local! {
+    static LAST_FD: RefCell<Option<LastFd>> = const { RefCell::new(None) };
+    static LAST_MAP: RefCell<Option<LastMap>> = const { RefCell::new(None) };
+}
+
+/// Cleared when `kcmp` fails (not built into the kernel, or refused by a
+/// seccomp filter): the fast path is then off.
+static KCMP_WORKS: AtomicBool = AtomicBool::new(true);
+
+/// Whether descriptors `a` and `b` of this process name the same open file
+/// description (one `kcmp`; it never reaches the file system).
+fn same_file(a: c_int, b: c_int) -> bool {
+    let pid = my_pid();
+    // SAFETY: kcmp takes plain integers and only compares kernel objects.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_kcmp,
+            pid,
+            pid,
+            KCMP_FILE,
+            a as libc::c_ulong,
+            b as libc::c_ulong,
+        )
+    };
+    if r < 0
+        && matches!(
+            std::io::Error::last_os_error().raw_os_error(),
+            Some(libc::ENOSYS | libc::EPERM | libc::EACCES)
+        )
+    {
+        KCMP_WORKS.store(false, Ordering::Relaxed);
+    }
+    r == 0
+}
+
+/// This process's id, cached (glibc's getpid is a system call); reset in a
+/// forked child.
+fn my_pid() -> libc::pid_t {
+    static PID: AtomicI32 = AtomicI32::new(0);
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    extern "C" fn forked() {
+        PID.store(0, Ordering::Relaxed);
+    }
+    ONCE.call_once(|| {
+        // SAFETY: registers a plain function without preconditions.
+        unsafe { libc::pthread_atfork(None, None, Some(forked)) };
+    });
+    match PID.load(Ordering::Relaxed) {
+        0 => {
+            // SAFETY: getpid has no preconditions.
+            let p = unsafe { libc::getpid() };
+            PID.store(p, Ordering::Relaxed);
+            p
+        }
+        p => p,
+    }
+}
+
+/// `KCMP_FILE` of linux/kcmp.h.
+const KCMP_FILE: libc::c_int = 0;
+
+/// Remembers `fd` → `m` for this thread's next `rmalloc`.
+fn remember_fd(fd: c_int, m: &Arc<Mapping>) {
+    if !m.writable() || !KCMP_WORKS.load(Ordering::Relaxed) {
+        return;
+    }
+    // SAFETY: F_DUPFD_CLOEXEC duplicates the caller's open descriptor.
+    let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 3) };
+    if dup < 0 {
+        return;
+    }
+    // SAFETY: a fresh descriptor that we own.
+    let dup = unsafe { OwnedFd::from_raw_fd(dup) };
+    let epoch = crate::rmalloc::unmap_epoch();
+    let _ = LAST_FD.try_with(|l| {
+        if let Ok(mut l) = l.try_borrow_mut() {
+            *l = Some(LastFd {
+                fd,
+                dup,
+                mapping: Arc::clone(m),
+                epoch,
+            });
+        }
+    });
+}
+
+/// The fast path of `rmalloc`: None to take the full path.
+fn alloc_fast(fd: c_int, len: usize) -> Option<Result<*mut u8>> {
+    LAST_FD
+        .try_with(|l| {
+            let l = l.try_borrow().ok()?;
+            let e = l.as_ref()?;
+            if e.fd != fd
+                || e.epoch != crate::rmalloc::unmap_epoch()
+                || !same_file(fd, e.dup.as_raw_fd())
+            {
+                return None;
+            }
+            let m = &e.mapping;
+            // SAFETY: the mapping is alive (no unmap since the epoch) and
+            // covers `len()` bytes at its base; its region holds a heap.
+            let heap = unsafe { Heap::attach(m.base(), m.len()) }.ok()?;
+            match heap.alloc(len) {
+                // SAFETY: the block lies inside the heap, inside the mapping.
+                Ok(off) => Some(Ok(unsafe { m.base().add(off as usize) })),
+                Err(HeapError::Full { .. } | HeapError::NeedsMapping { .. }) => None,
+                Err(e) => Some(Err(e.into())),
+            }
+        })
+        .ok()
+        .flatten()
+}
+
+/// The fast path of `rfree`: None to take the full path.
+fn free_fast(ptr: *const u8) -> Option<Result<()>> {
+    LAST_MAP
+        .try_with(|l| {
+            let l = l.try_borrow().ok()?;
+            let e = l.as_ref()?;
+            let p = ptr as usize;
+            let len = e.mapping.len();
+            if p < e.base || p >= e.base + len || e.epoch != crate::rmalloc::unmap_epoch() {
+                return None;
+            }
+            // SAFETY: as in alloc_fast.
+            let heap = unsafe { Heap::attach(e.mapping.base(), len) }.ok()?;
+            match heap.free((p - e.base) as u64) {
+                Ok(()) => Some(Ok(())),
+                Err(HeapError::NeedsMapping { .. }) => None,
+                Err(e) => Some(Err(e.into())),
+            }
+        })
+        .ok()
+        .flatten()
 }
 
 /// Mappings by region identity (device, inode).
@@ -201,12 +367,16 @@ pub fn alloc_in(fd: c_int, len: usize) -> Result<*mut u8> {
             "{len} bytes is over rmalloc's block limit of {MAX_BLOCK} bytes"
         )));
     }
+    if let Some(r) = alloc_fast(fd, len) {
+        return r;
+    }
     let m = mapping_of_fd(fd)?;
     writable(&m)?;
     let mut heap = heap_of(&m, true)?;
     for _ in 0..16 {
         match heap.alloc(len) {
             Ok(off) => {
+                remember_fd(fd, &m);
                 // SAFETY: the block lies inside the heap, inside the mapping.
                 return Ok(unsafe { m.base().add(off as usize) });
             }
@@ -243,6 +413,10 @@ pub fn alloc_in(fd: c_int, len: usize) -> Result<*mut u8> {
 
 /// Frees a block returned by rmalloc.
 pub fn free_ptr(ptr: *const u8) -> Result<()> {
+    if let Some(r) = free_fast(ptr) {
+        return r;
+    }
+    let epoch = crate::rmalloc::unmap_epoch();
     let m = mapping::lookup(ptr).ok_or_else(|| {
         RegionsError::Invalid(format!(
             "{ptr:p} is not inside a mapped region (not an rmalloc block)"
@@ -251,7 +425,17 @@ pub fn free_ptr(ptr: *const u8) -> Result<()> {
     writable(&m)?;
     let heap = heap_of(&m, false)?;
     let off = ptr as usize - m.base() as usize;
-    with_heap(&m, heap, |h| h.free(off as u64))
+    with_heap(&m, heap, |h| h.free(off as u64))?;
+    let _ = LAST_MAP.try_with(|l| {
+        if let Ok(mut l) = l.try_borrow_mut() {
+            *l = Some(LastMap {
+                base: m.base() as usize,
+                mapping: Arc::clone(&m),
+                epoch,
+            });
+        }
+    });
+    Ok(())
 }
 
 /// `void *rmalloc(int regionfd, size_t len)`.
@@ -412,6 +596,22 @@ mod tests {
         assert_eq!(errno(), libc::EINVAL);
         assert!(rgetroot(-5).is_null());
         assert_eq!(errno(), libc::EBADF);
+    }
+
+    #[test]
+    fn same_file_compares_open_files_not_numbers() {
+        let f = std::fs::File::open("/proc/self/exe").unwrap();
+        let g = std::fs::File::open("/proc/self/exe").unwrap();
+        let d = f.try_clone().unwrap();
+        assert!(same_file(f.as_raw_fd(), d.as_raw_fd()));
+        assert!(!same_file(f.as_raw_fd(), g.as_raw_fd()));
+        let stale = g.as_raw_fd();
+        drop(g);
+        assert!(!same_file(f.as_raw_fd(), stale));
+        assert!(
+            KCMP_WORKS.load(Ordering::Relaxed),
+            "kcmp is unavailable here"
+        );
     }
 
     #[test]

@@ -383,6 +383,8 @@ pub fn unmap(addr: *const u8) -> Result<()> {
             format!("{addr:p} is not inside a mapped region"),
         )
     })?;
+    // rmalloc thread caches of a heap in this region: flush the caller's, forget the others.
+    crate::rmalloc::unmapping(m.base(), m.len().max(1));
     let synced = m.msync(m.base as *const u8, m.len());
     {
         let mut reg = lock_registry();

@@ -1,0 +1,80 @@
+//! The C `rmalloc(fd, len)` fast path remembers the descriptor a thread last
+//! allocated with; these tests drive it through a real mount and check that
+//! it follows the open file, not the descriptor number, and that `runmap`
+//! and other threads are handled.
+
+use std::os::fd::AsRawFd;
+
+use regions::capi::alloc::{rfree, rmalloc};
+use regions::capi::map::runmap;
+use regions_tests::Cluster;
+
+fn open(path: std::path::PathBuf) -> std::fs::File {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .unwrap_or_else(|e| panic!("open {}: {e}", path.display()))
+}
+
+fn ino_of(p: *mut libc::c_void) -> u64 {
+    assert!(
+        !p.is_null(),
+        "rmalloc failed: {}",
+        std::io::Error::last_os_error()
+    );
+    regions::mapping::lookup(p as *const u8)
+        .expect("the block lies in a mapped region")
+        .ino()
+}
+
+#[test]
+fn rmalloc_follows_the_open_file_not_the_descriptor_number() {
+    let cluster = Cluster::start(1, "1G").unwrap();
+    let mount = cluster.mount(1).unwrap();
+    let a = open(mount.path("a"));
+    let b = open(mount.path("b"));
+    let fd = a.as_raw_fd();
+
+    let pa = rmalloc(fd, 64);
+    let ino_a = ino_of(pa);
+    // The second call takes the fast path: same region.
+    let pa2 = rmalloc(fd, 64);
+    assert_eq!(ino_of(pa2), ino_a);
+    assert_ne!(pa, pa2);
+
+    // The same number now names region b (dup2 closes a's description).
+    // SAFETY: both are our open descriptors.
+    assert_eq!(unsafe { libc::dup2(b.as_raw_fd(), fd) }, fd);
+    let pb = rmalloc(fd, 64);
+    let ino_b = ino_of(pb);
+    assert_ne!(ino_b, ino_a, "rmalloc trusted the descriptor number");
+    let pb2 = rmalloc(fd, 64);
+    assert_eq!(ino_of(pb2), ino_b);
+
+    // Frees into both regions, from this thread and from another one.
+    assert_eq!(rfree(pa), 0);
+    assert_eq!(rfree(pb), 0);
+    let (pa2u, pb2u, pbu) = (pa2 as usize, pb2 as usize, pb as usize);
+    std::thread::spawn(move || {
+        assert_eq!(rfree(pa2u as *mut libc::c_void), 0);
+        assert_eq!(rfree(pb2u as *mut libc::c_void), 0);
+        // Double frees are refused, also for blocks in another thread's
+        // cache.
+        assert_eq!(rfree(pa2u as *mut libc::c_void), -1);
+        assert_eq!(rfree(pbu as *mut libc::c_void), -1);
+    })
+    .join()
+    .unwrap();
+    assert_eq!(rfree(pb2), -1);
+    assert_eq!(rfree(pa), -1);
+
+    // After runmap the next rmalloc maps the region again.
+    assert_eq!(runmap(pb), 0);
+    let pb3 = rmalloc(fd, 64);
+    assert_eq!(ino_of(pb3), ino_b);
+    assert_eq!(rfree(pb3), 0);
+    drop(a);
+    drop(b);
+}
