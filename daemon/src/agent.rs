@@ -111,8 +111,11 @@ pub struct AgentHandler {
     pub memory_limit: u64,
     /// Who decides rights.
     pub authority: Arc<dyn Authority>,
-    /// Owners of regions created through this agent ([`crate::owners`]).
+    /// Owners of regions created through this agent, and processes holding handles it
+    /// opened ([`crate::owners`]).
     pub owners: Option<Arc<crate::owners::OwnerWatch>>,
+    /// Handles opened through this agent and not closed yet.
+    pub handles: Arc<crate::open_handles::OpenHandles>,
     /// Forwarding of barrier, mutex and doorbell calls ([`crate::agent_sync`]).
     pub sync: Option<Arc<crate::agent_sync::SyncAgent>>,
 }
@@ -159,7 +162,14 @@ impl AgentHandler {
         match request.request {
             Some(agent_request::Request::Open(open)) => {
                 match self.authority.open(&caller, open.ino, open.write) {
-                    Ok(info) => (ok_reply(Body::Region(info)), None),
+                    Ok(info) => {
+                        // Closed for it if it exits without closing.
+                        self.handles.opened(&caller, info.handle);
+                        if let Some(owners) = &self.owners {
+                            owners.watch(caller.pid);
+                        }
+                        (ok_reply(Body::Region(info)), None)
+                    }
                     Err(e) => (error_reply(&e), None),
                 }
             }
@@ -496,6 +506,7 @@ mod tests {
             memory_limit: 1 << 30,
             authority: Arc::new(Fake),
             owners: None,
+            handles: Arc::default(),
             sync: None,
         }
     }

@@ -64,5 +64,9 @@ pub fn close(
     caller: &Caller,
     r: &MapClose,
 ) -> (AgentReply, Option<OwnedFd>) {
-    reply(handler.authority.close(caller, r.handle).map(|()| None))
+    let closed = handler.authority.close(caller, r.handle);
+    if closed.is_ok() {
+        handler.handles.closed(caller.pid, r.handle);
+    }
+    reply(closed.map(|()| None))
 }

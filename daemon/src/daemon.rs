@@ -68,11 +68,18 @@ impl Daemon {
             clients.clone(),
             tokio::runtime::Handle::current(),
         ));
-        let owners = crate::owners::OwnerWatch::start(crate::owners::releaser(
-            Arc::clone(&authority),
-            config.host_id,
-        ))
-        .map_err(|e| DaemonError::sys("starting the region-owner watcher thread", e))?;
+        let handles = Arc::new(crate::open_handles::OpenHandles::default());
+        let release = crate::owners::releaser(Arc::clone(&authority), config.host_id);
+        let on_exit: crate::owners::OnExit = {
+            let (handles, authority) = (Arc::clone(&handles), Arc::clone(&authority));
+            // Handles first: an unlinked region the process held goes with its last handle.
+            Arc::new(move |pid| {
+                let closed = handles.close_all(pid, authority.as_ref());
+                release(pid) && closed
+            })
+        };
+        let owners = crate::owners::OwnerWatch::start(on_exit)
+            .map_err(|e| DaemonError::sys("starting the region-owner watcher thread", e))?;
         let handler = AgentHandler {
             host_id: config.host_id,
             pools: Arc::clone(&pools),
@@ -80,6 +87,7 @@ impl Daemon {
             memory_limit: config.pool_memory(),
             authority,
             owners: Some(Arc::new(owners)),
+            handles,
             sync: Some(Arc::new(
                 crate::agent_sync::SyncAgent::start(
                     &clients,

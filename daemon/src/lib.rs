@@ -14,6 +14,7 @@
 //! - [`fdpass`]: `SCM_RIGHTS` and `SO_PEERCRED` on Unix sockets.
 //! - [`agent`]: the host agent on the daemon's Unix socket.
 //! - [`manager_client`]: gRPC clients of the manager and the agent's [`manager_client::Authority`].
+//! - [`open_handles`]: handles the agent opened for local processes, closed when they exit.
 //! - [`registration`]: the manager session (register, resync, watch, heartbeat).
 //! - [`stats`]: the counters the agent reports.
 //! - [`daemon`]: [`Daemon`], everything started together.
@@ -26,6 +27,7 @@ pub mod daemon;
 pub mod error;
 pub mod fdpass;
 pub mod manager_client;
+pub mod open_handles;
 pub mod owners;
 pub mod pools;
 pub mod rawio;

@@ -183,12 +183,6 @@ fn main() -> anyhow::Result<()> {
     );
     println!("  ratio uffd/bare  {:.2}  (target <= 1.5)", u / b);
     println!("  ratio uffd/FUSE  {:.2}  (target <= 0.5)", u / fu);
-    // A fault served by anything that makes one transport read costs at least that read, so
-    // no user-space fault path can go below bare/FUSE against this FUSE path.
-    println!(
-        "  floor of uffd/FUSE on this transport (bare/FUSE)  {:.2}",
-        b / fu
-    );
 
     // 2. Sequential first touch of the whole remote region.
     let seq_bytes = sizes.seq_region as f64;

@@ -343,3 +343,28 @@ fn read_only_capability_refuses_writes() {
     assert_eq!(ro.read_at(0, &mut buf).unwrap(), 16);
     assert_eq!(&buf[..4], b"yes!");
 }
+
+#[test]
+fn a_killed_mapper_does_not_keep_an_unlinked_region_alive() {
+    let s = setup();
+    let path = s.m1.path("orphan");
+    create(&path, &pattern(4 << 20));
+    let mut h = Helper::spawn(&path, "ro");
+    assert_eq!(h.cmd("r 8"), word(8).to_string());
+    std::fs::remove_file(&path).expect("unlink the mapped region");
+    // The mapper's open handle keeps it (and its memory) alive ...
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(s.stats(1).segments, 1, "an open region was freed");
+    // ... until the mapper dies without closing it.
+    h.child.kill().expect("SIGKILL the mapper");
+    let _ = h.child.wait();
+    let start = Instant::now();
+    while s.stats(1).segments != 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the unlinked region outlived its last (killed) opener"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("freed {:?} after the kill", start.elapsed());
+}

@@ -35,8 +35,10 @@ use uffd::{Faults, Job};
 pub const DEFAULT_PREFETCH_PAGES: usize = 16;
 /// Smallest address range reserved for a mapping (room to grow in place).
 const MIN_RESERVATION: usize = 256 << 20;
-/// Background read-ahead of sequential access, in prefetch windows.
-const READ_AHEAD: usize = 16;
+/// Background read-ahead of sequential access, in prefetch windows ...
+const READ_AHEAD: usize = 64;
+/// ... fetched in jobs of this many windows.
+const READ_AHEAD_PIECE: usize = 16;
 /// Pages per chunk.
 const CHUNK_PAGES: usize = (CHUNK_SIZE as usize) / PAGE;
 
@@ -737,10 +739,17 @@ impl Mapping {
             let ahead = (window * READ_AHEAD).min(total.saturating_sub(start));
             if ahead > 0 {
                 self.frontier.store(start + ahead, Ordering::Relaxed);
-                faults.submit(Job::Prefetch {
-                    addr: self.base + start * PAGE,
-                    len: ahead * PAGE,
-                });
+                // In pieces, so that the read-ahead threads fetch in parallel.
+                let piece = window * READ_AHEAD_PIECE;
+                let mut at = start;
+                while at < start + ahead {
+                    let n = piece.min(start + ahead - at);
+                    faults.submit(Job::Prefetch {
+                        addr: self.base + at * PAGE,
+                        len: n * PAGE,
+                    });
+                    at += n;
+                }
             }
         }
         match state {

@@ -1,0 +1,152 @@
+//! Open handles the host agent obtained for local processes (application sessions open regions
+//! through it), so that a process that exits without closing them does not keep its regions
+//! alive: the pid watch of [`crate::owners`] reports the exit and [`OpenHandles::close_all`]
+//! closes what is left at the manager. Without this, an unlinked region opened by a program
+//! that was killed would hold its memory until its host's lease ended.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use regions_proto::v1::Caller;
+
+use crate::manager_client::Authority;
+
+/// The handles of each local process, by pid.
+#[derive(Debug, Default)]
+pub struct OpenHandles {
+    by_pid: Mutex<HashMap<u32, Vec<(u64, Caller)>>>,
+}
+
+impl OpenHandles {
+    /// `caller` got `handle` through the agent.
+    pub fn opened(&self, caller: &Caller, handle: u64) {
+        if handle == 0 {
+            return;
+        }
+        if let Ok(mut m) = self.by_pid.lock() {
+            m.entry(caller.pid)
+                .or_default()
+                .push((handle, caller.clone()));
+        }
+    }
+
+    /// Process `pid` closed `handle` itself.
+    pub fn closed(&self, pid: u32, handle: u64) {
+        if let Ok(mut m) = self.by_pid.lock()
+            && let Some(handles) = m.get_mut(&pid)
+        {
+            handles.retain(|(h, _)| *h != handle);
+            if handles.is_empty() {
+                m.remove(&pid);
+            }
+        }
+    }
+
+    /// How many handles process `pid` holds through the agent.
+    pub fn count(&self, pid: u32) -> usize {
+        self.by_pid
+            .lock()
+            .map_or(0, |m| m.get(&pid).map_or(0, Vec::len))
+    }
+
+    /// Process `pid` exited: closes its handles at the manager. Handles whose close failed in
+    /// a way that may pass (manager unreachable) are kept for the next try; returns whether
+    /// none is left.
+    pub fn close_all(&self, pid: u32, authority: &dyn Authority) -> bool {
+        let handles = self
+            .by_pid
+            .lock()
+            .ok()
+            .and_then(|mut m| m.remove(&pid))
+            .unwrap_or_default();
+        let mut retry = Vec::new();
+        for (handle, caller) in handles {
+            match authority.close(&caller, handle) {
+                Ok(()) => tracing::debug!(pid, handle, "closed a handle its process left open"),
+                Err(e)
+                    if [libc::EIO, libc::ETIMEDOUT, libc::EAGAIN, libc::ECONNREFUSED]
+                        .contains(&e.errno()) =>
+                {
+                    retry.push((handle, caller));
+                }
+                // Already closed (or the region is gone): nothing to do.
+                Err(e) => tracing::debug!(pid, handle, error = %e, "handle of an exited process"),
+            }
+        }
+        if retry.is_empty() {
+            return true;
+        }
+        if let Ok(mut m) = self.by_pid.lock() {
+            m.entry(pid).or_default().extend(retry);
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::{DaemonError, Result};
+    use regions_proto::v1;
+
+    /// Records closes; fails the first `transient` of them with EIO.
+    #[derive(Default)]
+    struct Closer {
+        closed: Mutex<Vec<u64>>,
+        transient: Mutex<u32>,
+    }
+
+    impl Authority for Closer {
+        fn open(&self, _: &Caller, _: u64, _: bool) -> Result<v1::RegionInfo> {
+            Err(DaemonError::Invalid("unused".into()))
+        }
+        fn access(&self, _: &Caller, _: u64, _: u32) -> Result<()> {
+            Ok(())
+        }
+        fn close(&self, _: &Caller, handle: u64) -> Result<()> {
+            let mut t = self.transient.lock().unwrap();
+            if *t > 0 {
+                *t -= 1;
+                return Err(DaemonError::ManagerUnreachable {
+                    url: "http://manager".into(),
+                    attempts: 1,
+                    secs: 0,
+                    last: "down".into(),
+                });
+            }
+            self.closed.lock().unwrap().push(handle);
+            Ok(())
+        }
+    }
+
+    fn caller(pid: u32) -> Caller {
+        Caller {
+            pid,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn handles_left_open_are_closed_when_their_process_exits() {
+        let h = OpenHandles::default();
+        h.opened(&caller(10), 1);
+        h.opened(&caller(10), 2);
+        h.opened(&caller(10), 3);
+        h.opened(&caller(11), 4);
+        h.closed(10, 2);
+        assert_eq!(h.count(10), 2);
+        let a = Closer {
+            transient: Mutex::new(1),
+            ..Default::default()
+        };
+        // The first close fails for a while: that handle is kept and closed on the retry.
+        assert!(!h.close_all(10, &a));
+        assert_eq!(h.count(10), 1);
+        assert!(h.close_all(10, &a));
+        let mut closed = a.closed.lock().unwrap().clone();
+        closed.sort_unstable();
+        assert_eq!(closed, vec![1, 3]);
+        assert_eq!(h.count(10), 0);
+        assert_eq!(h.count(11), 1);
+    }
+}
