@@ -28,10 +28,10 @@
 //! A barrier of `n` has an arrival word in the same hidden region that counts arrivals and is
 //! never reset: the caller whose fetch-add takes it from `c` to `c + 1` joins round
 //! `c / n + 1`, which is complete once the word reaches `(c / n + 1) * n`. The `n`-th arrival
-//! of a round returns at once; the others re-read the word for a few hundred microseconds,
-//! then wait on the transport for it to change (the daemon answers a `WaitChange` when an
-//! atomic changes it; on the word's own host, a futex on the mapped word) and, when the round
-//! takes longer, sleep at the manager
+//! of a round returns at once; the others wait on the transport for the word to change (the
+//! daemon answers a `WaitChange` when an atomic changes it; on the word's own host, the mapped
+//! word is re-read for a millisecond, then waited on with a futex) and, when the round takes
+//! longer, sleep at the manager
 //! (`BarrierSleep`), which sets [`SLEEPERS`] in the word so that the completing arrival wakes
 //! it (`BarrierWake`) and rereads the word on a short tick in case that wake never comes (the
 //! completer was killed). An arrival, once made, counts; a party killed before arriving
@@ -128,7 +128,7 @@ fn gettid() -> u32 {
     u32::try_from(tid).unwrap_or(u32::MAX)
 }
 
-/// A barrier waiter re-reads its word back to back this long, ...
+/// A barrier waiter whose word is mapped re-reads it this long, ...
 const BARRIER_SPIN: Duration = Duration::from_millis(1);
 /// ... waits for it to change on the transport until this long, then sleeps at the manager.
 const BARRIER_WAIT: Duration = Duration::from_millis(200);
@@ -381,10 +381,11 @@ impl SyncClient {
             if left.is_zero() {
                 break;
             }
-            // First re-read the word back to back (a round trip each, or a load of a mapped
-            // word), which sees a quick round soonest; then let the daemon or the futex answer
-            // when it changes, which costs a wake-up or two but no CPU while waiting.
-            let next = if waited < BARRIER_SPIN {
+            // A mapped word is first re-read in place for a while (a quick round is seen
+            // soonest); then the futex, or for a remote word the daemon, answers when it
+            // changes. Remote waiters do not poll: round trips back to back keep the daemon
+            // busy and slowed rounds down on a loaded machine (measured).
+            let next = if waited < BARRIER_SPIN && local {
                 if local {
                     std::thread::yield_now();
                 }
