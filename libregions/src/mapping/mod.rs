@@ -36,7 +36,7 @@ pub const DEFAULT_PREFETCH_PAGES: usize = 16;
 /// Smallest address range reserved for a mapping (room to grow in place).
 const MIN_RESERVATION: usize = 256 << 20;
 /// Background read-ahead of sequential access, in prefetch windows ...
-const READ_AHEAD: usize = 64;
+const READ_AHEAD: usize = 128;
 /// ... fetched in jobs of this many windows.
 const READ_AHEAD_PIECE: usize = 16;
 /// Pages per chunk.
@@ -671,15 +671,19 @@ impl Mapping {
             return Ok(());
         }
         let total: usize = runs.iter().map(|(a, b)| (b - a) * PAGE).sum();
-        let mut buf = vec![0u8; total];
+        with_fetch_buffer(total, |buf| self.fetch_into(faults, runs, buf))
+    }
+
+    /// [`Self::fetch_runs`] through `buf` (exactly the runs' length).
+    fn fetch_into(&self, faults: &Faults, runs: &[(usize, usize)], buf: &mut [u8]) -> Result<()> {
         let fetched = self.spans_across(runs).and_then(|(addr, spans)| {
             let t = self.region.transport(&addr)?;
-            match t.read(&spans, &mut buf) {
+            match t.read(&spans, buf) {
                 Err(RegionsError::Daemon { errno, .. }) if errno == libc::EFAULT => {
                     // A stale map: fetch it again and retry once.
                     self.region.refresh()?;
                     let (addr, spans) = self.spans_across(runs)?;
-                    self.region.transport(&addr)?.read(&spans, &mut buf)
+                    self.region.transport(&addr)?.read(&spans, buf)
                 }
                 other => other,
             }
@@ -1027,6 +1031,31 @@ impl Mapping {
     }
 }
 
+/// Largest fetch buffer a thread keeps between fetches.
+const KEPT_BUFFER: usize = 8 << 20;
+
+/// Runs `f` on a buffer of `len` bytes: the calling thread's kept buffer (fault and read-ahead
+/// threads fetch over and over; a fresh buffer would be zeroed and faulted in every time).
+/// Its contents are whatever the last fetch left: `f` overwrites all of it.
+fn with_fetch_buffer<T>(len: usize, f: impl FnOnce(&mut [u8]) -> T) -> T {
+    thread_local! {
+        static BUFFER: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    if len > KEPT_BUFFER {
+        return f(&mut vec![0u8; len]);
+    }
+    BUFFER.with(|b| match b.try_borrow_mut() {
+        Ok(mut kept) => {
+            if kept.len() < len {
+                kept.resize(len, 0);
+            }
+            f(&mut kept[..len])
+        }
+        // Re-entered (cannot happen on the fetch paths; be safe anyway).
+        Err(_) => f(&mut vec![0u8; len]),
+    })
+}
+
 fn poisoned() -> RegionsError {
     map_err(
         libc::EIO,
@@ -1115,3 +1144,4 @@ mod tests {
         set_prefetch_pages(DEFAULT_PREFETCH_PAGES);
     }
 }
+
