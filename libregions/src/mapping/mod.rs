@@ -1144,4 +1144,3 @@ mod tests {
         set_prefetch_pages(DEFAULT_PREFETCH_PAGES);
     }
 }
-
