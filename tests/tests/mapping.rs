@@ -368,3 +368,50 @@ fn a_killed_mapper_does_not_keep_an_unlinked_region_alive() {
     }
     eprintln!("freed {:?} after the kill", start.elapsed());
 }
+
+#[test]
+fn a_forked_child_faults_on_remote_pages_instead_of_reading_zeros() {
+    let s = setup();
+    let len = 1 << 20;
+    create(&s.m2.path("forked"), &pattern(len));
+    let file = std::fs::File::open(s.m1.path("forked")).unwrap();
+    let m = mapping::map_fd(file.as_fd()).expect("map on host 1");
+    assert_eq!(read_word(&m, 0), word(0), "the parent reads through the mapping");
+    // A page the parent has not fetched: in a child without the parent's userfaultfd it would
+    // read as zeros.
+    let addr = m.base().wrapping_add(len / 2).cast::<u64>();
+    // SAFETY: the child only reads memory and exits (async-signal-safe).
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        // SAFETY: the read under test; in the child the remote pages are not mapped.
+        let v = unsafe { std::ptr::read_volatile(addr) };
+        // SAFETY: leaving the child at once.
+        unsafe { libc::_exit(if v == 0 { 3 } else { 4 }) };
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut status = 0;
+    loop {
+        // SAFETY: polling the child just forked.
+        let got = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        if got == pid {
+            break;
+        }
+        if Instant::now() > deadline {
+            // SAFETY: killing and reaping our own child.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, &mut status, 0);
+            }
+            panic!("the forked child hung on a remote page");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSEGV,
+        "the child did not fault on a remote page (status {status:#x}; exit 3 = read zeros)"
+    );
+    // The parent's mapping is untouched.
+    assert_eq!(read_word(&m, len / 2), word(len / 2));
+    mapping::unmap(m.base()).unwrap();
+}

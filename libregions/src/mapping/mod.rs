@@ -14,6 +14,9 @@
 //!   [`Mapping::prefetch`] fetches ahead.
 //! - A fault that cannot be served (the transport gave up: host gone, timeout, 5 s bound) raises
 //!   `SIGBUS` for that access.
+//! - A forked child does not inherit remote pages (`MADV_DONTFORK`): userfaultfd registrations
+//!   do not cross `fork`, so the child would read zero pages there; it gets `SIGSEGV` instead
+//!   and maps the region itself. Chunks held on the host are shared memory and stay shared.
 
 mod sys;
 mod uffd;

@@ -109,7 +109,17 @@ pub fn map_anon_fixed(addr: *mut u8, len: usize, write: bool) -> io::Result<()> 
             0,
         )
     };
-    check_map(ret, "mapping anonymous memory for remote pages").map(drop)
+    check_map(ret, "mapping anonymous memory for remote pages")?;
+    // A forked child inherits no userfaultfd registration: its faults there would silently
+    // read zero pages. Leave the range out of children, so that an access there is a SIGSEGV.
+    // SAFETY: advice on the range just mapped; it changes only what fork copies.
+    if unsafe { libc::madvise(addr.cast(), len, libc::MADV_DONTFORK) } != 0 {
+        return Err(io::Error::other(format!(
+            "keeping remote pages out of forked children (madvise MADV_DONTFORK): {}",
+            io::Error::last_os_error()
+        )));
+    }
+    Ok(())
 }
 
 /// Maps `fd` at file offset `offset` shared over `[addr, addr + len)` (inside a reservation).
@@ -189,6 +199,31 @@ mod tests {
         map_fd_fixed(base, PAGE, fd.as_fd(), 0, true).unwrap();
         re_reserve(base, 4 * PAGE).unwrap();
         release(base, len).unwrap();
+    }
+
+    #[test]
+    fn anonymous_pages_are_left_out_of_forked_children() {
+        let base = reserve_anywhere(PAGE).unwrap();
+        map_anon_fixed(base, PAGE, true).unwrap();
+        // SAFETY: the page was just mapped read-write.
+        unsafe { base.write(7) };
+        // SAFETY: the child only reads memory and exits (async-signal-safe).
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            // SAFETY: in the child the page is gone: this read is the SIGSEGV under test.
+            let v = unsafe { std::ptr::read_volatile(base) };
+            // SAFETY: leaving the child at once.
+            unsafe { libc::_exit(i32::from(v)) };
+        }
+        let mut status = 0;
+        // SAFETY: waiting for the child just forked.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(
+            libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSEGV,
+            "the child read the page (status {status:#x}) instead of faulting"
+        );
+        release(base, PAGE).unwrap();
     }
 
     use std::os::fd::AsFd;
