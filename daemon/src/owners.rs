@@ -12,15 +12,11 @@
 //! The watch list lives in the daemon's memory: regions created before a restart of the
 //! daemon are no longer watched (they are released with the host's lease if the host dies).
 
-use std::collections::HashMap;
-use std::io;
-use std::os::fd::{AsFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use regions_proto::pid_watch::{ExitHandler, PidWatch, Watch};
 use regions_proto::v1::{self, AgentReply, Caller, OwnerCreate, agent_reply::Body};
 
 use crate::agent::AgentHandler;
@@ -36,36 +32,17 @@ const TICK: Duration = Duration::from_millis(50);
 /// Pause before a failed release is tried again.
 const RETRY: Duration = Duration::from_secs(1);
 
-/// Opens a pidfd for `pid`.
-fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
-    let pid = libc::pid_t::try_from(pid)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "pid out of range"))?;
-    if pid <= 0 {
-        return Err(io::Error::from_raw_os_error(libc::ESRCH));
-    }
-    // SAFETY: pidfd_open(2) takes a pid and flags, touches no memory of ours, and returns a
-    // new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let fd = RawFd::try_from(fd).map_err(|_| io::Error::other("pidfd out of range"))?;
-    // SAFETY: `fd` is a descriptor just returned by the kernel that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-struct Shared {
-    pids: Mutex<HashMap<u32, Arc<OwnedFd>>>,
+/// Releases owners that exited, and retries those that failed.
+struct Releases {
+    on_exit: OnExit,
     /// Releases that failed, and when to try them again.
     retry: Mutex<Vec<(u32, Instant)>>,
-    stop: AtomicBool,
 }
 
 /// Watches owner processes on a thread of its own.
 pub struct OwnerWatch {
-    shared: Arc<Shared>,
-    on_exit: OnExit,
-    thread: Option<JoinHandle<()>>,
+    pids: PidWatch,
+    releases: Arc<Releases>,
 }
 
 impl std::fmt::Debug for OwnerWatch {
@@ -78,45 +55,26 @@ impl std::fmt::Debug for OwnerWatch {
 
 impl OwnerWatch {
     /// Starts the watcher; `on_exit` releases an owner that exited.
-    pub fn start(on_exit: OnExit) -> io::Result<OwnerWatch> {
-        let shared = Arc::new(Shared {
-            pids: Mutex::new(HashMap::new()),
-            retry: Mutex::new(Vec::new()),
-            stop: AtomicBool::new(false),
-        });
-        let thread = {
-            let shared = Arc::clone(&shared);
-            let on_exit = Arc::clone(&on_exit);
-            std::thread::Builder::new()
-                .name("agent-owners".into())
-                .spawn(move || watch_loop(&shared, &on_exit))?
-        };
-        Ok(OwnerWatch {
-            shared,
+    pub fn start(on_exit: OnExit) -> std::io::Result<OwnerWatch> {
+        let releases = Arc::new(Releases {
             on_exit,
-            thread: Some(thread),
+            retry: Mutex::new(Vec::new()),
+        });
+        let handler: Arc<dyn ExitHandler> = Arc::clone(&releases) as _;
+        Ok(OwnerWatch {
+            pids: PidWatch::start("agent-owners", TICK, handler)?,
+            releases,
         })
     }
 
     /// Watches `pid` (watching it twice is watching it once). An owner that is already gone is
     /// released at once, on this thread.
     pub fn watch(&self, pid: u32) {
-        let Ok(mut pids) = self.shared.pids.lock() else {
-            return;
-        };
-        if pids.contains_key(&pid) {
-            return;
-        }
-        match pidfd_open(pid) {
-            Ok(fd) => {
-                pids.insert(pid, Arc::new(fd));
-            }
-            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
-                drop(pids);
+        match self.pids.watch(pid) {
+            Ok(Watch::Added | Watch::AlreadyWatched) => {}
+            Ok(Watch::Gone) => {
                 tracing::info!(pid, "owner already exited; releasing its regions");
-                if !(self.on_exit)(pid) {
-                    self.shared.retry_later(pid);
-                }
+                self.releases.release(pid);
             }
             Err(e) => tracing::warn!(
                 pid,
@@ -128,27 +86,18 @@ impl OwnerWatch {
 
     /// The pids watched now.
     pub fn watched(&self) -> Vec<u32> {
-        let mut pids: Vec<u32> = self
-            .shared
-            .pids
-            .lock()
-            .map(|p| p.keys().copied().collect())
-            .unwrap_or_default();
-        pids.sort_unstable();
-        pids
+        self.pids.watched()
     }
 }
 
-impl Drop for OwnerWatch {
-    fn drop(&mut self) {
-        self.shared.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+impl Releases {
+    /// Releases `pid` now, or retries later.
+    fn release(&self, pid: u32) {
+        if !(self.on_exit)(pid) {
+            self.retry_later(pid);
         }
     }
-}
 
-impl Shared {
     fn retry_later(&self, pid: u32) {
         tracing::warn!(
             pid,
@@ -158,9 +107,16 @@ impl Shared {
             r.push((pid, Instant::now() + RETRY));
         }
     }
+}
+
+impl ExitHandler for Releases {
+    fn exited(&self, pid: u32) {
+        tracing::debug!(pid, "region owner exited");
+        self.release(pid);
+    }
 
     /// Tries the releases that are due again.
-    fn retry_due(&self, on_exit: &OnExit) {
+    fn tick(&self) {
         let now = Instant::now();
         let due: Vec<u32> = match self.retry.lock() {
             Ok(mut r) => {
@@ -171,55 +127,10 @@ impl Shared {
             Err(_) => return,
         };
         for pid in due {
-            if on_exit(pid) {
+            if (self.on_exit)(pid) {
                 tracing::info!(pid, "released a region owner that exited, after retrying");
             } else if let Ok(mut r) = self.retry.lock() {
                 r.push((pid, Instant::now() + RETRY));
-            }
-        }
-    }
-}
-
-fn watch_loop(shared: &Shared, on_exit: &OnExit) {
-    while !shared.stop.load(Ordering::SeqCst) {
-        shared.retry_due(on_exit);
-        let fds: Vec<(u32, Arc<OwnedFd>)> = match shared.pids.lock() {
-            Ok(p) => p.iter().map(|(pid, fd)| (*pid, Arc::clone(fd))).collect(),
-            Err(_) => return,
-        };
-        if fds.is_empty() {
-            std::thread::sleep(TICK);
-            continue;
-        }
-        let mut polls: Vec<PollFd<'_>> = fds
-            .iter()
-            .map(|(_, fd)| PollFd::new(fd.as_fd(), PollFlags::POLLIN))
-            .collect();
-        match poll(&mut polls, PollTimeout::from(TICK.as_millis() as u16)) {
-            Ok(0) | Err(nix::errno::Errno::EINTR) => continue,
-            Ok(_) => {}
-            Err(e) => {
-                tracing::warn!(error = %e, "polling owner pidfds failed");
-                std::thread::sleep(TICK);
-                continue;
-            }
-        }
-        let exited: Vec<u32> = polls
-            .iter()
-            .zip(&fds)
-            .filter(|(p, _)| p.revents().is_some_and(|r| !r.is_empty()))
-            .map(|(_, (pid, _))| *pid)
-            .collect();
-        drop(polls);
-        if let Ok(mut p) = shared.pids.lock() {
-            for pid in &exited {
-                p.remove(pid);
-            }
-        }
-        for pid in exited {
-            tracing::debug!(pid, "region owner exited");
-            if !on_exit(pid) {
-                shared.retry_later(pid);
             }
         }
     }
@@ -362,12 +273,5 @@ mod tests {
             3,
             "no more attempts after success"
         );
-    }
-
-    #[test]
-    fn pidfd_open_refuses_bad_pids() {
-        assert_eq!(pidfd_open(0).unwrap_err().raw_os_error(), Some(libc::ESRCH));
-        assert!(pidfd_open(u32::MAX).is_err());
-        assert!(pidfd_open(std::process::id()).is_ok());
     }
 }

@@ -42,7 +42,7 @@
 //! Waiting calls (barrier, lock, doorbell) block without a deadline; each uses a connection
 //! of its own, so other threads' calls are not held up.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -172,8 +172,9 @@ pub struct SyncClient {
     /// Whether words are used directly (else every call goes through the manager).
     direct: bool,
     stats: Arc<TransportStats>,
-    /// Mutexes locked through this client and not unlocked yet: (name, tid).
-    held: Mutex<HashSet<(String, u32)>>,
+    /// Mutexes locked through this client and not unlocked yet: the tids by name (a name
+    /// stays once used, so that locking and unlocking it again allocate nothing).
+    held: Mutex<HashMap<String, Vec<u32>>>,
     /// The worker finishing posted unlocks (started on first use).
     handovers: Mutex<Option<std::sync::mpsc::Sender<Handover>>>,
 }
@@ -209,7 +210,7 @@ impl SyncClient {
             barriers: Mutex::new(HashMap::new()),
             direct: true,
             stats: Arc::default(),
-            held: Mutex::new(HashSet::new()),
+            held: Mutex::new(HashMap::new()),
             handovers: Mutex::new(None),
         }
     }
@@ -452,7 +453,7 @@ impl SyncClient {
                 let location = r.location.ok_or_else(|| {
                     self.agent_error(libc::EIO, "locate reply without a location")
                 })?;
-                Some(self.word_at(location))
+                Some(self.word_at(name, location))
             }
             Err(e) if e.errno() == libc::ENOTSUP => None,
             Err(e) => return Err(e),
@@ -469,7 +470,7 @@ impl SyncClient {
         }
     }
 
-    fn word_at(&self, location: MutexLocation) -> Arc<Word> {
+    fn word_at(&self, name: &str, location: MutexLocation) -> Arc<Word> {
         let span = Span {
             region_offset: location.region_offset,
             pool: location.pool,
@@ -481,7 +482,7 @@ impl SyncClient {
             location,
             span,
             access,
-            unlocks: InFlight::tracked(),
+            unlocks: InFlight::tracked(name),
         })
     }
 
@@ -531,7 +532,7 @@ impl SyncClient {
             .call(SyncOp::MutexLocate, name, 0)?
             .location
             .ok_or_else(|| self.agent_error(libc::EIO, "locate reply without a location"))?;
-        let word = self.word_at(location);
+        let word = self.word_at(name, location);
         if let Ok(mut words) = self.words.lock() {
             words.insert(name.to_owned(), Arc::clone(&word));
         }
@@ -582,19 +583,30 @@ impl SyncClient {
         })
     }
 
-    /// Records that this thread holds `name` (or no longer does).
+    /// Records that thread `tid` holds `name` (or no longer does); whether that changed
+    /// anything.
     fn set_held(&self, name: &str, tid: u32, held: bool) -> bool {
-        let Ok(mut set) = self.held.lock() else {
+        let Ok(mut by_name) = self.held.lock() else {
             return false;
         };
-        if held {
-            set.insert((name.to_owned(), tid))
-        } else {
-            set.remove(&(name.to_owned(), tid))
+        let Some(tids) = by_name.get_mut(name) else {
+            if held {
+                by_name.insert(name.to_owned(), vec![tid]);
+            }
+            return held;
+        };
+        match (tids.iter().position(|t| *t == tid), held) {
+            (None, true) => tids.push(tid),
+            (Some(i), false) => {
+                tids.swap_remove(i);
+            }
+            _ => return false,
         }
+        true
     }
 
-    /// The sender to the worker finishing posted unlocks.
+    /// The sender to the worker finishing posted unlocks (each word keeps a clone once it
+    /// posted an unlock).
     fn handovers(&self) -> Option<std::sync::mpsc::Sender<Handover>> {
         let mut h = self.handovers.lock().ok()?;
         if h.is_none() {
@@ -664,10 +676,10 @@ impl SyncClient {
         if let Some(t) = &word.access {
             if held_here
                 && t.posts_atomics()
-                && let Some(handovers) = self.handovers()
+                && word.unlocks.handovers(|| self.handovers()).is_some()
             {
                 word.unlocks.begin();
-                let done = unlock::completion(name, tag, Arc::clone(&word.unlocks), handovers);
+                let done = unlock::completion(tag, Arc::clone(&word.unlocks));
                 match t.post_compare_and_swap(&word.span, tag, 0, done) {
                     Ok(()) => return Ok(()),
                     Err(e) => {
@@ -794,6 +806,22 @@ mod tests {
         assert!(me > 0 && me >> TAG_TID_BITS == 0);
         let other = std::thread::spawn(gettid).join().unwrap();
         assert_ne!(me, other);
+    }
+
+    #[test]
+    fn held_mutexes_are_recorded_per_name_and_thread() {
+        let c = SyncClient::connect(Path::new("/nonexistent/agent.sock"));
+        assert!(!c.set_held("m", 1, false), "not held yet");
+        assert!(c.set_held("m", 1, true));
+        assert!(!c.set_held("m", 1, true), "held once");
+        assert!(c.set_held("m", 2, true));
+        assert!(c.set_held("n", 1, true));
+        assert!(c.set_held("m", 1, false));
+        assert!(!c.set_held("m", 1, false), "released once");
+        assert!(c.set_held("m", 2, false));
+        assert!(c.set_held("n", 1, false));
+        assert!(!c.set_held("n", 1, false));
+        assert!(c.set_held("m", 1, true), "held again after a release");
     }
 
     #[test]

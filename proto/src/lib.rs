@@ -6,12 +6,14 @@
 //! - [`auth`]: the cluster secret in request metadata.
 //! - [`frame`]: the binary frame codec of the tcp data transport.
 //! - [`word_wait`]: how processes sharing region memory wait for a word to change.
+//! - [`pid_watch`]: watching processes for their exit with pidfds.
 
 pub mod auth;
 pub mod capability;
 pub mod errno;
 pub mod frame;
 pub mod layout;
+pub mod pid_watch;
 pub mod word_wait;
 
 /// Generated messages, clients and servers of the manager's services.

@@ -8,14 +8,10 @@
 //! outlives its owner.
 
 use std::collections::HashMap;
-use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
-use rustix::event::{PollFd, PollFlags, Timespec, poll};
-use rustix::process::{Pid, PidfdFlags, pidfd_open};
+use regions_proto::pid_watch::{ExitHandler, PidWatch, Watch};
 
 /// A region whose owner is watched, and where it is in the namespace.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -33,14 +29,10 @@ pub struct Owned {
 /// Deletes a region whose owner exited.
 pub type Reaper = Arc<dyn Fn(&Owned) + Send + Sync>;
 
-struct Watched {
-    pidfd: OwnedFd,
-    regions: Vec<Owned>,
-}
-
-#[derive(Default)]
-struct State {
-    by_pid: HashMap<u32, Watched>,
+/// The watched regions by owner; a pid is watched while it has regions here.
+struct Regions {
+    by_pid: Mutex<HashMap<u32, Vec<Owned>>>,
+    reaper: Reaper,
 }
 
 /// How often the watcher looks for new watches and for its stop flag.
@@ -48,60 +40,42 @@ const TICK: Duration = Duration::from_millis(100);
 
 /// Watches owner processes on a thread of its own.
 pub struct OwnerWatch {
-    state: Arc<Mutex<State>>,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-    reaper: Reaper,
+    pids: PidWatch,
+    regions: Arc<Regions>,
 }
 
 impl OwnerWatch {
     /// Starts the watcher; `reaper` deletes regions of exited owners.
     pub fn start(reaper: Reaper) -> std::io::Result<OwnerWatch> {
-        let state = Arc::new(Mutex::new(State::default()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let state = Arc::clone(&state);
-            let stop = Arc::clone(&stop);
-            let reaper = Arc::clone(&reaper);
-            std::thread::Builder::new()
-                .name("regionfs-owners".into())
-                .spawn(move || watch_loop(&state, &stop, &reaper))?
-        };
-        Ok(OwnerWatch {
-            state,
-            stop,
-            thread: Some(thread),
+        let regions = Arc::new(Regions {
+            by_pid: Mutex::new(HashMap::new()),
             reaper,
+        });
+        let handler: Arc<dyn ExitHandler> = Arc::clone(&regions) as _;
+        Ok(OwnerWatch {
+            pids: PidWatch::start("regionfs-owners", TICK, handler)?,
+            regions,
         })
     }
 
     /// Watches `owned.pid` for `owned`. An owner that is already gone has
     /// its region deleted at once.
     pub fn watch(&self, owned: Owned) {
-        let Ok(mut state) = self.state.lock() else {
+        let Ok(mut by_pid) = self.regions.by_pid.lock() else {
             return;
         };
-        if let Some(w) = state.by_pid.get_mut(&owned.pid) {
-            w.regions.push(owned);
+        if let Some(regions) = by_pid.get_mut(&owned.pid) {
+            regions.push(owned);
             return;
         }
-        let pidfd = Pid::from_raw(owned.pid as i32)
-            .ok_or(rustix::io::Errno::SRCH)
-            .and_then(|pid| pidfd_open(pid, PidfdFlags::empty()));
-        match pidfd {
-            Ok(pidfd) => {
-                state.by_pid.insert(
-                    owned.pid,
-                    Watched {
-                        pidfd,
-                        regions: vec![owned],
-                    },
-                );
+        match self.pids.watch(owned.pid) {
+            Ok(Watch::Added | Watch::AlreadyWatched) => {
+                by_pid.insert(owned.pid, vec![owned]);
             }
-            Err(rustix::io::Errno::SRCH) => {
-                drop(state);
+            Ok(Watch::Gone) => {
+                drop(by_pid);
                 tracing::info!(pid = owned.pid, ino = owned.ino, name = %owned.name, "owner already exited");
-                (self.reaper)(&owned);
+                (self.regions.reaper)(&owned);
             }
             Err(e) => tracing::warn!(
                 pid = owned.pid,
@@ -114,97 +88,46 @@ impl OwnerWatch {
 
     /// Follows a rename made through this mount.
     pub fn renamed(&self, ino: u64, new_parent: u64, new_name: &str) {
-        if let Ok(mut state) = self.state.lock() {
-            for w in state.by_pid.values_mut() {
-                for o in w.regions.iter_mut().filter(|o| o.ino == ino) {
-                    o.parent = new_parent;
-                    new_name.clone_into(&mut o.name);
-                }
+        if let Ok(mut by_pid) = self.regions.by_pid.lock() {
+            for o in by_pid.values_mut().flatten().filter(|o| o.ino == ino) {
+                o.parent = new_parent;
+                new_name.clone_into(&mut o.name);
             }
         }
     }
 
     /// Stops watching a region (it was removed).
     pub fn forget(&self, ino: u64) {
-        if let Ok(mut state) = self.state.lock() {
-            for w in state.by_pid.values_mut() {
-                w.regions.retain(|o| o.ino != ino);
-            }
-            state.by_pid.retain(|_, w| !w.regions.is_empty());
+        if let Ok(mut by_pid) = self.regions.by_pid.lock() {
+            by_pid.retain(|pid, regions| {
+                regions.retain(|o| o.ino != ino);
+                if regions.is_empty() {
+                    self.pids.unwatch(*pid);
+                }
+                !regions.is_empty()
+            });
         }
     }
 
     /// Every watched region (for `.regions/procs`).
     pub fn watched(&self) -> Vec<Owned> {
-        self.state
+        self.regions
+            .by_pid
             .lock()
-            .map(|s| {
-                s.by_pid
-                    .values()
-                    .flat_map(|w| w.regions.iter().cloned())
-                    .collect()
-            })
+            .map(|by_pid| by_pid.values().flatten().cloned().collect())
             .unwrap_or_default()
     }
 }
 
-impl Drop for OwnerWatch {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-fn watch_loop(state: &Mutex<State>, stop: &AtomicBool, reaper: &Reaper) {
-    let timeout = Timespec {
-        tv_sec: 0,
-        tv_nsec: TICK.as_nanos() as _,
-    };
-    while !stop.load(Ordering::SeqCst) {
-        // Poll a copy of the descriptors so that watches can be added meanwhile.
-        let fds: Vec<(u32, OwnedFd)> = match state.lock() {
-            Ok(s) => s
-                .by_pid
-                .iter()
-                .filter_map(|(pid, w)| w.pidfd.try_clone().ok().map(|fd| (*pid, fd)))
-                .collect(),
+impl ExitHandler for Regions {
+    fn exited(&self, pid: u32) {
+        let regions = match self.by_pid.lock() {
+            Ok(mut by_pid) => by_pid.remove(&pid),
             Err(_) => return,
         };
-        if fds.is_empty() {
-            std::thread::sleep(TICK);
-            continue;
-        }
-        let mut polls: Vec<PollFd<'_>> = fds
-            .iter()
-            .map(|(_, fd)| PollFd::new(fd, PollFlags::IN))
-            .collect();
-        match poll(&mut polls, Some(&timeout)) {
-            Ok(0) => continue,
-            Ok(_) => {}
-            Err(rustix::io::Errno::INTR) => continue,
-            Err(e) => {
-                tracing::warn!(error = %e, "polling owner pidfds failed");
-                std::thread::sleep(TICK);
-                continue;
-            }
-        }
-        let exited: Vec<u32> = polls
-            .iter()
-            .zip(&fds)
-            .filter(|(p, _)| !p.revents().is_empty())
-            .map(|(_, (pid, _))| *pid)
-            .collect();
-        for pid in exited {
-            let regions = match state.lock() {
-                Ok(mut s) => s.by_pid.remove(&pid).map(|w| w.regions),
-                Err(_) => return,
-            };
-            for owned in regions.unwrap_or_default() {
-                tracing::info!(pid, ino = owned.ino, name = %owned.name, "owner exited: deleting its non-persistent region");
-                reaper(&owned);
-            }
+        for owned in regions.unwrap_or_default() {
+            tracing::info!(pid, ino = owned.ino, name = %owned.name, "owner exited: deleting its non-persistent region");
+            (self.reaper)(&owned);
         }
     }
 }

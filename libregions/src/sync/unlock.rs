@@ -8,7 +8,7 @@
 
 use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, Sender};
-use std::sync::{Arc, Condvar, Mutex, Once, Weak};
+use std::sync::{Arc, Condvar, Mutex, Once, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use regions_proto::v1::{SyncCall, SyncOp};
@@ -22,9 +22,33 @@ use crate::transport::Completion;
 pub(super) struct InFlight {
     count: Mutex<u32>,
     finished: Condvar,
+    /// The mutex's name.
+    name: String,
+    /// The worker finishing its unlocks that need the manager (set on the first posted
+    /// unlock, so that posting takes no lock and no clone).
+    handovers: OnceLock<Sender<Handover>>,
 }
 
 impl InFlight {
+    fn new(name: &str) -> InFlight {
+        InFlight {
+            name: name.to_owned(),
+            ..InFlight::default()
+        }
+    }
+
+    /// The worker finishing this word's unlocks, from `start` the first time (`None` while
+    /// there is none).
+    pub(super) fn handovers(
+        &self,
+        start: impl FnOnce() -> Option<Sender<Handover>>,
+    ) -> Option<&Sender<Handover>> {
+        if self.handovers.get().is_none() {
+            let _ = self.handovers.set(start()?);
+        }
+        self.handovers.get()
+    }
+
     pub(super) fn begin(&self) {
         if let Ok(mut n) = self.count.lock() {
             *n += 1;
@@ -79,8 +103,8 @@ const EXIT_WAIT: Duration = Duration::from_secs(5);
 static ALL: Mutex<Vec<Weak<InFlight>>> = Mutex::new(Vec::new());
 
 impl InFlight {
-    /// A new counter, waited for when the process exits.
-    pub(super) fn tracked() -> Arc<InFlight> {
+    /// A new counter for mutex `name`, waited for when the process exits.
+    pub(super) fn tracked(name: &str) -> Arc<InFlight> {
         static AT_EXIT: Once = Once::new();
         AT_EXIT.call_once(|| {
             // SAFETY: `finish_at_exit` is a plain `extern "C" fn()` that never unwinds (it
@@ -89,7 +113,7 @@ impl InFlight {
                 tracing::debug!("cannot register the unlock wait at exit");
             }
         });
-        let f = Arc::new(InFlight::default());
+        let f = Arc::new(InFlight::new(name));
         if let Ok(mut all) = ALL.lock() {
             all.retain(|w| w.strong_count() > 0);
             all.push(Arc::downgrade(&f));
@@ -113,36 +137,29 @@ extern "C" fn finish_at_exit() {
 }
 
 /// An unlock whose reply needs the manager.
+#[derive(Debug)]
 pub(super) struct Handover {
-    name: String,
     tag: u64,
     outcome: Result<u64>,
     unlocks: Arc<InFlight>,
 }
 
-/// The completion of a posted unlock of `name` by `tag`: done when the word was swapped,
-/// else handed to the worker behind `handovers`.
-pub(super) fn completion(
-    name: &str,
-    tag: u64,
-    unlocks: Arc<InFlight>,
-    handovers: Sender<Handover>,
-) -> Completion {
-    let name = name.to_owned();
+/// The completion of a posted unlock by `tag` of the word of `unlocks`: done when the word
+/// was swapped, else handed to the word's worker ([`InFlight::handovers`]).
+pub(super) fn completion(tag: u64, unlocks: Arc<InFlight>) -> Completion {
     Box::new(move |outcome| {
         if matches!(outcome, Ok(old) if old == tag) {
             unlocks.end();
             return;
         }
         let job = Handover {
-            name,
             tag,
             outcome,
-            unlocks,
+            unlocks: Arc::clone(&unlocks),
         };
-        if let Err(std::sync::mpsc::SendError(job)) = handovers.send(job) {
-            tracing::warn!(mutex = %job.name, "no unlock worker; the manager releases the mutex when this process exits");
-            job.unlocks.end();
+        if unlocks.handovers.get().is_none_or(|h| h.send(job).is_err()) {
+            tracing::warn!(mutex = %unlocks.name, "no unlock worker; the manager releases the mutex when this process exits");
+            unlocks.end();
         }
     })
 }
@@ -166,8 +183,11 @@ fn worker(client: SyncClient, jobs: Receiver<Handover>) {
 /// Finishes one unlock whose compare-and-swap did not simply succeed.
 fn finish(client: &SyncClient, job: &Handover) {
     let Handover {
-        name, tag, outcome, ..
+        tag,
+        outcome,
+        unlocks,
     } = job;
+    let name = &unlocks.name;
     let unknown = match outcome {
         Ok(old) if old & DELETED != 0 => return, // deleted: nothing to unlock
         Ok(old) if old & !WAITERS == *tag => false, // waiters: the manager hands it on
@@ -226,16 +246,35 @@ mod tests {
 
     #[test]
     fn a_successful_swap_ends_the_unlock_without_the_worker() {
-        let f = Arc::new(InFlight::default());
+        let f = Arc::new(InFlight::new("m"));
         let (tx, rx) = std::sync::mpsc::channel();
+        assert!(f.handovers(|| None).is_none());
+        assert!(f.handovers(|| Some(tx)).is_some());
+        // Set once: later calls do not start another worker.
+        assert!(f.handovers(|| unreachable!()).is_some());
         f.begin();
-        completion("m", 5, Arc::clone(&f), tx.clone())(Ok(5));
+        completion(5, Arc::clone(&f))(Ok(5));
         assert!(!f.wait(Duration::ZERO));
         assert!(rx.try_recv().is_err());
         f.begin();
-        completion("m", 5, Arc::clone(&f), tx)(Ok(5 | WAITERS));
+        completion(5, Arc::clone(&f))(Ok(5 | WAITERS));
         let job = rx.try_recv().unwrap();
-        assert_eq!(job.name, "m");
+        assert_eq!(job.unlocks.name, "m");
         assert!(matches!(job.outcome, Ok(v) if v == 5 | WAITERS));
+        assert!(f.any(), "in flight until the worker finishes it");
+    }
+
+    #[test]
+    fn without_a_worker_a_failed_swap_ends_the_unlock() {
+        let f = Arc::new(InFlight::new("m"));
+        f.begin();
+        completion(5, Arc::clone(&f))(Ok(5 | WAITERS));
+        assert!(!f.any());
+        let (tx, rx) = std::sync::mpsc::channel();
+        f.handovers(|| Some(tx));
+        drop(rx);
+        f.begin();
+        completion(5, Arc::clone(&f))(Err(crate::error::RegionsError::Invalid("lost".into())));
+        assert!(!f.any());
     }
 }

@@ -300,6 +300,28 @@ mod tests {
     use std::net::TcpListener;
     use std::sync::mpsc;
 
+    /// Reads one request frame (header and payload) of a fake daemon's client; `None` once
+    /// the client hung up.
+    fn read_request(s: &mut TcpStream) -> Option<(Header, Vec<u8>)> {
+        let mut head = [0u8; HEADER_LEN];
+        s.read_exact(&mut head).ok()?;
+        let h = Header::decode(&head).unwrap();
+        let mut payload = vec![0u8; h.payload_len as usize];
+        s.read_exact(&mut payload).unwrap();
+        Some((h, payload))
+    }
+
+    /// Answers request `h` with `payload`.
+    fn write_reply(s: &mut TcpStream, h: &Header, payload: &[u8]) {
+        let mut reply = Header::new(h.op, h.request_id);
+        reply.flags |= FLAG_REPLY;
+        reply.payload_len = payload.len().try_into().unwrap();
+        let mut out = bytes::BytesMut::new();
+        reply.encode(&mut out);
+        out.extend_from_slice(payload);
+        s.write_all(&out).unwrap();
+    }
+
     /// A daemon stand-in: answers HELLO, then applies CAS requests to one word in order,
     /// after `delay` each.
     fn fake_daemon(delay: Duration) -> (String, std::thread::JoinHandle<u64>) {
@@ -308,33 +330,21 @@ mod tests {
         let handle = std::thread::spawn(move || {
             let (mut s, _) = listener.accept().unwrap();
             let mut word = 0u64;
-            loop {
-                let mut head = [0u8; HEADER_LEN];
-                if s.read_exact(&mut head).is_err() {
-                    return word;
+            while let Some((h, payload)) = read_request(&mut s) {
+                if h.op != Op::Cas {
+                    write_reply(&mut s, &h, &[]);
+                    continue;
                 }
-                let h = Header::decode(&head).unwrap();
-                let mut payload = vec![0u8; h.payload_len as usize];
-                s.read_exact(&mut payload).unwrap();
-                let mut reply = Header::new(h.op, h.request_id);
-                reply.flags |= FLAG_REPLY;
-                let mut out = bytes::BytesMut::new();
-                if h.op == Op::Cas {
-                    std::thread::sleep(delay);
-                    let expected = u64::from_le_bytes(payload[..8].try_into().unwrap());
-                    let new = u64::from_le_bytes(payload[8..16].try_into().unwrap());
-                    let old = word;
-                    if old == expected {
-                        word = new;
-                    }
-                    reply.payload_len = 8;
-                    reply.encode(&mut out);
-                    out.extend_from_slice(&old.to_le_bytes());
-                } else {
-                    reply.encode(&mut out);
+                std::thread::sleep(delay);
+                let expected = u64::from_le_bytes(payload[..8].try_into().unwrap());
+                let new = u64::from_le_bytes(payload[8..16].try_into().unwrap());
+                let old = word;
+                if old == expected {
+                    word = new;
                 }
-                s.write_all(&out).unwrap();
+                write_reply(&mut s, &h, &old.to_le_bytes());
             }
+            word
         });
         (addr, handle)
     }
@@ -393,17 +403,9 @@ mod tests {
         // Answers HELLO, then reads one request and hangs up without replying.
         let daemon = std::thread::spawn(move || {
             let (mut s, _) = listener.accept().unwrap();
-            let mut head = [0u8; HEADER_LEN];
-            s.read_exact(&mut head).unwrap();
-            let h = Header::decode(&head).unwrap();
-            let mut payload = vec![0u8; h.payload_len as usize];
-            s.read_exact(&mut payload).unwrap();
-            let mut reply = Header::new(h.op, h.request_id);
-            reply.flags |= FLAG_REPLY;
-            let mut out = bytes::BytesMut::new();
-            reply.encode(&mut out);
-            s.write_all(&out).unwrap();
-            s.read_exact(&mut head).unwrap();
+            let (hello, _) = read_request(&mut s).unwrap();
+            write_reply(&mut s, &hello, &[]);
+            read_request(&mut s).unwrap();
         });
         let t = TcpTransport::new(&addr, b"s", RetryPolicy::default(), Arc::default());
         let (tx, rx) = mpsc::channel();

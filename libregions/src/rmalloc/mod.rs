@@ -5,7 +5,7 @@
 //! # Layout
 //!
 //! The managed memory is a sequence of 4 KiB pages. Page 0 holds the
-//! [`Header`]: a magic number and version, a lock word, the managed length, the
+//! `Header`: a magic number and version, a lock word, the managed length, the
 //! root pointer slot (rsetroot/rgetroot), the heads of the per-size-class slab
 //! lists and of the free-page bins. A *page map* (one `u32` per page, at
 //! `map_off`) says what every page is: allocator metadata, the head or tail of
@@ -35,8 +35,6 @@
 //!   lock, a full one gives its older half back; a thread's records go back
 //!   to the heap when it exits (a TLS destructor), when it calls
 //!   [`Heap::flush_cache`], and for the caller of [`unmapping`].
-//!
-//! Everything stored in the region is an *offset*
 //!
 //! Everything stored in the region is an *offset* from the start of the
 //! region, never a pointer, so the heap works wherever the region is mapped
@@ -100,12 +98,26 @@
 //! region and calls [`Heap::extend`]), [`HeapError::Corrupt`] when the header
 //! or a structure fails validation and [`HeapError::BadPointer`] for a pointer
 //! that is not a live block; see [`HeapError::errno`].
+//!
+//! # Modules
+//!
+//! `size_class` has the size classes and slab geometry, `lock` the heap lock,
+//! `thread_cache` the thread caches; this module has the layout, the page
+//! allocator (free runs), the slabs and the public operations.
 
-use std::cell::{Cell, RefCell};
+mod lock;
+mod size_class;
+#[cfg(test)]
+mod test_mem;
+mod thread_cache;
+
+pub use thread_cache::{unmap_epoch, unmapping};
+
 use std::ptr;
 use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Mutex, Once, OnceLock};
 use std::time::{Duration, Instant};
+
+use size_class::{CLASS_SIZES, GEOMETRY, NCLASSES, block_index, class_of, slab_geometry};
 
 /// Page size of the heap (also its unit of growth).
 pub const PAGE: usize = 4096;
@@ -123,17 +135,11 @@ pub const MAX_SMALL: usize = 2048;
 /// Blocks are aligned to this many bytes (large blocks to a page).
 pub const ALIGN: usize = 16;
 
-const CLASS_SIZES: [u32; NCLASSES] = [
-    16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
-    1280, 1536, 1792, 2048,
-];
-const NCLASSES: usize = 24;
 const NBINS: usize = 64;
 const EXACT_BINS: usize = 32;
 /// Offset of the first block in a slab (after [`Slab`]).
 const SLAB_HDR: usize = 128;
 const SLAB_MAGIC: u32 = 0x5342_4c53; // "SLBS"
-const MAX_SLAB_BLOCKS: usize = 256;
 const RUN_MAGIC: u64 = u64::from_le_bytes(*b"FREERUN.");
 
 // Page map entries: kind in the top 4 bits, a value in the low 28.
@@ -148,7 +154,6 @@ const VALUE_MASK: u32 = (1 << 28) - 1;
 /// Longest run the page map can describe (1 TiB).
 const MAX_RUN: u64 = VALUE_MASK as u64;
 
-const LOCK_WAITERS: u32 = 1 << 31;
 /// State byte of a block handed out to the application.
 const LIVE: u8 = 1;
 
@@ -304,77 +309,6 @@ unsafe impl Send for Heap {}
 // SAFETY: as above.
 unsafe impl Sync for Heap {}
 
-/// Size class by size in 16-byte units.
-const CLASS_OF: [u8; MAX_SMALL / ALIGN + 1] = {
-    let mut t = [0u8; MAX_SMALL / ALIGN + 1];
-    let mut i = 0;
-    while i < t.len() {
-        let mut c = 0;
-        while (CLASS_SIZES[c] as usize) < i * ALIGN {
-            c += 1;
-        }
-        t[i] = c as u8;
-        i += 1;
-    }
-    t
-};
-
-fn class_of(size: usize) -> usize {
-    CLASS_OF[size.div_ceil(ALIGN)] as usize
-}
-
-/// Pages per slab and blocks per slab of every class.
-const GEOMETRY: [(usize, usize); NCLASSES] = {
-    let mut g = [(0, 0); NCLASSES];
-    let mut c = 0;
-    while c < NCLASSES {
-        g[c] = compute_geometry(c);
-        c += 1;
-    }
-    g
-};
-
-/// ceil(2^32 / size) of every class: for x < 2^20, x / size is
-/// (x * RECIPROCAL) >> 32 (no division on the hot path).
-const RECIPROCAL: [u64; NCLASSES] = {
-    let mut r = [0; NCLASSES];
-    let mut c = 0;
-    while c < NCLASSES {
-        r[c] = (1u64 << 32).div_ceil(CLASS_SIZES[c] as u64);
-        c += 1;
-    }
-    r
-};
-
-/// Pages per slab and blocks per slab of class `c`.
-fn slab_geometry(c: usize) -> (usize, usize) {
-    GEOMETRY[c]
-}
-
-/// The index of the block at `rel` bytes from a slab's first block, None
-/// when `rel` is not the start of a block.
-fn block_index(rel: u64, class: usize) -> Option<usize> {
-    if rel >= 1 << 20 {
-        return None;
-    }
-    let i = (rel * RECIPROCAL[class]) >> 32;
-    (i * CLASS_SIZES[class] as u64 == rel).then_some(i as usize)
-}
-
-const fn compute_geometry(c: usize) -> (usize, usize) {
-    let size = CLASS_SIZES[c] as usize;
-    let mut pages = (size * 64 + SLAB_HDR).div_ceil(PAGE);
-    if pages > 8 {
-        pages = 8;
-    }
-    // Each block also has a state byte at the slab's end.
-    let mut n = (pages * PAGE - SLAB_HDR) / (size + 1);
-    if n > MAX_SLAB_BLOCKS {
-        n = MAX_SLAB_BLOCKS;
-    }
-    (pages, n)
-}
-
 fn bin_of(pages: u64) -> usize {
     if pages <= EXACT_BINS as u64 {
         (pages - 1) as usize
@@ -414,74 +348,6 @@ fn checksum(h: *const Header) -> u64 {
         x = x.wrapping_mul(0x0100_0000_01b3);
     }
     x
-}
-
-fn current_tid() -> u32 {
-    TID.with(|t| {
-        let v = t.get();
-        if v != 0 {
-            return v;
-        }
-        // SAFETY: gettid has no preconditions.
-        let tid = unsafe { libc::gettid() } as u32;
-        t.set(tid);
-        tid
-    })
-}
-
-fn pid_namespace() -> u64 {
-    static NS: OnceLock<u64> = OnceLock::new();
-    *NS.get_or_init(|| {
-        use std::os::unix::fs::MetadataExt;
-        std::fs::metadata("/proc/self/ns/pid")
-            .map(|m| m.ino())
-            .unwrap_or(0)
-    })
-}
-
-fn thread_alive(tid: u32) -> bool {
-    // SAFETY: kill with signal 0 only checks that the task exists.
-    let r = unsafe { libc::kill(tid as libc::pid_t, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
-}
-
-fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs() as libc::time_t,
-        tv_nsec: timeout.subsec_nanos() as libc::c_long,
-    };
-    // SAFETY: the futex word is a valid aligned u32 in mapped memory; the
-    // kernel only reads it. Shared (not PRIVATE) so processes mapping the
-    // same memory meet on it.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAIT,
-            expected,
-            &ts as *const libc::timespec,
-        );
-    }
-}
-
-fn futex_wake(word: &AtomicU32) {
-    // SAFETY: as in futex_wait; wakes at most one waiter.
-    unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, 1);
-    }
-}
-
-/// Holds the heap lock; releases it on drop.
-struct Guard<'a> {
-    word: &'a AtomicU32,
-}
-
-impl Drop for Guard<'_> {
-    fn drop(&mut self) {
-        if self.word.swap(0, Ordering::Release) & LOCK_WAITERS != 0 {
-            futex_wake(self.word);
-        }
-    }
 }
 
 impl Heap {
@@ -625,85 +491,6 @@ impl Heap {
                 self.set_map(p, entry(K_META, 0));
             }
             self.insert_run(1 + map_pages, npages - 1 - map_pages);
-        }
-    }
-
-    fn lock(&self) -> Guard<'_> {
-        // SAFETY: the header is mapped.
-        let word = unsafe { &(*self.header()).lock };
-        // SAFETY: as above.
-        let ns_slot = unsafe { &(*self.header()).lock_ns };
-        let me = current_tid();
-        if word
-            .compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
-            self.lock_slow(word, me);
-        }
-        let ns = pid_namespace();
-        if ns_slot.load(Ordering::Relaxed) != ns {
-            ns_slot.store(ns, Ordering::Relaxed);
-        }
-        Guard { word }
-    }
-
-    #[cold]
-    fn lock_slow(&self, word: &AtomicU32, me: u32) {
-        for _ in 0..100 {
-            std::hint::spin_loop();
-            if word
-                .compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed)
-                .is_ok()
-            {
-                return;
-            }
-        }
-        let mut since = Instant::now();
-        loop {
-            let v = word.load(Ordering::Relaxed);
-            if v == 0 {
-                if word
-                    .compare_exchange(0, me | LOCK_WAITERS, Ordering::Acquire, Ordering::Relaxed)
-                    .is_ok()
-                {
-                    return;
-                }
-                continue;
-            }
-            if v & LOCK_WAITERS == 0
-                && word
-                    .compare_exchange(v, v | LOCK_WAITERS, Ordering::Relaxed, Ordering::Relaxed)
-                    .is_err()
-            {
-                continue;
-            }
-            futex_wait(word, v | LOCK_WAITERS, Duration::from_millis(100));
-            if since.elapsed() > Duration::from_millis(500) {
-                since = Instant::now();
-                // SAFETY: the header is mapped.
-                let ns = unsafe { &(*self.header()).lock_ns }.load(Ordering::Relaxed);
-                let holder = word.load(Ordering::Relaxed);
-                let tid = holder & !LOCK_WAITERS;
-                if tid != 0
-                    && ns != 0
-                    && ns == pid_namespace()
-                    && !thread_alive(tid)
-                    && word
-                        .compare_exchange(
-                            holder,
-                            me | LOCK_WAITERS,
-                            Ordering::Acquire,
-                            Ordering::Relaxed,
-                        )
-                        .is_ok()
-                {
-                    tracing::warn!(
-                        dead_tid = tid,
-                        "rmalloc: took over the heap lock from a thread that died holding it"
-                    );
-                    return;
-                }
-            }
         }
     }
 
@@ -1159,26 +946,10 @@ impl Heap {
     /// it has one (see [the module docs](self)), without the lock.
     #[inline]
     pub fn alloc(&self, size: usize) -> HResult<u64> {
-        if size <= MAX_SMALL {
-            let class = class_of(size.max(1));
-            if let Some(rec) = self.thread_cache(true) {
-                // SAFETY: rec is this thread's record, inside the heap; only
-                // this thread changes it.
-                unsafe {
-                    let n = (*rec).count[class].load(Ordering::Relaxed) as usize;
-                    if n > 0 {
-                        let off = ((*rec).slots[class][n - 1] as u64) << 4;
-                        if let Some(state) = self.cached_block_bit(off, class)
-                            && state.load(Ordering::Relaxed) == 0
-                        {
-                            state.store(LIVE, Ordering::Relaxed);
-                            (*rec).count[class].store(n as u8 - 1, Ordering::Relaxed);
-                            return Ok(off);
-                        }
-                    }
-                }
-                return self.alloc_cache_miss(rec, class);
-            }
+        if size <= MAX_SMALL
+            && let Some(r) = self.alloc_from_cache(class_of(size.max(1)))
+        {
+            return r;
         }
         self.alloc_slow(size)
     }
@@ -1188,28 +959,6 @@ impl Heap {
         let _g = self.lock();
         self.check_header()?;
         self.alloc_locked(size)
-    }
-
-    /// The cache of `class` is empty (refill it) or its top slot is bad.
-    #[inline(never)]
-    fn alloc_cache_miss(&self, rec: *mut CacheRec, class: usize) -> HResult<u64> {
-        // SAFETY: rec is this thread's record.
-        let n = unsafe { (*rec).count[class].load(Ordering::Relaxed) } as usize;
-        if n == 0 {
-            return self.alloc_refill(rec, class);
-        }
-        // Outside this view, or not a free block: check the header under the
-        // lock, then drop the slot.
-        let _g = self.lock();
-        self.check_header()?;
-        // SAFETY: as above.
-        let off = unsafe {
-            (*rec).count[class].store(n as u8 - 1, Ordering::Relaxed);
-            ((*rec).slots[class][n - 1] as u64) << 4
-        };
-        Err(HeapError::Corrupt(format!(
-            "thread cache holds offset {off:#x}, not a free block of class {class}"
-        )))
     }
 
     fn alloc_locked(&self, size: usize) -> HResult<u64> {
@@ -1251,56 +1000,6 @@ impl Heap {
         Ok(off)
     }
 
-    /// Refills the empty cache of `class` in this thread's record `rec`
-    /// under the lock and hands out its first block.
-    #[cold]
-    fn alloc_refill(&self, rec: *mut CacheRec, class: usize) -> HResult<u64> {
-        let _g = self.lock();
-        self.check_header()?;
-        let h = self.header();
-        // SAFETY: the header is mapped.
-        let want = if unsafe { (*h).len } > CACHE_MAX_LEN {
-            // Offsets past 64 GiB do not fit a slot: hand out one block only.
-            1
-        } else {
-            (CACHE_CAPS[class] as usize / 2).max(1)
-        };
-        let mut got = [0u64; CACHE_CAP];
-        let mut n = 0;
-        while n < want {
-            match self.take_small(class)? {
-                Some(off) => {
-                    got[n] = off;
-                    n += 1;
-                }
-                None => break,
-            }
-        }
-        if n == 0 {
-            // Blocks of other classes in this thread's cache may hold the
-            // pages: give them back and try once more.
-            self.flush_record(rec, None)?;
-            return self.alloc_locked(CLASS_SIZES[class] as usize);
-        }
-        let size = CLASS_SIZES[class] as u64;
-        // SAFETY: the header is mapped, we hold the lock, rec is ours.
-        unsafe {
-            (*h).allocated += n as u64 * size;
-            (*h).nblocks += n as u64;
-            // The first block taken goes to the caller; the others are
-            // stacked so that they come out in the slab's order.
-            for (j, &off) in got[1..n].iter().enumerate() {
-                (*rec).slots[class][n - 2 - j] = (off >> 4) as u32;
-            }
-            (*rec).count[class].store(n as u8 - 1, Ordering::Relaxed);
-        }
-        let state = self.cached_block_bit(got[0], class).ok_or_else(|| {
-            HeapError::Corrupt(format!("fresh block {:#x} fails validation", got[0]))
-        })?;
-        state.store(LIVE, Ordering::Release);
-        Ok(got[0])
-    }
-
     /// Allocates and returns a pointer (see [`Heap::alloc`]).
     pub fn alloc_ptr(&self, size: usize) -> HResult<*mut u8> {
         let off = self.alloc(size)?;
@@ -1314,25 +1013,8 @@ impl Heap {
     /// whether the block sits in a cache or on its slab.
     #[inline]
     pub fn free(&self, off: u64) -> HResult<()> {
-        if let Some(rec) = self.thread_cache(true)
-            && let Some((state, class)) = self.small_block_bit(off)
-        {
-            // SAFETY: rec is this thread's record; only this thread changes
-            // it.
-            unsafe {
-                let n = (*rec).count[class].load(Ordering::Relaxed) as usize;
-                if n < CACHE_CAPS[class] as usize {
-                    if state.load(Ordering::Relaxed) == LIVE {
-                        state.store(0, Ordering::Relaxed);
-                        (*rec).slots[class][n] = (off >> 4) as u32;
-                        (*rec).count[class].store(n as u8 + 1, Ordering::Relaxed);
-                        return Ok(());
-                    }
-                    // Not allocated: the locked path says why.
-                } else {
-                    return self.free_flush(rec, off, class);
-                }
-            }
+        if let Some(r) = self.free_to_cache(off) {
+            return r;
         }
         self.free_slow(off)
     }
@@ -1342,30 +1024,6 @@ impl Heap {
         let _g = self.lock();
         self.check_header()?;
         self.free_locked(off)
-    }
-
-    /// The cache of `class` is full: gives its older half back to the slabs
-    /// under the lock, then caches `off`.
-    #[cold]
-    fn free_flush(&self, rec: *mut CacheRec, off: u64, class: usize) -> HResult<()> {
-        let _g = self.lock();
-        self.check_header()?;
-        let half = CACHE_CAPS[class] as usize / 2;
-        self.flush_class(rec, class, half)?;
-        let Some((state, _)) = self.small_block_bit(off) else {
-            return self.free_locked(off);
-        };
-        if state.load(Ordering::Relaxed) != LIVE {
-            return self.free_locked(off);
-        }
-        state.store(0, Ordering::Relaxed);
-        // SAFETY: rec is ours; the flush left room.
-        unsafe {
-            let n = (*rec).count[class].load(Ordering::Relaxed) as usize;
-            (*rec).slots[class][n] = (off >> 4) as u32;
-            (*rec).count[class].store(n as u8 + 1, Ordering::Relaxed);
-        }
-        Ok(())
     }
 
     fn free_locked(&self, off: u64) -> HResult<()> {
@@ -1595,715 +1253,15 @@ impl Heap {
     }
 }
 
-// ---- thread caches ----
-
-/// Most blocks a thread caches per size class.
-const CACHE_CAP: usize = 32;
-/// Blocks cached per class: about a page's worth, 4 to 32.
-const CACHE_CAPS: [u8; NCLASSES] = {
-    let mut caps = [0u8; NCLASSES];
-    let mut c = 0;
-    while c < NCLASSES {
-        let n = PAGE / CLASS_SIZES[c] as usize;
-        caps[c] = if n > CACHE_CAP {
-            CACHE_CAP as u8
-        } else if n < 4 {
-            4
-        } else {
-            n as u8
-        };
-        c += 1;
-    }
-    caps
-};
-/// Caches store offsets / 16 in a u32: heaps up to 64 GiB use them.
-const CACHE_MAX_LEN: u64 = 1 << 36;
-const CACHE_MAGIC: u64 = u64::from_le_bytes(*b"RGNCACHE");
-/// A record that could not be created (the heap is full) is retried after
-/// this many operations of the thread on that heap.
-const CACHE_RETRY: u32 = 256;
-
-/// A thread's cache of one heap, kept in the heap (one page, page map kind
-/// `K_CACHE`, linked from [`Header::caches`]) so that other processes see
-/// which blocks it holds and can take them back when the owner is dead.
-/// Only the owner changes it, without the heap lock; others read it under
-/// the lock (the counts, for statistics) or take it over when the owner
-/// thread no longer exists.
-#[repr(C)]
-struct CacheRec {
-    magic: u64,
-    /// Host (boot id) and pid namespace of the owner thread.
-    owner_ns: AtomicU64,
-    owner_tid: AtomicU32,
-    owner_pid: AtomicU32,
-    /// Next record (under the heap lock).
-    next: u64,
-    count: [AtomicU8; NCLASSES],
-    _pad: [u8; 8],
-    /// Cached blocks per class, offset / 16; the newest last.
-    slots: [[u32; CACHE_CAP]; NCLASSES],
-}
-
-const _: () = assert!(std::mem::size_of::<CacheRec>() <= PAGE);
-
-/// The last heap this thread used, for the lock-free paths.
-#[derive(Clone, Copy)]
-struct FastCache {
-    base: usize,
-    rec: *mut CacheRec,
-    epoch: u64,
-}
-
-const NO_FAST: FastCache = FastCache {
-    base: 0,
-    rec: ptr::null_mut(),
-    epoch: 0,
-};
-
-/// This thread's record in one heap.
-struct CacheEntry {
-    base: usize,
-    /// Longest view of the heap this thread used.
-    mapped: usize,
-    /// The record's offset, 0 while there is none.
-    rec: u64,
-    /// [`GEN`] when the entry was last known valid.
-    epoch: u64,
-    retry: u32,
-}
-
-/// A thread's records; flushed back to their heaps when the thread exits.
-struct ThreadCaches(Vec<CacheEntry>);
-
-thread_local! {
-    static TID: Cell<u32> = const { Cell::new(0) };
-    static FAST: Cell<FastCache> = const { Cell::new(NO_FAST) };
-    static CACHES: RefCell<ThreadCaches> = const { RefCell::new(ThreadCaches(Vec::new())) };
-}
-
-/// Bumped whenever heap memory is unmapped ([`unmapping`]); a thread's
-/// entries from before are checked against [`UNMAPS`] before use.
-static GEN: AtomicU64 = AtomicU64::new(1);
-
-/// Memory unmapped since start, by generation.
-struct UnmapLog {
-    /// Entries older than this generation were dropped from `log`.
-    floor: u64,
-    log: Vec<(u64, usize, usize)>,
-}
-
-const UNMAP_LOG_MAX: usize = 4096;
-
-static UNMAPS: Mutex<UnmapLog> = Mutex::new(UnmapLog {
-    floor: 0,
-    log: Vec::new(),
-});
-
-fn lock_unmaps() -> std::sync::MutexGuard<'static, UnmapLog> {
-    UNMAPS
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-impl UnmapLog {
-    fn unmapped_since(&self, e: &CacheEntry) -> bool {
-        e.epoch < self.floor
-            || self
-                .log
-                .iter()
-                .rev()
-                .take_while(|(g, _, _)| *g > e.epoch)
-                .any(|&(_, b, l)| e.base >= b && e.base < b + l)
-    }
-}
-
-impl ThreadCaches {
-    /// Drops the entries of heaps unmapped since they were last checked.
-    fn revalidate(&mut self, cur: u64) {
-        if self.0.iter().all(|e| e.epoch == cur) {
-            return;
-        }
-        let log = lock_unmaps();
-        self.0.retain_mut(|e| {
-            if e.epoch == cur {
-                return true;
-            }
-            if log.unmapped_since(e) {
-                return false;
-            }
-            e.epoch = cur;
-            true
-        });
-    }
-}
-
-impl Drop for ThreadCaches {
-    fn drop(&mut self) {
-        let _ = FAST.try_with(|f| f.set(NO_FAST));
-        if self.0.iter().all(|e| e.rec == 0) {
-            return;
-        }
-        // Held while flushing: memory cannot be unmapped meanwhile.
-        let log = lock_unmaps();
-        for e in self.0.drain(..) {
-            if e.rec == 0 || log.unmapped_since(&e) {
-                continue;
-            }
-            let heap = Heap {
-                base: e.base as *mut u8,
-                mapped: e.mapped,
-            };
-            if let Err(err) = heap.record_close(e.rec) {
-                tracing::debug!(error = %err, "rmalloc: a thread cache stays in its heap");
-            }
-        }
-    }
-}
-
-/// Tells the allocator that the `len` bytes at `base`, which may hold a
-/// heap, are about to be unmapped: the calling thread's cache of that heap
-/// goes back to the heap now, and other threads of this process forget
-/// theirs (their records stay in the heap with the blocks they hold, and
-/// are taken back by the next thread that opens a cache there once the
-/// owner has exited). Call it before unmapping memory that [`Heap`] views
-/// used; [`crate::mapping::unmap`] does.
-pub fn unmapping(base: *mut u8, len: usize) {
-    let mut log = lock_unmaps();
-    let b = base as usize;
-    let _ = FAST.try_with(|f| f.set(NO_FAST));
-    let mine: Vec<CacheEntry> = CACHES
-        .try_with(|c| {
-            c.try_borrow_mut()
-                .map(|mut c| {
-                    let (gone, keep) = std::mem::take(&mut c.0)
-                        .into_iter()
-                        .partition(|e| e.base >= b && e.base < b + len);
-                    c.0 = keep;
-                    gone
-                })
-                .unwrap_or_default()
-        })
-        .unwrap_or_default();
-    for e in mine {
-        if e.rec != 0 && !log.unmapped_since(&e) {
-            let heap = Heap {
-                base: e.base as *mut u8,
-                mapped: e.mapped,
-            };
-            if let Err(err) = heap.record_close(e.rec) {
-                tracing::debug!(error = %err, "rmalloc: a thread cache stays in its heap");
-            }
-        }
-    }
-    let g = GEN.fetch_add(1, Ordering::AcqRel) + 1;
-    if log.log.len() >= UNMAP_LOG_MAX {
-        let drop_n = UNMAP_LOG_MAX / 2;
-        log.floor = log.log[drop_n].0;
-        log.log.drain(..drop_n);
-    }
-    log.log.push((g, b, len));
-}
-
-/// Changes whenever heap memory of this process is unmapped (see
-/// [`unmapping`]): a cached view of a mapping taken at the same epoch is
-/// still mapped.
-pub fn unmap_epoch() -> u64 {
-    GEN.load(Ordering::Acquire)
-}
-
-extern "C" fn after_fork_child() {
-    // The child's only thread has a new id, and the records it copied
-    // belong to the parent's threads.
-    let _ = TID.try_with(|t| t.set(0));
-    let _ = FAST.try_with(|f| f.set(NO_FAST));
-    let _ = CACHES.try_with(|c| {
-        if let Ok(mut c) = c.try_borrow_mut() {
-            c.0.clear();
-        }
-    });
-}
-
-fn register_fork_handler() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        // SAFETY: registers a plain function without preconditions.
-        unsafe { libc::pthread_atfork(None, None, Some(after_fork_child)) };
-    });
-}
-
-/// Identity of this host's pid namespace: the boot id and the namespace's
-/// inode (the same inode numbers recur on other machines).
-fn host_ns() -> u64 {
-    static ID: OnceLock<u64> = OnceLock::new();
-    *ID.get_or_init(|| {
-        let boot = std::fs::read("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-        let mut x = 0xcbf2_9ce4_8422_2325u64;
-        for b in boot.iter().chain(&pid_namespace().to_le_bytes()) {
-            x ^= *b as u64;
-            x = x.wrapping_mul(0x0100_0000_01b3);
-        }
-        x.max(1)
-    })
-}
-
-impl Heap {
-    /// The calling thread's cache record of this heap, opening one if
-    /// `create` (None when the heap has no room for one, or the thread is
-    /// exiting).
-    #[inline(always)]
-    fn thread_cache(&self, create: bool) -> Option<*mut CacheRec> {
-        let f = FAST.try_with(|f| f.get()).unwrap_or(NO_FAST);
-        if f.base == self.base as usize && f.epoch == GEN.load(Ordering::Relaxed) {
-            return Some(f.rec);
-        }
-        self.thread_cache_slow(create)
-    }
-
-    #[cold]
-    fn thread_cache_slow(&self, create: bool) -> Option<*mut CacheRec> {
-        CACHES
-            .try_with(|c| {
-                let mut c = c.try_borrow_mut().ok()?;
-                let cur = GEN.load(Ordering::Acquire);
-                c.revalidate(cur);
-                let base = self.base as usize;
-                let idx = match c.0.iter().position(|e| e.base == base) {
-                    Some(i) => i,
-                    None if create => {
-                        c.0.push(CacheEntry {
-                            base,
-                            mapped: self.mapped,
-                            rec: 0,
-                            epoch: cur,
-                            retry: 0,
-                        });
-                        c.0.len() - 1
-                    }
-                    None => return None,
-                };
-                if c.0[idx].rec == 0 {
-                    if !create {
-                        return None;
-                    }
-                    if c.0[idx].retry > 0 {
-                        c.0[idx].retry -= 1;
-                        return None;
-                    }
-                    let others: Vec<u64> = c.0.iter().map(|e| e.rec).collect();
-                    match self.record_open(&others) {
-                        Ok(Some(off)) => c.0[idx].rec = off,
-                        Ok(None) => {
-                            c.0[idx].retry = CACHE_RETRY;
-                            return None;
-                        }
-                        Err(_) => return None,
-                    }
-                }
-                let e = &mut c.0[idx];
-                e.mapped = e.mapped.max(self.mapped);
-                if e.rec as usize + PAGE > self.mapped {
-                    return None;
-                }
-                // SAFETY: the record lies inside this view.
-                let rec = unsafe { self.base.add(e.rec as usize) } as *mut CacheRec;
-                let _ = FAST.try_with(|f| {
-                    f.set(FastCache {
-                        base,
-                        rec,
-                        epoch: cur,
-                    })
-                });
-                Some(rec)
-            })
-            .ok()
-            .flatten()
-    }
-
-    /// The bitmap word and bit of the small block at `off`, with its class,
-    /// validated without the lock; None when `off` is not the start of a
-    /// slab block inside this view (the locked path then decides).
-    #[inline(always)]
-    fn small_block_bit(&self, off: u64) -> Option<(&AtomicU8, usize)> {
-        if off >= CACHE_MAX_LEN || off & (ALIGN as u64 - 1) != 0 || off as usize >= self.mapped {
-            return None;
-        }
-        let h = self.header();
-        // SAFETY: the header is mapped. These fields change (under the lock)
-        // only when the heap grows; whatever is read is checked against the
-        // view below.
-        let (map_off, npages) = unsafe {
-            (
-                ptr::read_volatile(&raw const (*h).map_off),
-                ptr::read_volatile(&raw const (*h).npages),
-            )
-        };
-        let page = off >> PAGE_SHIFT;
-        if page >= npages
-            || (map_off as usize)
-                .checked_add((page as usize + 1) * 4)
-                .is_none_or(|end| end > self.mapped)
-        {
-            return None;
-        }
-        // SAFETY: the entry lies inside the view; read atomically since the
-        // lock holder may change entries of other pages.
-        let e = unsafe {
-            (*(self.base.add(map_off as usize + page as usize * 4) as *const AtomicU32))
-                .load(Ordering::Acquire)
-        };
-        if kind(e) != K_SLAB {
-            return None;
-        }
-        let class = (value(e) >> 8) as usize;
-        let index = value(e) & 0xff;
-        if class >= NCLASSES || index > page {
-            return None;
-        }
-        let slab = (page - index) << PAGE_SHIFT;
-        if slab as usize + GEOMETRY[class].0 * PAGE > self.mapped {
-            return None;
-        }
-        let s = self.slab_at(slab >> PAGE_SHIFT);
-        // SAFETY: the slab lies inside the view. A
-        // live or cached block keeps its slab (it counts in `used`).
-        unsafe {
-            if (*s).magic.load(Ordering::Acquire) != SLAB_MAGIC
-                || ptr::read_volatile(&raw const (*s).class) as usize != class
-            {
-                return None;
-            }
-        }
-        let i = block_index(off.checked_sub(slab + SLAB_HDR as u64)?, class)?;
-        if i >= GEOMETRY[class].1 {
-            return None;
-        }
-        Some((self.block_state(slab, class, i), class))
-    }
-
-    /// [`Heap::small_block_bit`] of a block of `class` that fits the view.
-    #[inline(always)]
-    fn cached_block_bit(&self, off: u64, class: usize) -> Option<&AtomicU8> {
-        let (state, c) = self.small_block_bit(off)?;
-        (c == class && off as usize + CLASS_SIZES[class] as usize <= self.mapped).then_some(state)
-    }
-
-    /// Gives the `k` oldest blocks of `class` in record `rec` back to their
-    /// slabs. Call with the lock held.
-    fn flush_class(&self, rec: *mut CacheRec, class: usize, k: usize) -> HResult<()> {
-        let h = self.header();
-        let size = CLASS_SIZES[class] as u64;
-        // SAFETY: rec is a checked record inside the heap whose owner does
-        // not use it meanwhile (it is the caller, or dead); the header is
-        // mapped and we hold the lock.
-        unsafe {
-            let n = ((*rec).count[class].load(Ordering::Relaxed) as usize).min(CACHE_CAP);
-            let k = k.min(n);
-            let mut bad = None;
-            for j in 0..k {
-                let off = ((*rec).slots[class][j] as u64) << 4;
-                let page = off >> PAGE_SHIFT;
-                let r = if page < self.npages() && kind(self.map_entry(page)) == K_SLAB {
-                    self.small_block(off, page, self.map_entry(page))
-                } else {
-                    Err(HeapError::Corrupt(format!("cached offset {off:#x}")))
-                };
-                match r {
-                    Ok((slab, s, c, i)) if c == class => {
-                        // A set bit: the owner died between handing the block
-                        // out and dropping it from its cache; it is live.
-                        if self.block_state(slab, class, i).load(Ordering::Acquire) != 0 {
-                            continue;
-                        }
-                        self.release_small(slab, s, class, off)?;
-                        (*h).allocated = (*h).allocated.saturating_sub(size);
-                        (*h).nblocks = (*h).nblocks.saturating_sub(1);
-                    }
-                    Ok(_) => bad = Some(off),
-                    Err(_) => bad = Some(off),
-                }
-            }
-            (*rec).slots[class].copy_within(k..n, 0);
-            (*rec).count[class].store((n - k) as u8, Ordering::Relaxed);
-            if let Some(off) = bad {
-                tracing::warn!(
-                    offset = off,
-                    class,
-                    "rmalloc: a thread cache held a block that is not free; dropped it"
-                );
-            }
-        }
-        Ok(())
-    }
-
-    /// Gives every block of record `rec` (of `class` only, if given) back.
-    fn flush_record(&self, rec: *mut CacheRec, class: Option<usize>) -> HResult<()> {
-        for c in 0..NCLASSES {
-            if class.is_none_or(|k| k == c) {
-                self.flush_class(rec, c, CACHE_CAP)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// The record at `off`, checked.
-    fn record_at(&self, off: u64) -> HResult<*mut CacheRec> {
-        if !off.is_multiple_of(PAGE as u64)
-            || off >> PAGE_SHIFT >= self.npages()
-            || kind(self.map_entry(off >> PAGE_SHIFT)) != K_CACHE
-        {
-            return Err(HeapError::Corrupt(format!("thread cache link {off:#x}")));
-        }
-        let rec = self.run_at(off >> PAGE_SHIFT) as *mut CacheRec;
-        // SAFETY: a page of the heap.
-        if unsafe { (*rec).magic } != CACHE_MAGIC {
-            return Err(HeapError::Corrupt(format!("thread cache at {off:#x}")));
-        }
-        Ok(rec)
-    }
-
-    /// Offsets of all records. Call with the lock held.
-    fn records(&self) -> HResult<Vec<u64>> {
-        let mut out = Vec::new();
-        // SAFETY: the header is mapped.
-        let mut off = unsafe { (*self.header()).caches };
-        while off != 0 {
-            let rec = self.record_at(off)?;
-            out.push(off);
-            if out.len() as u64 > self.npages() {
-                return Err(HeapError::Corrupt("thread cache list has a cycle".into()));
-            }
-            // SAFETY: checked record.
-            off = unsafe { (*rec).next };
-        }
-        Ok(out)
-    }
-
-    /// Opens the calling thread's record: takes over one whose owner thread
-    /// is gone (with the blocks it holds), or makes a new one. Records of
-    /// other dead owners are emptied and freed on the way. `mine` are the
-    /// records this thread uses for other views.
-    fn record_open(&self, mine: &[u64]) -> HResult<Option<u64>> {
-        let _g = self.lock();
-        self.check_header()?;
-        let h = self.header();
-        // SAFETY: the header is mapped.
-        if unsafe { (*h).len } > CACHE_MAX_LEN {
-            return Ok(None);
-        }
-        register_fork_handler();
-        let me = current_tid();
-        let ns = host_ns();
-        // SAFETY: getpid has no preconditions.
-        let pid = unsafe { libc::getpid() } as u32;
-        let mut adopted = None;
-        let mut dead = Vec::new();
-        for off in self.records()? {
-            let rec = self.record_at(off)?;
-            // SAFETY: checked record.
-            let (ons, otid) = unsafe {
-                (
-                    (*rec).owner_ns.load(Ordering::Relaxed),
-                    (*rec).owner_tid.load(Ordering::Relaxed),
-                )
-            };
-            let gone = ons == ns
-                && otid != 0
-                && if otid == me {
-                    !mine.contains(&off)
-                } else {
-                    !thread_alive(otid)
-                };
-            if gone {
-                if adopted.is_none() {
-                    adopted = Some(off);
-                } else if dead.len() < 8 {
-                    dead.push(off);
-                }
-            }
-        }
-        for off in dead {
-            let rec = self.record_at(off)?;
-            self.flush_record(rec, None)?;
-            self.record_release(off)?;
-        }
-        let off = match adopted {
-            Some(off) => off,
-            None => {
-                let Some(page) = self.alloc_pages(1)? else {
-                    return Ok(None);
-                };
-                self.set_map(page, entry(K_CACHE, 0));
-                let off = page << PAGE_SHIFT;
-                let rec = self.run_at(page) as *mut CacheRec;
-                // SAFETY: a fresh page of the heap, ours under the lock.
-                unsafe {
-                    ptr::write_bytes(rec as *mut u8, 0, std::mem::size_of::<CacheRec>());
-                    (*rec).magic = CACHE_MAGIC;
-                    (*rec).next = (*h).caches;
-                    (*h).caches = off;
-                }
-                off
-            }
-        };
-        let rec = self.record_at(off)?;
-        // SAFETY: checked record.
-        unsafe {
-            (*rec).owner_ns.store(ns, Ordering::Relaxed);
-            (*rec).owner_tid.store(me, Ordering::Relaxed);
-            (*rec).owner_pid.store(pid, Ordering::Relaxed);
-        }
-        Ok(Some(off))
-    }
-
-    /// Unlinks and frees the (empty) record at `off`. Call with the lock held.
-    fn record_release(&self, off: u64) -> HResult<()> {
-        let h = self.header();
-        let rec = self.record_at(off)?;
-        // SAFETY: checked records; the header is mapped.
-        unsafe {
-            if (*h).caches == off {
-                (*h).caches = (*rec).next;
-            } else {
-                let mut prev = (*h).caches;
-                loop {
-                    if prev == 0 {
-                        return Err(HeapError::Corrupt(format!(
-                            "thread cache {off:#x} is not in the list"
-                        )));
-                    }
-                    let p = self.record_at(prev)?;
-                    if (*p).next == off {
-                        (*p).next = (*rec).next;
-                        break;
-                    }
-                    prev = (*p).next;
-                }
-            }
-            (*rec).magic = 0;
-        }
-        self.set_map(off >> PAGE_SHIFT, entry(K_FREE_IN, 0));
-        self.free_pages(off >> PAGE_SHIFT, 1)
-    }
-
-    /// Empties and frees the calling thread's record at `off`.
-    fn record_close(&self, off: u64) -> HResult<()> {
-        let _g = self.lock();
-        self.check_header()?;
-        let rec = self.record_at(off)?;
-        // SAFETY: checked record.
-        let (ons, otid) = unsafe {
-            (
-                (*rec).owner_ns.load(Ordering::Relaxed),
-                (*rec).owner_tid.load(Ordering::Relaxed),
-            )
-        };
-        if ons != host_ns() || otid != current_tid() {
-            return Err(HeapError::Corrupt(format!(
-                "thread cache {off:#x} changed owner"
-            )));
-        }
-        self.flush_record(rec, None)?;
-        self.record_release(off)
-    }
-
-    /// Gives the calling thread's cached blocks of this heap back to the
-    /// heap and frees its record (threads do this when they exit, and
-    /// [`unmapping`] for the caller).
-    pub fn flush_cache(&self) -> HResult<()> {
-        let _ = FAST.try_with(|f| f.set(NO_FAST));
-        let base = self.base as usize;
-        let e = CACHES
-            .try_with(|c| {
-                let mut c = c.try_borrow_mut().ok()?;
-                let i = c.0.iter().position(|e| e.base == base)?;
-                Some(c.0.swap_remove(i))
-            })
-            .ok()
-            .flatten();
-        match e {
-            Some(e) if e.rec != 0 => self.record_close(e.rec),
-            _ => Ok(()),
-        }
-    }
-
-    /// Blocks and bytes held in thread caches. Call with the lock held.
-    fn cached(&self) -> HResult<(u64, u64)> {
-        let (mut blocks, mut bytes) = (0, 0);
-        for off in self.records()? {
-            let rec = self.record_at(off)?;
-            for (c, &size) in CLASS_SIZES.iter().enumerate() {
-                // SAFETY: checked record; the count is atomic.
-                let n = unsafe { (*rec).count[c].load(Ordering::Relaxed) } as u64;
-                blocks += n;
-                bytes += n * size as u64;
-            }
-        }
-        Ok((blocks, bytes))
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::test_mem::Mem;
     use super::*;
     use std::collections::BTreeMap;
     use std::sync::Arc;
 
-    /// Anonymous shared memory for a heap.
-    struct Mem {
-        ptr: *mut u8,
-        len: usize,
-    }
-
-    // SAFETY: plain memory, used through a Heap.
-    unsafe impl Send for Mem {}
-    // SAFETY: as above.
-    unsafe impl Sync for Mem {}
-
-    impl Mem {
-        fn new(len: usize) -> Mem {
-            // SAFETY: anonymous mapping with no address hint.
-            let p = unsafe {
-                libc::mmap(
-                    ptr::null_mut(),
-                    len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                    -1,
-                    0,
-                )
-            };
-            assert_ne!(p, libc::MAP_FAILED);
-            Mem {
-                ptr: p as *mut u8,
-                len,
-            }
-        }
-        fn heap(&self, len: usize) -> Heap {
-            // SAFETY: the memory stays mapped for the test.
-            unsafe { Heap::attach(self.ptr, len) }.unwrap()
-        }
-    }
-
-    impl Drop for Mem {
-        fn drop(&mut self) {
-            unmapping(self.ptr, self.len);
-            // SAFETY: our mapping.
-            unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
-        }
-    }
-
     #[test]
-    fn class_table_rounds_up() {
-        assert_eq!(CLASS_SIZES[class_of(1)], 16);
-        assert_eq!(CLASS_SIZES[class_of(16)], 16);
-        assert_eq!(CLASS_SIZES[class_of(17)], 32);
-        assert_eq!(CLASS_SIZES[class_of(129)], 160);
-        assert_eq!(CLASS_SIZES[class_of(2048)], 2048);
-        for (c, &size) in CLASS_SIZES.iter().enumerate() {
-            let (pages, n) = slab_geometry(c);
-            assert!((1..=8).contains(&pages) && (15..=MAX_SLAB_BLOCKS).contains(&n));
-            assert!(SLAB_HDR + n * (size as usize + 1) <= pages * PAGE);
-        }
+    fn free_run_bins() {
         assert_eq!(bin_of(1), 0);
         assert_eq!(bin_of(32), 31);
         assert_eq!(bin_of(33), 32);
@@ -2523,142 +1481,6 @@ mod tests {
         let s = h.stats().unwrap();
         assert_eq!(s.blocks, 0);
         assert_eq!(s.allocated, 0);
-    }
-
-    #[test]
-    fn lock_taken_over_from_dead_thread() {
-        let m = Mem::new(1 << 20);
-        let h = m.heap(1 << 20);
-        // A thread takes the lock and exits without releasing it.
-        let h2 = h;
-        std::thread::spawn(move || std::mem::forget(h2.lock()))
-            .join()
-            .unwrap();
-        let started = Instant::now();
-        h.alloc(10).unwrap();
-        assert!(started.elapsed() < Duration::from_secs(10));
-    }
-
-    /// A block freed by another thread, and a double free of a block that
-    /// sits in another thread's cache, are handled; the stats count cached
-    /// blocks apart.
-    #[test]
-    fn thread_caches_cross_thread_free_and_double_free() {
-        let m = Mem::new(4 << 20);
-        let h = m.heap(4 << 20);
-        let blocks: Vec<u64> = (0..100).map(|_| h.alloc(64).unwrap()).collect();
-        let s = h.stats().unwrap();
-        assert_eq!(s.blocks, 100);
-        assert_eq!(s.allocated, 6400);
-        assert!(s.cached_blocks > 0, "{s:?}");
-        // Another thread frees them all (into its cache, then in batches
-        // back to the slabs) and exits.
-        let (h2, b2) = (h, blocks.clone());
-        std::thread::spawn(move || {
-            for &b in &b2 {
-                h2.free(b).unwrap();
-            }
-            // A double free of a block in this thread's cache.
-            assert!(matches!(h2.free(b2[99]), Err(HeapError::BadPointer(_))));
-        })
-        .join()
-        .unwrap();
-        // ... and of blocks the exiting thread gave back.
-        for &b in &blocks {
-            assert!(matches!(h.free(b), Err(HeapError::BadPointer(_))));
-        }
-        let s = h.stats().unwrap();
-        assert_eq!((s.blocks, s.allocated), (0, 0), "{s:?}");
-        // A block in this thread's cache cannot be freed by another thread.
-        let a = h.alloc(64).unwrap();
-        h.free(a).unwrap();
-        let h3 = h;
-        let r = std::thread::spawn(move || h3.free(a)).join().unwrap();
-        assert!(matches!(r, Err(HeapError::BadPointer(_))), "{r:?}");
-        // The cache hands out its newest block first.
-        assert_eq!(h.alloc(64).unwrap(), a);
-        h.free(a).unwrap();
-        h.flush_cache().unwrap();
-        assert_eq!(h.stats().unwrap().cached_blocks, 0);
-    }
-
-    /// A process that dies without flushing leaves its cache record in the
-    /// heap; a forked child does not use its parent's cache; the next
-    /// thread that opens a cache takes the dead record over.
-    #[test]
-    fn dead_process_cache_is_taken_back() {
-        let m = Mem::new(4 << 20);
-        let h = m.heap(4 << 20);
-        let shared = Mem::new(PAGE);
-        let out = shared.ptr as *mut u64;
-        let a = h.alloc(64).unwrap();
-        let x = h.alloc(64).unwrap();
-        h.free(a).unwrap();
-        let parent_cached = h.stats().unwrap().cached_blocks;
-        assert!(parent_cached > 0);
-        // SAFETY: the child only allocates in the shared heap, writes the
-        // shared page and leaves with _exit (no destructors, no flush).
-        let pid = unsafe { libc::fork() };
-        assert!(pid >= 0);
-        if pid == 0 {
-            let b = h.alloc(64).unwrap_or(0);
-            let r = h.free(x).is_ok() as u64;
-            let c = h.alloc(128).unwrap_or(0);
-            let r2 = h.free(c).is_ok() as u64;
-            // SAFETY: the shared page.
-            unsafe {
-                out.write(b);
-                out.add(1).write(r + r2);
-                libc::_exit(0);
-            }
-        }
-        let mut status = 0;
-        // SAFETY: our child.
-        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-        // SAFETY: the child wrote the page.
-        let (b, ok) = unsafe { (out.read(), out.add(1).read()) };
-        assert_ne!(b, 0);
-        assert_ne!(b, a, "the child took a block from its parent's cache");
-        assert_eq!(ok, 2, "the child's frees failed");
-        // x sits in the dead child's cache: freeing it again is refused.
-        assert!(matches!(h.free(x), Err(HeapError::BadPointer(_))));
-        let s = h.stats().unwrap();
-        assert!(s.cached_blocks > parent_cached, "{s:?}");
-        // b is live (the child never freed it): a, x and b were allocated.
-        assert_eq!(s.blocks, 1, "{s:?}");
-        // A new thread takes the dead record over, and flushes it on exit.
-        let h2 = h;
-        std::thread::spawn(move || {
-            h2.alloc(64).map(|o| h2.free(o)).unwrap().unwrap();
-        })
-        .join()
-        .unwrap();
-        let s = h.stats().unwrap();
-        assert_eq!(s.cached_blocks, parent_cached, "{s:?}");
-        h.free(b).unwrap();
-        h.flush_cache().unwrap();
-        let s = h.stats().unwrap();
-        assert_eq!((s.blocks, s.cached_blocks, s.allocated), (0, 0, 0), "{s:?}");
-    }
-
-    /// Unmapping forgets the caches of a heap: a new heap at the same address
-    /// does not get blocks of the old one.
-    #[test]
-    fn unmapping_forgets_caches() {
-        let m = Mem::new(1 << 20);
-        let h = m.heap(1 << 20);
-        let a = h.alloc(64).unwrap();
-        h.free(a).unwrap();
-        // Zero the memory as if another, empty region were mapped there.
-        unmapping(m.ptr, m.len);
-        // SAFETY: our memory.
-        unsafe { m.ptr.write_bytes(0, m.len) };
-        let h = m.heap(1 << 20);
-        let s = h.stats().unwrap();
-        assert_eq!((s.blocks, s.cached_blocks), (0, 0));
-        let b = h.alloc(64).unwrap();
-        assert_eq!(h.stats().unwrap().blocks, 1);
-        h.free(b).unwrap();
     }
 
     /// A model check: random allocs and frees never overlap, keep their
