@@ -69,6 +69,147 @@ fn fill(path: &std::path::Path, len: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `n` round trips between this thread and another, each blocked in `read` on a pipe until
+/// the other writes (two wake-ups per round trip), in microseconds.
+fn wake_round_trips(n: usize) -> anyhow::Result<Vec<f64>> {
+    use std::io::{Read as _, Write as _};
+    let (mut ping_r, mut ping_w) = std::io::pipe()?;
+    let (mut pong_r, mut pong_w) = std::io::pipe()?;
+    let echo = std::thread::spawn(move || -> std::io::Result<()> {
+        let mut b = [0u8; 1];
+        while ping_r.read(&mut b)? == 1 {
+            pong_w.write_all(&b)?;
+        }
+        Ok(())
+    });
+    let mut out = Vec::with_capacity(n);
+    let mut b = [0u8; 1];
+    for _ in 0..n {
+        let t = Instant::now();
+        ping_w.write_all(&[1])?;
+        pong_r.read_exact(&mut b)?;
+        out.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    drop(ping_w);
+    echo.join()
+        .map_err(|_| anyhow::anyhow!("the echo thread panicked"))??;
+    Ok(out)
+}
+
+/// `n` first touches of pages of an anonymous range registered with a userfaultfd of its own,
+/// whose handler thread installs a page at once (`UFFDIO_COPY`, no fetch), in microseconds:
+/// what a userfaultfd fault costs on this machine before any transport is involved.
+fn raw_uffd_faults(n: usize) -> anyhow::Result<Vec<f64>> {
+    use userfaultfd::{Event, UffdBuilder};
+    let uffd = std::sync::Arc::new(
+        UffdBuilder::new()
+            .close_on_exec(true)
+            .non_blocking(false)
+            .user_mode_only(true)
+            .create()?,
+    );
+    let len = n * PAGE;
+    // SAFETY: a fresh private anonymous mapping, unmapped below after the handler has stopped.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    ensure!(
+        base != libc::MAP_FAILED,
+        "mmap for the userfaultfd floor failed"
+    );
+    uffd.register(base, len)?;
+    let handler = {
+        let uffd = std::sync::Arc::clone(&uffd);
+        std::thread::spawn(move || {
+            let page = vec![1u8; PAGE];
+            let mut served = 0;
+            while served < n {
+                if let Ok(Some(Event::Pagefault { addr, .. })) = uffd.read_event() {
+                    let dst = (addr as usize & !(PAGE - 1)) as *mut libc::c_void;
+                    // SAFETY: copies one page from a live buffer into a registered, missing
+                    // page of the range, waking the faulting thread.
+                    let _ = unsafe { uffd.copy(page.as_ptr().cast(), dst, PAGE, true) };
+                    served += 1;
+                }
+            }
+        })
+    };
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        // A fixed scattered order, each page once.
+        let p = (i * 7919) % n;
+        let t = Instant::now();
+        touch(base.cast::<u8>().wrapping_add(p * PAGE));
+        out.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    handler
+        .join()
+        .map_err(|_| anyhow::anyhow!("the userfaultfd handler panicked"))?;
+    // SAFETY: unmapping the range mapped above; nothing uses it any more.
+    unsafe { libc::munmap(base, len) };
+    Ok(out)
+}
+
+/// Seconds per GiB to install `len` bytes into a fresh registered anonymous range with
+/// `UFFDIO_COPY` from a warm 1 MiB buffer (no faults: pages are installed ahead, as
+/// read-ahead does), and, for scale, to `memcpy` as much from the same buffer.
+fn install_cost(len: usize) -> anyhow::Result<(f64, f64)> {
+    let uffd = userfaultfd::UffdBuilder::new()
+        .close_on_exec(true)
+        .non_blocking(false)
+        .user_mode_only(true)
+        .create()?;
+    // SAFETY: a fresh private anonymous mapping, unmapped below.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    ensure!(base != libc::MAP_FAILED, "mmap for the install cost failed");
+    uffd.register(base, len)?;
+    let piece = (1usize << 20).min(len);
+    let src = vec![7u8; piece];
+    let per_gib = |secs: f64| secs * f64::from(1u32 << 30) / len as f64;
+    let start = Instant::now();
+    let mut at = 0;
+    while at < len {
+        // SAFETY: copies from a live buffer into missing pages of the registered range.
+        unsafe {
+            uffd.copy(
+                src.as_ptr().cast(),
+                base.cast::<u8>().add(at).cast(),
+                piece,
+                true,
+            )?
+        };
+        at += piece;
+    }
+    let install = per_gib(start.elapsed().as_secs_f64());
+    // SAFETY: unmapping the range mapped above.
+    unsafe { libc::munmap(base, len) };
+    let mut dst = vec![0u8; piece];
+    let start = Instant::now();
+    let mut at = 0;
+    while at < len {
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&mut dst);
+        at += piece;
+    }
+    Ok((install, per_gib(start.elapsed().as_secs_f64())))
+}
+
 fn touch(p: *const u8) -> u8 {
     // SAFETY: callers pass addresses inside live mappings.
     unsafe { std::ptr::read_volatile(p) }
@@ -184,6 +325,28 @@ fn main() -> anyhow::Result<()> {
     );
     println!("  ratio uffd/bare  {:.2}  (target <= 1.5)", u / b);
     println!("  ratio uffd/FUSE  {:.2}  (target <= 0.5)", u / fu);
+    // What the fault paths add to the bare read: a fault wakes a handler thread and the
+    // handler wakes the faulting thread (userfaultfd and FUSE alike), two cross-thread
+    // wake-ups the bare read does not make. Their cost on this machine, same run:
+    let mut wake_us = wake_round_trips(order.len())?;
+    let w = median(&mut wake_us);
+    println!("  cross-thread wake-up round trip (pipe ping-pong, 2 wake-ups) p50 {w:7.1} us");
+    let mut floor_us = raw_uffd_faults(order.len())?;
+    let fl = median(&mut floor_us);
+    println!(
+        "  bare userfaultfd fault (no fetch: a handler thread installs a page at once) p50 {fl:7.1} us"
+    );
+    println!(
+        "  uffd - bare = {:.1} us = {:.1} wake-up round trips = {:.1} bare userfaultfd faults",
+        u - b,
+        (u - b) / w,
+        (u - b) / fl
+    );
+    println!(
+        "  floors: uffd/bare >= (bare + bare fault) / bare = {:.2}; uffd/FUSE >= bare/FUSE = {:.2}",
+        (b + fl) / b,
+        b / fu
+    );
 
     // 2. Sequential first touch of the whole remote region (a fresh mapping each round,
     // default prefetch window) against bare transport reads of the same bytes in 4 MiB
@@ -227,6 +390,12 @@ fn main() -> anyhow::Result<()> {
     println!(
         "  ratio uffd/bare, median of rounds {:.2}  (target >= 0.7)",
         median(&mut ratios)
+    );
+    let (install, copy) = install_cost(sizes.seq_region)?;
+    println!(
+        "  CPU the mapping spends that the bare read does not: installing pages (UFFDIO_COPY of \
+         a warm 1 MiB buffer) {:.3} s/GiB; for scale, a plain memcpy {:.3} s/GiB",
+        install, copy
     );
     println!("(checksum {sum})");
     drop(m2);

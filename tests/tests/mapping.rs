@@ -376,7 +376,11 @@ fn a_forked_child_faults_on_remote_pages_instead_of_reading_zeros() {
     create(&s.m2.path("forked"), &pattern(len));
     let file = std::fs::File::open(s.m1.path("forked")).unwrap();
     let m = mapping::map_fd(file.as_fd()).expect("map on host 1");
-    assert_eq!(read_word(&m, 0), word(0), "the parent reads through the mapping");
+    assert_eq!(
+        read_word(&m, 0),
+        word(0),
+        "the parent reads through the mapping"
+    );
     // A page the parent has not fetched: in a child without the parent's userfaultfd it would
     // read as zeros.
     let addr = m.base().wrapping_add(len / 2).cast::<u64>();

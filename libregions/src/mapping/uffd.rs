@@ -181,6 +181,9 @@ impl Faults {
     /// the threads waiting there. Pages someone installed meanwhile are left alone.
     pub(crate) fn install(&self, dst: usize, src: &[u8], wp: bool) -> io::Result<()> {
         let mut done = 0usize;
+        // A successful UFFDIO_COPY wakes the threads waiting on what it copied; only the
+        // page-by-page path below needs a wake of its own.
+        let mut wake = false;
         while done < src.len() {
             let mut copy = userfaultfd_sys::uffdio_copy {
                 dst: (dst + done) as u64,
@@ -212,6 +215,7 @@ impl Faults {
                 Some(libc::EAGAIN) if copy.copy > 0 => done += copy.copy as usize,
                 Some(libc::EAGAIN) => std::thread::yield_now(),
                 Some(libc::EEXIST) => {
+                    wake = true;
                     // Some page is there already: install the rest one page at a time.
                     let first = if copy.copy > 0 { copy.copy as usize } else { 0 };
                     done += first;
@@ -228,7 +232,9 @@ impl Faults {
                 _ => return Err(e),
             }
         }
-        self.wake(dst, src.len());
+        if wake {
+            self.wake(dst, src.len());
+        }
         Ok(())
     }
 
