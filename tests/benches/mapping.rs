@@ -13,7 +13,8 @@
 //!    random pages) vs one bare 4 KiB `TcpTransport::read` of the same region (target: ratio of
 //!    medians <= 1.5) and vs a cold 4 KiB fault of a `MAP_SHARED` mapping of the region file
 //!    under the regionfs mount with `MADV_RANDOM` (target: <= 0.5).
-//!    The three are interleaved page by page.
+//!    The three are interleaved page by page, and with them two floors: a cross-thread
+//!    wake-up round trip and a bare userfaultfd fault (no fetch).
 //! 2. Sequential first touch of every page of 1 GiB held remotely (default prefetch window, 16
 //!    pages) vs bare transport throughput reading the same GiB sequentially in 4 MiB requests,
 //!    alternating for 5 rounds; the median of the per-round ratios (target: >= 0.7).
@@ -69,68 +70,88 @@ fn fill(path: &std::path::Path, len: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `n` round trips between this thread and another, each blocked in `read` on a pipe until
-/// the other writes (two wake-ups per round trip), in microseconds.
-fn wake_round_trips(n: usize) -> anyhow::Result<Vec<f64>> {
-    use std::io::{Read as _, Write as _};
-    let (mut ping_r, mut ping_w) = std::io::pipe()?;
-    let (mut pong_r, mut pong_w) = std::io::pipe()?;
-    let echo = std::thread::spawn(move || -> std::io::Result<()> {
-        let mut b = [0u8; 1];
-        while ping_r.read(&mut b)? == 1 {
-            pong_w.write_all(&b)?;
-        }
-        Ok(())
-    });
-    let mut out = Vec::with_capacity(n);
-    let mut b = [0u8; 1];
-    for _ in 0..n {
-        let t = Instant::now();
-        ping_w.write_all(&[1])?;
-        pong_r.read_exact(&mut b)?;
-        out.push(t.elapsed().as_secs_f64() * 1e6);
-    }
-    drop(ping_w);
-    echo.join()
-        .map_err(|_| anyhow::anyhow!("the echo thread panicked"))??;
-    Ok(out)
+/// Two threads that wake each other through pipes: each [`Self::round_trip`] is two
+/// cross-thread wake-ups, the kind a fault path adds to the bare read.
+struct PingPong {
+    ping: std::io::PipeWriter,
+    pong: std::io::PipeReader,
+    echo: std::thread::JoinHandle<std::io::Result<()>>,
 }
 
-/// `n` first touches of pages of an anonymous range registered with a userfaultfd of its own,
-/// whose handler thread installs a page at once (`UFFDIO_COPY`, no fetch), in microseconds:
-/// what a userfaultfd fault costs on this machine before any transport is involved.
-fn raw_uffd_faults(n: usize) -> anyhow::Result<Vec<f64>> {
-    use userfaultfd::{Event, UffdBuilder};
-    let uffd = std::sync::Arc::new(
-        UffdBuilder::new()
+impl PingPong {
+    fn start() -> anyhow::Result<PingPong> {
+        use std::io::{Read as _, Write as _};
+        let (mut ping_r, ping) = std::io::pipe()?;
+        let (pong, mut pong_w) = std::io::pipe()?;
+        let echo = std::thread::spawn(move || -> std::io::Result<()> {
+            let mut b = [0u8; 1];
+            while ping_r.read(&mut b)? == 1 {
+                pong_w.write_all(&b)?;
+            }
+            Ok(())
+        });
+        Ok(PingPong { ping, pong, echo })
+    }
+
+    /// One round trip, in microseconds.
+    fn round_trip(&mut self) -> anyhow::Result<f64> {
+        use std::io::{Read as _, Write as _};
+        let mut b = [0u8; 1];
+        let t = Instant::now();
+        self.ping.write_all(&[1])?;
+        self.pong.read_exact(&mut b)?;
+        Ok(t.elapsed().as_secs_f64() * 1e6)
+    }
+
+    fn stop(self) -> anyhow::Result<()> {
+        drop(self.ping);
+        self.echo
+            .join()
+            .map_err(|_| anyhow::anyhow!("the echo thread panicked"))??;
+        Ok(())
+    }
+}
+
+/// An anonymous range registered with a userfaultfd of its own, whose handler thread
+/// installs a page at once (`UFFDIO_COPY`, no fetch): [`Self::fault`] measures what a
+/// userfaultfd fault costs on this machine before any transport is involved.
+struct RawFaults {
+    base: *mut libc::c_void,
+    pages: usize,
+    next: usize,
+    handler: std::thread::JoinHandle<()>,
+}
+
+impl RawFaults {
+    fn start(pages: usize) -> anyhow::Result<RawFaults> {
+        use userfaultfd::{Event, UffdBuilder};
+        let uffd = UffdBuilder::new()
             .close_on_exec(true)
             .non_blocking(false)
             .user_mode_only(true)
-            .create()?,
-    );
-    let len = n * PAGE;
-    // SAFETY: a fresh private anonymous mapping, unmapped below after the handler has stopped.
-    let base = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    ensure!(
-        base != libc::MAP_FAILED,
-        "mmap for the userfaultfd floor failed"
-    );
-    uffd.register(base, len)?;
-    let handler = {
-        let uffd = std::sync::Arc::clone(&uffd);
-        std::thread::spawn(move || {
+            .create()?;
+        let len = pages * PAGE;
+        // SAFETY: a fresh private anonymous mapping, unmapped in `stop` after the handler
+        // has ended.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        ensure!(
+            base != libc::MAP_FAILED,
+            "mmap for the userfaultfd floor failed"
+        );
+        uffd.register(base, len)?;
+        let handler = std::thread::spawn(move || {
             let page = vec![1u8; PAGE];
             let mut served = 0;
-            while served < n {
+            while served < pages {
                 if let Ok(Some(Event::Pagefault { addr, .. })) = uffd.read_event() {
                     let dst = (addr as usize & !(PAGE - 1)) as *mut libc::c_void;
                     // SAFETY: copies one page from a live buffer into a registered, missing
@@ -139,22 +160,37 @@ fn raw_uffd_faults(n: usize) -> anyhow::Result<Vec<f64>> {
                     served += 1;
                 }
             }
+        });
+        Ok(RawFaults {
+            base,
+            pages,
+            next: 0,
+            handler,
         })
-    };
-    let mut out = Vec::with_capacity(n);
-    for i in 0..n {
-        // A fixed scattered order, each page once.
-        let p = (i * 7919) % n;
-        let t = Instant::now();
-        touch(base.cast::<u8>().wrapping_add(p * PAGE));
-        out.push(t.elapsed().as_secs_f64() * 1e6);
     }
-    handler
-        .join()
-        .map_err(|_| anyhow::anyhow!("the userfaultfd handler panicked"))?;
-    // SAFETY: unmapping the range mapped above; nothing uses it any more.
-    unsafe { libc::munmap(base, len) };
-    Ok(out)
+
+    /// First touch of the next page (a fixed scattered order, each page once), in
+    /// microseconds.
+    fn fault(&mut self) -> f64 {
+        let p = (self.next * 7919) % self.pages;
+        self.next += 1;
+        let t = Instant::now();
+        touch(self.base.cast::<u8>().wrapping_add(p * PAGE));
+        t.elapsed().as_secs_f64() * 1e6
+    }
+
+    /// Touches the pages not touched yet (so that the handler ends), then unmaps the range.
+    fn stop(mut self) -> anyhow::Result<()> {
+        while self.next < self.pages {
+            self.fault();
+        }
+        self.handler
+            .join()
+            .map_err(|_| anyhow::anyhow!("the userfaultfd handler panicked"))?;
+        // SAFETY: unmapping the range mapped in `start`; nothing uses it any more.
+        unsafe { libc::munmap(self.base, self.pages * PAGE) };
+        Ok(())
+    }
 }
 
 /// Seconds per GiB to install `len` bytes into a fresh registered anonymous range with
@@ -268,7 +304,14 @@ fn main() -> anyhow::Result<()> {
     unsafe { libc::madvise(fuse, sizes.lat_region, libc::MADV_RANDOM) };
     let mut buf = vec![0u8; PAGE];
     let (mut uffd_us, mut bare_us, mut fuse_us) = (Vec::new(), Vec::new(), Vec::new());
+    // The floors, interleaved with the rest: a wake-up round trip and a bare userfaultfd fault.
+    let mut pingpong = PingPong::start()?;
+    let mut raw = RawFaults::start(order.len())?;
+    let (mut wake_us, mut floor_us) = (Vec::new(), Vec::new());
     for &p in &order {
+        wake_us.push(pingpong.round_trip()?);
+        floor_us.push(raw.fault());
+
         let t = Instant::now();
         sum += u64::from(touch(m.base().wrapping_add(p * PAGE)));
         uffd_us.push(t.elapsed().as_secs_f64() * 1e6);
@@ -293,6 +336,8 @@ fn main() -> anyhow::Result<()> {
     }
     // SAFETY: unmapping the mapping made above.
     unsafe { libc::munmap(fuse, sizes.lat_region) };
+    pingpong.stop()?;
+    raw.stop()?;
     // The mapping reads what the region holds.
     let check = AppRegion::open_path(&m1.path("uffd"), false)?;
     let mut page = vec![0u8; PAGE];
@@ -327,11 +372,9 @@ fn main() -> anyhow::Result<()> {
     println!("  ratio uffd/FUSE  {:.2}  (target <= 0.5)", u / fu);
     // What the fault paths add to the bare read: a fault wakes a handler thread and the
     // handler wakes the faulting thread (userfaultfd and FUSE alike), two cross-thread
-    // wake-ups the bare read does not make. Their cost on this machine, same run:
-    let mut wake_us = wake_round_trips(order.len())?;
+    // wake-ups the bare read does not make. Their cost on this machine, interleaved above:
     let w = median(&mut wake_us);
     println!("  cross-thread wake-up round trip (pipe ping-pong, 2 wake-ups) p50 {w:7.1} us");
-    let mut floor_us = raw_uffd_faults(order.len())?;
     let fl = median(&mut floor_us);
     println!(
         "  bare userfaultfd fault (no fetch: a handler thread installs a page at once) p50 {fl:7.1} us"
