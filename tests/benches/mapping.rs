@@ -70,6 +70,33 @@ fn fill(path: &std::path::Path, len: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A fresh userfaultfd of its own and a private anonymous range of `len` bytes registered
+/// with it for missing faults; the caller unmaps the range.
+fn registered_range(len: usize) -> anyhow::Result<(userfaultfd::Uffd, *mut libc::c_void)> {
+    let uffd = userfaultfd::UffdBuilder::new()
+        .close_on_exec(true)
+        .non_blocking(false)
+        .user_mode_only(true)
+        .create()?;
+    // SAFETY: a fresh private anonymous mapping; the caller unmaps it.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    ensure!(
+        base != libc::MAP_FAILED,
+        "mmap of {len} bytes for a userfaultfd measurement failed"
+    );
+    uffd.register(base, len)?;
+    Ok((uffd, base))
+}
+
 /// Two threads that wake each other through pipes: each [`Self::round_trip`] is two
 /// cross-thread wake-ups, the kind a fault path adds to the bare read.
 struct PingPong {
@@ -124,30 +151,9 @@ struct RawFaults {
 
 impl RawFaults {
     fn start(pages: usize) -> anyhow::Result<RawFaults> {
-        use userfaultfd::{Event, UffdBuilder};
-        let uffd = UffdBuilder::new()
-            .close_on_exec(true)
-            .non_blocking(false)
-            .user_mode_only(true)
-            .create()?;
-        let len = pages * PAGE;
-        // SAFETY: a fresh private anonymous mapping, unmapped in `stop` after the handler
-        // has ended.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        ensure!(
-            base != libc::MAP_FAILED,
-            "mmap for the userfaultfd floor failed"
-        );
-        uffd.register(base, len)?;
+        use userfaultfd::Event;
+        // Unmapped in `stop`, after the handler has ended.
+        let (uffd, base) = registered_range(pages * PAGE)?;
         let handler = std::thread::spawn(move || {
             let page = vec![1u8; PAGE];
             let mut served = 0;
@@ -197,24 +203,8 @@ impl RawFaults {
 /// `UFFDIO_COPY` from a warm 1 MiB buffer (no faults: pages are installed ahead, as
 /// read-ahead does), and, for scale, to `memcpy` as much from the same buffer.
 fn install_cost(len: usize) -> anyhow::Result<(f64, f64)> {
-    let uffd = userfaultfd::UffdBuilder::new()
-        .close_on_exec(true)
-        .non_blocking(false)
-        .user_mode_only(true)
-        .create()?;
-    // SAFETY: a fresh private anonymous mapping, unmapped below.
-    let base = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
-    ensure!(base != libc::MAP_FAILED, "mmap for the install cost failed");
-    uffd.register(base, len)?;
+    // Unmapped below.
+    let (uffd, base) = registered_range(len)?;
     let piece = (1usize << 20).min(len);
     let src = vec![7u8; piece];
     let per_gib = |secs: f64| secs * f64::from(1u32 << 30) / len as f64;
