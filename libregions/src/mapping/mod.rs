@@ -1034,8 +1034,10 @@ impl Mapping {
     }
 }
 
-/// Largest fetch buffer a thread keeps between fetches.
-const KEPT_BUFFER: usize = 8 << 20;
+/// Largest fetch buffer a thread keeps between fetches: a read-ahead job at the largest
+/// window. Larger fetches (a synchronous `rprefetch` of a long range, on an application
+/// thread) get a buffer of their own, so application threads keep no more than this.
+const KEPT_BUFFER: usize = READ_AHEAD_PIECE * CHUNK_PAGES * PAGE;
 
 /// Runs `f` on a buffer of `len` bytes: the calling thread's kept buffer (fault and read-ahead
 /// threads fetch over and over; a fresh buffer would be zeroed and faulted in every time).
