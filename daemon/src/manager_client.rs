@@ -202,6 +202,7 @@ impl Authority for ManagerAuthority {
             caller: Some(caller.clone()),
             ino,
             size,
+            ..Default::default()
         };
         self.runtime
             .block_on(client.extend(request(req)))

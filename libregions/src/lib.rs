@@ -33,5 +33,5 @@ mod xattr;
 
 pub use client::{Client, ClientConfig, ROOT_INO};
 pub use error::{RegionsError, Result};
-pub use region::Region;
+pub use region::{Region, SizePolicy};
 pub use transport::{StatsSnapshot, Transport};

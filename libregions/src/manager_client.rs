@@ -217,12 +217,29 @@ impl ManagerClient {
         }))
     }
 
+    /// Grows region `ino` to at least `size` bytes (durably).
     pub fn extend(&self, caller: &v1::Caller, ino: u64, size: u64) -> Result<v1::RegionInfo> {
+        self.grow(caller, ino, size, 0, false)
+    }
+
+    /// Grows region `ino`: its size to at least `size` (0: unchanged), its
+    /// allocated chunks to cover at least `capacity` bytes; with `touch`,
+    /// sets its mtime to now.
+    pub fn grow(
+        &self,
+        caller: &v1::Caller,
+        ino: u64,
+        size: u64,
+        capacity: u64,
+        touch: bool,
+    ) -> Result<v1::RegionInfo> {
         let mut c = self.regions.clone();
         self.call(c.extend(v1::ExtendRequest {
             caller: Some(caller.clone()),
             ino,
             size,
+            capacity,
+            touch,
         }))
     }
 

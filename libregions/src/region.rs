@@ -17,9 +17,18 @@ use crate::transport::{Span, Transport};
 /// they span hosts (a thread costs more than it saves).
 const PARALLEL_MIN: usize = 256 << 10;
 
+/// The first space a writer reserves past a region's allocated chunks; each
+/// later reservation doubles what the region holds, up to [`RESERVE_MAX`]
+/// at a time (growth in steps: one manager request per step, not per write).
+const RESERVE_MIN: u64 = CHUNK_SIZE;
+/// The largest single reservation step.
+const RESERVE_MAX: u64 = 1 << 30;
+
 /// What a client knows of a region's placement.
 struct MapState {
     size: u64,
+    /// `size` includes writes not yet made durable at the manager.
+    unpublished: bool,
     version: u64,
     entries: Vec<u64>,
     pools: HashMap<u32, v1::PoolInfo>,
@@ -33,6 +42,7 @@ impl MapState {
     fn from_info(info: v1::RegionInfo) -> MapState {
         let mut s = MapState {
             size: 0,
+            unpublished: false,
             version: 0,
             entries: Vec::new(),
             pools: HashMap::new(),
@@ -45,13 +55,14 @@ impl MapState {
 
     /// Takes in a reply from the manager. Replies may arrive out of order
     /// (concurrent extends): one with an older map version is ignored, and
-    /// with `grow_only` (an extend) the size never goes down.
+    /// with `grow_only` (an extend) or while this client has unpublished
+    /// growth the size never goes down.
     fn apply(&mut self, info: v1::RegionInfo, grow_only: bool) {
         if info.map_version < self.version {
             return;
         }
         if let Some(attr) = &info.attr {
-            self.size = if grow_only {
+            self.size = if grow_only || self.unpublished {
                 self.size.max(attr.size)
             } else {
                 attr.size
@@ -65,6 +76,24 @@ impl MapState {
         }
         self.version = info.map_version;
     }
+
+    /// Bytes the allocated chunks cover.
+    fn capacity(&self) -> u64 {
+        self.entries.len() as u64 * CHUNK_SIZE
+    }
+}
+
+/// When a writer's growth of the size reaches the manager.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SizePolicy {
+    /// With every write that grows the region (each such write is a
+    /// durable manager request).
+    #[default]
+    Eager,
+    /// At [`Region::publish`], [`Region::close`] or drop: writes past the
+    /// size land in space reserved ahead in steps, and other hosts see the
+    /// new size once it is published (close-to-open).
+    Lazy,
 }
 
 /// Where a run of spans is served from.
@@ -91,6 +120,11 @@ pub struct Region {
     write: bool,
     state: RwLock<MapState>,
     closed: AtomicBool,
+    policy: SizePolicy,
+    /// The attributes the manager gave with the open.
+    opened: v1::Attr,
+    /// Serialises reservations (concurrent writers reserve once).
+    reserving: std::sync::Mutex<()>,
 }
 
 impl Region {
@@ -109,6 +143,7 @@ impl Region {
                 reason: "open reply without attributes".into(),
             })?;
         let handle = info.handle;
+        let opened = info.attr.clone().unwrap_or_default();
         Ok(Region {
             shared,
             caller,
@@ -117,7 +152,26 @@ impl Region {
             write,
             state: RwLock::new(MapState::from_info(info)),
             closed: AtomicBool::new(false),
+            policy: SizePolicy::Eager,
+            opened,
+            reserving: std::sync::Mutex::new(()),
         })
+    }
+
+    /// The region's attributes when it was opened.
+    pub fn opened_attr(&self) -> &v1::Attr {
+        &self.opened
+    }
+
+    /// Sets when this handle's growth of the size reaches the manager.
+    pub fn with_size_policy(mut self, policy: SizePolicy) -> Region {
+        self.policy = policy;
+        self
+    }
+
+    /// Whether this handle has grown the size past what the manager holds.
+    pub fn has_unpublished_size(&self) -> bool {
+        self.state.read().is_ok_and(|s| s.unpublished)
     }
 
     pub fn ino(&self) -> u64 {
@@ -402,7 +456,8 @@ impl Region {
         Ok(n)
     }
 
-    /// Writes `data` at `offset`, growing the region first when needed.
+    /// Writes `data` at `offset`, growing the region first when needed
+    /// (see [`SizePolicy`]).
     pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<()> {
         if data.is_empty() {
             return Ok(());
@@ -410,13 +465,12 @@ impl Region {
         let end = offset
             .checked_add(data.len() as u64)
             .ok_or_else(|| RegionsError::Invalid(format!("write at {offset} overflows")))?;
-        let grow = self.state.read().map_err(|_| Self::poisoned())?.size < end;
-        if grow {
-            let info = self.shared.manager.extend(&self.caller, self.ino, end)?;
-            self.state
-                .write()
-                .map_err(|_| Self::poisoned())?
-                .apply(info, true);
+        let (size, capacity) = {
+            let s = self.state.read().map_err(|_| Self::poisoned())?;
+            (s.size, s.capacity())
+        };
+        if end > capacity || (end > size && self.policy == SizePolicy::Eager) {
+            self.reserve(end)?;
         }
         self.ensure_local(end);
         self.with_fresh_map(|| {
@@ -425,16 +479,94 @@ impl Region {
             self.each_run(&state, runs, data, |t, spans, piece: &[u8]| {
                 t.write(spans, piece)
             })
-        })
+        })?;
+        if end > size {
+            let mut s = self.state.write().map_err(|_| Self::poisoned())?;
+            if end > s.size {
+                s.size = end;
+                s.unpublished = self.policy == SizePolicy::Lazy;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes the region's chunks cover `end`: eagerly also its size; lazily
+    /// only the chunks, reserved ahead by doubling (at least `end`).
+    fn reserve(&self, end: u64) -> Result<()> {
+        let _one = self.reserving.lock().map_err(|_| Self::poisoned())?;
+        let (size, capacity) = {
+            let s = self.state.read().map_err(|_| Self::poisoned())?;
+            (s.size, s.capacity())
+        };
+        let eager = self.policy == SizePolicy::Eager;
+        if end <= capacity && (!eager || end <= size) {
+            return Ok(());
+        }
+        let ahead = if end <= capacity {
+            end
+        } else {
+            let step = capacity.clamp(RESERVE_MIN, RESERVE_MAX);
+            end.max(capacity.saturating_add(step)).div_ceil(CHUNK_SIZE) * CHUNK_SIZE
+        };
+        let manager = &self.shared.manager;
+        let grown = if eager { end } else { 0 };
+        let info = match manager.grow(&self.caller, self.ino, grown, ahead, false) {
+            Err(e) if e.errno() == libc::ENOSPC && ahead > end => {
+                // Not enough for the step: exactly what this write needs.
+                manager.grow(&self.caller, self.ino, grown, end, false)?
+            }
+            other => other?,
+        };
+        self.state
+            .write()
+            .map_err(|_| Self::poisoned())?
+            .apply(info, true);
+        Ok(())
+    }
+
+    /// Records that the manager holds a size of at least `size` (another
+    /// handle of the same writer published it).
+    pub fn note_published(&self, size: u64) {
+        if let Ok(mut s) = self.state.write()
+            && s.size <= size
+        {
+            s.unpublished = false;
+        }
+    }
+
+    /// Makes this handle's growth of the size durable at the manager (and,
+    /// with `touch`, the region's mtime now, so that other hosts drop
+    /// cached copies at their next open). Returns the attributes the
+    /// manager then holds, or `None` when there was nothing to do.
+    pub fn publish(&self, touch: bool) -> Result<Option<v1::Attr>> {
+        let (size, unpublished) = {
+            let s = self.state.read().map_err(|_| Self::poisoned())?;
+            (s.size, s.unpublished)
+        };
+        if !unpublished && !touch {
+            return Ok(None);
+        }
+        let grown = if unpublished { size } else { 0 };
+        let info = self
+            .shared
+            .manager
+            .grow(&self.caller, self.ino, grown, 0, touch)?;
+        let attr = info.attr.clone();
+        let mut s = self.state.write().map_err(|_| Self::poisoned())?;
+        if s.size <= size {
+            // Nothing grew it further meanwhile.
+            s.unpublished = false;
+        }
+        s.apply(info, true);
+        Ok(attr)
     }
 
     /// Sets the region's size (holes read as zeros).
     pub fn set_len(&self, size: u64) -> Result<()> {
         let info = self.shared.manager.truncate(&self.caller, self.ino, size)?;
-        self.state
-            .write()
-            .map_err(|_| Self::poisoned())?
-            .apply(info, false);
+        let mut s = self.state.write().map_err(|_| Self::poisoned())?;
+        s.unpublished = false;
+        s.apply(info, false);
         Ok(())
     }
 
@@ -478,9 +610,11 @@ impl Region {
         })
     }
 
-    /// Closes the handle at the manager.
+    /// Publishes the size (see [`Region::publish`]) and closes the handle
+    /// at the manager.
     pub fn close(self) -> Result<()> {
         self.closed.store(true, Ordering::Relaxed);
+        self.publish(false)?;
         self.shared
             .manager
             .close(&self.caller, self.handle)
@@ -492,6 +626,9 @@ impl Drop for Region {
     fn drop(&mut self) {
         if self.closed.load(Ordering::Relaxed) {
             return;
+        }
+        if let Err(e) = self.publish(false) {
+            tracing::warn!(ino = self.ino, error = %e, "cannot make the size of a written region durable at close");
         }
         if let Err(e) = self.shared.manager.close(&self.caller, self.handle) {
             tracing::debug!(ino = self.ino, error = %e, "closing region handle failed");

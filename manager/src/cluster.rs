@@ -209,6 +209,7 @@ impl State {
             regions,
             directories: self.inodes.len() as u64 - regions,
             open_handles: self.handles.len() as u64,
+            file_requests: 0,
         }
     }
 }

@@ -22,6 +22,17 @@ use crate::namespace::SetAttr;
 use crate::state::State;
 use crate::store::{self, Record, Store, StoreError};
 
+/// What an extend asks for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Extend {
+    /// The size becomes at least this.
+    pub size: u64,
+    /// Chunks cover at least this many bytes.
+    pub capacity: u64,
+    /// Set mtime and ctime to now.
+    pub touch: bool,
+}
+
 /// Settings of a manager.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -99,6 +110,8 @@ pub struct Manager {
     pool_added: Notify,
     /// Becomes true when the server begins shutting down.
     closing: watch::Sender<bool>,
+    /// Namespace and region requests answered (see `StatsReply::file_requests`).
+    file_requests: std::sync::atomic::AtomicU64,
     config: Config,
 }
 
@@ -151,6 +164,7 @@ impl Manager {
             event_seq,
             pool_added: Notify::new(),
             closing: watch::channel(false).0,
+            file_requests: Default::default(),
             config,
         }))
     }
@@ -604,15 +618,28 @@ impl Manager {
         .await
     }
 
-    /// Grows a region to at least `size` bytes.
-    pub async fn extend(&self, caller: Caller, ino: u64, size: u64) -> Result<v1::RegionInfo> {
+    /// Grows a region to at least `size` bytes, with chunks allocated for
+    /// at least `capacity` bytes; with `touch`, sets mtime and ctime to now.
+    pub async fn extend(&self, caller: Caller, ino: u64, grow: Extend) -> Result<v1::RegionInfo> {
         self.write_allocating(move |s| {
             s.check_write_or_handle(&caller, ino, "extend this region")?;
-            let size = size.max(s.region(ino)?.size);
-            s.resize(ino, Some(size), size, false)?;
+            let size = grow.size.max(s.region(ino)?.size);
+            s.resize(ino, Some(size), size.max(grow.capacity), false)?;
+            if grow.capacity > size {
+                s.note_reserved(ino);
+            }
+            if grow.touch {
+                s.touch(ino)?;
+            }
             s.region_info(ino, None)
         })
         .await
+    }
+
+    /// Counts one namespace or region request.
+    pub fn count_file_request(&self) {
+        self.file_requests
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Sets a region's size.
@@ -745,7 +772,11 @@ impl Manager {
     }
 
     pub async fn stats(&self) -> Result<v1::StatsReply> {
-        self.read(|s| Ok(s.stats())).await
+        let mut stats = self.read(|s| Ok(s.stats())).await?;
+        stats.file_requests = self
+            .file_requests
+            .load(std::sync::atomic::Ordering::Relaxed);
+        Ok(stats)
     }
 }
 
@@ -815,7 +846,11 @@ mod tests {
                 .create(user(1), d.ino, "r".into(), 0o640, None, 3 * MIB)
                 .await
                 .unwrap();
-            let info = m.extend(user(1), r.ino, 5 * MIB + 1).await.unwrap();
+            let grow = Extend {
+                size: 5 * MIB + 1,
+                ..Extend::default()
+            };
+            let info = m.extend(user(1), r.ino, grow).await.unwrap();
             m.open_region(&user(1), r.ino, true).await.unwrap();
             m.mkdir(&user(1), ROOT_INO, "gone", 0o755).await.unwrap();
             m.rmdir(&user(1), ROOT_INO, "gone").await.unwrap();

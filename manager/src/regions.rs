@@ -85,6 +85,12 @@ impl State {
         capacity: u64,
         shrink: bool,
     ) -> Result<()> {
+        if shrink && size.is_some_and(|s| s > self.region(ino).map_or(0, |i| i.size)) {
+            // A truncate that grows: its new bytes read as zeros, so the
+            // space writers reserved past the old size (which may hold bytes
+            // that never became part of it) is freed and allocated afresh.
+            self.trim_reserved(ino);
+        }
         let inode = self.region(ino)?.clone();
         self.check_not_lost(ino)?;
         let new_size = size.unwrap_or(inode.size);
@@ -156,6 +162,45 @@ impl State {
         Ok(())
     }
 
+    /// Sets a region's mtime and ctime to now (a writer published writes).
+    pub fn touch(&mut self, ino: u64) -> Result<()> {
+        let mut inode = self.region(ino)?.clone();
+        let now = Time::now();
+        inode.mtime = now;
+        inode.ctime = now;
+        self.put_inode(inode);
+        Ok(())
+    }
+
+    /// Notes that writers of `ino` reserved space past its size.
+    pub fn note_reserved(&mut self, ino: u64) {
+        self.reserved.insert(ino);
+    }
+
+    /// The last writer of a region that reserved space closed: frees the
+    /// chunks past its size and zeroes what its last chunk holds past the
+    /// size, so that bytes a writer wrote but never made part of the size
+    /// (it crashed first) never show up when the region grows later.
+    fn trim_reserved(&mut self, ino: u64) {
+        if !self.reserved.remove(&ino) {
+            return;
+        }
+        let Ok(inode) = self.region(ino) else {
+            return;
+        };
+        let size = inode.size;
+        if let Err(e) = self.resize(ino, None, 0, true) {
+            tracing::debug!(ino, error = %e, "cannot free the space reserved past a region's size");
+            return;
+        }
+        if !size.is_multiple_of(CHUNK_SIZE) {
+            for host in self.region_hosts(ino) {
+                self.events
+                    .push((host, Event::Truncated(v1::RegionTruncated { ino, size })));
+            }
+        }
+    }
+
     /// Makes the fixed address range of `inode` cover `bytes`: reserves one
     /// if it has none, grows it in place if it can, else `EFBIG`.
     fn fit_vaddr(&mut self, inode: &mut Inode, bytes: u64) -> Result<()> {
@@ -200,6 +245,7 @@ impl State {
 
     /// Frees a region: its chunks, address range, map and inode.
     pub fn free_region(&mut self, ino: u64) {
+        self.reserved.remove(&ino);
         if let Some(map) = self.maps.remove(&ino) {
             self.queue_backing(ino, 0, &map, false);
             self.alloc.release_entries(&map);
@@ -293,6 +339,9 @@ impl State {
             return false;
         };
         self.dirty.handles.insert(id);
+        if handle.write && self.writers(handle.ino) == 0 {
+            self.trim_reserved(handle.ino);
+        }
         let last = match self.open.get_mut(&handle.ino) {
             Some(ids) => {
                 ids.remove(&id);

@@ -27,6 +27,15 @@ pub struct Services {
     pub minter: Arc<crate::capability::Minter>,
 }
 
+impl Services {
+    /// [`reply`] for a namespace or region request, counted.
+    fn reply<T>(&self, op: &'static str, result: Result<T>) -> Result<Response<T>, Status> {
+        self.manager.count_file_request();
+        tracing::trace!(op, "file request");
+        reply(op, result)
+    }
+}
+
 /// Turns a manager result into a reply, logging refusals.
 fn reply<T>(op: &'static str, result: Result<T>) -> Result<Response<T>, Status> {
     match result {
@@ -50,13 +59,13 @@ impl Namespace for Services {
     async fn lookup(&self, r: Request<v1::LookupRequest>) -> Result<Response<v1::Attr>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        reply("lookup", self.manager.lookup(&c, r.parent, &r.name).await)
+        self.reply("lookup", self.manager.lookup(&c, r.parent, &r.name).await)
     }
 
     async fn get_attr(&self, r: Request<v1::GetAttrRequest>) -> Result<Response<v1::Attr>, Status> {
         let r = r.into_inner();
         caller(r.caller.as_ref())?;
-        reply("getattr", self.manager.getattr(r.ino).await)
+        self.reply("getattr", self.manager.getattr(r.ino).await)
     }
 
     async fn set_attr(&self, r: Request<v1::SetAttrRequest>) -> Result<Response<v1::Attr>, Status> {
@@ -69,7 +78,7 @@ impl Namespace for Services {
             atime: TimeChange::from_proto(r.atime.as_ref()),
             mtime: TimeChange::from_proto(r.mtime.as_ref()),
         };
-        reply(
+        self.reply(
             "setattr",
             self.manager.setattr(c, r.ino, change, r.size).await,
         )
@@ -78,7 +87,7 @@ impl Namespace for Services {
     async fn mkdir(&self, r: Request<v1::MkdirRequest>) -> Result<Response<v1::Attr>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        reply(
+        self.reply(
             "mkdir",
             self.manager.mkdir(&c, r.parent, &r.name, r.mode).await,
         )
@@ -87,7 +96,7 @@ impl Namespace for Services {
     async fn rmdir(&self, r: Request<v1::RemoveRequest>) -> Result<Response<v1::Empty>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        reply(
+        self.reply(
             "rmdir",
             self.manager
                 .rmdir(&c, r.parent, &r.name)
@@ -103,13 +112,13 @@ impl Namespace for Services {
             .manager
             .create(c, r.parent, r.name, r.mode, r.attrs, r.preallocate)
             .await;
-        reply("create", result)
+        self.reply("create", result)
     }
 
     async fn unlink(&self, r: Request<v1::RemoveRequest>) -> Result<Response<v1::Empty>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        reply(
+        self.reply(
             "unlink",
             self.manager
                 .unlink(&c, r.parent, &r.name)
@@ -121,7 +130,7 @@ impl Namespace for Services {
     async fn rename(&self, r: Request<v1::RenameRequest>) -> Result<Response<v1::Empty>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        reply(
+        self.reply(
             "rename",
             self.manager
                 .rename(&c, r.parent, &r.name, r.new_parent, &r.new_name, r.flags)
@@ -140,7 +149,7 @@ impl Namespace for Services {
             0 => READDIR_MAX,
             n => n.min(READDIR_MAX),
         };
-        reply(
+        self.reply(
             "readdir",
             self.manager.readdir(&c, r.ino, r.offset, limit).await,
         )
@@ -152,7 +161,7 @@ impl Namespace for Services {
     ) -> Result<Response<v1::GetXattrReply>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        reply(
+        self.reply(
             "getxattr",
             self.manager
                 .getxattr(&c, r.ino, &r.name)
@@ -167,7 +176,7 @@ impl Namespace for Services {
     ) -> Result<Response<v1::Empty>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        reply(
+        self.reply(
             "setxattr",
             self.manager
                 .setxattr(&c, r.ino, &r.name, &r.value, r.flags)
@@ -182,7 +191,7 @@ impl Namespace for Services {
     ) -> Result<Response<v1::ListXattrReply>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        reply(
+        self.reply(
             "listxattr",
             self.manager
                 .listxattr(&c, r.ino)
@@ -197,7 +206,7 @@ impl Namespace for Services {
     ) -> Result<Response<v1::Empty>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        reply(
+        self.reply(
             "removexattr",
             self.manager
                 .removexattr(&c, r.ino, &r.name)
@@ -211,13 +220,13 @@ impl Namespace for Services {
         r: Request<v1::StatFsRequest>,
     ) -> Result<Response<v1::StatFsReply>, Status> {
         caller(r.get_ref().caller.as_ref())?;
-        reply("statfs", self.manager.statfs().await)
+        self.reply("statfs", self.manager.statfs().await)
     }
 
     async fn access(&self, r: Request<v1::AccessRequest>) -> Result<Response<v1::Empty>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        reply(
+        self.reply(
             "access",
             self.manager
                 .access(&c, r.ino, r.mask)
@@ -233,7 +242,7 @@ impl Regions for Services {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
         let opened = self.manager.open_region(&c, r.ino, r.write).await;
-        reply(
+        self.reply(
             "open",
             opened.map(|mut info| {
                 self.minter.stamp(&mut info, r.write);
@@ -248,7 +257,12 @@ impl Regions for Services {
     ) -> Result<Response<v1::RegionInfo>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        reply("extend", self.manager.extend(c, r.ino, r.size).await)
+        let grow = crate::manager::Extend {
+            size: r.size,
+            capacity: r.capacity,
+            touch: r.touch,
+        };
+        self.reply("extend", self.manager.extend(c, r.ino, grow).await)
     }
 
     async fn truncate(
@@ -257,7 +271,7 @@ impl Regions for Services {
     ) -> Result<Response<v1::RegionInfo>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        reply("truncate", self.manager.truncate(c, r.ino, r.size).await)
+        self.reply("truncate", self.manager.truncate(c, r.ino, r.size).await)
     }
 
     async fn get_map(
@@ -283,7 +297,7 @@ impl Regions for Services {
                 (_, Err(e)) | (Err(e), _) => Err(e),
             };
         }
-        reply("getmap", result)
+        self.reply("getmap", result)
     }
 
     async fn close(
@@ -292,7 +306,7 @@ impl Regions for Services {
     ) -> Result<Response<v1::CloseReply>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        reply(
+        self.reply(
             "close",
             self.manager
                 .close(&c, r.handle)

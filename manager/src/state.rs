@@ -88,6 +88,10 @@ pub struct State {
     pub events: Vec<(u32, Event)>,
     /// Barrier, mutex and doorbell definitions (crate::sync).
     pub sync: crate::sync::SyncState,
+    /// Regions whose writers reserved chunks past the size (not stored: a
+    /// restart forgets them, and the space stays allocated until the next
+    /// writer closes).
+    pub reserved: std::collections::HashSet<u64>,
 }
 
 impl State {
@@ -143,6 +147,7 @@ impl State {
             dirty: Dirty::default(),
             events: Vec::new(),
             sync: crate::sync::SyncState::default(),
+            reserved: Default::default(),
         }
     }
 

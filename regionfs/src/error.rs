@@ -65,6 +65,10 @@ pub enum FsError {
     /// The operation needs a file.
     #[error("is a directory: {0}")]
     IsDir(String),
+    /// The kernel's inode is out of date (the region shrank on another
+    /// host); the kernel looks the path up again and retries the open.
+    #[error("stale inode: {0}")]
+    Stale(String),
     /// A local system call failed.
     #[error("{what}: {source}")]
     Io {
@@ -93,6 +97,7 @@ impl FsError {
             FsError::Busy(_) => libc::ETXTBSY,
             FsError::NotDir(_) => libc::ENOTDIR,
             FsError::IsDir(_) => libc::EISDIR,
+            FsError::Stale(_) => libc::ESTALE,
             FsError::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
         }
     }

@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use regions::{Client, ROOT_INO, Region};
+use regions::{Client, ROOT_INO, Region, SizePolicy};
 use regions_proto::v1::{self, FileKind};
 
 use crate::error::{FsError, FsResult};
@@ -47,6 +47,9 @@ pub const MOUNT_XATTR_AGENT: &str = "user.regions.agent";
 pub const MOUNT_XATTR_HOSTID: &str = "user.regions.hostid";
 /// `__FMODE_EXEC`: the open flag of an execve.
 const FMODE_EXEC: i32 = 0x20;
+/// How long attributes given to the kernel answer its re-reads while this
+/// mount writes the region (the kernel's attribute TTL).
+const ATTR_REUSE: Duration = Duration::from_secs(1);
 /// Bytes moved per step of prefetch and zeroing.
 const STEP: u64 = 1 << 20;
 
@@ -192,10 +195,6 @@ struct RegionHandle {
     caller: v1::Caller,
     write: bool,
     io: Mutex<IoMode>,
-    /// Serialises writes that grow the region.
-    grow: Mutex<()>,
-    /// The largest end of the growing writes in flight.
-    want: AtomicU64,
 }
 
 enum Body {
@@ -234,6 +233,9 @@ struct InodeState {
     dirty: bool,
     cached_opens: u32,
     passthrough_opens: u32,
+    /// The attributes last given to the kernel, and when (answers the
+    /// kernel's re-reads while this mount writes the region).
+    attr: Option<(v1::Attr, Instant)>,
 }
 
 /// What this mount knows of a directory.
@@ -297,6 +299,10 @@ pub struct RegionFs {
     started: v1::Timespec,
     /// Per-thread default attributes (rsetdefaultattr).
     thread_defaults: crate::thread_defaults::ThreadDefaults,
+    /// Inode generations given to the kernel (kept across forgets: a
+    /// generation is bumped to make the kernel drop an inode whose size it
+    /// would otherwise keep; see [`RegionFs::open`]).
+    generations: Mutex<HashMap<u64, u64>>,
 }
 
 impl RegionFs {
@@ -337,6 +343,7 @@ impl RegionFs {
             passthrough: AtomicBool::new(false),
             started: now_ts(),
             thread_defaults: Default::default(),
+            generations: Mutex::new(HashMap::new()),
         })
     }
 
@@ -411,12 +418,16 @@ impl RegionFs {
         }
         let grown_from = {
             let mut inodes = self.lock_inodes();
+            if let Some(st) = inodes.get_mut(&attr.ino) {
+                st.attr = Some((attr.clone(), Instant::now()));
+            }
             match inodes.get_mut(&attr.ino) {
                 None => {
                     inodes.insert(
                         attr.ino,
                         InodeState {
                             kernel_size: attr.size,
+                            attr: Some((attr.clone(), Instant::now())),
                             ..InodeState::default()
                         },
                     );
@@ -558,10 +569,11 @@ impl RegionFs {
         }
         let name = wire(name)?;
         let name: &str = &name;
-        let attr = self.rpc.lookup(&self.caller(ctx), parent, name)?;
+        let attr = self.with_local_size(self.rpc.lookup(&self.caller(ctx), parent, name)?);
         if is_dir(&attr) {
             self.note_dir(&attr, Some(parent));
         } else {
+            self.kernel_size_stale(&attr);
             self.note_reply(&attr);
         }
         Ok(attr)
@@ -572,8 +584,11 @@ impl RegionFs {
         if let Some(node) = Node::from_ino(ino) {
             return self.pseudo_attr(node);
         }
+        if let Some(attr) = self.recent_attr_while_writing(ino) {
+            return Ok(attr);
+        }
         let attr = match self.rpc.getattr(&self.caller(ctx), ino) {
-            Ok(a) => a,
+            Ok(a) => self.with_local_size(a),
             Err(e) if e.errno() == libc::ENOENT => {
                 // fstat of a directory removed while open: st_nlink 0.
                 return self
@@ -591,6 +606,26 @@ impl RegionFs {
             self.note_reply(&attr);
         }
         Ok(attr)
+    }
+
+    /// The attributes this mount gave the kernel within the attribute TTL,
+    /// while it has the region open for writing: the kernel re-reads them
+    /// after each direct write, and they can only have changed through
+    /// this mount's own writes (another host's changes show at open).
+    fn recent_attr_while_writing(&self, ino: u64) -> Option<v1::Attr> {
+        let writing = self
+            .handles_of(ino)
+            .iter()
+            .any(|h| matches!(&h.body, Body::Region(r) if r.write));
+        if !writing {
+            return None;
+        }
+        let cached = {
+            let inodes = self.lock_inodes();
+            let (attr, at) = inodes.get(&ino)?.attr.as_ref()?;
+            (at.elapsed() < ATTR_REUSE).then(|| attr.clone())?
+        };
+        Some(self.with_local_size(cached))
     }
 
     fn note_dir(&self, attr: &v1::Attr, parent: Option<u64>) {
@@ -660,6 +695,26 @@ impl RegionFs {
             },
             _ => self.caller(ctx),
         };
+        let writer = handle
+            .as_ref()
+            .is_some_and(|h| matches!(&h.body, Body::Region(r) if r.write));
+        if bookkeeping && only_times && writer {
+            // The kernel flushing the mtime of a file written through this
+            // handle: the next publish (flush, fsync or release) sets it at
+            // the manager together with the size, in one request.
+            let cached = {
+                let mut inodes = self.lock_inodes();
+                let st = inodes.entry(ino).or_default();
+                st.dirty = true;
+                st.attr.as_ref().map(|(a, _)| a.clone())
+            };
+            if let Some(mut attr) = cached {
+                let now = now_ts();
+                attr.mtime = Some(now);
+                attr.ctime = Some(now);
+                return Ok(self.with_local_size(attr));
+            }
+        }
         if let Some(size) = change.size {
             let mut inodes = self.lock_inodes();
             let st = inodes.entry(ino).or_default();
@@ -884,8 +939,6 @@ impl RegionFs {
                 caller,
                 write,
                 io: Mutex::new(IoMode::Cached),
-                grow: Mutex::new(()),
-                want: AtomicU64::new(0),
             })),
         });
         Ok((
@@ -906,7 +959,7 @@ impl RegionFs {
         let deadline = Instant::now() + self.options.busy_retry;
         loop {
             match self.client.open_as(caller, ino, write) {
-                Ok(r) => return Ok(r),
+                Ok(r) => return Ok(r.with_size_policy(SizePolicy::Lazy)),
                 Err(e) if e.errno() == libc::ETXTBSY && write && Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(10));
                 }
@@ -1277,9 +1330,15 @@ impl RegionFs {
             self.wait_for_passthrough_readers(ino)?;
         }
         let region = self.open_region(&caller, ino, write)?;
-        let attr = self.rpc.getattr(&caller, ino)?;
+        let attr = self.with_local_size(region.opened_attr().clone());
         if is_dir(&attr) {
             return Err(FsError::IsDir(format!("inode {ino}")));
+        }
+        if self.kernel_size_stale(&attr) {
+            return Err(FsError::Stale(format!(
+                "region {ino} shrank to {} bytes on another host; the kernel looks it up again",
+                attr.size
+            )));
         }
         let now = stamp(&attr);
         // Close-to-open: keep the cached pages only if nothing changed.
@@ -1317,8 +1376,6 @@ impl RegionFs {
                 caller,
                 write,
                 io: Mutex::new(io),
-                grow: Mutex::new(()),
-                want: AtomicU64::new(0),
             })),
         });
         tracing::trace!(ino, fh, write, keep, io = io.name(), "open");
@@ -1329,6 +1386,51 @@ impl RegionFs {
             passthrough: io == IoMode::Passthrough,
             backing: fd,
         })
+    }
+
+    /// Whether the kernel's inode of `attr`'s region holds a larger size
+    /// than the region has (it shrank on another host). In writeback mode
+    /// the kernel never takes a file's size from the file system again, so
+    /// when no descriptor of this mount has the region open the inode gets
+    /// a new generation: the kernel's next lookup of the name replaces the
+    /// inode (with the right size) instead of reusing it. Its caller makes
+    /// the kernel look up again (a lookup reply, or `ESTALE` from open,
+    /// which the kernel retries once after looking the path up afresh).
+    fn kernel_size_stale(&self, attr: &v1::Attr) -> bool {
+        if !self.writeback() || is_dir(attr) {
+            return false;
+        }
+        let busy = !self.handles_of(attr.ino).is_empty();
+        {
+            let mut inodes = self.lock_inodes();
+            let Some(st) = inodes.get_mut(&attr.ino) else {
+                return false;
+            };
+            if attr.size >= st.kernel_size || busy {
+                return false;
+            }
+            st.kernel_size = attr.size;
+            st.seen = None;
+            st.attr = None;
+        }
+        if let Ok(mut g) = self.generations.lock() {
+            *g.entry(attr.ino).or_insert(0) += 1;
+        }
+        tracing::debug!(
+            ino = attr.ino,
+            size = attr.size,
+            "region shrank elsewhere; new inode generation for the kernel"
+        );
+        true
+    }
+
+    /// The generation of inode `ino` for the kernel.
+    pub fn generation(&self, ino: u64) -> u64 {
+        self.generations
+            .lock()
+            .ok()
+            .and_then(|g| g.get(&ino).copied())
+            .unwrap_or(0)
     }
 
     /// Picks how an open's data moves and counts it. The kernel wants
@@ -1455,6 +1557,11 @@ impl RegionFs {
                 if end > r.region.size() {
                     // Grown through another handle or host since this open.
                     r.region.refresh()?;
+                    let local = self.unpublished_size(h.ino);
+                    if local > r.region.size() {
+                        // A writer of this mount has not published yet.
+                        r.region.note_size(local);
+                    }
                 }
                 READ_BUF.with(|cell| {
                     let mut guard = cell.try_borrow_mut();
@@ -1475,7 +1582,9 @@ impl RegionFs {
         }
     }
 
-    /// Writes `data` at `offset` through to the region.
+    /// Writes `data` at `offset` through to the region. Growth past the
+    /// size lands in space the region reserves ahead in steps; the new size
+    /// reaches the manager at flush, fsync or release ([`Self::publish`]).
     pub fn write(&self, fh: u64, offset: u64, data: &[u8]) -> FsResult<u32> {
         let h = self.handle(fh)?;
         let r = h.region()?;
@@ -1492,36 +1601,82 @@ impl RegionFs {
             st.kernel_size = st.kernel_size.max(end);
             st.dirty = true;
         }
-        if end > r.region.size() {
-            self.grow(&h, r, end)?;
-        }
         r.region.write_at(offset, data)?;
         u32::try_from(data.len()).map_err(|_| FsError::Invalid("write too large".into()))
     }
 
-    /// Grows the region to cover a write ending at `end`, together with
-    /// every other growing write in flight on this handle: the kernel has
-    /// already given the file that size, and each extend is a durable
-    /// manager commit. Growing writes go one at a time (concurrent extends
-    /// can answer out of order).
-    fn grow(&self, h: &Handle, r: &RegionHandle, end: u64) -> FsResult<()> {
-        r.want.fetch_max(end, Ordering::AcqRel);
-        let _one = r
-            .grow
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if r.region.size() >= end {
-            return Ok(());
+    /// Clears the setuid bit, and the setgid bit of a group-executable
+    /// file, of region `ino` before a write by someone the kernel says must
+    /// not keep them (the file system handles this: `FUSE_HANDLE_KILLPRIV_V2`).
+    pub fn kill_suidgid(&self, ino: u64) {
+        let internal = self.identity.internal();
+        let Ok(attr) = self.rpc.getattr(&internal, ino) else {
+            return;
+        };
+        let mut mode = attr.mode & !libc::S_ISUID;
+        if attr.mode & libc::S_IXGRP != 0 {
+            mode &= !libc::S_ISGID;
         }
-        // Take the ends registered so far; later writes register anew.
-        let target = r.want.swap(0, Ordering::AcqRel).max(end);
-        self.client.manager().extend(&r.caller, h.ino, target)?;
-        r.region.refresh()?;
-        Ok(())
+        if mode == attr.mode {
+            return;
+        }
+        let change = SetAttrIn {
+            mode: Some(mode & 0o7777),
+            ..SetAttrIn::default()
+        };
+        match self.rpc.setattr(&internal, ino, &change) {
+            Ok(_) => {
+                if let Some(k) = self.kernel.get() {
+                    let _ = k.invalidate(ino, -1, 0);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(ino, error = %e, "cannot clear setuid/setgid before a write")
+            }
+        }
     }
 
-    /// Records at the manager that the region changed (new mtime), so that
-    /// other mounts drop their cached pages at their next open.
+    /// Write handles of `ino` open through this mount whose growth of the
+    /// size has not reached the manager, largest size first.
+    fn unpublished(&self, ino: u64) -> Vec<Arc<Handle>> {
+        let mut open: Vec<(u64, Arc<Handle>)> = self
+            .handles_of(ino)
+            .into_iter()
+            .filter_map(|h| match &h.body {
+                Body::Region(r) if r.write && r.region.has_unpublished_size() => {
+                    Some((r.region.size(), Arc::clone(&h)))
+                }
+                _ => None,
+            })
+            .collect();
+        open.sort_by_key(|(size, _)| std::cmp::Reverse(*size));
+        open.into_iter().map(|(_, h)| h).collect()
+    }
+
+    /// The size of `attr` as this mount knows it: the manager's, or what
+    /// this mount's writers grew it to and have not published yet.
+    fn with_local_size(&self, mut attr: v1::Attr) -> v1::Attr {
+        if !is_dir(&attr) {
+            attr.size = attr.size.max(self.unpublished_size(attr.ino));
+        }
+        attr
+    }
+
+    /// The largest size a writer of this mount grew `ino` to and has not
+    /// published (0: none).
+    fn unpublished_size(&self, ino: u64) -> u64 {
+        match self.unpublished(ino).first().map(|h| &h.body) {
+            Some(Body::Region(r)) => r.region.size(),
+            _ => 0,
+        }
+    }
+
+    /// Makes what this mount wrote to the region durable and visible to
+    /// the next opener on any host: the size its writers grew it to and a
+    /// new mtime (so that other mounts drop their cached pages at their
+    /// next open), in one manager request. The kernel writes back through
+    /// any writable handle of the inode, so the growth may sit on another
+    /// handle of this mount than the one flushed.
     fn publish(&self, h: &Handle) -> FsResult<()> {
         let Body::Region(r) = &h.body else {
             return Ok(());
@@ -1536,27 +1691,36 @@ impl RegionFs {
                 .map(|st| std::mem::replace(&mut st.dirty, false))
                 .unwrap_or(false)
         };
-        if !dirty {
-            return Ok(());
-        }
-        let change = SetAttrIn {
-            mtime: Some(SetTime::Now),
-            ..SetAttrIn::default()
+        let holders = self.unpublished(h.ino);
+        let region = match holders.first().map(|x| &x.body) {
+            Some(Body::Region(x)) => &x.region,
+            _ if dirty => &r.region,
+            _ => return Ok(()),
         };
-        match self.rpc.setattr(&r.caller, h.ino, &change) {
+        match region.publish(dirty) {
             Ok(attr) => {
-                let mut inodes = self.lock_inodes();
-                if let Some(st) = inodes.get_mut(&h.ino) {
-                    st.seen = Some(stamp(&attr));
+                if let Some(attr) = attr {
+                    for other in &holders {
+                        if let Body::Region(x) = &other.body {
+                            x.region.note_published(attr.size);
+                        }
+                    }
+                    let mut inodes = self.lock_inodes();
+                    if let Some(st) = inodes.get_mut(&h.ino) {
+                        st.seen = Some(stamp(&attr));
+                        st.attr = Some((attr, Instant::now()));
+                    }
                 }
                 Ok(())
             }
             Err(e) => {
-                let mut inodes = self.lock_inodes();
-                if let Some(st) = inodes.get_mut(&h.ino) {
-                    st.dirty = true;
+                if dirty {
+                    let mut inodes = self.lock_inodes();
+                    if let Some(st) = inodes.get_mut(&h.ino) {
+                        st.dirty = true;
+                    }
                 }
-                Err(e)
+                Err(e.into())
             }
         }
     }

@@ -242,6 +242,14 @@ impl Filesystem for FuseFs {
             InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP,
             "mmap of direct-I/O files",
         );
+        // regionfs clears setuid/setgid on writes that ask for it (the
+        // WRITE's kill flag), so the kernel need not ask for the
+        // `security.capability` attribute before every write.
+        try_add(
+            config,
+            InitFlags::FUSE_HANDLE_KILLPRIV_V2,
+            "setuid/setgid clearing by the file system",
+        );
         match self.core.options().cache {
             CacheMode::Writeback => {
                 if try_add(
@@ -283,7 +291,12 @@ impl Filesystem for FuseFs {
         match self.core.lookup(&ctx(req), parent.0, name) {
             Ok(a) => {
                 let ttl = self.entry_ttl(parent.0, name);
-                reply.entry_with_ttls(&ttl, &ttl, &file_attr(&a), Generation(0));
+                reply.entry_with_ttls(
+                    &ttl,
+                    &ttl,
+                    &file_attr(&a),
+                    Generation(self.core.generation(a.ino)),
+                );
             }
             Err(e) => reply.error(self.fail("lookup", parent.0, &e)),
         }
@@ -346,7 +359,11 @@ impl Filesystem for FuseFs {
         reply: ReplyEntry,
     ) {
         match self.core.mknod(&ctx(req), parent.0, name, mode, umask) {
-            Ok(a) => reply.entry(&TTL, &file_attr(&a), Generation(0)),
+            Ok(a) => reply.entry(
+                &TTL,
+                &file_attr(&a),
+                Generation(self.core.generation(a.ino)),
+            ),
             Err(e) => reply.error(self.fail("mknod", parent.0, &e)),
         }
     }
@@ -361,7 +378,11 @@ impl Filesystem for FuseFs {
         reply: ReplyEntry,
     ) {
         match self.core.mkdir(&ctx(req), parent.0, name, mode, umask) {
-            Ok(a) => reply.entry(&TTL, &file_attr(&a), Generation(0)),
+            Ok(a) => reply.entry(
+                &TTL,
+                &file_attr(&a),
+                Generation(self.core.generation(a.ino)),
+            ),
             Err(e) => reply.error(self.fail("mkdir", parent.0, &e)),
         }
     }
@@ -389,7 +410,11 @@ impl Filesystem for FuseFs {
         reply: ReplyEntry,
     ) {
         match self.core.symlink(parent.0, link_name) {
-            Ok(a) => reply.entry(&TTL, &file_attr(&a), Generation(0)),
+            Ok(a) => reply.entry(
+                &TTL,
+                &file_attr(&a),
+                Generation(self.core.generation(a.ino)),
+            ),
             Err(e) => reply.error(self.fail("symlink", parent.0, &e)),
         }
     }
@@ -424,7 +449,11 @@ impl Filesystem for FuseFs {
         reply: ReplyEntry,
     ) {
         match self.core.link(ino.0, newparent.0, newname) {
-            Ok(a) => reply.entry(&TTL, &file_attr(&a), Generation(0)),
+            Ok(a) => reply.entry(
+                &TTL,
+                &file_attr(&a),
+                Generation(self.core.generation(a.ino)),
+            ),
             Err(e) => reply.error(self.fail("link", ino.0, &e)),
         }
     }
@@ -466,11 +495,14 @@ impl Filesystem for FuseFs {
         fh: FileHandle,
         offset: u64,
         data: &[u8],
-        _write_flags: WriteFlags,
+        write_flags: WriteFlags,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
+        if write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
+            self.core.kill_suidgid(ino.0);
+        }
         match self.core.write(fh.0, offset, data) {
             Ok(n) => reply.written(n),
             Err(e) => reply.error(self.fail("write", ino.0, &e)),
@@ -581,7 +613,7 @@ impl Filesystem for FuseFs {
                         &e.name,
                         &ttl,
                         &attr,
-                        Generation(0),
+                        Generation(self.core.generation(e.ino)),
                     ) {
                         break;
                     }
@@ -678,7 +710,13 @@ impl Filesystem for FuseFs {
                 if o.direct_io {
                     f |= FopenFlags::FOPEN_DIRECT_IO;
                 }
-                reply.created(&TTL, &file_attr(&a), Generation(0), FileHandle(o.fh), f);
+                reply.created(
+                    &TTL,
+                    &file_attr(&a),
+                    Generation(self.core.generation(a.ino)),
+                    FileHandle(o.fh),
+                    f,
+                );
             }
             Err(e) => reply.error(self.fail("create", parent.0, &e)),
         }

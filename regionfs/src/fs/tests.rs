@@ -560,6 +560,8 @@ fn metadata_files_for_root_only() {
         procs.contains(&format!("\t{}\t{fh}\trw\tcached", a.ino)),
         "{procs}"
     );
+    // The size shown is the durable one: make the writes durable first.
+    e.fs.fsync(fh).unwrap();
     let files = e.fs.lookup(&root(), dir.ino, os("files")).unwrap();
     let meta = e.fs.lookup(&root(), files.ino, os("meta")).unwrap();
     let o = e.fs.open(&root(), meta.ino, libc::O_RDONLY).unwrap();
