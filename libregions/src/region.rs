@@ -228,6 +228,18 @@ impl Region {
             .unwrap_or_default()
     }
 
+    /// Records a truncate to `size` made through another handle: the size
+    /// is `size` from now on (growth this handle had not published is
+    /// dropped with it), and the map is fetched again.
+    pub fn note_truncated(&self, size: u64) -> Result<()> {
+        {
+            let mut s = self.state.write().map_err(|_| Self::poisoned())?;
+            s.size = size;
+            s.unpublished = false;
+        }
+        self.refresh()
+    }
+
     /// Records a size learned elsewhere (e.g. a truncate through another path).
     pub fn note_size(&self, size: u64) {
         if let Ok(mut s) = self.state.write() {
@@ -465,15 +477,15 @@ impl Region {
         let end = offset
             .checked_add(data.len() as u64)
             .ok_or_else(|| RegionsError::Invalid(format!("write at {offset} overflows")))?;
-        let (size, capacity) = {
-            let s = self.state.read().map_err(|_| Self::poisoned())?;
-            (s.size, s.capacity())
-        };
-        if end > capacity || (end > size && self.policy == SizePolicy::Eager) {
-            self.reserve(end)?;
-        }
-        self.ensure_local(end);
+        let size = self.size();
+        // Capacity is checked on every attempt: a stale map (the region was
+        // truncated through another handle) is refreshed and may need space.
         self.with_fresh_map(|| {
+            let capacity = self.state.read().map_err(|_| Self::poisoned())?.capacity();
+            if end > capacity || (end > size && self.policy == SizePolicy::Eager) {
+                self.reserve(end)?;
+            }
+            self.ensure_local(end);
             let state = self.state.read().map_err(|_| Self::poisoned())?;
             let runs = self.locate(&state, offset, data.len() as u64)?;
             self.each_run(&state, runs, data, |t, spans, piece: &[u8]| {

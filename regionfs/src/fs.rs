@@ -738,9 +738,9 @@ impl RegionFs {
         if let Some(size) = change.size {
             for h in self.handles_of(ino) {
                 if let Body::Region(r) = &h.body
-                    && r.region.size() > size
+                    && let Err(e) = r.region.note_truncated(size)
                 {
-                    r.region.note_size(size);
+                    tracing::debug!(ino, error = %e, "cannot refresh an open handle after a truncate");
                 }
             }
         }
