@@ -729,6 +729,11 @@ impl RegionFs {
             }
             Err(e) => return Err(e),
         };
+        if !is_dir(&attr)
+            && let Some(st) = self.lock_inodes().get_mut(&ino)
+        {
+            st.attr = Some((attr.clone(), Instant::now()));
+        }
         if is_dir(&attr) {
             self.note_dir(&attr, None);
             if change.mode.is_some() && attr.mode & 0o111 != 0o111 {
@@ -980,6 +985,7 @@ impl RegionFs {
             None
         };
         self.rpc.unlink(&caller, parent, name)?;
+        self.forget_cached_attrs();
         if let (Some(w), Some(ino)) = (&self.owners, ino) {
             w.forget(ino);
         }
@@ -994,6 +1000,14 @@ impl RegionFs {
             ));
         }
         Ok(())
+    }
+
+    /// Drops the attributes kept for answering the kernel while writing: a
+    /// name went away or moved, so link counts and times changed.
+    fn forget_cached_attrs(&self) {
+        for st in self.lock_inodes().values_mut() {
+            st.attr = None;
+        }
     }
 
     /// Removes directory `name` (ENOTEMPTY unless empty).
@@ -1043,6 +1057,7 @@ impl RegionFs {
         };
         self.rpc
             .rename(&caller, (parent, name), (new_parent, new_name), flags)?;
+        self.forget_cached_attrs();
         if let Some(w) = &self.owners {
             if let Some(a) = &moved {
                 w.renamed(a.ino, new_parent, new_name);
