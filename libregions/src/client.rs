@@ -78,7 +78,12 @@ impl Shared {
             ))
         };
         match self.transports.lock() {
-            Ok(mut map) => Arc::clone(map.entry(addr.to_owned()).or_insert_with(make)),
+            // Every remote read asks: look up without copying the address
+            // (`entry` would allocate a key per call).
+            Ok(mut map) => match map.get(addr) {
+                Some(t) => Arc::clone(t),
+                None => Arc::clone(map.entry(addr.to_owned()).or_insert_with(make)),
+            },
             Err(_) => make(),
         }
     }
@@ -198,6 +203,14 @@ impl Client {
     pub fn open_as(&self, caller: &v1::Caller, ino: u64, write: bool) -> Result<Region> {
         let info = self.shared.manager.open(caller, ino, write)?;
         Region::new(Arc::clone(&self.shared), caller.clone(), info, write)
+    }
+
+    /// Creates a region as `create` says and opens it, in one manager
+    /// request, on behalf of `create.caller` (see [`Client::open_as`]).
+    pub fn create_open_as(&self, create: v1::CreateRequest, write: bool) -> Result<Region> {
+        let caller = create.caller.clone().unwrap_or_default();
+        let info = self.shared.manager.create_open(create, write)?;
+        Region::new(Arc::clone(&self.shared), caller, info, write)
     }
 
     /// This host's segment memfd of region `ino` from the host agent, if

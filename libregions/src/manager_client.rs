@@ -217,6 +217,15 @@ impl ManagerClient {
         }))
     }
 
+    /// Creates a region and opens it (one durable manager change).
+    pub fn create_open(&self, create: v1::CreateRequest, write: bool) -> Result<v1::RegionInfo> {
+        let mut c = self.regions.clone();
+        self.call(c.create_open(v1::CreateOpenRequest {
+            create: Some(create),
+            write,
+        }))
+    }
+
     /// Grows region `ino` to at least `size` bytes (durably).
     pub fn extend(&self, caller: &v1::Caller, ino: u64, size: u64) -> Result<v1::RegionInfo> {
         self.grow(caller, ino, size, 0, false)

@@ -601,6 +601,52 @@ impl Manager {
         .await
     }
 
+    /// Creates a region and opens it in one durable change (see
+    /// [`Manager::create`] and [`Manager::open_region`]). Space allocated
+    /// up front counts as reserved by the opener: it is freed at the last
+    /// writer's close unless the size grew into it.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn create_open(
+        &self,
+        caller: Caller,
+        parent: u64,
+        name: String,
+        mode: u32,
+        overrides: Option<v1::RegionAttrOverrides>,
+        preallocate: u64,
+        write: bool,
+    ) -> Result<v1::RegionInfo> {
+        self.write_allocating(move |s| {
+            let parent_before = s.inode(parent)?.clone();
+            let inode = s.create_entry(&caller, parent, &name, mode, overrides.as_ref())?;
+            let ino = inode.ino;
+            let opened = if preallocate > 0 || inode.attrs.fixvaddr {
+                s.resize(ino, None, preallocate, false)
+            } else {
+                Ok(())
+            }
+            .and_then(|()| s.open_region(&caller, ino, write));
+            let handle = match opened {
+                Ok(h) => h,
+                Err(e) => {
+                    // Undo the entry: the region must not exist half made.
+                    s.remove_entry(parent, &name);
+                    s.maps.remove(&ino);
+                    s.inodes.remove(&ino);
+                    restore_inode(s, parent_before);
+                    return Err(e);
+                }
+            };
+            if preallocate > 0 {
+                s.note_reserved(ino);
+            }
+            let mut info = s.region_info(ino, None)?;
+            info.handle = handle.id;
+            Ok(info)
+        })
+        .await
+    }
+
     // ---- regions ----
 
     pub async fn open_region(
@@ -947,6 +993,61 @@ mod tests {
                 .entries
                 .len(),
             0
+        );
+    }
+
+    #[tokio::test]
+    async fn create_open_is_one_change_and_its_reservation_goes_at_close() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = Manager::open(dir.path(), config()).unwrap();
+        add_host(&m, 1, 4 * MIB, 4 * MIB).await;
+        // Out of memory: no entry, no handle, nothing allocated.
+        let err = m
+            .create_open(user(1), ROOT_INO, "big".into(), 0o644, None, 5 * MIB, true)
+            .await
+            .unwrap_err();
+        assert_eq!(err.errno(), libc::ENOSPC);
+        assert_eq!(
+            m.lookup(&user(1), ROOT_INO, "big")
+                .await
+                .unwrap_err()
+                .errno(),
+            libc::ENOENT
+        );
+        assert_eq!(m.stats().await.unwrap().open_handles, 0);
+        // A writer's first chunk comes with the open and goes at its close
+        // when nothing was written.
+        let info = m
+            .create_open(user(1), ROOT_INO, "r".into(), 0o644, None, CHUNK_SIZE, true)
+            .await
+            .unwrap();
+        assert_eq!(info.map.len(), 1);
+        assert_eq!(info.attr.as_ref().unwrap().size, 0);
+        assert_eq!(m.list_pools(1).await.unwrap()[0].free, 4 * MIB - CHUNK_SIZE);
+        m.close(&user(1), info.handle).await.unwrap();
+        assert_eq!(m.list_pools(1).await.unwrap()[0].free, 4 * MIB);
+        // Reserved space a writer published into stays.
+        let ino = info.attr.unwrap().ino;
+        let opened = m.open_region(&user(1), ino, true).await.unwrap();
+        let grow = Extend {
+            size: 0,
+            capacity: 2 * MIB,
+            touch: false,
+        };
+        m.extend(user(1), ino, grow).await.unwrap();
+        let publish = Extend {
+            size: MIB + 1,
+            capacity: 0,
+            touch: true,
+        };
+        let after = m.extend(user(1), ino, publish).await.unwrap();
+        assert_eq!(after.attr.unwrap().size, MIB + 1);
+        m.close(&user(1), opened.handle).await.unwrap();
+        let chunks = (MIB + 1).div_ceil(CHUNK_SIZE);
+        assert_eq!(
+            m.list_pools(1).await.unwrap()[0].free,
+            4 * MIB - chunks * CHUNK_SIZE,
+            "chunks past the published size are freed at the last writer's close"
         );
     }
 

@@ -251,6 +251,34 @@ impl Regions for Services {
         )
     }
 
+    async fn create_open(
+        &self,
+        r: Request<v1::CreateOpenRequest>,
+    ) -> Result<Response<v1::RegionInfo>, Status> {
+        let r = r.into_inner();
+        let create = r.create.unwrap_or_default();
+        let c = caller(create.caller.as_ref())?;
+        let created = self
+            .manager
+            .create_open(
+                c,
+                create.parent,
+                create.name,
+                create.mode,
+                create.attrs,
+                create.preallocate,
+                r.write,
+            )
+            .await;
+        self.reply(
+            "create_open",
+            created.map(|mut info| {
+                self.minter.stamp(&mut info, r.write);
+                info
+            }),
+        )
+    }
+
     async fn extend(
         &self,
         r: Request<v1::ExtendRequest>,

@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use regions::{Client, ROOT_INO, Region, SizePolicy};
+use regions_proto::layout::CHUNK_SIZE;
 use regions_proto::v1::{self, FileKind};
 
 use crate::error::{FsError, FsResult};
@@ -303,6 +304,63 @@ pub struct RegionFs {
     /// generation is bumped to make the kernel drop an inode whose size it
     /// would otherwise keep; see [`RegionFs::open`]).
     generations: Mutex<HashMap<u64, u64>>,
+    /// Closes released handles at the manager off the kernel's release
+    /// path (the written size is already published at flush).
+    closer: Closer,
+}
+
+/// A thread that drops released handles (closing them at the manager), so
+/// that a release costs the application no manager round trip.
+struct Closer {
+    queue: Mutex<Option<std::sync::mpsc::Sender<Arc<Handle>>>>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Closer {
+    fn start() -> Closer {
+        let (tx, rx) = std::sync::mpsc::channel::<Arc<Handle>>();
+        let thread = std::thread::Builder::new()
+            .name("regionfs-close".into())
+            .spawn(move || {
+                for handle in rx {
+                    drop(handle);
+                }
+            });
+        match thread {
+            Ok(t) => Closer {
+                queue: Mutex::new(Some(tx)),
+                thread: Mutex::new(Some(t)),
+            },
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start the handle closer thread; closing on release");
+                Closer {
+                    queue: Mutex::new(None),
+                    thread: Mutex::new(None),
+                }
+            }
+        }
+    }
+
+    /// Closes `handle` in the background (at once when no thread runs).
+    fn close(&self, handle: Arc<Handle>) {
+        let rest = match self.queue.lock().ok().as_ref().and_then(|q| q.as_ref()) {
+            Some(tx) => tx.send(handle).err().map(|e| e.0),
+            None => Some(handle),
+        };
+        drop(rest);
+    }
+}
+
+impl Drop for Closer {
+    /// Waits for the handles still queued to close.
+    fn drop(&mut self) {
+        if let Ok(mut q) = self.queue.lock() {
+            q.take();
+        }
+        if let Some(t) = self.thread.lock().ok().and_then(|mut t| t.take()) {
+            let _ = t.join();
+        }
+    }
 }
 
 impl RegionFs {
@@ -344,6 +402,7 @@ impl RegionFs {
             started: now_ts(),
             thread_defaults: Default::default(),
             generations: Mutex::new(HashMap::new()),
+            closer: Closer::start(),
         })
     }
 
@@ -872,6 +931,7 @@ impl RegionFs {
             let st = inodes.entry(attr.ino).or_default();
             st.kernel_size = attr.size;
             st.seen = Some(stamp(attr));
+            st.attr = Some((attr.clone(), Instant::now()));
         }
         let persistent = attr.region_attrs.as_ref().is_some_and(|a| a.persistent);
         if let Some(w) = &self.owners
@@ -913,11 +973,22 @@ impl RegionFs {
             mode
         };
         let defaults = self.thread_defaults.overrides(ctx.pid);
-        let mut attr = self
-            .rpc
-            .create_with(&caller, parent, name, create_mode, defaults)?;
+        // One manager request creates and opens it; a writer gets its first
+        // chunk with it (freed at close if nothing was written).
+        let create = v1::CreateRequest {
+            caller: Some(caller.clone()),
+            parent,
+            name: name.to_owned(),
+            mode: create_mode,
+            attrs: defaults,
+            preallocate: if write { CHUNK_SIZE } else { 0 },
+        };
+        let region = self
+            .client
+            .create_open_as(create, write)?
+            .with_size_policy(SizePolicy::Lazy);
+        let mut attr = region.opened_attr().clone();
         self.created(&caller, parent, name, &attr);
-        let region = self.open_region(&caller, attr.ino, write)?;
         if create_mode != mode {
             // The open write handle keeps its rights after the chmod.
             let change = SetAttrIn {
@@ -1781,7 +1852,7 @@ impl RegionFs {
         let ino = h.ino;
         // The region handle closes at the manager when the last reference
         // (this one, unless a read is still running) goes.
-        drop(h);
+        self.closer.close(h);
         Ok(Released { ino, passthrough })
     }
 }
