@@ -214,7 +214,12 @@ impl AgentHandler {
         } else {
             libc::R_OK as u32
         };
-        self.authority.access(caller, ino, mask)?;
+        // Root on this host is trusted (it can reach the daemon's memory
+        // anyway): regionfs, which asks on every open of a local region,
+        // costs no manager round trip. Everyone else is checked.
+        if caller.uid != 0 {
+            self.authority.access(caller, ino, mask)?;
+        }
         let Some(segment) = self.pools.segment(ino) else {
             return Ok((
                 SegmentReply {

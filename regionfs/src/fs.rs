@@ -1640,8 +1640,15 @@ impl RegionFs {
             }
             Body::Region(r) => {
                 let end = offset.saturating_add(u64::from(size));
-                if end > r.region.size() {
-                    // Grown through another handle or host since this open.
+                let kernel_size = self
+                    .lock_inodes()
+                    .get(&h.ino)
+                    .map_or(u64::MAX, |st| st.kernel_size);
+                if end > r.region.size() && kernel_size > r.region.size() {
+                    // Grown through another handle since this open (the
+                    // kernel, which asks only below the size it knows,
+                    // believes it larger; a read of the page holding the
+                    // end needs no refresh).
                     r.region.refresh()?;
                     let local = self.unpublished_size(h.ino);
                     if local > r.region.size() {
