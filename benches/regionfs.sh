@@ -1,38 +1,69 @@
 #!/usr/bin/env bash
-# regionfs benchmark: reads and mmap faults through a real REGIONFS mount,
-# each next to tmpfs measured in the same run.
+# regionfs benchmark: reads, writes, mmap faults, small files and manager
+# requests through a real REGIONFS mount, each next to tmpfs (and, where
+# stated, sshfs and a bare TCP stream) measured in the same run.
 #
-#   bash benches/regionfs.sh [--size 2G] [--quick] [--cache passthrough|writeback]
+#   bash benches/regionfs.sh [--size 2G] [--quick] [--cache writeback|passthrough]
 #                            [--keep-logs]
 #
 # Starts, in a temporary directory, one regions-manager, two regions-daemon
 # (host 1 and host 2) and two `regionfs mount`s (host 1 at MNT1, host 2 at
-# MNT2), plus a tmpfs as the baseline, then measures:
+# MNT2), plus a tmpfs as the baseline, and an sshd on a free loopback port
+# (own config and throwaway keys in the temporary directory) with an sshfs
+# mount of a directory of that tmpfs (root@127.0.0.1), then measures:
 #
 #   1. sequential 1 MiB reads (fio, psync, buffered) of a --size file held by
 #      host 2's daemon, read through MNT1: cold (after drop_caches) and warm;
 #      next to the ceiling of any cold remote read on this machine, a bare
 #      loopback TCP stream of memfd memory (benches/tcp_stream.c);
 #   2. random 16 KiB reads of the same file, cold and warm (time-based);
-#   3. a wholly local region (hostalloc=1) read through MNT1, served by FUSE
-#      passthrough: sequential 1 MiB and random 16 KiB;
+#   3. a wholly local region (hostalloc=1) read through MNT1 (from its
+#      segment memfd; with --cache passthrough by FUSE passthrough):
+#      sequential 1 MiB and random 16 KiB;
 #   4. mmap first-touch latency of 4 KiB pages (benches/mmap_fault.c,
 #      compiled here with cc): reads of the remote file and writes to another
 #      remote file, each on a cold, fresh MAP_SHARED mapping, in page order
-#      (with readahead) and in random order (MADV_RANDOM, one fault per page).
+#      (with readahead) and in random order (MADV_RANDOM, one fault per page);
+#   5. 16 KiB writes (fio, psync, one job, --size bytes) through MNT1 to a
+#      region on this host (hostalloc=1) and on the other host
+#      (hostalloc=2), to tmpfs and to sshfs: "create" (sequential extending
+#      writes into a new file, fsync on close), buffered sequential and
+#      random writes over the existing file, O_DIRECT sequential and random
+#      writes; every write run ends with an fsync that is part of its time;
+#      sequential runs are one pass (capped in time), random ones time-based;
+#   6. cold sequential 1 MiB and random 16 KiB reads of the file of 1 and 2
+#      on sshfs (the same data, from the sshd's tmpfs);
+#   7. small files (benches/small_files.c, 2,000 files of 1 KiB, one
+#      process per phase, one file at a time): create+write+close,
+#      open+read+close (right after, and cold after drop_caches), unlink,
+#      in files/s, on MNT1 (default placement: this host), tmpfs and sshfs,
+#      with the manager requests of each phase on MNT1;
+#   8. manager requests (namespace and region requests, counted from the
+#      manager's trace log, `file request` lines) for one sequential write
+#      (dd bs=1M conv=fsync) of 1 GiB into a new file through MNT1 (default
+#      placement: this host).
 #
 # It checks that what is read back is what was written (cmp of cold samples,
-# whole-file cmp through the other host, mmap checksums), and prints a table:
-# measurement | regions | tmpfs | ratio | target | met?
+# whole-file cmp through the other host, mmap checksums, fio verify headers
+# of 16 KiB buffered and O_DIRECT writes read back through MNT2, the small
+# files' contents, cmp of the manager step's file through MNT2), and prints
+# two tables: measurement | regions | tmpfs | ratio | target | met?, then
+# the same against sshfs.
+#
+# --quick: a 256 MiB file (unless --size), 2 s random runs, sequential
+# write runs capped at 5 s, no repeats: about 2-3 minutes on 2 cores. The
+# full run (2 GiB) takes about 7. BENCH_VERBOSE=1 prints every fio run;
+# REGIONS_BIN_DIR and REGIONS_BENCH_SSHD name other binaries.
 #
 # Needs root (FUSE, tmpfs, drop_caches), the release binaries
-# (cargo build --release --bins), fio, setfattr/getfattr (installed with
-# apt-get when missing) and cc. Everything started is stopped by PID and
-# every mount is unmounted on exit, Ctrl-C included.
+# (cargo build --release --bins), fio, setfattr/getfattr, sshfs, sshd and
+# ssh (installed with apt-get when missing: fio attr sshfs openssh-server
+# openssh-client) and cc. Everything started is stopped by PID and every
+# mount is unmounted on exit, Ctrl-C included.
 #
 # Exit status: 0 when the run completed and every check passed (targets
 # may still be unmet: see the table), 1 when a check or a step failed,
-# 2 for a usage or environment problem.
+# 2 for a usage or environment problem (sshd that cannot start included).
 
 set -euo pipefail
 
@@ -42,7 +73,8 @@ BIN=${REGIONS_BIN_DIR:-$ROOT/target/release}
 SIZE_ARG=2G
 SIZE_SET=0
 QUICK=0
-CACHE1=passthrough
+# MNT1 runs the default mount mode unless --cache says otherwise.
+CACHE1=writeback
 KEEP_LOGS=0
 
 usage() {
@@ -93,6 +125,7 @@ if [ "$QUICK" = 1 ]; then
     MMAP_SIZE=$((32 * MiB))
     RAND_PAGES=1024
     CMP_SAMPLES=4
+    SEQ_CAP=5
 else
     SIZE=$(parse_size "$SIZE_ARG")
     RAND_SECS=5
@@ -100,7 +133,12 @@ else
     MMAP_SIZE=$((256 * MiB))
     RAND_PAGES=4096
     CMP_SAMPLES=8
+    SEQ_CAP=20
 fi
+# Writes (5): sequential runs are one pass over the file, at most SEQ_CAP
+# seconds (sshfs is slow); random runs RAND_SECS seconds.
+SMALL_N=2000
+SMALL_SIZE=1024
 # Whole MiB (regions are whole 128 KiB chunks; passthrough wants the file
 # to fill its segment exactly).
 SIZE=$(( (SIZE + MiB - 1) / MiB * MiB ))
@@ -108,6 +146,11 @@ SIZE=$(( (SIZE + MiB - 1) / MiB * MiB ))
 [ "$MMAP_SIZE" -le "$SIZE" ] || MMAP_SIZE=$SIZE
 SIZE_MIB=$((SIZE / MiB))
 MMAP_MIB=$((MMAP_SIZE / MiB))
+# The manager-request step (8) writes 1 GiB (the file of the run, repeated
+# when smaller: fixed per-file requests would be scaled up otherwise); the
+# fio verify step writes up to 64 MiB.
+MGR_MIB=1024
+VERIFY_MIB=$(( SIZE_MIB < 64 ? SIZE_MIB : 64 ))
 case "$CACHE1" in passthrough|writeback) ;; *) echo "regionfs.sh: --cache is passthrough or writeback" >&2; exit 2 ;; esac
 
 # ---------------------------------------------------------------- environment
@@ -125,9 +168,13 @@ fi
 [ -e /dev/fuse ] || { echo "regionfs.sh: /dev/fuse is missing" >&2; exit 2; }
 command -v cc >/dev/null || { echo "regionfs.sh: cc (gcc) is needed to build benches/mmap_fault.c" >&2; exit 2; }
 
+SSHD=${REGIONS_BENCH_SSHD:-/usr/sbin/sshd}
 need_pkgs=()
 command -v fio >/dev/null || need_pkgs+=(fio)
 { command -v setfattr >/dev/null && command -v getfattr >/dev/null; } || need_pkgs+=(attr)
+command -v sshfs >/dev/null || need_pkgs+=(sshfs)
+[ -x "$SSHD" ] || need_pkgs+=(openssh-server)
+{ command -v ssh >/dev/null && command -v ssh-keygen >/dev/null; } || need_pkgs+=(openssh-client)
 if [ ${#need_pkgs[@]} -gt 0 ]; then
     say "installing ${need_pkgs[*]} (apt-get)"
     if ! { apt-get install -y -qq "${need_pkgs[@]}" >/dev/null 2>&1 ||
@@ -139,8 +186,10 @@ fi
 
 # Memory: the remote file lives in host 2's pool, the local one in host
 # 1's, their copies in tmpfs, and host 1's page cache holds the remote file
-# once warm.
-need_kib=$(( (SIZE * 5 + MMAP_SIZE * 4) / 1024 ))
+# once warm; the write runs add a file on each host, one in tmpfs and one
+# behind sshfs (deleted before the steps that follow).
+need_kib=$(( (SIZE * 8 + MMAP_SIZE * 4) / 1024 + 256 * 1024 ))
+[ "$SIZE_MIB" -ge 1024 ] || need_kib=$(( need_kib + 1024 * 1024 ))
 avail_kib=$(awk '/^MemAvailable:/ {print $2}' /proc/meminfo)
 if [ "$avail_kib" -lt "$need_kib" ]; then
     echo "regionfs.sh: needs about $((need_kib / 1024)) MiB of free memory for --size $SIZE_MIB M, $((avail_kib / 1024)) MiB available; use a smaller --size" >&2
@@ -153,10 +202,16 @@ WORK=$(mktemp -d /tmp/regionfs-bench.XXXXXX)
 MNT1=$WORK/mnt1
 MNT2=$WORK/mnt2
 TMPFS=$WORK/tmpfs
+SSHFS=$WORK/sshfs          # sshfs mount of $TMPFS/export
+SSHDIR=$WORK/ssh           # sshd config, host key, client key
 LOGS=$WORK/logs
-mkdir -p "$MNT1" "$MNT2" "$TMPFS" "$LOGS" "$WORK/manager"
+mkdir -p "$MNT1" "$MNT2" "$TMPFS" "$SSHFS" "$SSHDIR" "$LOGS" "$WORK/manager"
+chmod 700 "$SSHDIR"
 PIDS=()          # started processes, in start order
-MOUNT_PIDS=()    # the regionfs mount processes among them
+MOUNT_PIDS=()    # the regionfs and sshfs mount processes among them
+SSHD_PID=""
+SSH_CHILD_PIDS=()  # the ssh client that sshfs started
+MADE_RUN_SSHD=0
 CLEANED=0
 
 is_mounted() { mountpoint -q "$1" 2>/dev/null; }
@@ -186,11 +241,24 @@ cleanup() {
         wait_gone "$pid" 10 || { warn "mount process $pid did not stop; killing it"; kill -KILL "$pid" 2>/dev/null; }
     done
     local m
-    for m in "$MNT1" "$MNT2" "$TMPFS"; do
+    for m in "$SSHFS" "$MNT1" "$MNT2" "$TMPFS"; do
         if is_mounted "$m"; then
             umount -l "$m" 2>/dev/null || warn "cannot unmount $m"
         fi
     done
+    # The ssh client of sshfs ends with it; the sshd's session processes
+    # (its children) with their client.
+    for pid in "${SSH_CHILD_PIDS[@]}"; do
+        kill -0 "$pid" 2>/dev/null || continue
+        kill -TERM "$pid" 2>/dev/null
+        wait_gone "$pid" 5 || kill -KILL "$pid" 2>/dev/null
+    done
+    if [ -n "$SSHD_PID" ] && kill -0 "$SSHD_PID" 2>/dev/null; then
+        for pid in $(pgrep -P "$SSHD_PID" 2>/dev/null); do
+            kill -TERM "$pid" 2>/dev/null
+            wait_gone "$pid" 5 || kill -KILL "$pid" 2>/dev/null
+        done
+    fi
     local i
     for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do
         pid=${PIDS[$i]}
@@ -198,10 +266,11 @@ cleanup() {
         kill -TERM "$pid" 2>/dev/null
         wait_gone "$pid" 10 || kill -KILL "$pid" 2>/dev/null
     done
-    if is_mounted "$MNT1" || is_mounted "$MNT2" || is_mounted "$TMPFS"; then
+    [ "$MADE_RUN_SSHD" = 1 ] && rmdir /run/sshd 2>/dev/null
+    if is_mounted "$SSHFS" || is_mounted "$MNT1" || is_mounted "$MNT2" || is_mounted "$TMPFS"; then
         warn "something is still mounted under $WORK; leaving it in place"
     elif [ "$rc" = 1 ] || [ "$KEEP_LOGS" = 1 ]; then
-        rm -rf "$WORK/manager" "$MNT1" "$MNT2" "$TMPFS" "$WORK/bin"
+        rm -rf "$WORK/manager" "$MNT1" "$MNT2" "$TMPFS" "$SSHFS" "$SSHDIR" "$WORK/bin"
         warn "logs kept in $LOGS"
     else
         rm -rf "$WORK"
@@ -247,16 +316,22 @@ cc -O2 -Wall -I "$ROOT/regionfs/include" -o "$WORK/bin/mmap_fault" "$ROOT/benche
 MF=$WORK/bin/mmap_fault
 cc -O2 -Wall -o "$WORK/bin/tcp_stream" "$ROOT/benches/tcp_stream.c" ||
     fail "cannot compile benches/tcp_stream.c"
+cc -O2 -Wall -o "$WORK/bin/small_files" "$ROOT/benches/small_files.c" ||
+    fail "cannot compile benches/small_files.c"
+SF=$WORK/bin/small_files
 
 head -c 48 /dev/urandom | base64 | tr -d '\n' >"$WORK/secret"
 chmod 600 "$WORK/secret"
 
-# Pools: host 2 holds the remote file and the mmap write file; host 1 the
-# local region.
-DAEMON_MIB=$(( SIZE_MIB * 3 / 2 + MMAP_MIB * 2 + 64 ))
+# Pools: host 2 holds the remote file, the mmap write file and the remote
+# write file; host 1 the local region, the local write file, the small
+# files (a 128 KiB chunk each at most) and the manager step's file.
+DAEMON_MIB=$(( SIZE_MIB * 2 + MMAP_MIB * 2 + MGR_MIB + 512 ))
 
 say "starting the manager, daemons (${DAEMON_MIB}M each) and mounts in $WORK"
-start_node manager "$BIN/regions-manager" --listen 127.0.0.1:0 --data-dir "$WORK/manager" \
+# The manager logs one trace line "file request" per namespace or region
+# request (counted in step 8).
+start_node manager env RUST_LOG=warn,regions_manager::service=trace "$BIN/regions-manager" --listen 127.0.0.1:0 --data-dir "$WORK/manager" \
     --secret-file "$WORK/secret" --ready-file "$WORK/manager.ready"
 wait_ready "$WORK/manager.ready" "$LAST_PID" "$LOGS/manager.log"
 MANAGER=$(tr -d '[:space:]' <"$WORK/manager.ready")
@@ -281,7 +356,78 @@ MOUNT_PIDS+=("$LAST_PID")
 wait_ready "$WORK/mount2.ready" "$LAST_PID" "$LOGS/mount2.log"
 is_mounted "$MNT1" && is_mounted "$MNT2" || fail "the mounts are not in /proc/mounts"
 
-mount -t tmpfs -o "size=$(( (SIZE * 2 + MMAP_SIZE * 2) / MiB + 64 ))m" regions-bench-tmpfs "$TMPFS"
+mount -t tmpfs -o "size=$(( (SIZE * 4 + MMAP_SIZE * 2) / MiB + 128 ))m" regions-bench-tmpfs "$TMPFS"
+
+# ---------------------------------------------------------------- sshfs
+
+# An sshd of its own on a free loopback port (config, host key and client
+# key in $SSHDIR), and sshfs of $TMPFS/export at $SSHFS as root@127.0.0.1.
+# No sshd, no run: exit 2.
+sshd_fail() {
+    echo "regionfs.sh: cannot provide the sshfs baseline: $*" >&2
+    [ -s "$LOGS/sshd.log" ] && { echo "sshd log ($LOGS/sshd.log):" >&2; tail -n 20 "$LOGS/sshd.log" >&2; }
+    [ -s "$LOGS/sshfs.log" ] && { echo "sshfs log ($LOGS/sshfs.log):" >&2; tail -n 20 "$LOGS/sshfs.log" >&2; }
+    KEEP_LOGS=1
+    exit 2
+}
+free_port() {
+    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' 2>/dev/null ||
+        echo $(( 20000 + RANDOM % 30000 ))
+}
+SSH_OPTS=(-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o BatchMode=yes
+          -o IdentityFile="$SSHDIR/id" -o IdentitiesOnly=yes -o ConnectTimeout=5 -o LogLevel=ERROR)
+ssh-keygen -q -t ed25519 -N '' -C regions-bench-host -f "$SSHDIR/host_key" || sshd_fail "ssh-keygen (host key) failed"
+ssh-keygen -q -t ed25519 -N '' -C regions-bench-client -f "$SSHDIR/id" || sshd_fail "ssh-keygen (client key) failed"
+cp "$SSHDIR/id.pub" "$SSHDIR/authorized_keys"
+# Debian's sshd wants its privilege separation directory.
+if [ ! -d /run/sshd ]; then
+    mkdir -p /run/sshd && chmod 755 /run/sshd && MADE_RUN_SSHD=1
+fi
+say "starting sshd on loopback and sshfs at $SSHFS"
+SSH_PORT=""
+for try in 1 2 3 4 5; do
+    port=$(free_port)
+    printf '%s\n' "Port $port" "ListenAddress 127.0.0.1" "HostKey $SSHDIR/host_key" "PidFile none" \
+        "AuthorizedKeysFile $SSHDIR/authorized_keys" "StrictModes no" "PermitRootLogin prohibit-password" \
+        "PubkeyAuthentication yes" "PasswordAuthentication no" "KbdInteractiveAuthentication no" \
+        "UsePAM no" "X11Forwarding no" "PrintMotd no" "Subsystem sftp internal-sftp" >"$SSHDIR/sshd_config"
+    "$SSHD" -t -f "$SSHDIR/sshd_config" >"$LOGS/sshd.log" 2>&1 ||
+        sshd_fail "$SSHD rejects its configuration ($SSHDIR/sshd_config)"
+    start_node sshd "$SSHD" -D -e -f "$SSHDIR/sshd_config"
+    SSHD_PID=$LAST_PID
+    n=50
+    while [ $n -gt 0 ] && kill -0 "$SSHD_PID" 2>/dev/null && ! grep -q "Server listening" "$LOGS/sshd.log"; do
+        sleep 0.1
+        n=$((n - 1))
+    done
+    if kill -0 "$SSHD_PID" 2>/dev/null && grep -q "Server listening" "$LOGS/sshd.log"; then
+        SSH_PORT=$port
+        break
+    fi
+    warn "sshd did not start on port $port (try $try): $(tail -n 1 "$LOGS/sshd.log")"
+    kill -TERM "$SSHD_PID" 2>/dev/null
+    wait_gone "$SSHD_PID" 5 || kill -KILL "$SSHD_PID" 2>/dev/null
+    SSHD_PID=""
+done
+[ -n "$SSH_PORT" ] || sshd_fail "sshd ($SSHD) does not start on a loopback port"
+ssh -p "$SSH_PORT" "${SSH_OPTS[@]}" root@127.0.0.1 true >"$LOGS/ssh.log" 2>&1 ||
+    sshd_fail "ssh root@127.0.0.1 -p $SSH_PORT with the throwaway key fails: $(tail -n 3 "$LOGS/ssh.log")"
+mkdir -p "$TMPFS/export"
+start_node sshfs sshfs -f -p "$SSH_PORT" \
+    -o StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,IdentityFile="$SSHDIR/id",BatchMode=yes,IdentitiesOnly=yes,LogLevel=ERROR \
+    root@127.0.0.1:"$TMPFS/export" "$SSHFS"
+MOUNT_PIDS+=("$LAST_PID")
+SSHFS_PID=$LAST_PID
+n=100
+while [ $n -gt 0 ] && kill -0 "$SSHFS_PID" 2>/dev/null && ! is_mounted "$SSHFS"; do
+    sleep 0.1
+    n=$((n - 1))
+done
+is_mounted "$SSHFS" || sshd_fail "sshfs root@127.0.0.1:$TMPFS/export does not mount at $SSHFS"
+mapfile -t SSH_CHILD_PIDS < <(pgrep -P "$SSHFS_PID" 2>/dev/null || true)
+echo sshfs-ok >"$TMPFS/export/probe"
+[ "$(cat "$SSHFS/probe" 2>/dev/null)" = sshfs-ok ] || sshd_fail "a file written to $TMPFS/export does not read back through $SSHFS"
+rm -f "$TMPFS/export/probe"
 
 # ---------------------------------------------------------------- helpers
 
@@ -336,6 +482,43 @@ fio_read() {
         awk -F';' -v f="$file" -v rw="$rw" -v bs="$bs" -v s="$secs" \
             '{ printf "   fio %s %s %s (%s): %.2f GB/s %.0f IOPS\n", rw, bs, f, s, $7 * 1024 / 1e9, $8 }' <<<"$out" >&2
         echo "   resident: $(resident_pct "$file")%" >&2
+    fi
+}
+
+# Formatting of results (also used in progress lines).
+gbs() { awk -v v="$1" 'BEGIN { printf "%.2f GB/s", v / 1e9 }'; }
+mbs() { awk -v v="$1" -v i="$2" 'BEGIN { printf "%.0f MB/s %.1fk IOPS", v / 1e6, i / 1e3 }'; }
+us() { awk -v v="$1" 'BEGIN { printf (v < 10 ? "%.2f us" : "%.1f us"), v }'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2fx", a / b; else print "-" }'; }
+# met A B MIN: "yes"/"NO" for A/B >= MIN.
+met() { awk -v a="$1" -v b="$2" -v m="$3" 'BEGIN { print (b > 0 && a / b >= m) ? "yes" : "NO" }'; }
+per_s() { awk -v v="$1" 'BEGIN { printf "%.0f/s", v }'; }
+
+# fio_write FILE RW DIRECT SECS [FIO OPTIONS...] -> "bytes_per_s iops".
+# 16 KiB psync writes, one job, over the first SIZE bytes of FILE; DIRECT
+# 1 for O_DIRECT. SECS oN: one pass, at most N seconds; N: N seconds,
+# time-based. Every run ends with an fsync (end_fsync), inside fio's time;
+# no preallocation (fallocate=none). The file's page cache is left to fio
+# (invalidated at open).
+fio_write() {
+    local file=$1 rw=$2 direct=$3 secs=$4 out extra=() t0 t1
+    shift 4
+    case "$secs" in
+        o*) extra=(--runtime="${secs#o}") ;;
+        *) extra=(--time_based=1 --runtime="$secs") ;;
+    esac
+    t0=$(date +%s.%N)
+    out=$(fio --name=bench --filename="$file" --rw="$rw" --bs=16k --ioengine=psync \
+        --direct="$direct" --size="$SIZE" --numjobs=1 --fallocate=none --end_fsync=1 \
+        --randrepeat=1 "${extra[@]}" "$@" --output-format=terse --terse-version=3 2>"$LOGS/fio.err") ||
+        { cat "$LOGS/fio.err" >&2; fail "fio $rw (direct=$direct) on $file"; }
+    t1=$(date +%s.%N)
+    # terse v3: 5 error, 47 write KiB, 48 write KiB/s, 49 write IOPS, 50 runtime ms
+    awk -F';' '{ if ($5 != 0) exit 1; printf "%.0f %.0f\n", $48 * 1024, $49 }' <<<"$out" ||
+        fail "fio reported an error on $file: $out"
+    if [ -n "${BENCH_VERBOSE:-}" ]; then
+        awk -F';' -v f="$file" -v rw="$rw" -v d="$direct" -v s="$secs" -v w="$(awk -v a="$t0" -v b="$t1" 'BEGIN { print b - a }')" \
+            '{ printf "   fio %s direct=%s %s (%s): %.0f MB/s %.0f IOPS, %.0f MiB in %d ms (%.2f s wall with fio start)\n", rw, d, f, s, $48 * 1024 / 1e6, $49, $47 / 1024, $50, w }' <<<"$out" >&2
     fi
 }
 
@@ -474,14 +657,187 @@ mmap_run mw_seq_t write "$TMPFS/mmapw" seq "$MMAP_PAGES"
 mmap_run mw_rand_r write "$MNT1/remote/mmapw" rand "$RAND_PAGES"
 mmap_run mw_rand_t write "$TMPFS/mmapw" rand "$RAND_PAGES"
 
+# ---------------------------------------------------------------- 5: writes
+
+# Write targets: a region on this host (MNT1/local: hostalloc=1) and on the
+# other host (MNT1/remote: hostalloc=2), both through MNT1; tmpfs; sshfs.
+declare -A WF=([this]="$MNT1/local/w" [other]="$MNT1/remote/w" [tmpfs]="$TMPFS/w" [sshfs]="$SSHFS/w")
+WTARGETS=(this other tmpfs sshfs)
+WTESTS=(create seqbuf randbuf seqdir randdir)
+declare -A WNAME=([create]="create (new file, fsync on close)" [seqbuf]="seq, buffered" [randbuf]="random, buffered"
+                  [seqdir]="seq, O_DIRECT" [randdir]="random, O_DIRECT")
+say "5. 16 KiB writes (fio psync, 1 job, ${SIZE_MIB} MiB; seq: one pass, at most ${SEQ_CAP} s; random: ${RAND_SECS} s): this host, other host, tmpfs, sshfs"
+for test in "${WTESTS[@]}"; do
+    for t in "${WTARGETS[@]}"; do
+        f=${WF[$t]}
+        case $test in
+            create) rm -f "$f"; args=(write 0 "o$SEQ_CAP" --create_on_open=1 --fsync_on_close=1) ;;
+            seqbuf) args=(write 0 "o$SEQ_CAP") ;;
+            randbuf) args=(randwrite 0 "$RAND_SECS") ;;
+            seqdir) args=(write 1 "o$SEQ_CAP") ;;
+            randdir) args=(randwrite 1 "$RAND_SECS") ;;
+        esac
+        [ "$test" = create ] && [ -e "$f" ] && fail "$f is still there after rm"
+        drop_caches
+        r=$(fio_write "$f" "${args[@]}")
+        R[w_${test}_$t]=${r% *}
+        R[w_${test}_${t}_iops]=${r#* }
+    done
+    say "   ${WNAME[$test]}: this host $(mbs "${R[w_${test}_this]}" "${R[w_${test}_this_iops]}"), other host $(mbs "${R[w_${test}_other]}" "${R[w_${test}_other_iops]}"), tmpfs $(mbs "${R[w_${test}_tmpfs]}" "${R[w_${test}_tmpfs_iops]}"), sshfs $(mbs "${R[w_${test}_sshfs]}" "${R[w_${test}_sshfs_iops]}")"
+    if [ "$test" = create ]; then
+        for t in this other; do
+            sz=$(stat -c %s "${WF[$t]}")
+            [ "$sz" = "$SIZE" ] || warn "${WF[$t]}: $sz bytes after the create run, not $SIZE (capped at ${SEQ_CAP} s?)"
+        done
+        sz=$(stat -c %s "${WF[sshfs]}")
+        [ "$sz" = "$SIZE" ] || say "   (sshfs create capped at ${SEQ_CAP} s: $((sz / MiB)) MiB written)"
+        INFO_WTHIS=$("$MF" info "${WF[this]}" 2>&1 || true)
+        INFO_WOTHER=$("$MF" info "${WF[other]}" 2>&1 || true)
+        say "   write file on this host: RINFO $INFO_WTHIS"
+        say "   write file on the other host: RINFO $INFO_WOTHER"
+        check [ "$(kv "$INFO_WTHIS" hosts)" = 1 ] || warn "the write file of MNT1/local is not held by host 1 alone"
+        check [ "$(kv "$INFO_WOTHER" hosts)" = 2 ] || warn "the write file of MNT1/remote is not held by host 2 alone"
+    fi
+done
+
+# What 16 KiB writes through MNT1 left in the region, read through MNT2:
+# fio's verify headers (crc32c, offset) of every block, written once
+# (buffered sequential to the other host, O_DIRECT random to this host).
+say "5. checking 16 KiB writes through MNT2 (fio verify headers, ${VERIFY_MIB} MiB each)"
+fio_verify() { # FILE_MNT1 FILE_MNT2 RW DIRECT
+    local a=$1 b=$2 rw=$3 d=$4 out opts
+    opts=(--name=verify --rw="$rw" --bs=16k --ioengine=psync --direct="$d" --size="${VERIFY_MIB}M"
+          --numjobs=1 --fallocate=none --end_fsync=1 --randrepeat=1 --verify=crc32c
+          --verify_state_save=0 --output-format=terse --terse-version=3)
+    rm -f "$a"
+    out=$(fio "${opts[@]}" --filename="$a" --do_verify=0 2>"$LOGS/fio.err") ||
+        { cat "$LOGS/fio.err" >&2; warn "fio verify: writing $a failed"; return 1; }
+    [ "$(cut -d';' -f5 <<<"$out")" = 0 ] || { warn "fio verify: writing $a: error $(cut -d';' -f5 <<<"$out")"; return 1; }
+    drop_caches
+    out=$(fio "${opts[@]}" --filename="$b" --verify_only=1 2>"$LOGS/fio.err") ||
+        { cat "$LOGS/fio.err" >&2; warn "fio verify: $b does not read back what was written through $a"; return 1; }
+    [ "$(cut -d';' -f5 <<<"$out")" = 0 ] && [ "$(cut -d';' -f6 <<<"$out")" = $((VERIFY_MIB * 1024)) ] ||
+        { cat "$LOGS/fio.err" >&2; warn "fio verify: $b: error $(cut -d';' -f5 <<<"$out"), $(cut -d';' -f6 <<<"$out") KiB verified"; return 1; }
+    rm -f "$a"
+}
+W_VSEQ=ok; W_VRAND=ok
+check fio_verify "$MNT1/remote/vfy" "$MNT2/remote/vfy" write 0 || W_VSEQ=DIFFERS
+check fio_verify "$MNT1/local/vfy" "$MNT2/local/vfy" randwrite 1 || W_VRAND=DIFFERS
+rm -f "${WF[@]}" "$MNT1/remote/vfy" "$MNT1/local/vfy"
+
+# ---------------------------------------------------------------- 6: sshfs reads
+
+# The file of 1 and 2, behind sshfs (a hard link in the sshd's tmpfs).
+ln "$TF" "$TMPFS/export/data"
+SF_DATA=$SSHFS/data
+say "6. sshfs reads of the same file: sequential 1 MiB (one pass, at most ${SEQ_CAP} s) and random 16 KiB (one pass, at most ${RAND_SECS} s), cold"
+drop_caches
+r=$(fio_read "$SF_DATA" read 1M "o$SEQ_CAP"); R[seq_cold_s]=${r% *}
+drop_caches
+r=$(fio_read "$SF_DATA" randread 16k "o$RAND_SECS"); R[rand_cold_s]=${r% *}; R[rand_cold_s_iops]=${r#* }
+say "   sshfs: seq $(gbs "${R[seq_cold_s]}"), random $(mbs "${R[rand_cold_s]}" "${R[rand_cold_s_iops]}")"
+rm -f "$TMPFS/export/data"
+
+# ---------------------------------------------------------------- 7: small files
+
+# Namespace and region requests the manager served, from its trace log
+# (one "file request" line each; the log has ANSI colours).
+mgr_log_requests() { sed 's/\x1b\[[0-9;]*m//g' "$LOGS/manager.log" | grep 'file request' || true; }
+mgr_requests() { mgr_log_requests | wc -l; }
+# mgr_ops A B: "op count, ..." of the requests after the A-th up to the B-th.
+mgr_ops() {
+    mgr_log_requests | awk -v a="$1" -v b="$2" 'NR > a && NR <= b' | grep -o 'op="[^"]*"' | sort | uniq -c | sort -rn |
+        awk '{ printf "%s%s %s", (NR > 1 ? ", " : ""), $2, $1 }' | sed 's/op=//g; s/"//g' || true
+}
+
+say "7. small files: $SMALL_N files of $SMALL_SIZE bytes, one process per phase: MNT1 (default placement), tmpfs, sshfs"
+# small_run NAME DIR: create (after drop_caches), read, cold read (after
+# drop_caches), unlink; one process each. For regions, the manager's requests of each phase.
+SMALL_MGR=""
+small_run() {
+    local name=$1 dir=$2 out ph key m0 m1
+    mkdir "$dir" || fail "mkdir $dir"
+    for ph in create read coldread unlink; do
+        case $ph in create|coldread) drop_caches ;; esac
+        m0=$(mgr_requests)
+        out=$("$SF" "$dir" "$SMALL_N" "$SMALL_SIZE" "${ph#cold}") || fail "small_files ${ph#cold} in $dir"
+        m1=$(mgr_requests)
+        key=${ph#cold}_per_s
+        R[sf_${ph}_$name]=$(kv "$out" "$key")
+        if [ "$name" = regions ]; then
+            SMALL_MGR+="${SMALL_MGR:+; }$ph $(awk -v n=$((m1 - m0)) -v f="$SMALL_N" 'BEGIN { printf "%.2f", n / f }') per file ($(mgr_ops "$m0" "$m1"))"
+            if [ "$ph" = create ]; then
+                INFO_SMALL=$("$MF" info "$dir/f0" 2>&1 || true)
+                say "   small file on MNT1: hosts=$(hosts_of "$dir/f0"); RINFO $INFO_SMALL"
+                check [ "$(kv "$INFO_SMALL" hosts)" = 1 ] || warn "the small files on MNT1 are not held by host 1 (the creating host)"
+            fi
+        fi
+    done
+    rmdir "$dir" || fail "rmdir $dir (not empty after the unlink phase?)"
+    say "   $name: create $(per_s "${R[sf_create_$name]}"), read $(per_s "${R[sf_read_$name]}"), cold read $(per_s "${R[sf_coldread_$name]}"), unlink $(per_s "${R[sf_unlink_$name]}")"
+}
+small_run regions "$MNT1/small"
+say "   manager requests, regions: $SMALL_MGR"
+small_run tmpfs "$TMPFS/small"
+small_run sshfs "$SSHFS/small"
+
+# ---------------------------------------------------------------- 8: manager requests
+
+say "8. manager requests: ${MGR_MIB} MiB written sequentially (dd bs=1M conv=fsync) into a new file through MNT1"
+mkdir "$MNT1/seq"
+sleep 1
+idle0=$(mgr_requests)
+sleep 1
+before=$(mgr_requests)
+R[mgr_idle]=$((before - idle0))
+# Source: the file of the run, as many times as it takes (a pipe: dd
+# reads whole 1 MiB blocks with iflag=fullblock, so it writes 1 MiB each).
+MGR_REPS=$(( (MGR_MIB + SIZE_MIB - 1) / SIZE_MIB ))
+# (cat stops on SIGPIPE when dd has its 1 GiB: not an error.)
+for ((i = 0; i < MGR_REPS; i++)); do cat "$TF" 2>/dev/null || true; done |
+    dd of="$MNT1/seq/data" bs=1M count="$MGR_MIB" iflag=fullblock conv=fsync status=none || fail "dd into $MNT1/seq/data"
+sleep 1
+after=$(mgr_requests)
+R[mgr_requests]=$((after - before))
+MGR_OPS=$(mgr_ops "$before" "$after")
+if [ "$after" = 0 ]; then
+    warn "no \"file request\" line in the manager's log ($LOGS/manager.log): this manager does not trace its requests; no count"
+    R[mgr_per_gib]=""
+    CHECKS_FAILED=$((CHECKS_FAILED + 1))
+else
+    R[mgr_per_gib]=$(awk -v n="${R[mgr_requests]}" -v m="$MGR_MIB" 'BEGIN { printf "%.1f", n * 1024 / m }')
+fi
+[ "${R[mgr_idle]}" = 0 ] || warn "${R[mgr_idle]} manager requests in 1 s with nothing running: the count may include background requests"
+say "   ${R[mgr_requests]} requests for ${MGR_MIB} MiB (${R[mgr_per_gib]:-?} per GiB): ${MGR_OPS:-none}"
+W_MGR=ok
+mgr_sz=$(stat -c %s "$MNT2/seq/data" 2>&1) || true
+if [ "$mgr_sz" != $((MGR_MIB * MiB)) ]; then
+    warn "$MNT2/seq/data: size $mgr_sz, $((MGR_MIB * MiB)) bytes were written through MNT1"
+    W_MGR=DIFFERS
+    CHECKS_FAILED=$((CHECKS_FAILED + 1))
+else
+    for ((i = 0; i < MGR_REPS; i++)); do
+        n=$(( MGR_MIB * MiB - i * SIZE ))
+        [ "$n" -le "$SIZE" ] || n=$SIZE
+        if ! cmp -i "$((i * SIZE)):0" -n "$n" "$MNT2/seq/data" "$TF" >"$LOGS/cmp.out" 2>&1; then
+            warn "$MNT2/seq/data differs from what was written (copy $i of the run's file): $(cat "$LOGS/cmp.out")"
+            W_MGR=DIFFERS
+            CHECKS_FAILED=$((CHECKS_FAILED + 1))
+            break
+        fi
+    done
+fi
+rm -rf "$MNT1/seq"
+
 # ---------------------------------------------------------------- checks
 
 say "checking what reads back"
+MMAP_SUMS=equal
 for k in mr_seq mr_rand mw_seq mw_rand; do
     a=$(kv "${R[${k}_r]}" sum)
     b=$(kv "${R[${k}_t]}" sum)
     check [ -n "$a" ] && check [ "$a" = "$b" ] ||
-        warn "mmap $k: checksum through regions ($a) differs from tmpfs ($b)"
+        { warn "mmap $k: checksum through regions ($a) differs from tmpfs ($b)"; MMAP_SUMS=DIFFER; }
 done
 
 drop_caches
@@ -523,16 +879,16 @@ say "load after: $LOAD_AFTER"
 
 # ---------------------------------------------------------------- table
 
-gbs() { awk -v v="$1" 'BEGIN { printf "%.2f GB/s", v / 1e9 }'; }
-mbs() { awk -v v="$1" -v i="$2" 'BEGIN { printf "%.0f MB/s %.1fk IOPS", v / 1e6, i / 1e3 }'; }
-us() { awk -v v="$1" 'BEGIN { printf (v < 10 ? "%.2f us" : "%.1f us"), v }'; }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2fx", a / b; else print "-" }'; }
-# met A B MIN: "yes"/"NO" for A/B >= MIN.
-met() { awk -v a="$1" -v b="$2" -v m="$3" 'BEGIN { print (b > 0 && a / b >= m) ? "yes" : "NO" }'; }
-
+# Two tables: ROWS (regions against tmpfs) and SROWS (against sshfs); row
+# adds to the one named by TABLE.
 ROWS=()
-row() { ROWS+=("$1|$2|$3|$4|$5|$6"); }
-thr_row() { # name regions tmpfs target(min ratio or "")
+SROWS=()
+TABLE=ROWS
+row() { local -n t_=$TABLE; t_+=("$1|$2|$3|$4|$5|$6"); }
+# met_abs V MIN / met_max V MAX: "yes"/"NO" for V >= MIN / V <= MAX.
+met_abs() { awk -v v="$1" -v m="$2" 'BEGIN { print (v != "" && v + 0 >= m) ? "yes" : "NO" }'; }
+met_max() { awk -v v="$1" -v m="$2" 'BEGIN { print (v != "" && v + 0 <= m) ? "yes" : "NO" }'; }
+thr_row() { # name regions baseline target(min ratio or "") gb|mb [regions_iops baseline_iops]
     local name=$1 r=$2 t=$3 min=$4 fmt=$5 ri=${6:-0} ti=${7:-0} vr vt
     if [ "$fmt" = gb ]; then vr=$(gbs "$r"); vt=$(gbs "$t"); else vr=$(mbs "$r" "$ri"); vt=$(mbs "$t" "$ti"); fi
     if [ -n "$min" ]; then
@@ -566,16 +922,82 @@ lat_rows "mmap write fault, in order" mw_seq mean
 lat_rows "mmap write fault, random" mw_rand
 thr_row "seq write 1 MiB + fsync, remote" "${R[write_remote]}" "${R[write_tmpfs]}" "" gb
 thr_row "seq write 1 MiB + fsync, local" "${R[write_local]}" "${R[write_tmpfs]}" "" gb
-
-w1=11; w2=7; w3=7; w4=5; w5=6
-for line in "${ROWS[@]}"; do
-    IFS='|' read -r a b c d e f <<<"$line"
-    [ ${#a} -gt $w1 ] && w1=${#a}
-    [ ${#b} -gt $w2 ] && w2=${#b}
-    [ ${#c} -gt $w3 ] && w3=${#c}
-    [ ${#d} -gt $w4 ] && w4=${#d}
-    [ ${#e} -gt $w5 ] && w5=${#e}
+# 5: 16 KiB writes; targets: this host >= 0.5x tmpfs; other host: buffered
+# >= 0.5x tmpfs, O_DIRECT sequential >= 0.8x the bare TCP stream.
+for t in this other; do
+    for test in "${WTESTS[@]}"; do
+        min=0.5
+        [ "$t" = other ] && case $test in seqdir|randdir) min="" ;; esac
+        thr_row "write 16 KiB, $t host: ${WNAME[$test]}" "${R[w_${test}_$t]}" "${R[w_${test}_tmpfs]}" "$min" mb \
+            "${R[w_${test}_${t}_iops]}" "${R[w_${test}_tmpfs_iops]}"
+    done
 done
+row "  other host seq O_DIRECT / bare TCP" "" "" "$(ratio "${R[w_seqdir_other]}" "${R[tcp_stream]}")" ">= 0.8x" \
+    "$(met "${R[w_seqdir_other]}" "${R[tcp_stream]}" 0.8)"
+# 7: small files, absolute targets.
+sf_row() { # name key min_per_s
+    if [ -n "$3" ]; then
+        row "$1" "$(per_s "${R[sf_${2}_regions]}")" "$(per_s "${R[sf_${2}_tmpfs]}")" \
+            "$(ratio "${R[sf_${2}_regions]}" "${R[sf_${2}_tmpfs]}")" ">= $3/s" "$(met_abs "${R[sf_${2}_regions]}" "$3")"
+    else
+        row "$1" "$(per_s "${R[sf_${2}_regions]}")" "$(per_s "${R[sf_${2}_tmpfs]}")" \
+            "$(ratio "${R[sf_${2}_regions]}" "${R[sf_${2}_tmpfs]}")" "-" info
+    fi
+}
+sf_row "small files: create+write+close" create 5000
+sf_row "small files: open+read+close" read 10000
+sf_row "small files: open+read+close, cold" coldread ""
+sf_row "small files: unlink" unlink 5000
+# 8: manager requests.
+row "manager requests per GiB written seq. (new region)" "${R[mgr_per_gib]:-?}" "-" "-" "<= 64" \
+    "$( [ -n "${R[mgr_per_gib]}" ] && met_max "${R[mgr_per_gib]}" 64 || echo "?")"
+
+# Against sshfs: reads of 1 and 2 (cold), writes of 5, small files of 7.
+TABLE=SROWS
+thr_row "seq read 1 MiB, other host, cold" "${R[seq_cold_r]}" "${R[seq_cold_s]}" "" gb
+thr_row "rand read 16 KiB, other host, cold" "${R[rand_cold_r]}" "${R[rand_cold_s]}" "" mb "${R[rand_cold_r_iops]}" "${R[rand_cold_s_iops]}"
+for t in other this; do
+    for test in "${WTESTS[@]}"; do
+        min=""
+        [ "$t" = other ] && min=5
+        thr_row "write 16 KiB, $t host: ${WNAME[$test]}" "${R[w_${test}_$t]}" "${R[w_${test}_sshfs]}" "$min" mb \
+            "${R[w_${test}_${t}_iops]}" "${R[w_${test}_sshfs_iops]}"
+    done
+done
+for k in create read coldread unlink; do
+    case $k in
+        create) n="small files: create+write+close" ;; read) n="small files: open+read+close" ;;
+        coldread) n="small files: open+read+close, cold" ;; unlink) n="small files: unlink" ;;
+    esac
+    if [ "$k" = coldread ]; then
+        row "$n" "$(per_s "${R[sf_${k}_regions]}")" "$(per_s "${R[sf_${k}_sshfs]}")" \
+            "$(ratio "${R[sf_${k}_regions]}" "${R[sf_${k}_sshfs]}")" "-" info
+    else
+        row "$n" "$(per_s "${R[sf_${k}_regions]}")" "$(per_s "${R[sf_${k}_sshfs]}")" \
+            "$(ratio "${R[sf_${k}_regions]}" "${R[sf_${k}_sshfs]}")" ">= 5x" "$(met "${R[sf_${k}_regions]}" "${R[sf_${k}_sshfs]}" 5)"
+    fi
+done
+
+# print_table BASELINE_NAME ARRAY
+print_table() {
+    local base=$1 line a b c d e f
+    local -n rows_=$2
+    local w1=11 w2=7 w3=7 w4=5 w5=6
+    for line in "${rows_[@]}"; do
+        IFS='|' read -r a b c d e f <<<"$line"
+        [ ${#a} -gt $w1 ] && w1=${#a}
+        [ ${#b} -gt $w2 ] && w2=${#b}
+        [ ${#c} -gt $w3 ] && w3=${#c}
+        [ ${#d} -gt $w4 ] && w4=${#d}
+        [ ${#e} -gt $w5 ] && w5=${#e}
+    done
+    printf "%-${w1}s | %${w2}s | %${w3}s | %${w4}s | %-${w5}s | %s\n" measurement regions "$base" ratio target "met?"
+    printf '%s\n' "$(printf '%*s' $((w1 + w2 + w3 + w4 + w5 + 22)) '' | tr ' ' -)"
+    for line in "${rows_[@]}"; do
+        IFS='|' read -r a b c d e f <<<"$line"
+        printf "%-${w1}s | %${w2}s | %${w3}s | %${w4}s | %-${w5}s | %s\n" "$a" "$b" "$c" "$d" "$e" "$f"
+    done
+}
 
 echo
 echo "regionfs benchmark: file ${SIZE_MIB} MiB, mmap file ${MMAP_MIB} MiB, random runs ${RAND_SECS} s, warm = median of ${WARM_REPS}"
@@ -585,22 +1007,27 @@ if awk -v l="${LOAD_BEFORE%% *}" -v n="$(nproc)" 'BEGIN { exit !(l > 0.5 * n) }'
     echo "NOTE: the machine was busy before the run (load ${LOAD_BEFORE%% *} on $(nproc) cpus): expect noisy numbers"
 fi
 echo "page cache of the remote file on host 1: ${R[res_cold]}% before the cold run, ${R[res_warm]}% after it; ${R[res_rand]}% after the cold random run"
-printf "%-${w1}s | %${w2}s | %${w3}s | %${w4}s | %-${w5}s | %s\n" measurement regions tmpfs ratio target "met?"
-printf '%s\n' "$(printf '%*s' $((w1 + w2 + w3 + w4 + w5 + 22)) '' | tr ' ' -)"
-for line in "${ROWS[@]}"; do
-    IFS='|' read -r a b c d e f <<<"$line"
-    printf "%-${w1}s | %${w2}s | %${w3}s | %${w4}s | %-${w5}s | %s\n" "$a" "$b" "$c" "$d" "$e" "$f"
-done
+print_table tmpfs ROWS
 echo
-echo "ratio = regions / tmpfs (for latencies lower is better). tmpfs 'cold' is warm: its pages never leave memory."
+print_table sshfs SROWS
+echo
+echo "ratio = regions / tmpfs or sshfs (for latencies lower is better). tmpfs 'cold' is warm: its pages never leave memory."
 echo "cold random: one pass at most (no block read twice), so every read misses the page cache unless readahead brought it in."
 echo "mmap in order: default readahead and fault-around, so most touches do not fault (p50); p99 and mean carry the faults."
 echo "mmap random: MADV_RANDOM, one fault per page; writes end with msync (regions ${R[mw_seq_r]##*msync_ms=} ms in order, ${R[mw_rand_r]##*msync_ms=} ms random)."
-echo "checks: cold 1 MiB samples through MNT1 ${samples_ok}/${CMP_SAMPLES} equal; whole remote file via MNT2 $W_REMOTE; local region via MNT2 $W_LOCAL; mmap writes via MNT2 $W_MMAP; mmap checksums $( [ "$CHECKS_FAILED" = 0 ] && echo equal || echo 'see warnings')"
+echo "writes: 16 KiB psync, one job, each run ends with an fsync inside its time; create = new file, extending writes (fio create_on_open, fsync_on_close);"
+echo "  seq runs one pass over ${SIZE_MIB} MiB (at most ${SEQ_CAP} s), random runs ${RAND_SECS} s, one run each; drop_caches before each; this host = hostalloc=1, other host = hostalloc=2, both through MNT1."
+echo "sshfs: root@127.0.0.1 over loopback (sshd of the run, default ciphers), of a directory of the same tmpfs; reads are of the same file as 1 and 2, cold."
+echo "small files: $SMALL_N files of $SMALL_SIZE bytes (benches/small_files.c), one process per phase, drop_caches before create and cold read, default placement on MNT1; 'open+read+close' right after the create, 'cold' after drop_caches."
+echo "  manager requests of the small-file phases on MNT1: $SMALL_MGR"
+echo "manager requests: ${R[mgr_requests]:-?} for ${MGR_MIB} MiB (dd bs=1M conv=fsync into a new file through MNT1; ${R[mgr_idle]:-?} in 1 s idle before): ${MGR_OPS:-?}"
+echo "checks: cold 1 MiB samples through MNT1 ${samples_ok}/${CMP_SAMPLES} equal; whole remote file via MNT2 $W_REMOTE; local region via MNT2 $W_LOCAL; mmap writes via MNT2 $W_MMAP; mmap checksums $MMAP_SUMS;"
+echo "  16 KiB writes read back via MNT2 (fio verify): buffered seq to the other host $W_VSEQ, O_DIRECT random to this host $W_VRAND; small files' contents checked; manager step's file via MNT2 $W_MGR"
 
 # Results that cannot be right.
 sane=1
-for k in seq_cold_r seq_warm_r seq_local_r rand_cold_r rand_warm_r rand_local_r; do
+for k in seq_cold_r seq_warm_r seq_local_r rand_cold_r rand_warm_r rand_local_r seq_cold_s rand_cold_s \
+         $(for t in "${WTARGETS[@]}"; do for x in "${WTESTS[@]}"; do echo "w_${x}_$t"; done; done); do
     v=${R[$k]:-0}
     if awk -v v="$v" 'BEGIN { exit !(v <= 0 || v > 200e9) }'; then
         warn "implausible result $k = $v B/s"
