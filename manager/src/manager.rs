@@ -22,6 +22,9 @@ use crate::namespace::SetAttr;
 use crate::state::State;
 use crate::store::{self, Record, Store, StoreError};
 
+/// How far handle numbers jump at each start (see [`Manager::open`]).
+const HANDLE_ID_GAP: u64 = 1 << 32;
+
 /// What an extend asks for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Extend {
@@ -61,6 +64,9 @@ struct Inner {
     state: State,
     /// Sequence number of the last change applied to `state`.
     applied: u64,
+    /// Sequence number of the last change other than open handles: what
+    /// reads wait for (see [`Manager::write_handles`]).
+    observable: u64,
     /// Set when a commit failed: the state in memory is ahead of the store,
     /// so nothing more is served until a restart reloads it.
     failed: Option<String>,
@@ -120,6 +126,10 @@ impl Manager {
     /// committer thread.
     pub fn open(data_dir: &Path, config: Config) -> Result<Arc<Manager>, StoreError> {
         let (mut store, mut state) = Store::open(data_dir, config.lease, config.root_mode)?;
+        // Handle numbers handed out by an earlier run may not all have been
+        // stored (see `write_handles`): never hand them out again.
+        state.counters.next_handle = state.counters.next_handle.saturating_add(HANDLE_ID_GAP);
+        state.dirty.counters = true;
         state.free_orphans();
         store.commit(&mut state)?;
         state.events.clear();
@@ -155,6 +165,7 @@ impl Manager {
             inner: Mutex::new(Inner {
                 state,
                 applied: 0,
+                observable: 0,
                 failed: None,
             }),
             queue,
@@ -196,11 +207,21 @@ impl Manager {
     /// Returns its result and the sequence number that must be durable
     /// before anyone hears of it.
     fn apply<T>(&self, f: impl FnOnce(&mut State) -> Result<T>) -> Result<(Result<T>, u64)> {
+        self.apply_marking(f).map(|(result, seq, _)| (result, seq))
+    }
+
+    /// [`Manager::apply`], also returning the sequence number reads must
+    /// wait for after it (its own unless it changed only open handles).
+    fn apply_marking<T>(
+        &self,
+        f: impl FnOnce(&mut State) -> Result<T>,
+    ) -> Result<(Result<T>, u64, u64)> {
         let mut inner = self.lock()?;
         let result = f(&mut inner.state);
         if inner.state.dirty.is_empty() && inner.state.events.is_empty() {
-            return Ok((result, inner.applied));
+            return Ok((result, inner.applied, inner.observable));
         }
+        let handles_only = inner.state.dirty.only_handles() && inner.state.events.is_empty();
         let records = match store::collect(&mut inner.state) {
             Ok(r) => r,
             Err(e) => {
@@ -210,6 +231,10 @@ impl Manager {
             }
         };
         inner.applied += 1;
+        if !handles_only {
+            inner.observable = inner.applied;
+        }
+        let observable = inner.observable;
         let batch = Batch {
             seq: inner.applied,
             records,
@@ -221,7 +246,7 @@ impl Manager {
             q.0.push_back(batch);
             self.queue.wake.notify_one();
         }
-        Ok((result, seq))
+        Ok((result, seq, observable))
     }
 
     /// Waits until `seq` is durable.
@@ -245,11 +270,25 @@ impl Manager {
         result
     }
 
-    /// Runs a read-only operation; returns once what it saw is durable.
+    /// Runs an operation whose change, if it only opens or closes handles,
+    /// need not be durable before the reply: it returns once what it saw is
+    /// durable, and its own change is stored with the next batch. Batches
+    /// are stored in order, so any later durable change (an unlink that
+    /// would free the region but for this handle, say) stores it too; a
+    /// crash before that loses only a handle no stored change depends on.
+    /// A change to anything else is waited for as by [`Manager::write`].
+    pub async fn write_handles<T>(&self, f: impl FnOnce(&mut State) -> Result<T>) -> Result<T> {
+        let (result, _, observable) = self.apply_marking(f)?;
+        self.settle(observable).await?;
+        result
+    }
+
+    /// Runs a read-only operation; returns once what it saw is durable
+    /// (open handles excepted, see [`Manager::write_handles`]).
     pub async fn read<T>(&self, f: impl FnOnce(&State) -> Result<T>) -> Result<T> {
         let (result, seq) = {
             let inner = self.lock()?;
-            (f(&inner.state), inner.applied)
+            (f(&inner.state), inner.observable)
         };
         self.settle(seq).await?;
         result
@@ -655,7 +694,7 @@ impl Manager {
         ino: u64,
         write: bool,
     ) -> Result<v1::RegionInfo> {
-        self.write(|s| {
+        self.write_handles(|s| {
             let handle = s.open_region(caller, ino, write)?;
             let mut info = s.region_info(ino, None)?;
             info.handle = handle.id;
@@ -718,7 +757,7 @@ impl Manager {
     }
 
     pub async fn close(&self, caller: &Caller, handle: u64) -> Result<bool> {
-        self.write(|s| s.close_handle(caller, handle)).await
+        self.write_handles(|s| s.close_handle(caller, handle)).await
     }
 
     // ---- cluster ----
@@ -956,6 +995,48 @@ mod tests {
             .unwrap();
         }
         let m = Manager::open(dir.path(), config()).unwrap();
+        assert_eq!(m.list_pools(1).await.unwrap()[0].free, 16 * MIB);
+    }
+
+    #[tokio::test]
+    async fn a_handle_stored_with_a_later_change_keeps_an_unlinked_region_and_numbers_never_repeat()
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let (ino, first) = {
+            let m = Manager::open(dir.path(), config()).unwrap();
+            add_host(&m, 1, 16 * MIB, 16 * MIB).await;
+            let r = m
+                .create(user(1), ROOT_INO, "r".into(), 0o644, None, 4 * MIB)
+                .await
+                .unwrap();
+            // The open answers without waiting for its own commit; the
+            // unlink, which waits, stores it too.
+            let info = m.open_region(&user(1), r.ino, false).await.unwrap();
+            m.unlink(&user(1), ROOT_INO, "r").await.unwrap();
+            (r.ino, info.handle)
+        };
+        let m = Manager::open(dir.path(), config()).unwrap();
+        assert_eq!(
+            m.list_pools(1).await.unwrap()[0].free,
+            12 * MIB,
+            "the unlinked region lives on: its open handle was stored"
+        );
+        assert_eq!(m.stats().await.unwrap().open_handles, 1);
+        // A handle number from before the restart is never handed out again.
+        let r2 = m
+            .create(user(1), ROOT_INO, "r2".into(), 0o644, None, 0)
+            .await
+            .unwrap();
+        let again = m.open_region(&user(1), r2.ino, false).await.unwrap();
+        assert!(
+            again.handle > first + HANDLE_ID_GAP - 1,
+            "{} vs {first}",
+            again.handle
+        );
+        assert!(
+            m.close(&user(1), first).await.unwrap(),
+            "closing frees {ino}"
+        );
         assert_eq!(m.list_pools(1).await.unwrap()[0].free, 16 * MIB);
     }
 

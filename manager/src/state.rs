@@ -36,6 +36,16 @@ pub struct Dirty {
 }
 
 impl Dirty {
+    /// Only open handles (and the counters that number them) changed.
+    pub fn only_handles(&self) -> bool {
+        self.inodes.is_empty()
+            && self.dirents.is_empty()
+            && self.chunks.is_empty()
+            && self.hosts.is_empty()
+            && self.pools.is_empty()
+            && self.sync.is_empty()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.inodes.is_empty()
             && self.dirents.is_empty()
