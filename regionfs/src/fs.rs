@@ -51,6 +51,8 @@ const FMODE_EXEC: i32 = 0x20;
 /// How long attributes given to the kernel answer its re-reads while this
 /// mount writes the region (the kernel's attribute TTL).
 const ATTR_REUSE: Duration = Duration::from_secs(1);
+/// The attribute the kernel reads before each first write to a file.
+const SECURITY_CAPABILITY: &str = "security.capability";
 /// Bytes moved per step of prefetch and zeroing.
 const STEP: u64 = 1 << 20;
 
@@ -237,6 +239,9 @@ struct InodeState {
     /// The attributes last given to the kernel, and when (answers the
     /// kernel's re-reads while this mount writes the region).
     attr: Option<(v1::Attr, Instant)>,
+    /// When this mount created the region (cleared when an extended
+    /// attribute is set or removed through it).
+    created_here: Option<Instant>,
 }
 
 /// What this mount knows of a directory.
@@ -932,6 +937,7 @@ impl RegionFs {
             st.kernel_size = attr.size;
             st.seen = Some(stamp(attr));
             st.attr = Some((attr.clone(), Instant::now()));
+            st.created_here = Some(Instant::now());
         }
         let persistent = attr.region_attrs.as_ref().is_some_and(|a| a.persistent);
         if let Some(w) = &self.owners
@@ -1050,15 +1056,10 @@ impl RegionFs {
         let caller = self.caller(ctx);
         let name = wire(name)?;
         let name: &str = &name;
-        let ino = if self.owners.is_some() {
-            self.rpc.lookup(&caller, parent, name).ok().map(|a| a.ino)
-        } else {
-            None
-        };
         self.rpc.unlink(&caller, parent, name)?;
         self.forget_cached_attrs();
-        if let (Some(w), Some(ino)) = (&self.owners, ino) {
-            w.forget(ino);
+        if let Some(w) = &self.owners {
+            w.forget_name(parent, name);
         }
         Ok(())
     }
@@ -1323,8 +1324,25 @@ impl RegionFs {
         if let Some(value) = self.thread_defaults.getxattr(ctx.pid, ino, name) {
             return Self::xattr_out(value?, size);
         }
+        if name == SECURITY_CAPABILITY && self.created_here_recently(ino) {
+            // The kernel asks before the first write to every file; a
+            // region this mount just created has no extended attributes.
+            return Err(FsError::Manager {
+                errno: libc::ENODATA,
+                message: format!("region {ino} has no {SECURITY_CAPABILITY}"),
+            });
+        }
         let value = self.rpc.getxattr(&self.caller(ctx), ino, utf8(name)?)?;
         Self::xattr_out(value, size)
+    }
+
+    /// Whether `ino` was created through this mount within the attribute
+    /// TTL, with no extended attribute set through it since.
+    fn created_here_recently(&self, ino: u64) -> bool {
+        self.lock_inodes()
+            .get(&ino)
+            .and_then(|st| st.created_here)
+            .is_some_and(|at| at.elapsed() < ATTR_REUSE)
     }
 
     /// Attributes this mount answers itself, on every inode: how a program
@@ -1363,8 +1381,16 @@ impl RegionFs {
         if let Some(r) = self.thread_defaults.setxattr(ctx.pid, ino, name, value) {
             return r;
         }
+        self.not_created_here(ino);
         self.rpc
             .setxattr(&self.caller(ctx), ino, utf8(name)?, value, flags as u32)
+    }
+
+    /// Forgets that this mount just created `ino` (its attributes changed).
+    fn not_created_here(&self, ino: u64) {
+        if let Some(st) = self.lock_inodes().get_mut(&ino) {
+            st.created_here = None;
+        }
     }
 
     /// listxattr; `size` 0 asks for the size only.
@@ -1396,6 +1422,7 @@ impl RegionFs {
         if let Some(r) = self.thread_defaults.removexattr(ctx.pid, ino, name) {
             return r;
         }
+        self.not_created_here(ino);
         self.rpc.removexattr(&self.caller(ctx), ino, utf8(name)?)
     }
 

@@ -221,6 +221,31 @@ fn writes_ask_the_manager_once_per_step_not_once_per_write() {
         direct <= 10,
         "{direct} manager requests for 2,000 O_DIRECT writes into an existing region"
     );
+    // Small files: create, write and close, then open, read and close.
+    let dir = t.a.path("small");
+    std::fs::create_dir(&dir).unwrap();
+    let before = file_requests(&t.cluster);
+    for i in 0..50 {
+        std::fs::write(dir.join(format!("f{i}")), [i as u8; 1024]).unwrap();
+    }
+    let created = file_requests(&t.cluster) - before;
+    let before = file_requests(&t.cluster);
+    for i in 0..50 {
+        assert_eq!(
+            std::fs::read(dir.join(format!("f{i}"))).unwrap(),
+            [i as u8; 1024]
+        );
+    }
+    let read = file_requests(&t.cluster) - before;
+    eprintln!("manager requests for 50 small files: {created} to create, {read} to read");
+    assert!(
+        created <= 50 * 4 + 10,
+        "{created} manager requests to create 50 files (lookup, create+open, publish, close each)"
+    );
+    assert!(
+        read <= 50 * 3 + 10,
+        "{read} manager requests to read 50 files (lookup, open, close each)"
+    );
     let mut back = vec![0u8; 16 << 10];
     File::open(t.b.path("seq"))
         .unwrap()
