@@ -628,11 +628,7 @@ impl Manager {
             if (preallocate > 0 || inode.attrs.fixvaddr)
                 && let Err(e) = s.resize(inode.ino, None, preallocate, false)
             {
-                // Undo the entry: the region must not exist half made.
-                s.remove_entry(parent, &name);
-                s.maps.remove(&inode.ino);
-                s.inodes.remove(&inode.ino);
-                restore_inode(s, parent_before);
+                undo_create(s, parent_before, &name, inode.ino);
                 return Err(e);
             }
             s.inode(inode.ino).map(|i| s.attr(i))
@@ -668,11 +664,7 @@ impl Manager {
             let handle = match opened {
                 Ok(h) => h,
                 Err(e) => {
-                    // Undo the entry: the region must not exist half made.
-                    s.remove_entry(parent, &name);
-                    s.maps.remove(&ino);
-                    s.inodes.remove(&ino);
-                    restore_inode(s, parent_before);
+                    undo_create(s, parent_before, &name, ino);
                     return Err(e);
                 }
             };
@@ -863,6 +855,15 @@ impl Manager {
             .load(std::sync::atomic::Ordering::Relaxed);
         Ok(stats)
     }
+}
+
+/// Undoes the creation of region `ino` as `name` in the directory that
+/// was `parent_before`: a region must not exist half made.
+fn undo_create(s: &mut State, parent_before: Inode, name: &str, ino: u64) {
+    s.remove_entry(parent_before.ino, name);
+    s.maps.remove(&ino);
+    s.inodes.remove(&ino);
+    restore_inode(s, parent_before);
 }
 
 /// Puts back an inode as it was before a refused change.

@@ -47,14 +47,7 @@ impl Dirty {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.inodes.is_empty()
-            && self.dirents.is_empty()
-            && self.chunks.is_empty()
-            && self.hosts.is_empty()
-            && self.pools.is_empty()
-            && self.handles.is_empty()
-            && !self.counters
-            && self.sync.is_empty()
+        self.only_handles() && self.handles.is_empty() && !self.counters
     }
 }
 
