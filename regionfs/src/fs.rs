@@ -317,8 +317,8 @@ pub struct RegionFs {
 /// A thread that drops released handles (closing them at the manager), so
 /// that a release costs the application no manager round trip.
 struct Closer {
-    queue: Mutex<Option<std::sync::mpsc::Sender<Arc<Handle>>>>,
-    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    queue: Option<std::sync::mpsc::Sender<Arc<Handle>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Closer {
@@ -333,14 +333,14 @@ impl Closer {
             });
         match thread {
             Ok(t) => Closer {
-                queue: Mutex::new(Some(tx)),
-                thread: Mutex::new(Some(t)),
+                queue: Some(tx),
+                thread: Some(t),
             },
             Err(e) => {
                 tracing::warn!(error = %e, "cannot start the handle closer thread; closing on release");
                 Closer {
-                    queue: Mutex::new(None),
-                    thread: Mutex::new(None),
+                    queue: None,
+                    thread: None,
                 }
             }
         }
@@ -348,21 +348,19 @@ impl Closer {
 
     /// Closes `handle` in the background (at once when no thread runs).
     fn close(&self, handle: Arc<Handle>) {
-        let rest = match self.queue.lock().ok().as_ref().and_then(|q| q.as_ref()) {
-            Some(tx) => tx.send(handle).err().map(|e| e.0),
-            None => Some(handle),
-        };
-        drop(rest);
+        if let Some(tx) = &self.queue {
+            // A send fails only when the thread is gone: the handle comes
+            // back and is dropped (closed) here.
+            let _ = tx.send(handle);
+        }
     }
 }
 
 impl Drop for Closer {
     /// Waits for the handles still queued to close.
     fn drop(&mut self) {
-        if let Ok(mut q) = self.queue.lock() {
-            q.take();
-        }
-        if let Some(t) = self.thread.lock().ok().and_then(|mut t| t.take()) {
+        self.queue.take();
+        if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
     }
@@ -482,27 +480,17 @@ impl RegionFs {
         }
         let grown_from = {
             let mut inodes = self.lock_inodes();
-            if let Some(st) = inodes.get_mut(&attr.ino) {
-                st.attr = Some((attr.clone(), Instant::now()));
-            }
-            match inodes.get_mut(&attr.ino) {
-                None => {
-                    inodes.insert(
-                        attr.ino,
-                        InodeState {
-                            kernel_size: attr.size,
-                            attr: Some((attr.clone(), Instant::now())),
-                            ..InodeState::default()
-                        },
-                    );
-                    None
-                }
-                Some(st) if self.writeback() && attr.size > st.kernel_size => {
-                    let old = st.kernel_size;
-                    st.kernel_size = attr.size;
-                    Some(old)
-                }
-                Some(_) => None,
+            let st = inodes.entry(attr.ino).or_insert_with(|| InodeState {
+                kernel_size: attr.size,
+                ..InodeState::default()
+            });
+            st.attr = Some((attr.clone(), Instant::now()));
+            if self.writeback() && attr.size > st.kernel_size {
+                let old = st.kernel_size;
+                st.kernel_size = attr.size;
+                Some(old)
+            } else {
+                None
             }
         };
         if let Some(old) = grown_from {
