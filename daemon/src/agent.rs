@@ -418,6 +418,21 @@ fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
     }
 }
 
+/// The name of an agent call, as metrics label it.
+fn call_name(request: &AgentRequest) -> &'static str {
+    match &request.request {
+        Some(agent_request::Request::Open(_)) => "open",
+        Some(agent_request::Request::Segment(_)) => "segment",
+        Some(agent_request::Request::MapRefresh(_)) => "map_refresh",
+        Some(agent_request::Request::MapExtend(_)) => "map_extend",
+        Some(agent_request::Request::MapClose(_)) => "map_close",
+        Some(agent_request::Request::OwnerCreate(_)) => "owner_create",
+        Some(agent_request::Request::Sync(_)) => "sync",
+        Some(agent_request::Request::Stats(_)) => "stats",
+        None => "empty",
+    }
+}
+
 fn serve_connection(stream: &UnixStream, handler: &AgentHandler) {
     let cred = match fdpass::peer_cred(stream) {
         Ok(c) => c,
@@ -436,7 +451,10 @@ fn serve_connection(stream: &UnixStream, handler: &AgentHandler) {
                 return;
             }
         };
-        let (reply, fd) = match AgentRequest::decode(body.as_slice()) {
+        let started = std::time::Instant::now();
+        let decoded = AgentRequest::decode(body.as_slice());
+        let call = decoded.as_ref().map_or("undecodable", call_name);
+        let (reply, fd) = match decoded {
             Ok(AgentRequest {
                 request: Some(agent_request::Request::Sync(call)),
             }) => {
@@ -454,6 +472,11 @@ fn serve_connection(stream: &UnixStream, handler: &AgentHandler) {
                 None,
             ),
         };
+        let result = if reply.errno == 0 { "ok" } else { "error" };
+        metrics::counter!("regions_daemon_agent_requests_total", "call" => call, "result" => result)
+            .increment(1);
+        metrics::histogram!("regions_daemon_agent_request_duration_seconds", "call" => call)
+            .record(started.elapsed());
         if reply.errno != 0 {
             tracing::debug!(pid = cred.pid, errno = reply.errno, message = %reply.message, "host-agent request refused");
         }

@@ -59,6 +59,11 @@ pub struct Args {
     /// How long a transport request for a chunk not assigned yet waits for the manager's event.
     #[arg(long, env = "REGIONS_ASSIGN_WAIT_MS", default_value_t = 2_000)]
     pub assign_wait_ms: u64,
+    /// Serve Prometheus metrics over HTTP on this address (`GET /metrics`); off by default.
+    #[arg(long, env = "REGIONS_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
+    #[command(flatten)]
+    pub config: regions_proto::config::ConfigArgs,
 }
 
 /// Parses a byte count with an optional K, M, G or T suffix (powers of 1024; `KiB`, `KB` and
@@ -112,6 +117,9 @@ pub struct Config {
     pub startup_timeout: Duration,
     /// Transport tunables.
     pub transport: TransportConfig,
+    /// Where to serve Prometheus metrics (`None`: not served, or served by the embedding
+    /// process).
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl Config {
@@ -135,6 +143,7 @@ impl Config {
             heartbeat: None,
             startup_timeout: Duration::from_secs(60),
             transport: TransportConfig::default(),
+            metrics_listen: None,
         }
     }
 
@@ -156,6 +165,7 @@ impl Config {
                 assign_wait: Duration::from_millis(args.assign_wait_ms),
                 ..TransportConfig::default()
             },
+            metrics_listen: args.metrics_listen,
         };
         config.validate()?;
         Ok(config)

@@ -53,6 +53,9 @@ impl Daemon {
                 "the daemon needs a multi-threaded tokio runtime".into(),
             ));
         }
+        if let Some(addr) = config.metrics_listen {
+            regions_proto::metrics::serve(addr).map_err(|e| DaemonError::Config(e.to_string()))?;
+        }
         let clients = ManagerClients::new(&config.manager, &config.secret)?;
         let listener = TransportServer::bind(config.listen)?;
         let bound = listener
@@ -127,6 +130,12 @@ impl Daemon {
             .register_at_startup(config.startup_timeout)
             .await?;
         let (stop, stop_rx) = watch::channel(false);
+        tokio::spawn(crate::stats::run_gauges(
+            Arc::clone(&pools),
+            Arc::clone(&stats),
+            config.pool_memory(),
+            stop_rx.clone(),
+        ));
         let session = tokio::spawn(registration.run(first, stop_rx));
         if let Some(path) = &config.ready_file {
             write_ready_file(path, &advertised)?;

@@ -1,7 +1,6 @@
 //! `regions-daemon`: this host's memory for the regions cluster (DESIGN.md, "Data plane").
 
 use anyhow::Context;
-use clap::Parser;
 use regions_daemon::config::Args;
 use regions_daemon::{Config, Daemon};
 use tokio::signal::unix::{SignalKind, signal};
@@ -14,7 +13,7 @@ fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let args = Args::parse();
+    let args: Args = regions_proto::config::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("regions-daemon")

@@ -201,6 +201,27 @@ impl Pools {
         self.list().iter().map(|(_, size)| size).sum()
     }
 
+    /// Bytes of the pools' chunks that back a region now (for metrics: a chunk being assigned
+    /// or released at this moment counts as assigned; nothing waits for it).
+    pub fn assigned_bytes(&self) -> u64 {
+        let pools: Vec<Arc<Pool>> = self
+            .pools
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect();
+        let assigned = |chunk: &RwLock<Option<Backing>>| match chunk.try_read() {
+            Ok(backing) => backing.is_some(),
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner().is_some(),
+            Err(std::sync::TryLockError::WouldBlock) => true,
+        };
+        pools
+            .iter()
+            .map(|p| p.chunks.iter().filter(|c| assigned(c)).count() as u64 * CHUNK_SIZE)
+            .sum()
+    }
+
     /// Adds pool `gid` of `size` bytes (whole chunks), with nothing assigned. Adding a pool
     /// that exists with the same size does nothing.
     pub fn add_pool(&self, gid: u32, size: u64) -> Result<()> {
@@ -851,6 +872,7 @@ mod tests {
         pools.add_pool(1, 8 * C).unwrap();
         pools.assign(1, 2 * C, 10, 0, 2 * C).unwrap();
         pools.assign(1, 4 * C, 11, 0, C).unwrap();
+        assert_eq!(pools.assigned_bytes(), 3 * C);
         let errno = |r: Result<Vec<u8>>| r.unwrap_err().errno();
         // Unknown pool, past the end, overflow.
         assert_eq!(errno(read(&pools, &[rg(2, 0, 1)])), libc::ENOENT);

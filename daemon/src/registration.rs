@@ -412,9 +412,11 @@ impl Registration {
         match self.clients.cluster.heartbeat(request(req)).await {
             Ok(_) => Ok(()),
             Err(s) if matches!(s.code(), Code::NotFound | Code::InvalidArgument) => {
+                metrics::counter!("regions_daemon_heartbeat_failures_total").increment(1);
                 Err(manager_err(s))
             }
             Err(s) => {
+                metrics::counter!("regions_daemon_heartbeat_failures_total").increment(1);
                 tracing::warn!(error = %s.message(), code = ?s.code(), "heartbeat failed; is the manager up?");
                 Ok(())
             }

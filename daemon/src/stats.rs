@@ -1,8 +1,25 @@
-//! Counters of the daemon, reported to the host agent's `AgentStats` as `DaemonStats`.
+//! Counters of the daemon, reported to the host agent's `AgentStats` as `DaemonStats`, and
+//! its Prometheus metrics (served with `--metrics-listen`, see `regions_proto::metrics`):
+//!
+//! - `regions_daemon_transport_requests_total{op}`, `regions_daemon_transport_errors_total{op}`
+//!   and `regions_daemon_transport_request_duration_seconds{op}` (op: read, write, readv,
+//!   writev, cas, fetch-add, wait-change, ping, hello);
+//!   `regions_daemon_transport_bytes_total{direction}` (`out`: sent in read replies, `in`:
+//!   written into region memory); `regions_daemon_transport_connections`.
+//! - `regions_daemon_agent_requests_total{call, result}` and
+//!   `regions_daemon_agent_request_duration_seconds{call}` (the host agent).
+//! - `regions_daemon_pool_capacity_bytes`, `_pool_allocated_bytes` (chunks assigned to
+//!   regions), `_pool_free_bytes`, `_memory_limit_bytes`, `_segments`, `_segment_bytes`
+//!   (memory the segments hold), refreshed every second.
+//! - `regions_daemon_heartbeat_failures_total`.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use metrics::{counter, gauge};
+use regions_proto::metrics::{GAUGE_PERIOD, enabled};
 use regions_proto::v1::DaemonStats;
+use tokio::sync::watch;
 
 use crate::pools::Pools;
 
@@ -32,6 +49,18 @@ impl Stats {
         counter.fetch_sub(1, Ordering::Relaxed);
     }
 
+    /// `n` bytes sent in a READ or READV reply.
+    pub fn bytes_out(&self, n: u64) {
+        Stats::add(&self.bytes_read, n);
+        counter!("regions_daemon_transport_bytes_total", "direction" => "out").increment(n);
+    }
+
+    /// `n` bytes written into region memory by WRITE or WRITEV.
+    pub fn bytes_in(&self, n: u64) {
+        Stats::add(&self.bytes_written, n);
+        counter!("regions_daemon_transport_bytes_total", "direction" => "in").increment(n);
+    }
+
     /// The counters together with the pools' usage.
     pub fn snapshot(&self, host_id: u32, pools: &Pools, memory_limit: u64) -> DaemonStats {
         let (segments, segment_bytes) = pools.segment_usage();
@@ -45,6 +74,36 @@ impl Stats {
             segment_bytes,
             pool_bytes: pools.pool_bytes(),
             memory_limit,
+        }
+    }
+}
+
+/// Refreshes the pool gauges every [`GAUGE_PERIOD`] until `stop` turns true; returns at once
+/// when this process serves no metrics.
+pub async fn run_gauges(
+    pools: Arc<Pools>,
+    stats: Arc<Stats>,
+    memory_limit: u64,
+    mut stop: watch::Receiver<bool>,
+) {
+    if !enabled() {
+        return;
+    }
+    loop {
+        let capacity = pools.pool_bytes();
+        let allocated = pools.assigned_bytes();
+        let (segments, segment_bytes) = pools.segment_usage();
+        gauge!("regions_daemon_pool_capacity_bytes").set(capacity as f64);
+        gauge!("regions_daemon_pool_allocated_bytes").set(allocated as f64);
+        gauge!("regions_daemon_pool_free_bytes").set(capacity.saturating_sub(allocated) as f64);
+        gauge!("regions_daemon_memory_limit_bytes").set(memory_limit as f64);
+        gauge!("regions_daemon_segments").set(segments as f64);
+        gauge!("regions_daemon_segment_bytes").set(segment_bytes as f64);
+        gauge!("regions_daemon_transport_connections")
+            .set(stats.connections.load(Ordering::Relaxed) as f64);
+        tokio::select! {
+            () = tokio::time::sleep(GAUGE_PERIOD) => {}
+            _ = stop.wait_for(|s| *s) => return,
         }
     }
 }

@@ -21,6 +21,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use metrics::{counter, histogram};
 use regions_proto::auth::Secret;
 use regions_proto::frame::{
     FLAG_REPLY, Frame, FrameError, HEADER_LEN, Header, Limits, Op, Range, Request,
@@ -328,7 +329,12 @@ impl Conn {
                 return Ok(());
             };
             Stats::add(&self.shared.stats.requests, 1);
-            self.handle(header)?;
+            let (op, started) = (header.op.name(), Instant::now());
+            let handled = self.handle(header);
+            counter!("regions_daemon_transport_requests_total", "op" => op).increment(1);
+            histogram!("regions_daemon_transport_request_duration_seconds", "op" => op)
+                .record(started.elapsed());
+            handled?;
             if self.out.len() >= FLUSH_AT {
                 self.flush()?;
             }
@@ -420,6 +426,7 @@ impl Conn {
     }
 
     fn reply_err(&mut self, req: &Header, errno: i32, message: &str) {
+        counter!("regions_daemon_transport_errors_total", "op" => req.op.name()).increment(1);
         tracing::debug!(peer = %self.peer, op = %req.op, request = req.request_id, errno, message, "transport request refused");
         Frame::reply_err(req, errno as u32, message).encode(&mut self.out);
     }
@@ -630,7 +637,7 @@ impl Conn {
         });
         match result {
             Ok(()) => {
-                Stats::add(&self.shared.stats.bytes_written, data.len() as u64);
+                self.shared.stats.bytes_in(data.len() as u64);
                 self.reply_ok(h, Bytes::new());
             }
             Err(e) => self.reply_error(h, &e),
@@ -695,7 +702,7 @@ impl Conn {
                 }
             }
             self.out.clear();
-            Stats::add(&self.shared.stats.bytes_read, total);
+            self.shared.stats.bytes_out(total);
             return Ok(());
         }
         let whole = self.out.len() + total as usize;
@@ -714,7 +721,7 @@ impl Conn {
         }
         drop(pinned);
         self.out.clear();
-        Stats::add(&self.shared.stats.bytes_read, total);
+        self.shared.stats.bytes_out(total);
         Ok(())
     }
 
@@ -810,7 +817,7 @@ impl Conn {
             }
         }
         drop(pinned);
-        Stats::add(&self.shared.stats.bytes_written, len);
+        self.shared.stats.bytes_in(len);
         self.reply_ok(h, Bytes::new());
         Ok(())
     }

@@ -43,6 +43,9 @@ impl Window {
                     "a pool window of {len} bytes must be a positive multiple of {PAGE}"
                 ))
             })?;
+        // Raw mmap, not memmap2: a PROT_NONE + MAP_NORESERVE reservation of address space,
+        // which memmap2 cannot make (its maps are always accessible), and whose pages
+        // `map`/`unmap` replace with MAP_FIXED.
         // SAFETY: a new anonymous mapping at an address the kernel chooses; it overlaps no
         // existing Rust object, and the result is checked before use.
         let ptr = unsafe {
@@ -123,6 +126,8 @@ impl Window {
         let addr = self.addr(offset).ok_or_else(|| {
             DaemonError::Invalid(format!("window offset {offset:#x} is out of range"))
         })?;
+        // Raw mmap, not memmap2: MAP_FIXED at an address inside the reservation (memmap2 maps
+        // only where the kernel chooses).
         // SAFETY: the range lies inside our reservation (checked) and, by the caller's
         // contract, nobody accesses it meanwhile; MAP_FIXED replaces only those pages.
         let ptr = unsafe {
@@ -155,6 +160,7 @@ impl Window {
         let addr = self.addr(offset).ok_or_else(|| {
             DaemonError::Invalid(format!("window offset {offset:#x} is out of range"))
         })?;
+        // Raw mmap, not memmap2: PROT_NONE with MAP_FIXED over part of the reservation.
         // SAFETY: inside our reservation (checked); nobody accesses it (caller's contract).
         let ptr = unsafe {
             libc::mmap(

@@ -44,13 +44,20 @@ generate <- function(dir, n, ncols, seed) {
   set.seed(seed)
   y <- numeric(n)
   cols <- list()
+  # Progress on a terminal only: a log or a pipe gets no carriage returns.
+  progress <- function(done) {
+    if (isatty(stdout())) cat(sprintf("\r   %d of %d columns written (%d MiB)", done, ncols, done * n * 8 %/% 1048576))
+  }
   for (j in seq_len(ncols)) {
     if (j == lr_y) next
     v <- rnorm(n)
     if (j %in% lr_x) y <- y + beta[j - min(lr_x) + 1] * v
     cols[[col_name(j)]] <- ff(initdata = v, vmode = "double", filename = col_file(dir, j), overwrite = TRUE)
+    progress(length(cols))
   }
   cols[[col_name(lr_y)]] <- ff(initdata = y + rnorm(n), vmode = "double", filename = col_file(dir, lr_y), overwrite = TRUE)
+  progress(length(cols))
+  if (isatty(stdout())) cat("\n")
   cols <- cols[col_name(seq_len(ncols))]
   df <- do.call(ffdf, cols)
   cat(sprintf("generated an ffdf of %d rows x %d columns (%.0f MiB) in %s\n",

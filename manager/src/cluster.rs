@@ -196,6 +196,17 @@ impl State {
 
     pub fn stats(&self) -> v1::StatsReply {
         let regions = self.inodes.values().filter(|i| !i.is_dir()).count() as u64;
+        let region_bytes = self
+            .inodes
+            .values()
+            .filter(|i| !i.is_dir())
+            .map(|i| i.size)
+            .sum();
+        let lost_regions = self
+            .inodes
+            .values()
+            .filter(|i| i.xattrs.contains_key(crate::lifetime::LOST_KEY))
+            .count() as u64;
         v1::StatsReply {
             hosts: self.hosts.len() as u64,
             live_hosts: self.hosts.keys().filter(|h| self.is_live(**h)).count() as u64,
@@ -210,6 +221,8 @@ impl State {
             directories: self.inodes.len() as u64 - regions,
             open_handles: self.handles.len() as u64,
             file_requests: 0,
+            lost_regions,
+            region_bytes,
         }
     }
 }

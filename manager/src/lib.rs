@@ -13,6 +13,7 @@ pub mod cluster;
 pub mod error;
 pub mod lifetime;
 pub mod manager;
+pub mod metrics;
 pub mod model;
 pub mod namespace;
 pub mod regions;

@@ -38,6 +38,11 @@ struct Args {
     /// Write the bound address to this file once serving (for scripts and tests).
     #[arg(long, env = "REGIONS_READY_FILE")]
     ready_file: Option<PathBuf>,
+    /// Serve Prometheus metrics over HTTP on this address (`GET /metrics`); off by default.
+    #[arg(long, env = "REGIONS_METRICS_LISTEN")]
+    metrics_listen: Option<SocketAddr>,
+    #[command(flatten)]
+    config: regions_proto::config::ConfigArgs,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -49,7 +54,10 @@ async fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let args = Args::parse();
+    let args: Args = regions_proto::config::parse();
+    if let Some(addr) = args.metrics_listen {
+        regions_proto::metrics::serve(addr)?;
+    }
     let secret = Secret::from_file(&args.secret_file)?;
     let config = Config {
         lease: Duration::from_millis(args.lease_ms.max(100)),

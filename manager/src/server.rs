@@ -39,6 +39,8 @@ pub async fn serve(
     };
     // Ends by itself once shutdown begins.
     tokio::spawn(crate::lifetime::run_lease_expiry(Arc::clone(&manager)));
+    // Metrics gauges (only when this process serves metrics); end once shutdown begins.
+    tokio::spawn(crate::metrics::run_gauges(Arc::clone(&manager)));
     // Barriers, mutexes and doorbells; the expiry task ends once shutdown begins.
     let sync = crate::sync::SyncService::new(Arc::clone(&manager), secret.clone());
     tokio::spawn(sync.clone().run_host_expiry());
@@ -53,6 +55,7 @@ pub async fn serve(
     });
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = Server::builder()
+        .layer(crate::metrics::GrpcMetricsLayer)
         .add_service(InterceptedService::new(
             NamespaceServer::new(services.clone())
                 .max_decoding_message_size(MAX_MESSAGE)

@@ -175,9 +175,10 @@ impl TryFrom<u8> for Op {
     }
 }
 
-impl fmt::Display for Op {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+impl Op {
+    /// The op's name, as logs and metrics labels show it ("read", "fetch-add", ...).
+    pub fn name(self) -> &'static str {
+        match self {
             Op::Hello => "hello",
             Op::Read => "read",
             Op::Write => "write",
@@ -187,7 +188,13 @@ impl fmt::Display for Op {
             Op::FetchAdd => "fetch-add",
             Op::Ping => "ping",
             Op::WaitChange => "wait-change",
-        })
+        }
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
     }
 }
 

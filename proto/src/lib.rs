@@ -7,12 +7,17 @@
 //! - [`frame`]: the binary frame codec of the tcp data transport.
 //! - [`word_wait`]: how processes sharing region memory wait for a word to change.
 //! - [`pid_watch`]: watching processes for their exit with pidfds.
+//! - [`metrics`]: the Prometheus endpoint every binary serves with `--metrics-listen`.
+//! - [`config`]: settings from a TOML file beneath flags and environment variables.
 
 pub mod auth;
 pub mod capability;
+pub mod config;
 pub mod errno;
 pub mod frame;
 pub mod layout;
+#[cfg(feature = "exporter")]
+pub mod metrics;
 pub mod pid_watch;
 pub mod word_wait;
 

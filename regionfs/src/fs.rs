@@ -457,6 +457,7 @@ impl RegionFs {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut h) = self.handles.write() {
             h.insert(fh, Arc::new(handle));
+            metrics::gauge!("regions_fuse_open_handles").set(h.len() as f64);
         }
         fh
     }
@@ -1851,7 +1852,11 @@ impl RegionFs {
             .handles
             .write()
             .ok()
-            .and_then(|mut m| m.remove(&fh))
+            .and_then(|mut m| {
+                let removed = m.remove(&fh);
+                metrics::gauge!("regions_fuse_open_handles").set(m.len() as f64);
+                removed
+            })
             .ok_or_else(|| FsError::BadHandle(format!("file handle {fh} is not open")))?;
         let mut passthrough = false;
         if let Body::Region(r) = &h.body {

@@ -7,7 +7,7 @@ use std::ffi::OsStr;
 use std::io;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fuser::{
     AccessFlags, BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
@@ -34,6 +34,32 @@ pub const BLKSIZE: u32 = 1 << 20;
 pub const MAX_READAHEAD: u32 = 8 << 20;
 /// Background requests (readahead, writeback) the kernel keeps in flight.
 const MAX_BACKGROUND: u16 = 64;
+
+/// Counts and times one FUSE request when dropped: `regions_fuse_requests_total{op}` and
+/// `regions_fuse_request_duration_seconds{op}` (failures: `regions_fuse_errors_total{op,
+/// errno}`, in [`FuseFs::fail`]; bytes: `regions_fuse_bytes_total{op}`; open files:
+/// `regions_fuse_open_handles`). No-ops unless the process serves metrics.
+struct Timed {
+    op: &'static str,
+    started: Instant,
+}
+
+impl Timed {
+    fn start(op: &'static str) -> Timed {
+        Timed {
+            op,
+            started: Instant::now(),
+        }
+    }
+}
+
+impl Drop for Timed {
+    fn drop(&mut self) {
+        metrics::counter!("regions_fuse_requests_total", "op" => self.op).increment(1);
+        metrics::histogram!("regions_fuse_request_duration_seconds", "op" => self.op)
+            .record(self.started.elapsed());
+    }
+}
 
 /// The kernel cache, through FUSE notifications.
 pub struct Kernel(pub Notifier);
@@ -75,8 +101,10 @@ impl FuseFs {
     }
 
     /// Logs a failure as loudly as it deserves and gives its errno.
-    fn fail(&self, op: &str, ino: u64, e: &FsError) -> Errno {
+    fn fail(&self, op: &'static str, ino: u64, e: &FsError) -> Errno {
         let errno = e.errno();
+        metrics::counter!("regions_fuse_errors_total", "op" => op, "errno" => errno.to_string())
+            .increment(1);
         if e.is_fault() {
             tracing::warn!(op, ino, errno, error = %e, "request failed: a daemon or the manager is unreachable; check them (see .regions/hosts)");
         } else if e.is_routine() {
@@ -288,6 +316,7 @@ impl Filesystem for FuseFs {
     }
 
     fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let _timed = Timed::start("lookup");
         match self.core.lookup(&ctx(req), parent.0, name) {
             Ok(a) => {
                 let ttl = self.entry_ttl(parent.0, name);
@@ -303,10 +332,12 @@ impl Filesystem for FuseFs {
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, _nlookup: u64) {
+        let _timed = Timed::start("forget");
         self.core.forget(ino.0);
     }
 
     fn getattr(&self, req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        let _timed = Timed::start("getattr");
         match self.core.getattr(&ctx(req), ino.0) {
             Ok(a) => reply.attr(&TTL, &file_attr(&a)),
             Err(e) => reply.error(self.fail("getattr", ino.0, &e)),
@@ -331,6 +362,7 @@ impl Filesystem for FuseFs {
         _flags: Option<fuser::BsdFileFlags>,
         reply: ReplyAttr,
     ) {
+        let _timed = Timed::start("setattr");
         let change = SetAttrIn {
             mode: mode.map(|m| m & 0o7777),
             uid,
@@ -358,6 +390,7 @@ impl Filesystem for FuseFs {
         _rdev: u32,
         reply: ReplyEntry,
     ) {
+        let _timed = Timed::start("mknod");
         match self.core.mknod(&ctx(req), parent.0, name, mode, umask) {
             Ok(a) => reply.entry(
                 &TTL,
@@ -377,6 +410,7 @@ impl Filesystem for FuseFs {
         umask: u32,
         reply: ReplyEntry,
     ) {
+        let _timed = Timed::start("mkdir");
         match self.core.mkdir(&ctx(req), parent.0, name, mode, umask) {
             Ok(a) => reply.entry(
                 &TTL,
@@ -388,6 +422,7 @@ impl Filesystem for FuseFs {
     }
 
     fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _timed = Timed::start("unlink");
         match self.core.unlink(&ctx(req), parent.0, name) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(self.fail("unlink", parent.0, &e)),
@@ -395,6 +430,7 @@ impl Filesystem for FuseFs {
     }
 
     fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _timed = Timed::start("rmdir");
         match self.core.rmdir(&ctx(req), parent.0, name) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(self.fail("rmdir", parent.0, &e)),
@@ -409,6 +445,7 @@ impl Filesystem for FuseFs {
         _target: &Path,
         reply: ReplyEntry,
     ) {
+        let _timed = Timed::start("symlink");
         match self.core.symlink(parent.0, link_name) {
             Ok(a) => reply.entry(
                 &TTL,
@@ -429,6 +466,7 @@ impl Filesystem for FuseFs {
         flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
+        let _timed = Timed::start("rename");
         match self.core.rename(
             &ctx(req),
             (parent.0, name),
@@ -448,6 +486,7 @@ impl Filesystem for FuseFs {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
+        let _timed = Timed::start("link");
         match self.core.link(ino.0, newparent.0, newname) {
             Ok(a) => reply.entry(
                 &TTL,
@@ -459,6 +498,7 @@ impl Filesystem for FuseFs {
     }
 
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let _timed = Timed::start("open");
         match self.core.open(&ctx(req), ino.0, flags.0) {
             Ok(o) => self.reply_open(reply, ino.0, o),
             Err(e) => reply.error(self.fail("open", ino.0, &e)),
@@ -476,8 +516,11 @@ impl Filesystem for FuseFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
+        let _timed = Timed::start("read");
         let mut reply = Some(reply);
         let result = self.core.read_with(fh.0, offset, size, |data| {
+            metrics::counter!("regions_fuse_bytes_total", "op" => "read")
+                .increment(data.len() as u64);
             if let Some(r) = reply.take() {
                 r.data(data);
             }
@@ -500,11 +543,15 @@ impl Filesystem for FuseFs {
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
+        let _timed = Timed::start("write");
         if write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
             self.core.kill_suidgid(ino.0);
         }
         match self.core.write(fh.0, offset, data) {
-            Ok(n) => reply.written(n),
+            Ok(n) => {
+                metrics::counter!("regions_fuse_bytes_total", "op" => "write").increment(n.into());
+                reply.written(n)
+            }
             Err(e) => reply.error(self.fail("write", ino.0, &e)),
         }
     }
@@ -517,6 +564,7 @@ impl Filesystem for FuseFs {
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
+        let _timed = Timed::start("flush");
         match self.core.flush(fh.0) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(self.fail("flush", ino.0, &e)),
@@ -533,6 +581,7 @@ impl Filesystem for FuseFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        let _timed = Timed::start("release");
         match self.core.release(fh.0) {
             Ok(r) => {
                 if r.passthrough {
@@ -552,6 +601,7 @@ impl Filesystem for FuseFs {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
+        let _timed = Timed::start("fsync");
         match self.core.fsync(fh.0) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(self.fail("fsync", ino.0, &e)),
@@ -559,6 +609,7 @@ impl Filesystem for FuseFs {
     }
 
     fn opendir(&self, req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        let _timed = Timed::start("opendir");
         match self.core.opendir(&ctx(req), ino.0) {
             Ok(()) => reply.opened(FileHandle(0), FopenFlags::empty()),
             Err(e) => reply.error(self.fail("opendir", ino.0, &e)),
@@ -573,6 +624,7 @@ impl Filesystem for FuseFs {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
+        let _timed = Timed::start("readdir");
         match self.core.readdir(&ctx(req), ino.0, offset, false) {
             Ok(entries) => {
                 for e in entries {
@@ -599,6 +651,7 @@ impl Filesystem for FuseFs {
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
+        let _timed = Timed::start("readdirplus");
         match self.core.readdir(&ctx(req), ino.0, offset, true) {
             Ok(entries) => {
                 for e in entries {
@@ -632,11 +685,13 @@ impl Filesystem for FuseFs {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
+        let _timed = Timed::start("fsyncdir");
         // Directory changes are durable at the manager before it replies.
         reply.ok();
     }
 
     fn statfs(&self, req: &Request, ino: INodeNo, reply: ReplyStatfs) {
+        let _timed = Timed::start("statfs");
         match self.core.statfs(&ctx(req)) {
             Ok(s) => reply.statfs(
                 s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.bsize,
@@ -655,6 +710,7 @@ impl Filesystem for FuseFs {
         _position: u32,
         reply: ReplyEmpty,
     ) {
+        let _timed = Timed::start("setxattr");
         match self.core.setxattr(&ctx(req), ino.0, name, value, flags) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(self.fail("setxattr", ino.0, &e)),
@@ -662,6 +718,7 @@ impl Filesystem for FuseFs {
     }
 
     fn getxattr(&self, req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        let _timed = Timed::start("getxattr");
         match self.core.getxattr(&ctx(req), ino.0, name, size) {
             Ok(XattrOut::Size(n)) => reply.size(n),
             Ok(XattrOut::Data(d)) => reply.data(&d),
@@ -670,6 +727,7 @@ impl Filesystem for FuseFs {
     }
 
     fn listxattr(&self, req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        let _timed = Timed::start("listxattr");
         match self.core.listxattr(&ctx(req), ino.0, size) {
             Ok(XattrOut::Size(n)) => reply.size(n),
             Ok(XattrOut::Data(d)) => reply.data(&d),
@@ -678,6 +736,7 @@ impl Filesystem for FuseFs {
     }
 
     fn removexattr(&self, req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let _timed = Timed::start("removexattr");
         match self.core.removexattr(&ctx(req), ino.0, name) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(self.fail("removexattr", ino.0, &e)),
@@ -685,6 +744,7 @@ impl Filesystem for FuseFs {
     }
 
     fn access(&self, req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
+        let _timed = Timed::start("access");
         match self.core.access(&ctx(req), ino.0, mask.bits() as u32) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(self.fail("access", ino.0, &e)),
@@ -701,6 +761,7 @@ impl Filesystem for FuseFs {
         flags: i32,
         reply: ReplyCreate,
     ) {
+        let _timed = Timed::start("create");
         match self
             .core
             .create(&ctx(req), parent.0, name, mode, umask, flags)
@@ -733,6 +794,7 @@ impl Filesystem for FuseFs {
         out_size: u32,
         reply: ReplyIoctl,
     ) {
+        let _timed = Timed::start("ioctl");
         if flags.contains(IoctlFlags::FUSE_IOCTL_DIR) {
             reply.error(Errno::from_i32(libc::ENOTTY));
             return;

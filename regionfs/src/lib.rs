@@ -33,6 +33,7 @@ pub mod names;
 pub mod owners;
 pub mod pseudo;
 pub mod rpc;
+pub mod status;
 pub mod thread_defaults;
 pub mod up;
 

@@ -7,6 +7,7 @@
 //!
 //! SIGINT or SIGTERM unmounts cleanly and stops everything.
 
+use std::io::Write as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -39,6 +40,27 @@ enum Command {
     Up(UpArgs),
     /// Barriers, mutexes and doorbells for shell scripts (through a mount's host agent).
     Sync(sync_cli::SyncArgs),
+    /// The cluster at a glance: manager health, hosts and leases, memory, regions, warnings.
+    Status(StatusArgs),
+}
+
+#[derive(Args, Debug)]
+struct StatusArgs {
+    /// URL of the manager (`http://host:port`; a bare `host:port` means http).
+    #[arg(long, env = "REGIONS_MANAGER", default_value = "http://127.0.0.1:7070")]
+    manager: String,
+    /// File holding the cluster secret (default: /etc/regions/secret, else the one
+    /// `regionfs up` keeps in /var/lib/regions).
+    #[arg(long, env = "REGIONS_SECRET_FILE")]
+    secret_file: Option<PathBuf>,
+    /// Print JSON for scripts instead of text.
+    #[arg(long)]
+    json: bool,
+    /// How long to wait for the manager.
+    #[arg(long, env = "REGIONS_STATUS_TIMEOUT_MS", default_value_t = 5_000)]
+    timeout_ms: u64,
+    #[command(flatten)]
+    config: regions_proto::config::ConfigArgs,
 }
 
 /// Options of the mount itself, shared by both commands.
@@ -55,6 +77,10 @@ struct FsArgs {
     /// Write the mountpoint path to this file once the mount answers.
     #[arg(long, env = "REGIONS_READY_FILE")]
     ready_file: Option<PathBuf>,
+    /// Serve Prometheus metrics over HTTP on this address (`GET /metrics`; with `up`, one
+    /// endpoint for the manager, the daemon and the mount); off by default.
+    #[arg(long, env = "REGIONS_METRICS_LISTEN")]
+    metrics_listen: Option<SocketAddr>,
 }
 
 #[derive(Args, Debug)]
@@ -80,6 +106,8 @@ struct MountArgs {
     /// Where to mount (created when missing).
     #[arg(env = "REGIONFS_MOUNTPOINT")]
     mountpoint: PathBuf,
+    #[command(flatten)]
+    config: regions_proto::config::ConfigArgs,
 }
 
 #[derive(Args, Debug)]
@@ -101,6 +129,8 @@ struct UpArgs {
     transport_listen: SocketAddr,
     #[command(flatten)]
     fs: FsArgs,
+    #[command(flatten)]
+    config: regions_proto::config::ConfigArgs,
 }
 
 fn main() {
@@ -111,11 +141,12 @@ fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let cli: Cli = regions_proto::config::parse();
     let result = match cli.command {
         Command::Mount(args) => run_mount(args),
         Command::Up(args) => run_up(args),
         Command::Sync(args) => sync_cli::run(args).map(|code| std::process::exit(code)),
+        Command::Status(args) => run_status(args),
     };
     if let Err(e) = result {
         tracing::error!("{e:#}");
@@ -132,6 +163,9 @@ fn manager_url(text: &str) -> String {
 }
 
 fn run_mount(args: MountArgs) -> anyhow::Result<()> {
+    if let Some(addr) = args.fs.metrics_listen {
+        regions_proto::metrics::serve(addr)?;
+    }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -144,10 +178,51 @@ fn run_mount(args: MountArgs) -> anyhow::Result<()> {
     config.agent_socket = args.agent_socket.clone();
     let client = Client::connect(config)
         .with_context(|| format!("cannot connect to the manager at {url}"))?;
-    serve(client, &mountpoint, &args.fs, &runtime, signals)
+    let ready = format!("host {} of the cluster at {url}", args.host_id);
+    serve(client, &mountpoint, &args.fs, &runtime, signals, &ready)
+}
+
+/// The secret files `regionfs status` tries when none is named: a cluster's, then the one
+/// `regionfs up` writes under its default data directory.
+const STATUS_SECRET_FILES: [&str; 2] = ["/etc/regions/secret", "/var/lib/regions/secret"];
+
+fn run_status(args: StatusArgs) -> anyhow::Result<()> {
+    let secret_file = match &args.secret_file {
+        Some(path) => path.clone(),
+        None => STATUS_SECRET_FILES
+            .iter()
+            .map(PathBuf::from)
+            .find(|p| p.exists())
+            .with_context(|| {
+                format!(
+                    "no cluster secret in {}: name it with --secret-file",
+                    STATUS_SECRET_FILES.join(" or ")
+                )
+            })?,
+    };
+    let secret = Secret::from_file(&secret_file)?;
+    let url = manager_url(&args.manager);
+    let manager = regions::manager_client::ManagerClient::connect(
+        &url,
+        &secret,
+        Duration::from_millis(args.timeout_ms),
+    )
+    .with_context(|| format!("cannot reach the manager at {url}: is it running?"))?;
+    let status = regionfs::status::Status::gather(&manager)
+        .with_context(|| format!("the manager at {url} did not answer the status requests"))?;
+    if args.json {
+        println!("{}", status.render_json());
+    } else {
+        print!("{}", status.render_text());
+    }
+    Ok(())
 }
 
 fn run_up(args: UpArgs) -> anyhow::Result<()> {
+    // Before the manager and the daemon start, so that their metrics are recorded too.
+    if let Some(addr) = args.fs.metrics_listen {
+        regions_proto::metrics::serve(addr)?;
+    }
     let mountpoint = prepare_mountpoint(&args.mountpoint)?;
     let cluster = Cluster::start(&UpConfig {
         data_dir: args.data_dir.clone(),
@@ -162,14 +237,27 @@ fn run_up(args: UpArgs) -> anyhow::Result<()> {
             cluster.manager_url()
         )
     })?;
-    tracing::info!(
-        manager = cluster.manager_url(),
-        agent = %cluster.agent_socket().display(),
-        "single-host cluster up; other hosts may join with regions-daemon --manager {} and the secret in {}",
+    let ready = format!(
+        "single-host cluster up: manager {}, host agent {}, {} of memory, state in {}; \
+         other hosts join with `regions-daemon --manager {}` and the secret in {}; \
+         `regionfs status --manager {} --secret-file {}` shows it; Ctrl-C stops it",
         cluster.manager_url(),
-        args.data_dir.join("secret").display()
+        cluster.agent_socket().display(),
+        regionfs::status::bytes(args.memory),
+        args.data_dir.display(),
+        cluster.manager_url(),
+        args.data_dir.join("secret").display(),
+        cluster.manager_url(),
+        args.data_dir.join("secret").display(),
     );
-    let result = serve(client, &mountpoint, &args.fs, cluster.runtime(), signals);
+    let result = serve(
+        client,
+        &mountpoint,
+        &args.fs,
+        cluster.runtime(),
+        signals,
+        &ready,
+    );
     cluster.shutdown();
     result
 }
@@ -190,14 +278,15 @@ impl Signals {
     }
 }
 
-/// Mounts, writes the ready file, waits for a signal or an external
-/// unmount, unmounts.
+/// Mounts, writes the ready file, says on stdout that it is ready (with `what`), waits for a
+/// signal or an external unmount, unmounts.
 fn serve(
     client: Client,
     mountpoint: &Path,
     args: &FsArgs,
     runtime: &tokio::runtime::Runtime,
     mut signals: Signals,
+    what: &str,
 ) -> anyhow::Result<()> {
     let options = FsOptions {
         cache: args.cache,
@@ -215,6 +304,12 @@ fn serve(
         write_ready_file(path, &format!("{}\n", mountpoint.display()))
             .with_context(|| format!("cannot write the ready file {}", path.display()))?;
     }
+    // The one line a person starting it in a terminal waits for (logs go to stderr).
+    // A closed stdout is no reason to stop serving.
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "ready: {} is mounted; {what}", mountpoint.display());
+    let _ = out.flush();
+    drop(out);
     let ended = runtime.block_on(async {
         loop {
             tokio::select! {

@@ -447,6 +447,29 @@ int main(int argc, char **argv) {
 }
 "#;
 
+/// A Python with numpy: `$REGIONS_TEST_PYTHON`, else the first of `python3`
+/// (PATH) and `/usr/bin/python3` (Debian's python3-numpy) that imports it.
+/// Fails the test when there is none: numpy.memmap must be checked.
+fn python_with_numpy() -> std::ffi::OsString {
+    let candidates: Vec<std::ffi::OsString> = match std::env::var_os("REGIONS_TEST_PYTHON") {
+        Some(py) => vec![py],
+        None => vec!["python3".into(), "/usr/bin/python3".into()],
+    };
+    for py in &candidates {
+        let ok = Command::new(py)
+            .args(["-c", "import numpy"])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if ok {
+            return py.clone();
+        }
+    }
+    panic!(
+        "none of {candidates:?} imports numpy: this test needs numpy (apt-get install -y \
+         python3-numpy, or set REGIONS_TEST_PYTHON to a Python that has it)"
+    );
+}
+
 #[test]
 fn mmap_from_c_and_numpy() {
     let u = up(&[]);
@@ -485,16 +508,12 @@ fn mmap_from_c_and_numpy() {
             "the C test (and regions_ioctl.h) does not compile: {}",
             String::from_utf8_lossy(&out.stderr)
         ),
-        Err(e) => eprintln!("no C compiler ({e}); C mmap not checked"),
+        Err(e) => panic!(
+            "cannot run cc ({e}): this test needs a C compiler (apt-get install -y gcc; \
+             scripts/install-deps.sh installs everything the tests need)"
+        ),
     }
-    let has_numpy = Command::new("python3")
-        .args(["-c", "import numpy"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has_numpy {
-        eprintln!("numpy not installed; numpy.memmap not checked");
-        return;
-    }
+    let python = python_with_numpy();
     let script = format!(
         r#"
 import numpy as np
@@ -509,7 +528,7 @@ print("ok")
 "#,
         p = u.path("np-mapped").display().to_string()
     );
-    let out = Command::new("python3")
+    let out = Command::new(&python)
         .arg("-c")
         .arg(&script)
         .output()

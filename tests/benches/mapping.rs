@@ -78,6 +78,8 @@ fn registered_range(len: usize) -> anyhow::Result<(userfaultfd::Uffd, *mut libc:
         .non_blocking(false)
         .user_mode_only(true)
         .create()?;
+    // Raw mmap, not memmap2: not a file mapping but a private anonymous range for a
+    // userfaultfd, whose faults the bench serves itself and which the caller munmaps.
     // SAFETY: a fresh private anonymous mapping; the caller unmaps it.
     let base = unsafe {
         libc::mmap(
@@ -278,20 +280,12 @@ fn main() -> anyhow::Result<()> {
     let m = mapping::map_fd(f.as_fd())?;
     let bare = AppRegion::open_path(&m1.path("bare"), false)?;
     let ff = std::fs::File::open(m1.path("fuse"))?;
-    // SAFETY: a fresh shared read-only mapping of the whole file, unmapped below.
-    let fuse = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            sizes.lat_region,
-            libc::PROT_READ,
-            libc::MAP_SHARED,
-            std::os::fd::AsRawFd::as_raw_fd(&ff),
-            0,
-        )
-    };
-    ensure!(fuse != libc::MAP_FAILED, "mmap of the regionfs file failed");
-    // SAFETY: advice on the mapping just made.
-    unsafe { libc::madvise(fuse, sizes.lat_region, libc::MADV_RANDOM) };
+    // SAFETY: a shared read-only mapping of the whole file, dropped below; the region is not
+    // truncated while it is mapped (reads only go through raw volatile loads, `touch`).
+    let fuse = unsafe { memmap2::MmapOptions::new().len(sizes.lat_region).map(&ff) }
+        .context("mmap of the regionfs file failed")?;
+    fuse.advise(memmap2::Advice::Random)
+        .context("madvise(MADV_RANDOM) of the regionfs mapping failed")?;
     let mut buf = vec![0u8; PAGE];
     let (mut uffd_us, mut bare_us, mut fuse_us) = (Vec::new(), Vec::new(), Vec::new());
     // The floors, interleaved with the rest: a wake-up round trip and a bare userfaultfd fault.
@@ -321,11 +315,10 @@ fn main() -> anyhow::Result<()> {
         sum += u64::from(buf[0]);
 
         let t = Instant::now();
-        sum += u64::from(touch(fuse.cast::<u8>().wrapping_add(p * PAGE)));
+        sum += u64::from(touch(fuse.as_ptr().wrapping_add(p * PAGE)));
         fuse_us.push(t.elapsed().as_secs_f64() * 1e6);
     }
-    // SAFETY: unmapping the mapping made above.
-    unsafe { libc::munmap(fuse, sizes.lat_region) };
+    drop(fuse);
     pingpong.stop()?;
     raw.stop()?;
     // The mapping reads what the region holds.

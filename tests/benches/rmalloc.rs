@@ -139,6 +139,8 @@ fn main() -> ExitCode {
 
     // 1. The core over anonymous memory.
     let len = 64 << 20;
+    // Raw mmap, not memmap2: MAP_SHARED anonymous memory, as a region's pages are shared
+    // (memmap2's anonymous maps are MAP_PRIVATE).
     // SAFETY: a fresh anonymous shared mapping.
     let mem = unsafe {
         libc::mmap(

@@ -472,6 +472,41 @@ impl DaemonProcess {
             process,
         })
     }
+
+    /// [`DaemonProcess::start`] with extra command-line arguments
+    /// (e.g. `["--metrics-listen", "127.0.0.1:9100"]`).
+    pub fn start_with_args(
+        manager: SocketAddr,
+        secret_file: &Path,
+        host_id: u32,
+        memory: &str,
+        socket_dir: &Path,
+        extra: &[&str],
+    ) -> anyhow::Result<DaemonProcess> {
+        let socket = socket_dir.join(format!("h{host_id}.sock"));
+        let mut args: Vec<std::ffi::OsString> = vec![
+            "--manager".into(),
+            format!("http://{manager}").into(),
+            "--host-id".into(),
+            host_id.to_string().into(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--memory".into(),
+            memory.into(),
+            "--socket".into(),
+            socket.clone().into(),
+            "--secret-file".into(),
+            secret_file.into(),
+        ];
+        args.extend(extra.iter().map(Into::into));
+        let process = NodeProcess::start("regions-daemon", &args)?;
+        Ok(DaemonProcess {
+            host_id,
+            addr: process.ready.clone(),
+            socket,
+            process,
+        })
+    }
 }
 
 /// A running `regionfs mount` process and its mount point.
@@ -520,9 +555,50 @@ impl MountProcess {
         agent_socket: &Path,
         mountpoint: &Path,
     ) -> anyhow::Result<MountProcess> {
+        MountProcess::start_wrapped_with_args(
+            wrapper,
+            manager,
+            secret_file,
+            host_id,
+            agent_socket,
+            mountpoint,
+            &[],
+        )
+    }
+
+    /// [`MountProcess::start`] with extra `regionfs mount` arguments
+    /// (e.g. `["--metrics-listen", "127.0.0.1:9100"]`).
+    pub fn start_with_args(
+        manager: SocketAddr,
+        secret_file: &Path,
+        host_id: u32,
+        agent_socket: &Path,
+        mountpoint: &Path,
+        extra: &[&str],
+    ) -> anyhow::Result<MountProcess> {
+        MountProcess::start_wrapped_with_args(
+            &[],
+            manager,
+            secret_file,
+            host_id,
+            agent_socket,
+            mountpoint,
+            extra,
+        )
+    }
+
+    fn start_wrapped_with_args(
+        wrapper: &[std::ffi::OsString],
+        manager: SocketAddr,
+        secret_file: &Path,
+        host_id: u32,
+        agent_socket: &Path,
+        mountpoint: &Path,
+        extra: &[&str],
+    ) -> anyhow::Result<MountProcess> {
         std::fs::create_dir_all(mountpoint)
             .with_context(|| format!("cannot create {}", mountpoint.display()))?;
-        let args: Vec<std::ffi::OsString> = vec![
+        let mut args: Vec<std::ffi::OsString> = vec![
             "mount".into(),
             "--manager".into(),
             format!("http://{manager}").into(),
@@ -532,8 +608,9 @@ impl MountProcess {
             secret_file.into(),
             "--agent-socket".into(),
             agent_socket.into(),
-            mountpoint.into(),
         ];
+        args.extend(extra.iter().map(Into::into));
+        args.push(mountpoint.into());
         let process = NodeProcess::start_wrapped(wrapper, "regionfs", &args)?;
         Ok(MountProcess {
             host_id,
@@ -717,3 +794,77 @@ pub fn has_errno(status: &tonic::Status) -> bool {
 }
 
 pub mod netns;
+
+/// The repository's root directory.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from(".."))
+}
+
+/// The directory holding this build's libregions.so and libregions.a: the calling test
+/// binary's own directory, `target/<profile>/deps`.
+pub fn lib_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    exe.parent()
+        .expect("the test binary is in target/<profile>/deps")
+        .to_path_buf()
+}
+
+/// Installs this build's libregions (library, header, pkg-config file) into a fresh prefix
+/// with `scripts/install-libregions.sh --lib-dir`.
+pub fn install_libregions() -> tempfile::TempDir {
+    let prefix = tempfile::Builder::new()
+        .prefix("libregions-prefix")
+        .tempdir()
+        .expect("a temporary prefix");
+    let script = repo_root().join("scripts/install-libregions.sh");
+    // Another cargo build may be rewriting target/*/deps right now: retry.
+    let mut attempts = 0;
+    let out = loop {
+        let out = Command::new(&script)
+            .arg("--lib-dir")
+            .arg(lib_dir())
+            .arg(prefix.path())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
+        attempts += 1;
+        if out.status.success() || attempts == 5 {
+            break out;
+        }
+        std::thread::sleep(Duration::from_secs(3));
+    };
+    assert!(
+        out.status.success(),
+        "install-libregions.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    prefix
+}
+
+/// Names the Python the tests run (default: `python3` on PATH, else Debian's).
+pub const PYTHON_ENV: &str = "REGIONS_TEST_PYTHON";
+
+/// A Python with numpy: `$REGIONS_TEST_PYTHON`, else the first of `python3` (PATH) and
+/// `/usr/bin/python3` (where Debian's python3-numpy goes, when PATH leads to another Python
+/// first) that imports it. Fails the test when there is none: numpy must be checked.
+pub fn python_with_numpy() -> std::ffi::OsString {
+    let candidates: Vec<std::ffi::OsString> = match std::env::var_os(PYTHON_ENV) {
+        Some(py) => vec![py],
+        None => vec!["python3".into(), "/usr/bin/python3".into()],
+    };
+    for py in &candidates {
+        let ok = Command::new(py)
+            .args(["-c", "import numpy"])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if ok {
+            return py.clone();
+        }
+    }
+    panic!(
+        "none of {candidates:?} imports numpy: this test needs numpy (apt-get install -y \
+         python3-numpy, or set {PYTHON_ENV} to a Python that has it)"
+    );
+}

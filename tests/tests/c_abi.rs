@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use regions_tests::{Cluster, MountProcess};
+use regions_tests::{Cluster, MountProcess, install_libregions as install};
 
 /// How long one C program may run.
 const RUN_TIMEOUT_S: &str = "120";
@@ -20,50 +20,6 @@ fn workspace() -> PathBuf {
         .parent()
         .unwrap()
         .to_path_buf()
-}
-
-/// The directory holding this build's libregions.so and libregions.a.
-fn lib_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    // target/<profile>/deps/c_abi-<hash>
-    exe.parent().unwrap().to_path_buf()
-}
-
-/// Installs libregions into a fresh prefix.
-fn install() -> tempfile::TempDir {
-    let prefix = tempfile::Builder::new()
-        .prefix("libregions-prefix")
-        .tempdir()
-        .unwrap();
-    // Another cargo build may be rewriting target/*/deps right now: retry.
-    let mut attempts = 0;
-    let out = loop {
-        let out = Command::new(workspace().join("scripts/install-libregions.sh"))
-            .arg("--lib-dir")
-            .arg(lib_dir())
-            .arg(prefix.path())
-            .output()
-            .unwrap();
-        attempts += 1;
-        if out.status.success() || attempts == 5 {
-            break out;
-        }
-        std::thread::sleep(std::time::Duration::from_secs(3));
-    };
-    assert!(
-        out.status.success(),
-        "install-libregions.sh failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    for f in [
-        "lib/libregions.so",
-        "lib/libregions.a",
-        "include/regions.h",
-        "lib/pkgconfig/regions.pc",
-    ] {
-        assert!(prefix.path().join(f).is_file(), "{f} not installed");
-    }
-    prefix
 }
 
 /// Compiles `sources` into `out` with the flags pkg-config gives for the

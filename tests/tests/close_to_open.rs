@@ -6,7 +6,6 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 use std::time::Duration;
@@ -65,21 +64,11 @@ fn check_exact(path: &Path, want: &[u8], what: &str) {
 fn mmap_write(f: &File, offset: usize, data: &[u8]) {
     let len = offset + data.len();
     // SAFETY: a fresh shared mapping of `len` bytes of an open file that is
-    // at least that long; nothing else refers to it, and it is unmapped
-    // before returning.
-    unsafe {
-        let p = libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            f.as_raw_fd(),
-            0,
-        );
-        assert_ne!(p, libc::MAP_FAILED, "mmap failed");
-        std::ptr::copy_nonoverlapping(data.as_ptr(), p.cast::<u8>().add(offset), data.len());
-        assert_eq!(libc::munmap(p, len), 0);
-    }
+    // at least that long; nothing else in this process truncates it while
+    // mapped, and it is unmapped before returning.
+    let mut map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(f) }.expect("mmap failed");
+    map[offset..].copy_from_slice(data);
+    drop(map);
 }
 
 #[test]

@@ -9,7 +9,7 @@
 
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
-use std::io::Write as _;
+use std::io::{IsTerminal as _, Write as _};
 use std::ops::Range;
 use std::os::fd::AsRawFd as _;
 use std::os::unix::ffi::OsStrExt as _;
@@ -64,11 +64,29 @@ pub fn hosts_of(path: &Path) -> Result<String> {
 }
 
 /// Writes a whole region at `path` and flushes it to the cluster (close-to-
-/// open: a host that opens it afterwards reads these bytes).
+/// open: a host that opens it afterwards reads these bytes). A long write
+/// shows its progress when stderr is a terminal.
 pub fn publish(path: &Path, bytes: &[u8]) -> Result<()> {
+    const PIECE: usize = 64 << 20;
     let mut f = File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
-    f.write_all(bytes)
-        .with_context(|| format!("cannot write {}", path.display()))?;
+    let progress = bytes.len() > PIECE && std::io::stderr().is_terminal();
+    for (i, piece) in bytes.chunks(PIECE).enumerate() {
+        f.write_all(piece)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        if progress {
+            let done = (i * PIECE + piece.len()) as u64;
+            eprint!(
+                "\r  writing {}: {} / {} MiB ({}%)",
+                path.display(),
+                done >> 20,
+                bytes.len() >> 20,
+                done * 100 / bytes.len() as u64
+            );
+        }
+    }
+    if progress {
+        eprintln!();
+    }
     f.sync_all()
         .with_context(|| format!("cannot flush {}", path.display()))
 }
@@ -96,57 +114,34 @@ pub fn drop_cached(path: &Path) -> Result<()> {
 
 /// A read-only `mmap` of part of a region file.
 pub struct Mapped {
-    ptr: *mut libc::c_void,
-    len: usize,
+    /// None for an empty range (mmap cannot map 0 bytes).
+    map: Option<memmap2::Mmap>,
 }
 
 impl Mapped {
     /// Maps bytes `range` of the region at `path` (`range.start` page-aligned).
     pub fn new(path: &Path, range: Range<u64>) -> Result<Mapped> {
         let f = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
-        let len = (range.end - range.start) as usize;
+        let len = usize::try_from(range.end.saturating_sub(range.start))
+            .with_context(|| format!("{range:?} of {} is too long to map", path.display()))?;
         if len == 0 {
-            return Ok(Mapped {
-                ptr: std::ptr::null_mut(),
-                len,
-            });
+            return Ok(Mapped { map: None });
         }
-        // SAFETY: a fresh shared read-only mapping of an open file; the
-        // kernel picks the address, and the fd may close after mmap.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                f.as_raw_fd(),
-                range.start as libc::off_t,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            let err = std::io::Error::last_os_error();
-            bail!("cannot mmap {:?} of {}: {err}", range, path.display());
+        // SAFETY: a shared read-only mapping of an open region file; the
+        // region is not truncated nor written while the job reads it.
+        let map = unsafe {
+            memmap2::MmapOptions::new()
+                .offset(range.start)
+                .len(len)
+                .map(&f)
         }
-        Ok(Mapped { ptr, len })
+        .with_context(|| format!("cannot mmap {:?} of {}", range, path.display()))?;
+        Ok(Mapped { map: Some(map) })
     }
 
     /// The mapped bytes.
     pub fn bytes(&self) -> &[u8] {
-        if self.len == 0 {
-            return &[];
-        }
-        // SAFETY: `ptr` maps `len` readable bytes until drop; the region is
-        // not truncated while the job runs.
-        unsafe { std::slice::from_raw_parts(self.ptr.cast::<u8>(), self.len) }
-    }
-}
-
-impl Drop for Mapped {
-    fn drop(&mut self) {
-        if self.len != 0 {
-            // SAFETY: unmaps exactly the mapping made in `new`.
-            unsafe { libc::munmap(self.ptr, self.len) };
-        }
+        self.map.as_deref().unwrap_or(&[])
     }
 }
 

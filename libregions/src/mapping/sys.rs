@@ -1,6 +1,11 @@
 //! The system calls of the mapping layer, each wrapped once with its safety argument. Every
 //! function here works on address ranges that the mapping layer owns: the fixed-address window
 //! it reserved, or ranges it reserved itself with [`reserve_anywhere`].
+//!
+//! The `mmap` calls here stay raw rather than going through `memmap2`: each is a `PROT_NONE`
+//! reservation, or a `MAP_FIXED` (or `MAP_FIXED_NOREPLACE`) map at an address inside one (the
+//! cluster-wide fixed address of a FIXVADDR region, or the pages a userfaultfd serves), none of
+//! which memmap2 can make: it maps only accessible memory at an address the kernel picks.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -19,6 +24,7 @@ fn check_map(ret: *mut libc::c_void, what: &str) -> io::Result<*mut u8> {
 /// Reserves `[start, start + len)` `PROT_NONE` + `MAP_NORESERVE`, failing (rather than
 /// replacing anything) when part of it is already mapped.
 pub fn reserve_fixed_noreplace(start: usize, len: usize) -> io::Result<()> {
+    // Raw: PROT_NONE, MAP_NORESERVE and MAP_FIXED_NOREPLACE at the region's fixed address.
     // SAFETY: MAP_FIXED_NOREPLACE never replaces an existing mapping; the new one is
     // inaccessible memory that nothing references yet.
     let ret = unsafe {
@@ -46,6 +52,7 @@ pub fn reserve_fixed_noreplace(start: usize, len: usize) -> io::Result<()> {
 
 /// Reserves `len` bytes anywhere (outside the fixed window, which is taken).
 pub fn reserve_anywhere(len: usize) -> io::Result<*mut u8> {
+    // Raw: a PROT_NONE + MAP_NORESERVE reservation (memmap2 maps only accessible memory).
     // SAFETY: a fresh inaccessible mapping at an address the kernel picks; nothing is replaced.
     let ret = unsafe {
         libc::mmap(
@@ -63,6 +70,7 @@ pub fn reserve_anywhere(len: usize) -> io::Result<*mut u8> {
 /// Puts `[addr, addr + len)` back to reserved (`PROT_NONE`), dropping what was mapped there.
 /// The range must lie inside a reservation of the mapping layer.
 pub fn re_reserve(addr: *mut u8, len: usize) -> io::Result<()> {
+    // Raw: PROT_NONE with MAP_FIXED inside a reservation.
     // SAFETY: the caller passes a range inside its own reservation; MAP_FIXED replaces only that
     // range, whose memory the mapping layer no longer hands out.
     let ret = unsafe {
@@ -97,6 +105,7 @@ fn prot(write: bool) -> i32 {
 
 /// Maps anonymous private memory over `[addr, addr + len)` (inside a reservation).
 pub fn map_anon_fixed(addr: *mut u8, len: usize, write: bool) -> io::Result<()> {
+    // Raw: MAP_FIXED inside a reservation, for pages a userfaultfd serves.
     // SAFETY: the range lies in a reservation of the mapping layer (PROT_NONE until now, or
     // pages it drops on purpose); MAP_FIXED replaces only that range.
     let ret = unsafe {
@@ -130,6 +139,8 @@ pub fn map_fd_fixed(
     offset: u64,
     write: bool,
 ) -> io::Result<()> {
+    // Raw: MAP_FIXED at the region's place inside a reservation (memmap2 cannot map at an
+    // address).
     // SAFETY: as for `map_anon_fixed`; the memfd stays valid for the mapping's life (the kernel
     // holds its own reference).
     let ret = unsafe {

@@ -116,11 +116,16 @@ fn read_loop(faults: &Faults) {
             Ok(Some(Event::Pagefault { kind, addr, .. })) => {
                 errors = 0;
                 let addr = addr as usize & !(PAGE - 1);
-                let job = match kind {
-                    FaultKind::WriteProtected => Job::WriteProtect(addr),
-                    _ => Job::Missing(addr),
+                let (job, label) = match kind {
+                    FaultKind::WriteProtected => (Job::WriteProtect(addr), "write_protect"),
+                    _ => (Job::Missing(addr), "missing"),
                 };
+                let started = std::time::Instant::now();
                 super::serve(job);
+                metrics::counter!("regions_client_mapping_faults_total", "kind" => label)
+                    .increment(1);
+                metrics::histogram!("regions_client_mapping_fault_duration_seconds", "kind" => label)
+                    .record(started.elapsed());
             }
             Ok(Some(other)) => tracing::debug!(event = ?other, "ignoring a userfaultfd event"),
             Ok(None) => {}

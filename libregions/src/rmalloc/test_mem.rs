@@ -18,6 +18,9 @@ unsafe impl Sync for Mem {}
 
 impl Mem {
     pub(super) fn new(len: usize) -> Mem {
+        // Raw mmap, not memmap2: MAP_SHARED anonymous memory (a forked child's writes must
+        // reach the parent, thread_cache's fork test) with MAP_NORESERVE; memmap2's anonymous
+        // maps are MAP_PRIVATE.
         // SAFETY: anonymous mapping with no address hint.
         let p = unsafe {
             libc::mmap(

@@ -2,8 +2,7 @@
 //! agent, mapped into this process. Reads and writes are memory copies;
 //! atomics are CPU atomics on the shared pages.
 
-use std::os::fd::{AsRawFd, OwnedFd};
-use std::ptr::NonNull;
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -14,21 +13,18 @@ use super::{Span, Transport, TransportStats};
 use crate::error::{RegionsError, Result};
 
 /// A segment memfd mapped `MAP_SHARED`; region offset = offset in the map.
+///
+/// The mapping is plain shared memory owned by this value (unmapped when it
+/// drops); concurrent access through `&self` only copies bytes or uses
+/// atomics, like any other shared-memory window (callers coordinate their own
+/// data races, exactly as with a `MAP_SHARED` file).
 pub struct LocalSegment {
-    ptr: NonNull<u8>,
+    map: memmap2::MmapRaw,
     len: usize,
     writable: bool,
     _fd: OwnedFd,
     stats: Arc<TransportStats>,
 }
-
-// SAFETY: the mapping is plain shared memory owned by this value; concurrent
-// access through &self only copies bytes or uses atomics, like any other
-// shared-memory window (callers coordinate their own data races, exactly as
-// with a MAP_SHARED file).
-unsafe impl Send for LocalSegment {}
-// SAFETY: see Send.
-unsafe impl Sync for LocalSegment {}
 
 impl LocalSegment {
     /// Maps `len` bytes of `fd` (read-only unless `writable`).
@@ -43,33 +39,18 @@ impl LocalSegment {
         if len == 0 {
             return Err(RegionsError::Invalid("cannot map an empty segment".into()));
         }
-        let prot = if writable {
-            libc::PROT_READ | libc::PROT_WRITE
+        // A shared mapping of `len` bytes of the memfd (PROT_READ, plus
+        // PROT_WRITE when writable) at an address the kernel picks.
+        let mut options = memmap2::MmapOptions::new();
+        options.len(len);
+        let map = if writable {
+            options.map_raw(&fd)
         } else {
-            libc::PROT_READ
-        };
-        // SAFETY: a fresh shared mapping of a file descriptor we own; the
-        // kernel picks the address; the result is checked before use.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                prot,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(RegionsError::io(
-                "cannot map the region's segment",
-                std::io::Error::last_os_error(),
-            ));
+            options.map_raw_read_only(&fd)
         }
-        let ptr = NonNull::new(ptr.cast::<u8>())
-            .ok_or_else(|| RegionsError::Invalid("mmap returned a null mapping".into()))?;
+        .map_err(|e| RegionsError::io("cannot map the region's segment", e))?;
         Ok(LocalSegment {
-            ptr,
+            map,
             len,
             writable,
             _fd: fd,
@@ -124,17 +105,7 @@ impl LocalSegment {
         let at = self.check(offset, 8)?;
         // SAFETY: in bounds (checked), 8-byte aligned (mapping is page
         // aligned and offset % 8 == 0), and the memory lives as long as self.
-        Ok(unsafe { AtomicU64::from_ptr(self.ptr.as_ptr().add(at).cast::<u64>()) })
-    }
-}
-
-impl Drop for LocalSegment {
-    fn drop(&mut self) {
-        // SAFETY: unmaps exactly the mapping made in `map`; no references
-        // into it outlive self.
-        unsafe {
-            libc::munmap(self.ptr.as_ptr().cast(), self.len);
-        }
+        Ok(unsafe { AtomicU64::from_ptr(self.map.as_mut_ptr().add(at).cast::<u64>()) })
     }
 }
 
@@ -149,7 +120,7 @@ impl Transport for LocalSegment {
             // from `at` (spans sum to dst.len()).
             unsafe {
                 std::ptr::copy_nonoverlapping(
-                    self.ptr.as_ptr().add(from),
+                    self.map.as_ptr().add(from),
                     dst[at..at + n].as_mut_ptr(),
                     n,
                 );
@@ -157,6 +128,8 @@ impl Transport for LocalSegment {
             at += n;
         }
         TransportStats::add(&self.stats.local_bytes_read, at as u64);
+        metrics::counter!("regions_client_bytes_total", "op" => "read", "transport" => "local")
+            .increment(at as u64);
         Ok(())
     }
 
@@ -177,13 +150,15 @@ impl Transport for LocalSegment {
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     src[at..at + n].as_ptr(),
-                    self.ptr.as_ptr().add(to),
+                    self.map.as_mut_ptr().add(to),
                     n,
                 );
             }
             at += n;
         }
         TransportStats::add(&self.stats.local_bytes_written, at as u64);
+        metrics::counter!("regions_client_bytes_total", "op" => "write", "transport" => "local")
+            .increment(at as u64);
         Ok(())
     }
 
@@ -226,7 +201,7 @@ impl Transport for LocalSegment {
 
 #[cfg(test)]
 mod tests {
-    use std::os::fd::FromRawFd;
+    use std::os::fd::{AsRawFd, FromRawFd};
 
     use super::*;
 

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use metrics::counter;
 use regions_proto::frame::{FLAG_REPLY, HEADER_LEN, Header, Op, RANGE_LEN};
 use std::borrow::Cow;
 
@@ -105,6 +106,13 @@ pub struct TcpTransport {
     down_at: Mutex<Instant>,
     /// Posted atomics and the replies they are owed.
     lane: Arc<posted::Lane>,
+}
+
+/// Counts a request that failed because its daemon is unreachable (the caller sees `EIO`):
+/// `gave_up` after retrying up to the bound, `down` at once (the daemon failed moments ago),
+/// `not_idempotent` after a broken connection that a retry could have applied twice.
+fn count_unreachable(reason: &'static str) {
+    counter!("regions_client_unreachable_total", "reason" => reason).increment(1);
 }
 
 /// The deadline of a request to a daemon known to be unreachable.
@@ -252,6 +260,7 @@ impl TcpTransport {
         if down && let Ok(mut at) = self.down_at.lock() {
             let since = at.elapsed();
             if since < QUIET {
+                count_unreachable("down");
                 return Err(RegionsError::DaemonUnreachable {
                     addr: self.addr.clone(),
                     attempts: 0,
@@ -308,6 +317,7 @@ impl TcpTransport {
                         continue;
                     }
                     Err(Failure::Retry(r)) if !idempotent => {
+                        count_unreachable("not_idempotent");
                         return Err(RegionsError::DaemonUnreachable {
                             addr: self.addr.clone(),
                             attempts,
@@ -330,6 +340,7 @@ impl TcpTransport {
                         idle.clear();
                     }
                 }
+                count_unreachable("gave_up");
                 return Err(RegionsError::DaemonUnreachable {
                     addr: self.addr.clone(),
                     attempts,
@@ -338,6 +349,7 @@ impl TcpTransport {
                 });
             }
             tracing::debug!(addr = %self.addr, attempts, reason = %reason, "retrying daemon");
+            counter!("regions_client_transport_retries_total").increment(1);
             std::thread::sleep(backoff);
             backoff = (backoff * 2).min(Duration::from_millis(500));
         }
@@ -650,6 +662,8 @@ impl Transport for TcpTransport {
         let requests = plan_requests(spans, None);
         self.with_conn(true, |conn| self.pipeline(conn, &requests, dst))?;
         TransportStats::add(&self.stats.remote_bytes_read, dst.len() as u64);
+        counter!("regions_client_bytes_total", "op" => "read", "transport" => "tcp")
+            .increment(dst.len() as u64);
         Ok(())
     }
 
@@ -657,6 +671,8 @@ impl Transport for TcpTransport {
         let requests = plan_requests(spans, Some(src));
         self.with_conn(true, |conn| self.pipeline(conn, &requests, &mut []))?;
         TransportStats::add(&self.stats.remote_bytes_written, src.len() as u64);
+        counter!("regions_client_bytes_total", "op" => "write", "transport" => "tcp")
+            .increment(src.len() as u64);
         Ok(())
     }
 
