@@ -59,6 +59,15 @@ pub struct Args {
     /// How long a transport request for a chunk not assigned yet waits for the manager's event.
     #[arg(long, env = "REGIONS_ASSIGN_WAIT_MS", default_value_t = 2_000)]
     pub assign_wait_ms: u64,
+    /// Tests only: waits this long before applying each chunk release or tail zeroing, to
+    /// show that the manager's replies wait for them.
+    #[arg(
+        long,
+        env = "REGIONS_TEST_DESTRUCTIVE_EVENT_DELAY_MS",
+        default_value_t = 0,
+        hide = true
+    )]
+    pub test_destructive_event_delay_ms: u64,
     /// Serve Prometheus metrics over HTTP on this address (`GET /metrics`); off by default.
     #[arg(long, env = "REGIONS_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
@@ -120,6 +129,8 @@ pub struct Config {
     /// Where to serve Prometheus metrics (`None`: not served, or served by the embedding
     /// process).
     pub metrics_listen: Option<SocketAddr>,
+    /// Tests only: a pause before applying each chunk release or tail zeroing.
+    pub destructive_event_delay: Duration,
 }
 
 impl Config {
@@ -144,6 +155,7 @@ impl Config {
             startup_timeout: Duration::from_secs(60),
             transport: TransportConfig::default(),
             metrics_listen: None,
+            destructive_event_delay: Duration::ZERO,
         }
     }
 
@@ -166,6 +178,7 @@ impl Config {
                 ..TransportConfig::default()
             },
             metrics_listen: args.metrics_listen,
+            destructive_event_delay: Duration::from_millis(args.test_destructive_event_delay_ms),
         };
         config.validate()?;
         Ok(config)

@@ -123,7 +123,8 @@ impl Daemon {
             config.heartbeat,
             Arc::clone(&pools),
             Arc::clone(&status),
-        );
+        )
+        .with_destructive_event_delay(config.destructive_event_delay);
         let incarnation = registration.incarnation();
         // On error the servers drop here: threads stop and the socket file goes.
         let first = registration

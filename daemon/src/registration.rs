@@ -59,6 +59,8 @@ pub struct Registration {
     heartbeat: Option<Duration>,
     pools: Arc<Pools>,
     status: Arc<RegistrationStatus>,
+    /// Tests only: a pause before applying each chunk release or tail zeroing.
+    destructive_event_delay: Duration,
 }
 
 /// Whether a failed manager call is worth retrying (the manager is down or restarting).
@@ -110,7 +112,14 @@ impl Registration {
             heartbeat,
             pools,
             status,
+            destructive_event_delay: Duration::ZERO,
         }
+    }
+
+    /// Tests only: pauses before applying each chunk release or tail zeroing.
+    pub fn with_destructive_event_delay(mut self, delay: Duration) -> Registration {
+        self.destructive_event_delay = delay;
+        self
     }
 
     /// This start's incarnation number.
@@ -254,7 +263,21 @@ impl Registration {
         }
         let sequence = if sequence == u64::MAX { 0 } else { sequence };
         self.status.last_sequence.store(sequence, Ordering::Relaxed);
+        self.report_applied(sequence).await;
         Ok(sequence)
+    }
+
+    /// Tells the manager that every event up to `sequence` is applied here: its replies that
+    /// hand out region maps wait for chunk releases and tail zeroing to land first. A failed
+    /// report only delays those replies (the manager waits a bounded time).
+    async fn report_applied(&mut self, sequence: u64) {
+        let req = v1::EventsAppliedRequest {
+            host_id: self.host_id,
+            sequence,
+        };
+        if let Err(s) = self.clients.cluster.events_applied(request(req)).await {
+            tracing::warn!(sequence, error = %s.message(), "cannot report applied events to the manager; its replies may wait");
+        }
     }
 
     /// Keeps trying to register while the manager is unreachable, up to `timeout`.
@@ -426,6 +449,10 @@ impl Registration {
     /// Applies one event (errors are logged: a bad event never stops the daemon).
     async fn apply(&mut self, event: v1::HostEvent, after: &mut u64) {
         let sequence = event.sequence;
+        let destructive = matches!(event.event, Some(Event::Released(_) | Event::Truncated(_)));
+        if destructive && !self.destructive_event_delay.is_zero() {
+            tokio::time::sleep(self.destructive_event_delay).await;
+        }
         let result = match event.event {
             Some(Event::Assigned(b)) => {
                 self.pools
@@ -445,6 +472,9 @@ impl Registration {
         *after = sequence;
         self.status.last_sequence.store(sequence, Ordering::Relaxed);
         self.status.events.fetch_add(1, Ordering::Relaxed);
+        if destructive {
+            self.report_applied(sequence).await;
+        }
     }
 
     /// `GrowPool`: add a pool of `bytes` (whole chunks) if the memory offered allows.

@@ -101,7 +101,16 @@ struct EventLog {
     dropped: HashMap<u32, u64>,
     per_host: HashMap<u32, VecDeque<v1::HostEvent>>,
     backlog: usize,
+    /// Per host, the newest event that destroys bytes (`Released`, `Truncated`).
+    destructive: HashMap<u32, u64>,
+    /// Per host, the newest event its daemon reported applied.
+    applied: HashMap<u32, u64>,
 }
+
+/// How long a reply that hands out a map waits for daemons to apply earlier destructive
+/// events before it goes out anyway (with a warning): a daemon that slow is failing, and its
+/// lease decides its fate.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The manager.
 pub struct Manager {
@@ -114,6 +123,8 @@ pub struct Manager {
     event_seq: watch::Sender<u64>,
     /// Wakes callers waiting for a daemon to add a pool.
     pool_added: Notify,
+    /// Bumped whenever a daemon reports events applied.
+    events_applied: watch::Sender<u64>,
     /// Becomes true when the server begins shutting down.
     closing: watch::Sender<bool>,
     /// Namespace and region requests answered (see `StatsReply::file_requests`).
@@ -149,6 +160,8 @@ impl Manager {
             dropped: HashMap::new(),
             per_host: HashMap::new(),
             backlog: config.event_backlog,
+            destructive: HashMap::new(),
+            applied: HashMap::new(),
         }));
         let event_seq = watch::channel(base - 1).0;
         let committer = {
@@ -174,6 +187,7 @@ impl Manager {
             events,
             event_seq,
             pool_added: Notify::new(),
+            events_applied: watch::channel(0).0,
             closing: watch::channel(false).0,
             file_requests: Default::default(),
             config,
@@ -353,6 +367,69 @@ impl Manager {
             .unwrap_or_default())
     }
 
+    /// Host `host`'s daemon applied its events up to `sequence`.
+    pub fn events_applied(&self, host: u32, sequence: u64) -> Result<()> {
+        let mut log = self
+            .events
+            .lock()
+            .map_err(|_| ManagerError::Store("the event log lock was poisoned".into()))?;
+        let applied = log.applied.entry(host).or_insert(0);
+        *applied = (*applied).max(sequence);
+        drop(log);
+        self.events_applied.send_modify(|n| *n = n.wrapping_add(1));
+        Ok(())
+    }
+
+    /// Live hosts whose daemons have not yet applied a destructive event (chunk release, tail
+    /// zeroing) published so far, with the sequence number each must reach.
+    fn unsettled(&self) -> Vec<(u32, u64)> {
+        let pending: Vec<(u32, u64)> = match self.events.lock() {
+            Ok(log) => log
+                .destructive
+                .iter()
+                .filter(|(host, seq)| log.applied.get(host).copied().unwrap_or(0) < **seq)
+                .map(|(host, seq)| (*host, *seq))
+                .collect(),
+            Err(_) => return Vec::new(),
+        };
+        if pending.is_empty() {
+            return pending;
+        }
+        match self.lock() {
+            Ok(inner) => pending
+                .into_iter()
+                .filter(|(host, _)| inner.state.is_live(*host))
+                .collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    /// Waits until every live daemon has applied the destructive events published so far
+    /// (bounded by [`SETTLE_TIMEOUT`]). Replies that hand out a region's map call it after
+    /// their change: a write the reply authorises must never land before a punch or a zeroing
+    /// that an earlier change decided, which would destroy it (a truncate then a write, a
+    /// region's tail zeroed after another host already wrote there).
+    async fn settle_destructive(&self) {
+        let mut applied = self.events_applied.subscribe();
+        let deadline = tokio::time::Instant::now() + SETTLE_TIMEOUT;
+        loop {
+            let pending = self.unsettled();
+            if pending.is_empty() {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, applied.changed())
+                .await
+                .is_err()
+            {
+                tracing::warn!(
+                    ?pending,
+                    "daemons did not confirm applying chunk releases or tail zeroing within {SETTLE_TIMEOUT:?}; answering anyway"
+                );
+                return;
+            }
+        }
+    }
+
     /// The sequence number of the newest event.
     pub fn current_sequence(&self) -> u64 {
         *self.event_seq.borrow()
@@ -450,6 +527,9 @@ fn publish(events: &Mutex<EventLog>, event_seq: &watch::Sender<u64>, batch: Vec<
         let sequence = log.next;
         log.next += 1;
         last = sequence;
+        if matches!(event, Event::Released(_) | Event::Truncated(_)) {
+            log.destructive.insert(host, sequence);
+        }
         let queue = log.per_host.entry(host).or_default();
         queue.push_back(v1::HostEvent {
             sequence,
@@ -586,29 +666,40 @@ impl Manager {
         change: SetAttr,
         size: Option<u64>,
     ) -> Result<v1::Attr> {
-        self.write_allocating(move |s| {
-            if size.is_some() {
-                let inode = s.inode(ino)?;
-                if inode.kind == Kind::Directory {
-                    return Err(ManagerError::IsDir(format!(
-                        "inode {ino}; directories have no size to set"
-                    )));
+        let resized = size.is_some();
+        let attr = self
+            .write_allocating(move |s| {
+                if size.is_some() {
+                    let inode = s.inode(ino)?;
+                    if inode.kind == Kind::Directory {
+                        return Err(ManagerError::IsDir(format!(
+                            "inode {ino}; directories have no size to set"
+                        )));
+                    }
+                    crate::access::check(
+                        &caller,
+                        inode,
+                        crate::access::WRITE,
+                        "truncate this region",
+                    )?;
                 }
-                crate::access::check(&caller, inode, crate::access::WRITE, "truncate this region")?;
-            }
-            // Validate the attribute change on a copy before resizing.
-            let before = s.inode(ino)?.clone();
-            let after = s.setattr(&caller, ino, &change)?;
-            if let Some(size) = size
-                && let Err(e) = s.resize(ino, Some(size), 0, true)
-            {
-                restore_inode(s, before);
-                return Err(e);
-            }
-            let _ = after;
-            s.inode(ino).map(|i| s.attr(i))
-        })
-        .await
+                // Validate the attribute change on a copy before resizing.
+                let before = s.inode(ino)?.clone();
+                let after = s.setattr(&caller, ino, &change)?;
+                if let Some(size) = size
+                    && let Err(e) = s.resize(ino, Some(size), 0, true)
+                {
+                    restore_inode(s, before);
+                    return Err(e);
+                }
+                let _ = after;
+                s.inode(ino).map(|i| s.attr(i))
+            })
+            .await?;
+        if resized {
+            self.settle_destructive().await;
+        }
+        Ok(attr)
     }
 
     /// Creates a region, allocating `preallocate` bytes (and a fixed address
@@ -651,31 +742,34 @@ impl Manager {
         preallocate: u64,
         write: bool,
     ) -> Result<v1::RegionInfo> {
-        self.write_allocating(move |s| {
-            let parent_before = s.inode(parent)?.clone();
-            let inode = s.create_entry(&caller, parent, &name, mode, overrides.as_ref())?;
-            let ino = inode.ino;
-            let opened = if preallocate > 0 || inode.attrs.fixvaddr {
-                s.resize(ino, None, preallocate, false)
-            } else {
-                Ok(())
-            }
-            .and_then(|()| s.open_region(&caller, ino, write));
-            let handle = match opened {
-                Ok(h) => h,
-                Err(e) => {
-                    undo_create(s, parent_before, &name, ino);
-                    return Err(e);
+        let info = self
+            .write_allocating(move |s| {
+                let parent_before = s.inode(parent)?.clone();
+                let inode = s.create_entry(&caller, parent, &name, mode, overrides.as_ref())?;
+                let ino = inode.ino;
+                let opened = if preallocate > 0 || inode.attrs.fixvaddr {
+                    s.resize(ino, None, preallocate, false)
+                } else {
+                    Ok(())
                 }
-            };
-            if preallocate > 0 {
-                s.note_reserved(ino);
-            }
-            let mut info = s.region_info(ino, None)?;
-            info.handle = handle.id;
-            Ok(info)
-        })
-        .await
+                .and_then(|()| s.open_region(&caller, ino, write));
+                let handle = match opened {
+                    Ok(h) => h,
+                    Err(e) => {
+                        undo_create(s, parent_before, &name, ino);
+                        return Err(e);
+                    }
+                };
+                if preallocate > 0 {
+                    s.note_reserved(ino);
+                }
+                let mut info = s.region_info(ino, None)?;
+                info.handle = handle.id;
+                Ok(info)
+            })
+            .await?;
+        self.settle_destructive().await;
+        Ok(info)
     }
 
     // ---- regions ----
@@ -686,31 +780,37 @@ impl Manager {
         ino: u64,
         write: bool,
     ) -> Result<v1::RegionInfo> {
-        self.write_handles(|s| {
-            let handle = s.open_region(caller, ino, write)?;
-            let mut info = s.region_info(ino, None)?;
-            info.handle = handle.id;
-            Ok(info)
-        })
-        .await
+        let info = self
+            .write_handles(|s| {
+                let handle = s.open_region(caller, ino, write)?;
+                let mut info = s.region_info(ino, None)?;
+                info.handle = handle.id;
+                Ok(info)
+            })
+            .await?;
+        self.settle_destructive().await;
+        Ok(info)
     }
 
     /// Grows a region to at least `size` bytes, with chunks allocated for
     /// at least `capacity` bytes; with `touch`, sets mtime and ctime to now.
     pub async fn extend(&self, caller: Caller, ino: u64, grow: Extend) -> Result<v1::RegionInfo> {
-        self.write_allocating(move |s| {
-            s.check_write_or_handle(&caller, ino, "extend this region")?;
-            let size = grow.size.max(s.region(ino)?.size);
-            s.resize(ino, Some(size), size.max(grow.capacity), false)?;
-            if grow.capacity > size {
-                s.note_reserved(ino);
-            }
-            if grow.touch {
-                s.touch(ino)?;
-            }
-            s.region_info(ino, None)
-        })
-        .await
+        let info = self
+            .write_allocating(move |s| {
+                s.check_write_or_handle(&caller, ino, "extend this region")?;
+                let size = grow.size.max(s.region(ino)?.size);
+                s.resize(ino, Some(size), size.max(grow.capacity), false)?;
+                if grow.capacity > size {
+                    s.note_reserved(ino);
+                }
+                if grow.touch {
+                    s.touch(ino)?;
+                }
+                s.region_info(ino, None)
+            })
+            .await?;
+        self.settle_destructive().await;
+        Ok(info)
     }
 
     /// Counts one namespace or region request.
@@ -721,12 +821,15 @@ impl Manager {
 
     /// Sets a region's size.
     pub async fn truncate(&self, caller: Caller, ino: u64, size: u64) -> Result<v1::RegionInfo> {
-        self.write_allocating(move |s| {
-            s.check_write_or_handle(&caller, ino, "truncate this region")?;
-            s.resize(ino, Some(size), 0, true)?;
-            s.region_info(ino, None)
-        })
-        .await
+        let info = self
+            .write_allocating(move |s| {
+                s.check_write_or_handle(&caller, ino, "truncate this region")?;
+                s.resize(ino, Some(size), 0, true)?;
+                s.region_info(ino, None)
+            })
+            .await?;
+        self.settle_destructive().await;
+        Ok(info)
     }
 
     pub async fn get_map(
@@ -735,17 +838,20 @@ impl Manager {
         ino: u64,
         known_version: u64,
     ) -> Result<v1::RegionInfo> {
-        self.read(|s| {
-            let inode = s.region(ino)?;
-            crate::access::check(
-                caller,
-                inode,
-                crate::access::READ,
-                "read the map of this region",
-            )?;
-            s.region_info(ino, Some(known_version))
-        })
-        .await
+        let info = self
+            .read(|s| {
+                let inode = s.region(ino)?;
+                crate::access::check(
+                    caller,
+                    inode,
+                    crate::access::READ,
+                    "read the map of this region",
+                )?;
+                s.region_info(ino, Some(known_version))
+            })
+            .await?;
+        self.settle_destructive().await;
+        Ok(info)
     }
 
     pub async fn close(&self, caller: &Caller, handle: u64) -> Result<bool> {

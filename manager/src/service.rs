@@ -388,6 +388,19 @@ impl Cluster for Services {
         )
     }
 
+    async fn events_applied(
+        &self,
+        r: Request<v1::EventsAppliedRequest>,
+    ) -> Result<Response<v1::EventsAppliedReply>, Status> {
+        let r = r.into_inner();
+        reply(
+            "events_applied",
+            self.manager
+                .events_applied(r.host_id, r.sequence)
+                .map(|()| v1::EventsAppliedReply {}),
+        )
+    }
+
     async fn register_pool(
         &self,
         r: Request<v1::RegisterPoolRequest>,

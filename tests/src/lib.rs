@@ -677,6 +677,16 @@ impl Cluster {
 
     /// [`Cluster::start`] with extra manager arguments (e.g. `["--lease-ms", "1000"]`).
     pub fn start_with(hosts: u32, memory: &str, manager_args: &[&str]) -> anyhow::Result<Cluster> {
+        Cluster::start_with_daemon_args(hosts, memory, manager_args, &[])
+    }
+
+    /// [`Cluster::start_with`] with extra arguments for every daemon.
+    pub fn start_with_daemon_args(
+        hosts: u32,
+        memory: &str,
+        manager_args: &[&str],
+        daemon_args: &[&str],
+    ) -> anyhow::Result<Cluster> {
         let dir = tempfile::Builder::new()
             .prefix("regions-cluster")
             .tempdir()
@@ -688,12 +698,13 @@ impl Cluster {
         let manager = ManagerProcess::start_with_args(&data, &secret_file, manager_args)?;
         let mut daemons = Vec::new();
         for host in 1..=hosts {
-            daemons.push(DaemonProcess::start(
+            daemons.push(DaemonProcess::start_with_args(
                 manager.addr,
                 &secret_file,
                 host,
                 memory,
                 dir.path(),
+                daemon_args,
             )?);
         }
         Ok(Cluster {

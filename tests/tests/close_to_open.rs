@@ -109,9 +109,20 @@ fn the_next_opener_on_another_host_sees_exactly_the_new_size_and_bytes() {
     model[123_457..123_469].copy_from_slice(b"mapped bytes");
     check_exact(&pa, &model, "host 1 after mmap writes on host 2");
 
-    // Random operations handed between the hosts.
-    let paths = [&pa, &pb];
-    for round in 0..16 {
+    hand_over_random_operations(&pa, &pb, &mut model, &mut rng, 16);
+}
+
+/// Random writes, truncates, `mmap` writes and reads on one host, then a check of the exact
+/// size and bytes on the other, `rounds` times, alternating hosts.
+fn hand_over_random_operations(
+    pa: &Path,
+    pb: &Path,
+    model: &mut Vec<u8>,
+    rng: &mut StdRng,
+    rounds: usize,
+) {
+    let paths = [pa, pb];
+    for round in 0..rounds {
         let here = paths[round % 2];
         {
             let f = OpenOptions::new()
@@ -153,8 +164,44 @@ fn the_next_opener_on_another_host_sees_exactly_the_new_size_and_bytes() {
             }
         }
         let there = paths[(round + 1) % 2];
-        check_exact(there, &model, &format!("hand-over {round}"));
+        check_exact(there, model, &format!("hand-over {round}"));
     }
+}
+
+/// Daemons that apply chunk releases and tail zeroing late (a loaded host): a truncate
+/// followed by a write on the same host, and another host's next open, must still see every
+/// byte written after the truncate. Before the manager's replies waited for those events, the
+/// late zeroing destroyed such writes (found as a rare failure of the test above under load).
+#[test]
+fn writes_after_a_truncate_survive_a_daemon_that_applies_it_late() {
+    let cluster = Cluster::start_with_daemon_args(
+        2,
+        "512M",
+        &[],
+        &["--test-destructive-event-delay-ms", "300"],
+    )
+    .unwrap();
+    let t = Two {
+        a: cluster.mount(1).unwrap(),
+        b: cluster.mount(2).unwrap(),
+        cluster,
+    };
+    let (pa, pb) = (t.a.path("late"), t.b.path("late"));
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut model: Vec<u8> = (0..400_000).map(|_| rng.random()).collect();
+    std::fs::write(&pa, &model).unwrap();
+    // Shrink into the first chunk, then write just past the new end, on one host.
+    {
+        let f = OpenOptions::new().write(true).open(&pa).unwrap();
+        f.set_len(19_000).unwrap();
+        f.write_all_at(&[0x5a; 4000], 19_377).unwrap();
+    }
+    model.truncate(19_000);
+    model.resize(19_377, 0);
+    model.extend_from_slice(&[0x5a; 4000]);
+    check_exact(&pb, &model, "host 2 after a truncate and a write on host 1");
+    check_exact(&pa, &model, "host 1 after its own truncate and write");
+    hand_over_random_operations(&pa, &pb, &mut model, &mut rng, 6);
 }
 
 #[test]
