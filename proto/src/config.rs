@@ -308,10 +308,11 @@ fn known_keys(command: &Command) -> String {
     command
         .get_arguments()
         .filter(|a| {
-            !matches!(
-                a.get_id().as_str(),
-                "config" | "print_config" | "help" | "version"
-            )
+            !a.is_hide_set()
+                && !matches!(
+                    a.get_id().as_str(),
+                    "config" | "print_config" | "help" | "version"
+                )
         })
         .map(|a| {
             a.get_long()
@@ -328,7 +329,8 @@ fn render(command: &Command, matches: &ArgMatches, from_file: &[String]) -> Stri
     let mut out = String::new();
     for arg in command.get_arguments() {
         let id = arg.get_id().as_str();
-        if matches!(id, "config" | "print_config" | "help" | "version") {
+        // Hidden arguments (test hooks) are not part of the documented settings.
+        if matches!(id, "config" | "print_config" | "help" | "version") || arg.is_hide_set() {
             continue;
         }
         let key = arg

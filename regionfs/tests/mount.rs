@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use common::{Cluster, Proc, errno_of, mount_type, sh, up, up_in};
 use regionfs::ioctl;
+use regions_tests::python_with_numpy;
 
 fn cpath(p: &Path) -> CString {
     CString::new(p.as_os_str().as_bytes()).expect("no NUL")
@@ -446,29 +447,6 @@ int main(int argc, char **argv) {
     return 0;
 }
 "#;
-
-/// A Python with numpy: `$REGIONS_TEST_PYTHON`, else the first of `python3`
-/// (PATH) and `/usr/bin/python3` (Debian's python3-numpy) that imports it.
-/// Fails the test when there is none: numpy.memmap must be checked.
-fn python_with_numpy() -> std::ffi::OsString {
-    let candidates: Vec<std::ffi::OsString> = match std::env::var_os("REGIONS_TEST_PYTHON") {
-        Some(py) => vec![py],
-        None => vec!["python3".into(), "/usr/bin/python3".into()],
-    };
-    for py in &candidates {
-        let ok = Command::new(py)
-            .args(["-c", "import numpy"])
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if ok {
-            return py.clone();
-        }
-    }
-    panic!(
-        "none of {candidates:?} imports numpy: this test needs numpy (apt-get install -y \
-         python3-numpy, or set REGIONS_TEST_PYTHON to a Python that has it)"
-    );
-}
 
 #[test]
 fn mmap_from_c_and_numpy() {
