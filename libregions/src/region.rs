@@ -36,7 +36,14 @@ struct MapState {
     local: Option<Arc<LocalSegment>>,
     /// Map version at which the agent was last asked for the segment.
     local_checked: Option<u64>,
+    /// When the agent had no segment yet although the map puts chunks on this host (its
+    /// daemon has not applied their assignment yet): ask again after this instant.
+    local_retry_at: Option<std::time::Instant>,
 }
+
+/// How long a region waits before asking the host agent again for a segment it did not have
+/// yet (the daemon was still applying the manager's assignment events).
+const LOCAL_RETRY: std::time::Duration = std::time::Duration::from_millis(50);
 
 impl MapState {
     fn from_info(info: v1::RegionInfo) -> MapState {
@@ -48,6 +55,7 @@ impl MapState {
             pools: HashMap::new(),
             local: None,
             local_checked: None,
+            local_retry_at: None,
         };
         s.apply(info, false);
         s
@@ -277,7 +285,9 @@ impl Region {
             Ok(s) => (
                 s.version,
                 s.local.as_ref().is_some_and(|l| l.len() >= needed_end)
-                    || s.local_checked == Some(s.version),
+                    || s.local_checked == Some(s.version)
+                    || s.local_retry_at
+                        .is_some_and(|at| std::time::Instant::now() < at),
                 s.pools
                     .values()
                     .any(|p| p.host_id == self.shared.caller.host_id),
@@ -293,6 +303,7 @@ impl Region {
             return;
         };
         state.local_checked = Some(version);
+        state.local_retry_at = None;
         match segment {
             Ok(Some(seg)) => match LocalSegment::map(
                 seg.fd,
@@ -305,7 +316,13 @@ impl Region {
                     tracing::debug!(ino = self.ino, error = %e, "cannot map the local segment; using tcp")
                 }
             },
-            Ok(None) => {}
+            Ok(None) => {
+                // The map puts chunks here but the daemon has none yet: it is behind on the
+                // manager's events. Ask again shortly rather than reading this host's memory
+                // over tcp until the map changes.
+                state.local_checked = None;
+                state.local_retry_at = Some(std::time::Instant::now() + LOCAL_RETRY);
+            }
             Err(e) => {
                 tracing::debug!(ino = self.ino, error = %e, "host agent gave no segment; using tcp")
             }
