@@ -195,18 +195,12 @@ impl State {
     }
 
     pub fn stats(&self) -> v1::StatsReply {
-        let regions = self.inodes.values().filter(|i| !i.is_dir()).count() as u64;
-        let region_bytes = self
-            .inodes
-            .values()
-            .filter(|i| !i.is_dir())
-            .map(|i| i.size)
-            .sum();
-        let lost_regions = self
-            .inodes
-            .values()
-            .filter(|i| i.xattrs.contains_key(crate::lifetime::LOST_KEY))
-            .count() as u64;
+        let (mut regions, mut region_bytes, mut lost_regions) = (0u64, 0u64, 0u64);
+        for inode in self.inodes.values().filter(|i| !i.is_dir()) {
+            regions += 1;
+            region_bytes += inode.size;
+            lost_regions += u64::from(inode.xattrs.contains_key(crate::lifetime::LOST_KEY));
+        }
         v1::StatsReply {
             hosts: self.hosts.len() as u64,
             live_hosts: self.hosts.keys().filter(|h| self.is_live(**h)).count() as u64,

@@ -221,17 +221,26 @@ fn read_table(path: &Path) -> Result<toml::Table, ConfigError> {
         })
 }
 
+/// Whether `arg` is a setting a config file may hold (not `--config`, `--print-config`,
+/// `--help` or `--version`).
+fn is_setting(arg: &clap::Arg) -> bool {
+    !matches!(
+        arg.get_id().as_str(),
+        "config" | "print_config" | "help" | "version"
+    )
+}
+
+/// Whether `arg` is listed to people: hidden arguments (test hooks) are not.
+fn is_documented(arg: &clap::Arg) -> bool {
+    !arg.is_hide_set()
+}
+
 /// The argument a key names in `command`, by long name or id, `-` and `_` alike.
 fn arg_id(command: &Command, key: &str) -> Option<String> {
     let norm = key.replace('-', "_");
     command
         .get_arguments()
-        .filter(|a| {
-            !matches!(
-                a.get_id().as_str(),
-                "config" | "print_config" | "help" | "version"
-            )
-        })
+        .filter(|a| is_setting(a))
         .find(|a| {
             a.get_id().as_str() == norm || a.get_long().is_some_and(|l| l.replace('-', "_") == norm)
         })
@@ -307,13 +316,7 @@ fn values_of(value: &toml::Value) -> Option<Vec<String>> {
 fn known_keys(command: &Command) -> String {
     command
         .get_arguments()
-        .filter(|a| {
-            !a.is_hide_set()
-                && !matches!(
-                    a.get_id().as_str(),
-                    "config" | "print_config" | "help" | "version"
-                )
-        })
+        .filter(|a| is_setting(a) && is_documented(a))
         .map(|a| {
             a.get_long()
                 .map(str::to_owned)
@@ -329,8 +332,7 @@ fn render(command: &Command, matches: &ArgMatches, from_file: &[String]) -> Stri
     let mut out = String::new();
     for arg in command.get_arguments() {
         let id = arg.get_id().as_str();
-        // Hidden arguments (test hooks) are not part of the documented settings.
-        if matches!(id, "config" | "print_config" | "help" | "version") || arg.is_hide_set() {
+        if !is_setting(arg) || !is_documented(arg) {
             continue;
         }
         let key = arg

@@ -10,17 +10,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use regions_tests::{Cluster, MountProcess, install_libregions as install};
+use regions_tests::{Cluster, MountProcess, install_libregions as install, repo_root};
 
 /// How long one C program may run.
 const RUN_TIMEOUT_S: &str = "120";
-
-fn workspace() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
 
 /// Compiles `sources` into `out` with the flags pkg-config gives for the
 /// installed library.
@@ -28,7 +21,7 @@ fn compile(prefix: &Path, sources: &[PathBuf], out: &Path, extra: &str) {
     let srcs: Vec<String> = sources.iter().map(|s| s.display().to_string()).collect();
     let script = format!(
         "cc -O1 -g -Wall -Werror -I{inc} {srcs} -o {out} $(pkg-config --cflags --libs regions) {extra}",
-        inc = workspace().join("examples/c").display(),
+        inc = repo_root().join("examples/c").display(),
         srcs = srcs.join(" "),
         out = out.display(),
     );
@@ -94,7 +87,7 @@ fn setup(programs: &[(&str, &[&str])]) -> Setup {
         .tempdir()
         .unwrap();
     for (name, sources) in programs {
-        let srcs: Vec<PathBuf> = sources.iter().map(|s| workspace().join(s)).collect();
+        let srcs: Vec<PathBuf> = sources.iter().map(|s| repo_root().join(s)).collect();
         compile(prefix.path(), &srcs, &bin.path().join(name), "-lpthread");
     }
     let cluster = Cluster::start(2, "512M").unwrap();
@@ -246,7 +239,7 @@ fn python_ctypes_cache_control() {
     let out = Command::new("timeout")
         .arg(RUN_TIMEOUT_S)
         .arg("python3")
-        .arg(workspace().join("examples/python/cache_control.py"))
+        .arg(repo_root().join("examples/python/cache_control.py"))
         .arg(s.b.path("py"))
         .arg("--write")
         .env("REGIONS_LIB", s.prefix.path().join("lib/libregions.so"))

@@ -16,19 +16,15 @@
 //! and for numpy the first of `python3`, `/usr/bin/python3` that has it).
 
 use std::ffi::OsString;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use regions_tests::{
-    Cluster, MountProcess, PYTHON_ENV, install_libregions as install, python_with_numpy,
+    Cluster, MountProcess, PYTHON_ENV, install_libregions as install, python_with_numpy, repo_root,
 };
 
 /// How long one example program may run.
 const RUN_TIMEOUT_S: &str = "120";
-
-fn workspace() -> PathBuf {
-    regions_tests::repo_root()
-}
 
 /// Fails the test unless `cmd args` runs and exits 0.
 fn require(cmd: &str, args: &[&str], package: &str) {
@@ -131,7 +127,7 @@ fn c_examples_build_with_make_and_the_installed_pkg_config_file() {
         .prefix("examples-c")
         .tempdir()
         .expect("a build directory");
-    let src = workspace().join("examples/c");
+    let src = repo_root().join("examples/c");
     for entry in std::fs::read_dir(&src).expect("examples/c") {
         let entry = entry.expect("an entry of examples/c");
         let name = entry.file_name();
@@ -212,7 +208,7 @@ fn c_examples_build_with_make_and_the_installed_pkg_config_file() {
 #[test]
 fn numpy_memmap_example_is_seen_from_another_host() {
     let py = python_with_numpy();
-    let script = workspace().join("examples/python/numpy_memmap.py");
+    let script = repo_root().join("examples/python/numpy_memmap.py");
     let h = two_hosts();
     let rows = 64usize;
     let out = run(
@@ -251,7 +247,7 @@ fn ctypes_notes_example_across_hosts() {
     let py = python();
     let prefix = install();
     let h = two_hosts();
-    let script = workspace().join("examples/python/notes.py");
+    let script = repo_root().join("examples/python/notes.py");
     let lib = prefix.path().join("lib/libregions.so");
     let notes = |m: &MountProcess, args: &[&str]| {
         run(
@@ -328,7 +324,7 @@ print("ok")
         Command::new(&py)
             .arg("-c")
             .arg(program)
-            .arg(workspace().join("examples/python"))
+            .arg(repo_root().join("examples/python"))
             .arg(h.a.path("buffer"))
             .env("REGIONS_LIB", prefix.path().join("lib/libregions.so")),
         &h.a,
