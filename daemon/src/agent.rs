@@ -1,5 +1,5 @@
 //! The host agent: the daemon's Unix socket, spoken by libregions and regionfs on this host
-//! (DESIGN.md, "Host agent"; `proto/regions/v1/agent.proto`).
+//! (docs/ARCHITECTURE.md, "Host agent"; `proto/regions/v1/agent.proto`).
 //!
 //! Each message is a little-endian u32 length followed by a prost `AgentRequest` /
 //! `AgentReply`; a segment fd rides as `SCM_RIGHTS` on the reply's first byte. The caller is
@@ -153,6 +153,8 @@ impl AgentHandler {
             groups: cred.groups.clone(),
             pid: cred.pid,
             host_id: self.host_id,
+            // Agent calls name inodes by number: the manager checks the path above them.
+            by_inode: true,
         }
     }
 
@@ -231,7 +233,7 @@ impl AgentHandler {
             ));
         };
         let fd = if write {
-            segment.dup()?
+            segment.reopen_read_write()?
         } else {
             segment.reopen_read_only()?
         };

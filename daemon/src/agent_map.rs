@@ -64,6 +64,15 @@ pub fn close(
     caller: &Caller,
     r: &MapClose,
 ) -> (AgentReply, Option<OwnedFd>) {
+    // A handle is its opener's, like a descriptor: another local process (even one of the
+    // same user) may not close it and so free an unlinked region or a ONEWRITER slot under it.
+    if !handler.handles.owns(caller, r.handle) {
+        return reply(Err(DaemonError::BadHandle(format!(
+            "handle {} was not opened through this host agent by process {}; close only \
+             handles your process opened",
+            r.handle, caller.pid
+        ))));
+    }
     let closed = handler.authority.close(caller, r.handle);
     if closed.is_ok() {
         handler.handles.closed(caller.pid, r.handle);

@@ -139,6 +139,7 @@ fn forward(
         name: call.name.clone(),
         tid: call.tid,
         generation: call.generation,
+        mode: call.mode,
     };
     let mut c = agent.client.clone();
     let value = |r: Result<tonic::Response<v1::SyncReply>, tonic::Status>| {
@@ -156,6 +157,7 @@ fn forward(
                     caller: name.caller,
                     name: name.name,
                     n: call.n,
+                    mode: call.mode,
                 }))
                 .await,
             ),

@@ -48,6 +48,9 @@ pub enum DaemonError {
     /// Permission refused (bad transport secret, manager's access check).
     #[error("{0}")]
     Denied(String),
+    /// A handle the caller did not open (`EBADF`).
+    #[error("{0}")]
+    BadHandle(String),
     /// Not enough memory for a pool.
     #[error("{0}")]
     NoSpace(String),
@@ -128,6 +131,7 @@ impl DaemonError {
             | DaemonError::Remapped { .. } => libc::EFAULT,
             DaemonError::Invalid(_) | DaemonError::Config(_) => libc::EINVAL,
             DaemonError::Denied(_) => libc::EACCES,
+            DaemonError::BadHandle(_) => libc::EBADF,
             DaemonError::NoSpace(_) => libc::ENOSPC,
             DaemonError::Sys { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
             DaemonError::Manager { errno, .. } => *errno,

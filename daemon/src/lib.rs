@@ -1,5 +1,5 @@
-//! The regions daemon (DESIGN.md, "Data plane" and "Host agent"): memfd-backed pools exported
-//! over the tcp transport and, to local processes, as segment fds through the host agent;
+//! The regions daemon (docs/ARCHITECTURE.md, "Data plane" and "Host agent"): memfd-backed pools
+//! exported over the tcp transport and, to local processes, as segment fds through the host agent;
 //! registration and heartbeats to the manager.
 //!
 //! Modules, one concept each:

@@ -1,4 +1,5 @@
-//! `regions-daemon`: this host's memory for the regions cluster (DESIGN.md, "Data plane").
+//! `regions-daemon`: this host's memory for the regions cluster
+//! (docs/ARCHITECTURE.md, "Data plane").
 
 use anyhow::Context;
 use regions_daemon::config::Args;

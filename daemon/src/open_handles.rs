@@ -42,6 +42,16 @@ impl OpenHandles {
         }
     }
 
+    /// Whether process `pid` (with the caller's uid) opened `handle` through the agent.
+    pub fn owns(&self, caller: &Caller, handle: u64) -> bool {
+        self.by_pid.lock().is_ok_and(|m| {
+            m.get(&caller.pid).is_some_and(|hs| {
+                hs.iter()
+                    .any(|(h, opener)| *h == handle && opener.uid == caller.uid)
+            })
+        })
+    }
+
     /// How many handles process `pid` holds through the agent.
     pub fn count(&self, pid: u32) -> usize {
         self.by_pid
@@ -148,5 +158,21 @@ mod tests {
         assert_eq!(closed, vec![1, 3]);
         assert_eq!(h.count(10), 0);
         assert_eq!(h.count(11), 1);
+    }
+
+    #[test]
+    fn a_handle_belongs_to_the_process_and_user_that_opened_it() {
+        let h = OpenHandles::default();
+        h.opened(&caller(10), 7);
+        assert!(h.owns(&caller(10), 7));
+        assert!(!h.owns(&caller(11), 7), "another process");
+        assert!(!h.owns(&caller(10), 8), "a handle it never opened");
+        let other_user = Caller {
+            uid: 1000,
+            ..caller(10)
+        };
+        assert!(!h.owns(&other_user, 7), "a reused pid of another user");
+        h.closed(10, 7);
+        assert!(!h.owns(&caller(10), 7));
     }
 }

@@ -1,5 +1,5 @@
-//! Owner-bound lifetime of regions created through the host agent (DESIGN.md, "Lifetime";
-//! paper 003 §5.1, §5.5).
+//! Owner-bound lifetime of regions created through the host agent (docs/SEMANTICS.md,
+//! "Lifetime"; Remote Regions paper §5.1, §5.5).
 //!
 //! An application that creates a region through the agent ([`create`]) is its owner: the
 //! manager records its pid (from `SO_PEERCRED`) and this host, and the agent watches the

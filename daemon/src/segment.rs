@@ -1,5 +1,5 @@
 //! Segments: one sparse memfd per region on this host, whose file offsets are region offsets
-//! (DESIGN.md, "Data plane": pools). Pool windows map chunks of segments; the host agent hands
+//! (docs/ARCHITECTURE.md, "daemon"). Pool windows map chunks of segments; the host agent hands
 //! segment fds to local processes.
 //!
 //! A segment only grows (it is sealed against shrinking, so no process holding its fd can make
@@ -7,7 +7,7 @@
 
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use nix::fcntl::{FallocateFlags, FcntlArg, SealFlag, fallocate, fcntl};
@@ -29,6 +29,12 @@ pub struct Segment {
 
 impl Segment {
     /// Creates an empty segment for region `ino`.
+    ///
+    /// The memfd is mode 0600 (only the daemon's user may reopen it through
+    /// `/proc/<pid>/fd`, so a reader handed a read-only descriptor cannot turn
+    /// it into a writable one) and sealed against shrinking and against any
+    /// further seal (no process holding a descriptor can shrink it under the
+    /// daemon's mappings, forbid future writes or freeze its size).
     pub fn create(ino: u64) -> Result<Segment> {
         let name = format!("regions-segment-{ino}");
         let fd = memfd_create(
@@ -36,10 +42,14 @@ impl Segment {
             MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
         )
         .map_err(|e| DaemonError::sys(format!("memfd_create for region {ino}"), e))?;
-        // Nobody (a local process holding the fd included) may shrink the file under the
-        // daemon's mappings: that would turn accesses into SIGBUS.
-        fcntl(&fd, FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK))
-            .map_err(|e| DaemonError::sys(format!("sealing the segment of region {ino}"), e))?;
+        nix::sys::stat::fchmod(&fd, nix::sys::stat::Mode::from_bits_truncate(0o600)).map_err(
+            |e| DaemonError::sys(format!("chmod 0600 of the segment of region {ino}"), e),
+        )?;
+        fcntl(
+            &fd,
+            FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_SEAL),
+        )
+        .map_err(|e| DaemonError::sys(format!("sealing the segment of region {ino}"), e))?;
         Ok(Segment {
             ino,
             fd,
@@ -58,8 +68,16 @@ impl Segment {
     }
 
     /// Grows the memfd to at least `size` bytes (holes read as zeros and use no memory).
+    ///
+    /// A local writer holding the descriptor can grow the file itself (the kernel has no seal
+    /// that stops that and still lets the daemon grow it); the file is then already long
+    /// enough, and shrinking it back is what the seal forbids, so the daemon only records it.
     pub fn grow_to(&self, size: u64) -> Result<()> {
         if size <= self.size() {
+            return Ok(());
+        }
+        if self.file_size()? >= size {
+            self.size.store(size, Ordering::Release);
             return Ok(());
         }
         let len = i64::try_from(size)
@@ -113,6 +131,14 @@ impl Segment {
         })
     }
 
+    /// The memfd's length as the kernel sees it (at least [`Segment::size`]).
+    fn file_size(&self) -> Result<u64> {
+        let st = nix::sys::stat::fstat(&self.fd).map_err(|e| {
+            DaemonError::sys(format!("fstat of the segment of region {}", self.ino), e)
+        })?;
+        Ok(u64::try_from(st.st_size).unwrap_or(0))
+    }
+
     /// Bytes of memory the memfd holds (pages actually allocated).
     pub fn allocated_bytes(&self) -> u64 {
         match nix::sys::stat::fstat(&self.fd) {
@@ -124,7 +150,7 @@ impl Segment {
         }
     }
 
-    /// A new descriptor of the memfd, as writable as the daemon's own.
+    /// A new descriptor of the memfd sharing the daemon's open file (tests and diagnostics).
     pub fn dup(&self) -> Result<OwnedFd> {
         self.fd
             .try_clone()
@@ -132,18 +158,35 @@ impl Segment {
     }
 
     /// A read-only descriptor of the memfd (a fresh open through `/proc/self/fd`), for callers
-    /// allowed to read only: mapping it writable fails in their process.
+    /// allowed to read only: writing, mapping it writable, `fallocate`, `ftruncate` and seals
+    /// all fail on it, and the file's mode (0600) keeps them from reopening it writable.
     pub fn reopen_read_only(&self) -> Result<OwnedFd> {
+        self.reopen(false)
+    }
+
+    /// A writable descriptor of the memfd with an open file of its own, for callers allowed to
+    /// write: file status flags they set (`O_APPEND`, `O_NONBLOCK`) do not reach the daemon's.
+    pub fn reopen_read_write(&self) -> Result<OwnedFd> {
+        self.reopen(true)
+    }
+
+    fn reopen(&self, write: bool) -> Result<OwnedFd> {
         let path = format!("/proc/self/fd/{}", self.fd.as_raw_fd());
-        let file = File::open(&path).map_err(|e| {
-            DaemonError::sys(
-                format!(
-                    "reopening the segment of region {} read-only ({path})",
-                    self.ino
-                ),
-                e,
-            )
-        })?;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(write)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(|e| {
+                DaemonError::sys(
+                    format!(
+                        "reopening the segment of region {} {} ({path})",
+                        self.ino,
+                        if write { "read-write" } else { "read-only" }
+                    ),
+                    e,
+                )
+            })?;
         Ok(OwnedFd::from(file))
     }
 
@@ -208,6 +251,55 @@ mod tests {
             "F_SEAL_SHRINK holds"
         );
         nix::unistd::ftruncate(&fd, 2 * CHUNK as i64).unwrap();
+    }
+
+    #[test]
+    fn no_descriptor_can_seal_and_only_the_owner_can_reopen() {
+        let seg = Segment::create(4).unwrap();
+        seg.grow_to(CHUNK).unwrap();
+        let st = nix::sys::stat::fstat(&seg).unwrap();
+        assert_eq!(
+            st.st_mode & 0o777,
+            0o600,
+            "the memfd is private to the daemon's user"
+        );
+        for fd in [
+            seg.reopen_read_write().unwrap(),
+            seg.reopen_read_only().unwrap(),
+        ] {
+            for seal in [
+                SealFlag::F_SEAL_GROW,
+                SealFlag::F_SEAL_WRITE,
+                SealFlag::F_SEAL_FUTURE_WRITE,
+            ] {
+                assert!(
+                    fcntl(&fd, FcntlArg::F_ADD_SEALS(seal)).is_err(),
+                    "{seal:?} refused"
+                );
+            }
+        }
+        let rw = seg.reopen_read_write().unwrap();
+        let flags = fcntl(&rw, FcntlArg::F_GETFL).unwrap();
+        assert_eq!(flags & libc::O_ACCMODE, libc::O_RDWR);
+        fcntl(&rw, FcntlArg::F_SETFL(nix::fcntl::OFlag::O_APPEND)).unwrap();
+        let own = fcntl(&seg, FcntlArg::F_GETFL).unwrap();
+        assert_eq!(
+            own & libc::O_APPEND,
+            0,
+            "a caller's flags stay on its own open file"
+        );
+    }
+
+    #[test]
+    fn a_segment_grown_by_a_writer_still_grows_for_the_daemon() {
+        let seg = Segment::create(5).unwrap();
+        seg.grow_to(CHUNK).unwrap();
+        let rw = seg.reopen_read_write().unwrap();
+        nix::unistd::ftruncate(&rw, 8 * CHUNK as i64).unwrap();
+        seg.grow_to(2 * CHUNK).unwrap();
+        assert_eq!(seg.size(), 2 * CHUNK);
+        seg.grow_to(16 * CHUNK).unwrap();
+        assert_eq!(seg.size(), 16 * CHUNK);
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! The tcp transport server (DESIGN.md, "Data plane": transport frames): one thread per
-//! connection on blocking std sockets, `TCP_NODELAY`, many pipelined requests per connection.
+//! The tcp transport server (docs/ARCHITECTURE.md, "Data plane"; frames: `regions_proto::frame`):
+//! one thread per connection on blocking std sockets, `TCP_NODELAY`, many pipelined requests per connection.
 //!
 //! - The first frame must be HELLO with the cluster secret; anything else gets `EACCES` and the
 //!   connection closes with a log line.

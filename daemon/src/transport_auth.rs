@@ -1,5 +1,5 @@
-//! Who a transport connection speaks for (DESIGN.md, "Capabilities"): a node component that
-//! presented the cluster secret may touch any pool range; an application that presented
+//! Who a transport connection speaks for (docs/ARCHITECTURE.md, "Capabilities"): a node
+//! component that presented the cluster secret may touch any pool range; an application that presented
 //! capabilities may touch only chunks of the regions they name, with their rights, until they
 //! expire.
 //!

@@ -1,5 +1,5 @@
 //! A pool's address window: virtual addresses reserved `PROT_NONE`, into which segment memfds
-//! are mapped chunk by chunk (DESIGN.md, "Data plane": pools).
+//! are mapped chunk by chunk (docs/ARCHITECTURE.md, "daemon").
 //!
 //! The window never touches memory by itself except through the `unsafe` primitives below,
 //! whose callers (the chunk table in [`crate::pools`]) guarantee that the bytes are mapped and

@@ -1,5 +1,5 @@
-//! Capability-authenticated transport connections (DESIGN.md, "Capabilities") against a real
-//! transport server: a token reaches only the chunks of its region, with its rights, until it
+//! Capability-authenticated transport connections (docs/ARCHITECTURE.md, "Capabilities") against
+//! a real transport server: a token reaches only the chunks of its region, with its rights, until it
 //! expires; forged and expired tokens are refused.
 
 mod common;

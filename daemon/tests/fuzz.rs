@@ -245,7 +245,11 @@ fn fixture() -> (regions_daemon::transport::TransportServer, Arc<Pools>) {
 
 proptest! {
     #![proptest_config(ProptestConfig {
-        cases: 128,
+        // REGIONS_FUZZ_CASES=100000 for the long run (README, "Benchmarks").
+        cases: std::env::var("REGIONS_FUZZ_CASES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(128),
         failure_persistence: None,
         ..ProptestConfig::default()
     })]

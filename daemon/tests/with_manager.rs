@@ -58,6 +58,7 @@ fn root() -> Caller {
         groups: vec![],
         pid: std::process::id(),
         host_id: HOST,
+        by_inode: false,
     }
 }
 
@@ -358,6 +359,7 @@ async fn a_restarted_daemon_takes_over_its_pools_and_handles_several() {
     const HOST8: u32 = 8;
     let caller = Caller {
         host_id: HOST8,
+        by_inode: false,
         ..root()
     };
     let dir = tempfile::tempdir().unwrap();

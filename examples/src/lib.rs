@@ -1,1 +1,1 @@
-//! Demos of regions (DESIGN.md, "examples/"); they arrive with the demo issue.
+//! Demos of regions (docs/ARCHITECTURE.md, "tests and examples"); they arrive with the demo issue.

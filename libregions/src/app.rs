@@ -1,5 +1,5 @@
-//! Application sessions (DESIGN.md, "Host agent"): a program that opened a region file under a
-//! regions mount reaches the region without the cluster secret. The mount names its host agent
+//! Application sessions (docs/ARCHITECTURE.md, "Host agent"): a program that opened a region
+//! file under a regions mount reaches the region without the cluster secret. The mount names its host agent
 //! (the daemon's Unix socket); the agent opens the region as the verified caller and hands back
 //! the map, a transport capability (region, rights, expiry) and, for extents on this host, the
 //! segment memfd. Transports to daemons authenticate with the capability, which is renewed

@@ -105,6 +105,7 @@ impl Client {
             groups: config.groups.clone(),
             pid: config.pid,
             host_id: config.host_id,
+            by_inode: false,
         };
         Ok(Client {
             shared: Arc::new(Shared {

@@ -1,4 +1,4 @@
-//! The regions client core (DESIGN.md, "Client side"), used by regionfs and
+//! The regions client core (docs/ARCHITECTURE.md, "libregions"), used by regionfs and
 //! by applications: the manager client, open regions with cached maps, and
 //! the transports that move region bytes.
 //!

@@ -177,6 +177,8 @@ pub struct SyncClient {
     held: Mutex<HashMap<String, Vec<u32>>>,
     /// The worker finishing posted unlocks (started on first use).
     handovers: Mutex<Option<std::sync::mpsc::Sender<Handover>>>,
+    /// Permission bits of objects this client creates (`None`: the manager's default, 0600).
+    mode: Option<u32>,
 }
 
 impl std::fmt::Debug for SyncClient {
@@ -212,7 +214,17 @@ impl SyncClient {
             stats: Arc::default(),
             held: Mutex::new(HashMap::new()),
             handovers: Mutex::new(None),
+            mode: None,
         }
+    }
+
+    /// This client creating objects with permission bits `mode` (like a file's: other users
+    /// need read and write permission to use a mutex or barrier, write to ring a doorbell,
+    /// read to wait on one). Without it new objects are 0600, their creator's only. An
+    /// existing object keeps its mode.
+    pub fn with_mode(mut self, mode: u32) -> SyncClient {
+        self.mode = Some(mode & 0o777);
+        self
     }
 
     /// This client with every call going through the manager (no transport fast path):
@@ -258,6 +270,7 @@ impl SyncClient {
             n,
             tid: gettid(),
             generation: 0,
+            mode: self.mode,
         })
     }
 
@@ -408,6 +421,7 @@ impl SyncClient {
             n: 0,
             tid: gettid(),
             generation,
+            mode: None,
         })
         .map(|r| r.value as u64)
     }

@@ -27,6 +27,9 @@ pub struct Caller {
     pub groups: Vec<u32>,
     pub pid: u32,
     pub host_id: u32,
+    /// The caller named the inode by number (a host agent's client), not by a
+    /// path the kernel walked: [`crate::state::State::check_path`] applies.
+    pub by_inode: bool,
 }
 
 impl Caller {
@@ -49,6 +52,7 @@ impl Caller {
             groups: c.groups.clone(),
             pid: c.pid,
             host_id: c.host_id,
+            by_inode: c.by_inode,
         })
     }
 
@@ -70,15 +74,28 @@ impl Caller {
 /// `inode`. Root passes read and write checks always, and execute checks
 /// on directories or when any execute bit is set, as on Linux.
 pub fn allows(caller: &Caller, inode: &Inode, mask: u32) -> bool {
+    allows_bits(
+        caller,
+        inode.uid,
+        inode.gid,
+        inode.mode,
+        inode.kind == Kind::Directory,
+        mask,
+    )
+}
+
+/// [`allows`] for anything with an owner, a group and permission bits (inodes, sync
+/// objects).
+pub fn allows_bits(caller: &Caller, uid: u32, gid: u32, mode: u32, dir: bool, mask: u32) -> bool {
     if caller.is_root() {
-        return mask & EXEC == 0 || inode.kind == Kind::Directory || inode.mode & 0o111 != 0;
+        return mask & EXEC == 0 || dir || mode & 0o111 != 0;
     }
-    let bits = if caller.uid == inode.uid {
-        (inode.mode >> 6) & 7
-    } else if caller.in_group(inode.gid) {
-        (inode.mode >> 3) & 7
+    let bits = if caller.uid == uid {
+        (mode >> 6) & 7
+    } else if caller.in_group(gid) {
+        (mode >> 3) & 7
     } else {
-        inode.mode & 7
+        mode & 7
     };
     bits & mask == mask
 }
@@ -157,6 +174,7 @@ mod tests {
             groups: groups.to_vec(),
             pid: 1,
             host_id: 1,
+            by_inode: false,
         }
     }
 

@@ -1,4 +1,4 @@
-//! Minting transport capabilities (DESIGN.md, "Capabilities"; the token format is
+//! Minting transport capabilities (docs/ARCHITECTURE.md, "Capabilities"; the token format is
 //! `regions_proto::capability`). The manager signs a token on every open, after its permission
 //! check, and on a `GetMap` that asks for renewal; daemons verify it with the same key, derived
 //! from the cluster secret.

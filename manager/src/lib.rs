@@ -1,4 +1,4 @@
-//! The regions manager (DESIGN.md, "Control plane"; paper 003 §6.5–6.10):
+//! The regions manager (docs/ARCHITECTURE.md, "Control plane"; Remote Regions paper §6.5–6.10):
 //! the namespace, region maps, hosts and pools, the cluster allocator and
 //! the fixed-virtual-address allocator, durable in an embedded store and
 //! served over gRPC. It is never on the data path.

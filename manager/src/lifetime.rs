@@ -1,5 +1,5 @@
-//! Region lifetime and host failure at the manager (DESIGN.md, "Lifetime" and "Errors and
-//! faults"; paper 003 §5.1, §5.5):
+//! Region lifetime and host failure at the manager (docs/SEMANTICS.md, "Lifetime" and
+//! "Host failure"; Remote Regions paper §5.1, §5.5):
 //!
 //! - Owner-bound regions: a node component (the host agent of the owner's host) reports that
 //!   an owner process exited, and that owner's non-persistent regions are deleted: their
@@ -150,6 +150,22 @@ impl State {
         deleted
     }
 
+    /// Drops every open handle of processes on `host` (its lease ended: they cannot close
+    /// them any more). A ONEWRITER region they held open for writing takes writers again, and
+    /// an unlinked region they kept alive is freed. Returns how many handles were dropped.
+    pub fn release_host_handles(&mut self, host: u32) -> usize {
+        let ids: Vec<u64> = self
+            .handles
+            .values()
+            .filter(|h| h.host_id == host)
+            .map(|h| h.id)
+            .collect();
+        for id in &ids {
+            self.release_handle(*id);
+        }
+        ids.len()
+    }
+
     /// Hosts whose lease ended. A host not heard from since this manager started has no
     /// lease to end; it counts only once `grace_over` (one lease after the start).
     pub fn expired_hosts(&self, grace_over: bool) -> Vec<u32> {
@@ -176,13 +192,22 @@ impl Manager {
         Ok(deleted)
     }
 
-    /// Deletes the non-persistent regions of the owners on every host whose lease expired;
-    /// returns (host, regions) for those that had any.
+    /// Deletes the non-persistent regions of the owners on every host whose lease expired
+    /// and drops the handles its processes held open; returns (host, regions) for those that
+    /// had any regions to delete.
     pub async fn expire_leases(&self, grace_over: bool) -> Result<Vec<(u32, Vec<u64>)>> {
         self.write(|s| {
             let mut out = Vec::new();
             for host in s.expired_hosts(grace_over) {
                 let deleted = s.release_owner(host, None);
+                let closed = s.release_host_handles(host);
+                if closed > 0 {
+                    tracing::warn!(
+                        host,
+                        handles = closed,
+                        "host lease expired: closed the handles its processes held open"
+                    );
+                }
                 if !deleted.is_empty() {
                     out.push((host, deleted));
                 }
@@ -261,6 +286,7 @@ mod tests {
             groups: vec![],
             pid,
             host_id: host,
+            by_inode: false,
         }
     }
 
@@ -275,6 +301,33 @@ mod tests {
             .ino;
         s.resize(ino, Some(bytes), bytes, false).unwrap();
         ino
+    }
+
+    #[test]
+    fn an_expired_host_leaves_no_handles_behind() {
+        let mut s = state(Duration::from_secs(60));
+        let one = region(&mut s, &who(2, 10), "one", true, MIB);
+        s.setxattr(&who(2, 10), one, "user.regions.onewriter", b"1", 0)
+            .unwrap();
+        let doomed = region(&mut s, &who(2, 10), "doomed", true, MIB);
+        // Host 1 writes `one` and keeps `doomed` open after it is unlinked.
+        s.open_region(&who(1, 7), one, true).unwrap();
+        s.open_region(&who(1, 7), doomed, false).unwrap();
+        let kept = s.open_region(&who(3, 9), doomed, false).unwrap();
+        s.unlink(&who(2, 10), ROOT_INO, "doomed").unwrap();
+        assert_eq!(
+            s.open_region(&who(2, 11), one, true).unwrap_err().errno(),
+            libc::ETXTBSY
+        );
+        assert_eq!(s.release_host_handles(1), 2);
+        assert!(
+            s.open_region(&who(2, 11), one, true).is_ok(),
+            "ONEWRITER takes a writer again"
+        );
+        assert!(s.inodes.contains_key(&doomed), "host 3 still has it open");
+        assert!(s.release_handle(kept.id));
+        assert!(!s.inodes.contains_key(&doomed), "freed at its last close");
+        assert_eq!(s.release_host_handles(1), 0);
     }
 
     #[test]

@@ -841,6 +841,7 @@ impl Manager {
         let info = self
             .read(|s| {
                 let inode = s.region(ino)?;
+                s.check_path(caller, ino)?;
                 crate::access::check(
                     caller,
                     inode,
@@ -1003,6 +1004,7 @@ mod tests {
             groups: vec![],
             pid: 42,
             host_id: host,
+            by_inode: false,
         }
     }
 

@@ -93,6 +93,7 @@ impl State {
     fn check_new_entry(&self, caller: &Caller, parent: u64, name: &str) -> Result<Inode> {
         check_name(name)?;
         let dir = self.dir(parent)?;
+        self.check_path(caller, parent)?;
         access::check(caller, dir, WRITE | EXEC, "add entries to this directory")?;
         if dir.nlink == 0 {
             return Err(ManagerError::NotFound(format!(
@@ -479,6 +480,7 @@ impl State {
     /// access(2).
     pub fn access(&self, caller: &Caller, ino: u64, mask: u32) -> Result<()> {
         let inode = self.inode(ino)?;
+        self.check_path(caller, ino)?;
         access::check(caller, inode, mask & 7, "access this inode as asked")
     }
 
@@ -674,6 +676,7 @@ mod tests {
             groups: vec![],
             pid: 100 + uid,
             host_id: 1,
+            by_inode: false,
         }
     }
 
@@ -700,6 +703,59 @@ mod tests {
                 "{bad:?}"
             );
         }
+    }
+
+    #[test]
+    fn callers_naming_an_inode_need_search_permission_above_it() {
+        let mut s = state();
+        // /private (0700, uid 1000) / open (0755) / f (0644): only uid 1000 may reach f.
+        let owner = user(1000);
+        let private = s.mkdir(&owner, ROOT_INO, "private", 0o700).unwrap();
+        let inner = s.mkdir(&owner, private.ino, "open", 0o755).unwrap();
+        let f = create(&mut s, &owner, inner.ino, "f");
+        let by_inode = |c: Caller| Caller {
+            by_inode: true,
+            ..c
+        };
+        let other = by_inode(user(1001));
+        assert_eq!(errno(s.access(&other, f.ino, READ)), libc::EACCES);
+        assert_eq!(errno(s.open_region(&other, f.ino, false)), libc::EACCES);
+        assert_eq!(
+            errno(s.create_entry(&other, inner.ino, "g", 0o644, None)),
+            libc::EACCES,
+            "creating below a directory it cannot reach"
+        );
+        // The same checks without by_inode are the mount's (the kernel walked the path).
+        assert!(s.access(&user(1001), f.ino, READ).is_ok());
+        // The owner, root, and a process holding a handle pass.
+        assert!(s.access(&by_inode(owner.clone()), f.ino, READ).is_ok());
+        let root_by_inode = by_inode(root());
+        assert!(s.open_region(&root_by_inode, f.ino, false).is_ok());
+        s.setattr(
+            &owner,
+            private.ino,
+            &SetAttr {
+                mode: Some(0o755),
+                ..SetAttr::default()
+            },
+        )
+        .unwrap();
+        let h = s.open_region(&other, f.ino, false).unwrap();
+        s.setattr(
+            &owner,
+            private.ino,
+            &SetAttr {
+                mode: Some(0o700),
+                ..SetAttr::default()
+            },
+        )
+        .unwrap();
+        assert!(
+            s.check_path(&other, f.ino).is_ok(),
+            "an open handle keeps its access"
+        );
+        assert!(s.close_handle(&other, h.id).is_ok());
+        assert_eq!(errno(s.check_path(&other, f.ino)), libc::EACCES);
     }
 
     #[test]

@@ -262,6 +262,7 @@ impl State {
     /// Opens a region; `ETXTBSY` for a second writer of a ONEWRITER region.
     pub fn open_region(&mut self, caller: &Caller, ino: u64, write: bool) -> Result<Handle> {
         let inode = self.region(ino)?;
+        self.check_path(caller, ino)?;
         self.check_not_lost(ino)?;
         let mask = if write { READ | WRITE } else { READ };
         access::check(
@@ -293,14 +294,18 @@ impl State {
     }
 
     /// Permission to grow or truncate a region: write permission now, or a
-    /// write handle opened from the caller's host (as with POSIX, where
-    /// access is checked at open and an fd keeps it after a chmod).
+    /// write handle (as with POSIX, where access is checked at open and an fd
+    /// keeps it after a chmod). The handle must be the caller's own when the
+    /// caller came through a host agent ([`Caller::by_inode`]); a mount (which
+    /// the kernel tells which descriptor a request is for) may use any write
+    /// handle opened from its host.
     pub fn check_write_or_handle(&self, caller: &Caller, ino: u64, what: &str) -> Result<()> {
         let inode = self.region(ino)?;
+        self.check_path(caller, ino)?;
         let has_handle = self.open.get(&ino).is_some_and(|ids| {
-            ids.iter()
-                .filter_map(|id| self.handles.get(id))
-                .any(|h| h.write && h.host_id == caller.host_id)
+            ids.iter().filter_map(|id| self.handles.get(id)).any(|h| {
+                h.write && h.host_id == caller.host_id && (!caller.by_inode || h.pid == caller.pid)
+            })
         });
         if has_handle {
             Ok(())
@@ -328,6 +333,12 @@ impl State {
             return Err(ManagerError::Perm(format!(
                 "handle {id} belongs to host {}, not host {}",
                 handle.host_id, caller.host_id
+            )));
+        }
+        if caller.by_inode && !caller.is_root() && handle.pid != caller.pid {
+            return Err(ManagerError::Perm(format!(
+                "handle {id} belongs to process {}, not {}: close only handles your process opened",
+                handle.pid, caller.pid
             )));
         }
         Ok(self.release_handle(id))
@@ -444,6 +455,7 @@ mod tests {
             groups: vec![],
             pid: 77,
             host_id: host,
+            by_inode: false,
         }
     }
 
@@ -640,6 +652,22 @@ mod tests {
         let elsewhere = on_host(2);
         assert_eq!(
             s.check_write_or_handle(&elsewhere, ino, "grow")
+                .unwrap_err()
+                .errno(),
+            libc::EACCES
+        );
+        // Through a host agent, only the process that holds the handle keeps the right.
+        let same_process = Caller {
+            by_inode: true,
+            ..on_host(1)
+        };
+        assert!(s.check_write_or_handle(&same_process, ino, "grow").is_ok());
+        let neighbour = Caller {
+            pid: same_process.pid + 1,
+            ..same_process.clone()
+        };
+        assert_eq!(
+            s.check_write_or_handle(&neighbour, ino, "grow")
                 .unwrap_err()
                 .errno(),
             libc::EACCES

@@ -161,6 +161,48 @@ impl State {
             .ok_or_else(|| ManagerError::NotFound(format!("inode {ino}")))
     }
 
+    /// For a caller that named `ino` by number ([`Caller::by_inode`]), search
+    /// permission on every directory above it, as `open(2)` needs for a path:
+    /// guessing an inode number inside another user's 0700 directory gives
+    /// `EACCES`. Callers whose path the kernel walked (the mount) and root pass,
+    /// and so does a process that holds an open handle of `ino` (like a
+    /// descriptor, it keeps the access it was granted at open). An unlinked
+    /// inode has no directories above it.
+    pub fn check_path(&self, caller: &Caller, ino: u64) -> Result<()> {
+        if !caller.by_inode || caller.is_root() {
+            return Ok(());
+        }
+        let holds_handle = self.open.get(&ino).is_some_and(|ids| {
+            ids.iter()
+                .filter_map(|id| self.handles.get(id))
+                .any(|h| h.host_id == caller.host_id && h.pid == caller.pid)
+        });
+        if holds_handle {
+            return Ok(());
+        }
+        let mut parent = self.inode(ino)?.parent;
+        // A directory tree is acyclic; the bound only guards a corrupt store.
+        for _ in 0..=self.inodes.len() {
+            if parent == 0 {
+                return Ok(());
+            }
+            let dir = self.inode(parent)?;
+            crate::access::check(
+                caller,
+                dir,
+                crate::access::EXEC,
+                &format!("search directory {parent}, which is above inode {ino}"),
+            )?;
+            if parent == ROOT_INO {
+                return Ok(());
+            }
+            parent = dir.parent;
+        }
+        Err(ManagerError::Invalid(format!(
+            "the directories above inode {ino} form a loop; the namespace is corrupt"
+        )))
+    }
+
     /// The inode, for changing; marks it dirty.
     pub fn inode_mut(&mut self, ino: u64) -> Result<&mut Inode> {
         let inode = self

@@ -1,4 +1,5 @@
-//! Barriers, mutexes and doorbells (paper 003 §5.9; DESIGN.md, "Control plane"): named
+//! Barriers, mutexes and doorbells (Remote Regions paper §5.9; docs/SEMANTICS.md, "Barriers,
+//! mutexes and doorbells"): named
 //! objects whose definitions are durable in the store and whose waiting callers live in
 //! memory, served as the `Sync` gRPC service.
 //!
@@ -43,7 +44,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{oneshot, watch};
 use tonic::{Request, Response, Status};
 
-use crate::access::Caller;
+use crate::access::{Caller, READ, WRITE};
 use crate::capability::Minter;
 use crate::error::{ManagerError, Result};
 use crate::manager::Manager;
@@ -96,6 +97,37 @@ impl SyncDef {
     }
 }
 
+/// Who owns a sync object and who may use it, as for a file: using a mutex or a barrier
+/// (lock, unlock, locate, arrive, wait) needs read and write permission, ringing a doorbell
+/// write, waiting on one read; only the owner or root may delete it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncOwner {
+    pub uid: u32,
+    pub gid: u32,
+    /// Permission bits (0o777).
+    pub mode: u32,
+}
+
+impl SyncOwner {
+    /// Objects stored before sync objects had owners: root's, usable by everyone (as they
+    /// were).
+    pub const LEGACY: SyncOwner = SyncOwner {
+        uid: 0,
+        gid: 0,
+        mode: 0o666,
+    };
+}
+
+/// Mode of a new sync object when the caller names none: its owner's only.
+pub const DEFAULT_SYNC_MODE: u32 = 0o600;
+
+/// The stored form of a named object: its definition and its owner.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct SyncRecord {
+    def: SyncDef,
+    owner: SyncOwner,
+}
+
 /// The hidden region holding lock words (stored).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LockRegion {
@@ -110,6 +142,8 @@ pub struct LockRegion {
 #[derive(Clone, Debug, Default)]
 pub struct SyncState {
     pub defs: BTreeMap<String, SyncDef>,
+    /// Owner and mode of each object in `defs`.
+    pub owners: BTreeMap<String, SyncOwner>,
     pub lock_region: Option<LockRegion>,
 }
 
@@ -118,10 +152,16 @@ pub fn load_record(state: &mut State, key: &str, bytes: &[u8]) -> Result<(), pos
     if key == LOCK_REGION_KEY {
         state.sync.lock_region = Some(postcard::from_bytes(bytes)?);
     } else {
-        state
-            .sync
-            .defs
-            .insert(key.to_owned(), postcard::from_bytes(bytes)?);
+        // Records written before objects had owners hold the definition alone.
+        let record = match postcard::from_bytes::<SyncRecord>(bytes) {
+            Ok(r) => r,
+            Err(_) => SyncRecord {
+                def: postcard::from_bytes(bytes)?,
+                owner: SyncOwner::LEGACY,
+            },
+        };
+        state.sync.defs.insert(key.to_owned(), record.def);
+        state.sync.owners.insert(key.to_owned(), record.owner);
     }
     Ok(())
 }
@@ -140,7 +180,17 @@ pub fn record_of(state: &State, key: &str) -> Result<Option<Vec<u8>>, postcard::
             .sync
             .defs
             .get(key)
-            .map(postcard::to_allocvec)
+            .map(|def| {
+                postcard::to_allocvec(&SyncRecord {
+                    def: def.clone(),
+                    owner: state
+                        .sync
+                        .owners
+                        .get(key)
+                        .copied()
+                        .unwrap_or(SyncOwner::LEGACY),
+                })
+            })
             .transpose()
     }
 }
@@ -179,10 +229,36 @@ impl State {
         })
     }
 
-    /// Creates `name` as `def` (a mutex's or barrier's slot is allocated here: the offset in
-    /// `def` is ignored); an existing object with the same kind and parameters is left as it
-    /// is; anything else is `EEXIST`.
-    pub fn sync_init(&mut self, caller: &Caller, name: &str, def: SyncDef) -> Result<SyncDef> {
+    /// Checks that `caller` may use `name` with `mask` (READ, WRITE) permission.
+    pub fn sync_check(&self, caller: &Caller, name: &str, mask: u32, what: &str) -> Result<()> {
+        self.sync_def(name)?;
+        let owner = self
+            .sync
+            .owners
+            .get(name)
+            .copied()
+            .unwrap_or(SyncOwner::LEGACY);
+        if crate::access::allows_bits(caller, owner.uid, owner.gid, owner.mode, false, mask) {
+            Ok(())
+        } else {
+            Err(ManagerError::Access(format!(
+                "uid {} may not {what} sync object {name:?} (mode {:o}, owner {}:{})",
+                caller.uid, owner.mode, owner.uid, owner.gid
+            )))
+        }
+    }
+
+    /// Creates `name` as `def` owned by the caller with permission bits `mode` (default
+    /// [`DEFAULT_SYNC_MODE`]); a mutex's or barrier's slot is allocated here (the offset in
+    /// `def` is ignored). An existing object with the same kind and parameters is left as it
+    /// is, if the caller may use it; anything else is `EEXIST`.
+    pub fn sync_init(
+        &mut self,
+        caller: &Caller,
+        name: &str,
+        def: SyncDef,
+        mode: Option<u32>,
+    ) -> Result<SyncDef> {
         check_name(name)?;
         if let SyncDef::Barrier { n: 0 } | SyncDef::BarrierWord { n: 0, .. } = def {
             return Err(ManagerError::Invalid(format!(
@@ -199,7 +275,9 @@ impl State {
                 (a, b) => a == b,
             };
             if same {
-                return Ok(existing.clone());
+                let existing = existing.clone();
+                self.sync_check(caller, name, READ | WRITE, "use")?;
+                return Ok(existing);
             }
             return Err(ManagerError::Exists(format!(
                 "sync object {name:?} as a {} with other parameters ({existing:?}); delete it first",
@@ -217,14 +295,36 @@ impl State {
             other => other,
         };
         self.sync.defs.insert(name.to_owned(), def.clone());
+        self.sync.owners.insert(
+            name.to_owned(),
+            SyncOwner {
+                uid: caller.uid,
+                gid: caller.gid,
+                mode: mode.unwrap_or(DEFAULT_SYNC_MODE) & 0o777,
+            },
+        );
         self.dirty.sync.insert(name.to_owned());
         Ok(def)
     }
 
-    /// Deletes `name` (the caller marks a word [`DELETED`]; its slot is not reused).
-    pub fn sync_delete(&mut self, name: &str) -> Result<SyncDef> {
+    /// Deletes `name` as `caller`, its owner or root (the service marks a word [`DELETED`];
+    /// its slot is not reused).
+    pub fn sync_delete(&mut self, caller: &Caller, name: &str) -> Result<SyncDef> {
         let def = self.sync_def(name)?;
+        let owner = self
+            .sync
+            .owners
+            .get(name)
+            .copied()
+            .unwrap_or(SyncOwner::LEGACY);
+        if !caller.is_root() && caller.uid != owner.uid {
+            return Err(ManagerError::Perm(format!(
+                "only its owner (uid {}) or root may delete sync object {name:?}",
+                owner.uid
+            )));
+        }
         self.sync.defs.remove(name);
+        self.sync.owners.remove(name);
         self.dirty.sync.insert(name.to_owned());
         Ok(def)
     }
@@ -463,11 +563,24 @@ impl SyncService {
         self.manager().read(move |s| s.sync_def(&name)).await
     }
 
-    pub async fn init(&self, caller: &Caller, name: &str, def: SyncDef) -> Result<SyncDef> {
+    pub async fn init(
+        &self,
+        caller: &Caller,
+        name: &str,
+        def: SyncDef,
+        mode: Option<u32>,
+    ) -> Result<SyncDef> {
         let caller = caller.clone();
         let name = name.to_owned();
         self.manager()
-            .write_allocating(move |s| s.sync_init(&caller, &name, def.clone()))
+            .write_allocating(move |s| s.sync_init(&caller, &name, def.clone(), mode))
+            .await
+    }
+
+    /// Checks that `caller` may use `name` with `mask` permission.
+    async fn check(&self, caller: &Caller, name: &str, mask: u32, what: &str) -> Result<()> {
+        self.manager()
+            .read(|s| s.sync_check(caller, name, mask, what))
             .await
     }
 
@@ -1085,9 +1198,13 @@ impl SyncService {
 
     /// Deletes `name`; its waiters get `ENOENT`, a mutex's or barrier's word is marked
     /// [`DELETED`].
-    pub async fn delete(&self, name: &str) -> Result<()> {
+    pub async fn delete(&self, caller: &Caller, name: &str) -> Result<()> {
         let owned = name.to_owned();
-        let def = self.manager().write(move |s| s.sync_delete(&owned)).await?;
+        let who = caller.clone();
+        let def = self
+            .manager()
+            .write(move |s| s.sync_delete(&who, &owned))
+            .await?;
         let (mutex, barrier) = {
             let mut rt = self.inner.runtime.lock().map_err(|_| poisoned())?;
             if let Some(b) = rt.barriers.remove(name) {
@@ -1221,7 +1338,7 @@ impl Sync for SyncService {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
         let def = SyncDef::BarrierWord { n: r.n, offset: 0 };
-        let result = self.init(&c, &r.name, def).await;
+        let result = self.init(&c, &r.name, def, r.mode).await;
         reply("barrier_init", result.map(|_| value(0)))
     }
 
@@ -1230,7 +1347,10 @@ impl Sync for SyncService {
         r: Request<v1::SyncNameRequest>,
     ) -> Result<Response<v1::SyncReply>, Status> {
         let r = r.into_inner();
-        caller(r.caller.as_ref())?;
+        let c = caller(r.caller.as_ref())?;
+        if let Err(e) = self.check(&c, &r.name, READ | WRITE, "wait at").await {
+            return reply("barrier_wait", Err(e));
+        }
         reply("barrier_wait", self.barrier_wait(&r.name).await.map(value))
     }
 
@@ -1240,7 +1360,9 @@ impl Sync for SyncService {
     ) -> Result<Response<v1::SyncReply>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        let result = self.init(&c, &r.name, SyncDef::Mutex { offset: 0 }).await;
+        let result = self
+            .init(&c, &r.name, SyncDef::Mutex { offset: 0 }, r.mode)
+            .await;
         reply("mutex_init", result.map(|_| value(0)))
     }
 
@@ -1250,6 +1372,9 @@ impl Sync for SyncService {
     ) -> Result<Response<v1::SyncReply>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
+        if let Err(e) = self.check(&c, &r.name, READ | WRITE, "lock").await {
+            return reply("mutex_lock", Err(e));
+        }
         reply(
             "mutex_lock",
             self.mutex_lock(&c, r.tid, &r.name).await.map(value),
@@ -1262,6 +1387,9 @@ impl Sync for SyncService {
     ) -> Result<Response<v1::SyncReply>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
+        if let Err(e) = self.check(&c, &r.name, READ | WRITE, "unlock").await {
+            return reply("mutex_unlock", Err(e));
+        }
         let result = self.mutex_unlock(&c, r.tid, &r.name).await;
         reply("mutex_unlock", result.map(|()| value(0)))
     }
@@ -1272,7 +1400,7 @@ impl Sync for SyncService {
     ) -> Result<Response<v1::SyncReply>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        let result = self.init(&c, &r.name, SyncDef::Bell).await;
+        let result = self.init(&c, &r.name, SyncDef::Bell, r.mode).await;
         reply("bell_init", result.map(|_| value(0)))
     }
 
@@ -1281,7 +1409,10 @@ impl Sync for SyncService {
         r: Request<v1::SyncNameRequest>,
     ) -> Result<Response<v1::SyncReply>, Status> {
         let r = r.into_inner();
-        caller(r.caller.as_ref())?;
+        let c = caller(r.caller.as_ref())?;
+        if let Err(e) = self.check(&c, &r.name, WRITE, "ring").await {
+            return reply("bell_ring", Err(e));
+        }
         reply("bell_ring", self.bell_ring(&r.name).await.map(value))
     }
 
@@ -1291,6 +1422,9 @@ impl Sync for SyncService {
     ) -> Result<Response<v1::SyncReply>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
+        if let Err(e) = self.check(&c, &r.name, READ, "wait on").await {
+            return reply("bell_wait", Err(e));
+        }
         reply("bell_wait", self.bell_wait(&c, &r.name).await.map(value))
     }
 
@@ -1299,8 +1433,8 @@ impl Sync for SyncService {
         r: Request<v1::SyncNameRequest>,
     ) -> Result<Response<v1::SyncReply>, Status> {
         let r = r.into_inner();
-        caller(r.caller.as_ref())?;
-        reply("delete", self.delete(&r.name).await.map(|()| value(0)))
+        let c = caller(r.caller.as_ref())?;
+        reply("delete", self.delete(&c, &r.name).await.map(|()| value(0)))
     }
 
     async fn mutex_locate(
@@ -1309,6 +1443,9 @@ impl Sync for SyncService {
     ) -> Result<Response<v1::MutexLocation>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
+        if let Err(e) = self.check(&c, &r.name, READ | WRITE, "lock").await {
+            return reply("mutex_locate", Err(e));
+        }
         reply("mutex_locate", self.mutex_locate(&c, &r.name).await)
     }
 
@@ -1318,6 +1455,9 @@ impl Sync for SyncService {
     ) -> Result<Response<v1::MutexLocation>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
+        if let Err(e) = self.check(&c, &r.name, READ | WRITE, "wait at").await {
+            return reply("barrier_locate", Err(e));
+        }
         reply("barrier_locate", self.barrier_locate(&c, &r.name).await)
     }
 
@@ -1326,7 +1466,10 @@ impl Sync for SyncService {
         r: Request<v1::SyncNameRequest>,
     ) -> Result<Response<v1::SyncReply>, Status> {
         let r = r.into_inner();
-        caller(r.caller.as_ref())?;
+        let c = caller(r.caller.as_ref())?;
+        if let Err(e) = self.check(&c, &r.name, READ | WRITE, "wait at").await {
+            return reply("barrier_sleep", Err(e));
+        }
         let result = self.barrier_sleep(&r.name, r.generation).await;
         reply("barrier_sleep", result.map(value))
     }
@@ -1336,7 +1479,10 @@ impl Sync for SyncService {
         r: Request<v1::SyncNameRequest>,
     ) -> Result<Response<v1::SyncReply>, Status> {
         let r = r.into_inner();
-        caller(r.caller.as_ref())?;
+        let c = caller(r.caller.as_ref())?;
+        if let Err(e) = self.check(&c, &r.name, READ | WRITE, "wait at").await {
+            return reply("barrier_wake", Err(e));
+        }
         reply("barrier_wake", self.barrier_wake(&r.name).await.map(value))
     }
 
@@ -1380,37 +1526,39 @@ mod tests {
         let barrier = |n| SyncDef::BarrierWord { n, offset: 0 };
         let mutex = SyncDef::Mutex { offset: 0 };
         assert_eq!(
-            s.sync_init(&c, "b", barrier(0)).unwrap_err().errno(),
+            s.sync_init(&c, "b", barrier(0), None).unwrap_err().errno(),
             libc::EINVAL
         );
         assert_eq!(
-            s.sync_init(&c, "b", barrier(2)).unwrap(),
+            s.sync_init(&c, "b", barrier(2), None).unwrap(),
             SyncDef::BarrierWord { n: 2, offset: 0 }
         );
         assert_eq!(
-            s.sync_init(&c, "b", barrier(2)).unwrap(),
+            s.sync_init(&c, "b", barrier(2), None).unwrap(),
             SyncDef::BarrierWord { n: 2, offset: 0 },
             "same parameters: the existing barrier"
         );
         assert_eq!(
-            s.sync_init(&c, "b", barrier(3)).unwrap_err().errno(),
+            s.sync_init(&c, "b", barrier(3), None).unwrap_err().errno(),
             libc::EEXIST
         );
         assert_eq!(
-            s.sync_init(&c, "b", mutex.clone()).unwrap_err().errno(),
+            s.sync_init(&c, "b", mutex.clone(), None)
+                .unwrap_err()
+                .errno(),
             libc::EEXIST
         );
         assert_eq!(
-            s.sync_init(&c, "m", mutex.clone()).unwrap(),
+            s.sync_init(&c, "m", mutex.clone(), None).unwrap(),
             SyncDef::Mutex {
                 offset: SLOT_STRIDE
             }
         );
-        s.sync_delete("m").unwrap();
-        s.sync_delete("b").unwrap();
+        s.sync_delete(&c, "m").unwrap();
+        s.sync_delete(&c, "b").unwrap();
         assert_eq!(s.sync_def("m").unwrap_err().errno(), libc::ENOENT);
         assert_eq!(
-            s.sync_init(&c, "m", mutex).unwrap(),
+            s.sync_init(&c, "m", mutex, None).unwrap(),
             SyncDef::Mutex {
                 offset: 2 * SLOT_STRIDE
             },
@@ -1429,18 +1577,18 @@ mod tests {
         assert_eq!(s.sync_def("old").unwrap(), SyncDef::Barrier { n: 2 });
         let c = Caller::root(1);
         assert_eq!(
-            s.sync_init(&c, "old", SyncDef::BarrierWord { n: 2, offset: 0 })
+            s.sync_init(&c, "old", SyncDef::BarrierWord { n: 2, offset: 0 }, None)
                 .unwrap(),
             SyncDef::Barrier { n: 2 }
         );
         assert_eq!(
-            s.sync_init(&c, "old", SyncDef::BarrierWord { n: 3, offset: 0 })
+            s.sync_init(&c, "old", SyncDef::BarrierWord { n: 3, offset: 0 }, None)
                 .unwrap_err()
                 .errno(),
             libc::EEXIST
         );
         // New definitions and the lock region round-trip through their records.
-        s.sync_init(&c, "new", SyncDef::BarrierWord { n: 4, offset: 0 })
+        s.sync_init(&c, "new", SyncDef::BarrierWord { n: 4, offset: 0 }, None)
             .unwrap();
         let mut t = state();
         for key in ["new", LOCK_REGION_KEY] {

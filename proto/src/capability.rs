@@ -1,5 +1,5 @@
-//! Transport capabilities (DESIGN.md, "Capabilities"): a token bound to (region, rights,
-//! expiry) that the manager mints when a caller opens a region and daemons verify on the
+//! Transport capabilities (docs/ARCHITECTURE.md, "Capabilities"): a token bound to (region,
+//! rights, expiry) that the manager mints when a caller opens a region and daemons verify on the
 //! transport, so an application can reach the pool memory of the regions it opened and nothing
 //! else, without ever holding the cluster secret.
 //!

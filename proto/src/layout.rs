@@ -1,5 +1,5 @@
 //! Sizes and encodings every component agrees on: chunks, extents, region-map
-//! entries and the fixed-virtual-address window (DESIGN.md, "Words").
+//! entries and the fixed-virtual-address window (docs/ARCHITECTURE.md, "Terms").
 
 /// log2 of [`CHUNK_SIZE`].
 pub const CHUNK_SHIFT: u32 = 17;

@@ -7,7 +7,7 @@
 //! (regionfs does not mount with `default_permissions`). Failures are
 //! [`FsError`]s whose [`FsError::errno`] is what the application sees.
 //!
-//! Caching (DESIGN.md, "Client side"): the kernel page cache is the
+//! Caching (docs/SEMANTICS.md, "Close-to-open consistency"): the kernel page cache is the
 //! paper's write-back cache. Writes reach the region synchronously when the
 //! kernel sends them; an open keeps the cached pages only when the region's
 //! mtime and size at the manager are what this mount last saw

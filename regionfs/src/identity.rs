@@ -103,6 +103,7 @@ impl Identity {
                 ctx.pid
             },
             host_id: self.host_id,
+            by_inode: false,
         }
     }
 
@@ -114,6 +115,7 @@ impl Identity {
             groups: Vec::new(),
             pid: std::process::id(),
             host_id: self.host_id,
+            by_inode: false,
         }
     }
 

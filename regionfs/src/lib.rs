@@ -1,4 +1,4 @@
-//! regionfs: the regions file system (DESIGN.md, "Client side"; paper 003
+//! regionfs: the regions file system (docs/ARCHITECTURE.md, "regionfs"; Remote Regions paper
 //! §5, §6.2, §6.6). Every region is a file of the mount; processes read,
 //! write and `mmap` regions with ordinary file calls, and the kernel page
 //! cache is the paper's write-back cache.

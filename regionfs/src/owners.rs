@@ -1,4 +1,4 @@
-//! Region lifetime (DESIGN.md, "Lifetime"; paper 003 §5.1, §5.5): regionfs
+//! Region lifetime (docs/SEMANTICS.md, "Lifetime"; Remote Regions paper §5.1, §5.5): regionfs
 //! learns the creating process of each region from the FUSE request and
 //! watches it with a pidfd; when it exits, its non-persistent regions are
 //! deleted.

@@ -1,5 +1,5 @@
 //! `regionfs up`: a whole single-host cluster in one process, the embedded
-//! default (DESIGN.md, "Processes and crates"): the manager (its store
+//! default (docs/ARCHITECTURE.md, "Processes"): the manager (its store
 //! under `DATA_DIR/manager`), the daemon (host 1, agent socket
 //! `DATA_DIR/agent.sock`) and, started by the caller, the mount. The
 //! cluster secret is generated into `DATA_DIR/secret` (mode 0600) the

@@ -130,6 +130,47 @@ fn wait_timeout(child: &mut Child, timeout: Duration) -> anyhow::Result<Option<E
     }
 }
 
+/// `regions-attack` copied into `dir` with mode 0755, so that an unprivileged user can run it
+/// whatever the permissions of the checkout (the isolation tests drop children to `nobody`).
+pub fn attack_binary(dir: &Path) -> anyhow::Result<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let copy = dir.join("regions-attack");
+    std::fs::copy(bin_path("regions-attack")?, &copy)
+        .with_context(|| format!("cannot copy regions-attack to {}", copy.display()))?;
+    std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755))?;
+    Ok(copy)
+}
+
+/// Runs `cmd` to completion with its output captured, killing it if it has not exited after
+/// `timeout` (so a hung child fails the test instead of hanging it).
+pub fn output_within(cmd: &mut Command, timeout: Duration) -> anyhow::Result<std::process::Output> {
+    use std::io::Read;
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot start {cmd:?}"))?;
+    let Some(status) = wait_timeout(&mut child, timeout)? else {
+        let _ = child.kill();
+        let _ = child.wait();
+        bail!("{cmd:?} did not finish within {timeout:?}; killed");
+    };
+    let mut stdout = Vec::new();
+    let mut stderr = Vec::new();
+    if let Some(mut out) = child.stdout.take() {
+        out.read_to_end(&mut stdout)?;
+    }
+    if let Some(mut err) = child.stderr.take() {
+        err.read_to_end(&mut stderr)?;
+    }
+    Ok(std::process::Output {
+        status,
+        stdout,
+        stderr,
+    })
+}
+
 /// A running node process (`regions-manager`, `regions-daemon`) started
 /// with a ready file.
 ///
@@ -792,6 +833,7 @@ pub fn caller(uid: u32, host: u32) -> Option<v1::Caller> {
         groups: Vec::new(),
         pid: std::process::id(),
         host_id: host,
+        by_inode: false,
     })
 }
 

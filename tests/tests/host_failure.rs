@@ -1,4 +1,4 @@
-//! Host failure across three host ids (DESIGN.md, "Errors and faults"): a daemon SIGKILLed
+//! Host failure across three host ids (docs/SEMANTICS.md, "Host failure"): a daemon SIGKILLed
 //! makes reads and writes of the regions it held fail with `EIO` on the other hosts' mounts
 //! within the retry bound, while regions held elsewhere keep working; the daemon restarted
 //! with the same host id has lost its memory, so the manager marks those regions lost: `EIO`

@@ -1,4 +1,5 @@
-//! Region lifetime across three host ids (DESIGN.md, "Lifetime"; paper 003 §5.1, §5.5):
+//! Region lifetime across three host ids (docs/SEMANTICS.md, "Lifetime"; Remote Regions paper
+//! §5.1, §5.5):
 //!
 //! - a process that creates regions through a mount, or through its host agent, owns them:
 //!   when it exits, its non-persistent regions are deleted cluster-wide within 1 s, and its

@@ -1,5 +1,6 @@
-//! Mapping whole regions into the process (paper 003 §5.2, §6.10, §6.13; DESIGN.md, "Client
-//! side"): FIXVADDR regions at their manager-assigned address inside the fixed window, which is
+//! Mapping whole regions into the process (Remote Regions paper §5.7, §6.10, §6.13;
+//! docs/ARCHITECTURE.md, "Mapping a region (rmap)"; docs/SEMANTICS.md, "Mappings through
+//! libregions (rmap)"): FIXVADDR regions at their manager-assigned address inside the fixed window, which is
 //! reserved (`PROT_NONE`, `MAP_NORESERVE`) on first use so that nothing else in the process lands
 //! there; other regions anywhere else.
 //!

@@ -210,6 +210,7 @@ fn finish(client: &SyncClient, job: &Handover) {
         n: 0,
         tid: tag_tid(*tag),
         generation: 0,
+        mode: None,
     };
     match client.call_with(call) {
         Ok(_) => {}

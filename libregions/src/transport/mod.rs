@@ -1,5 +1,5 @@
-//! The data plane between a client and the memory of a region (DESIGN.md,
-//! "Transport"): one-sided reads, writes and 8-byte atomics.
+//! The data plane between a client and the memory of a region (docs/ARCHITECTURE.md,
+//! "Data plane"): one-sided reads, writes and 8-byte atomics.
 //!
 //! Backends: [`tcp`] (a daemon serves the ops; the default without RDMA) and
 //! [`local`] (the region's segment memfd mapped into this process). An

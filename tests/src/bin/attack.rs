@@ -1,0 +1,406 @@
+//! A separate OS process for the isolation tests: run as an unprivileged user, it tries to
+//! reach bytes or handles that are not its own through a host agent, and prints one line per
+//! attempt so the test can check each was refused.
+//!
+//! ```text
+//! regions-attack SOCKET read-segment INO    (a read-only segment: every way to write it)
+//! regions-attack SOCKET write-segment INO   (a writable segment: seals and shrinking)
+//! regions-attack SOCKET by-inode INO        (agent calls that name an inode by number)
+//! regions-attack SOCKET create-in PARENT NAME
+//! regions-attack SOCKET close HANDLE        (another process's handle)
+//! regions-attack SOCKET fuzz SEED CASES INO,INO…  (random and malformed agent messages)
+//! ```
+//!
+//! Each attempt prints `NAME: refused ERRNO`, or `NAME: ALLOWED` when the attack worked. Set-up
+//! steps print `NAME: ok` or `NAME: failed ERRNO` (a failed set-up means the attack was never
+//! tried, which the tests treat as a failure of the test, not a success of the defence).
+//! `read-segment` ends with `content: HEX`, the first 16 bytes of the segment as read back.
+
+use std::fs::File;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use anyhow::{Context, bail};
+use regions::RegionsError;
+use regions::agent::AgentClient;
+
+mod raw {
+    //! The system calls the attacks use, each returning the errno it failed with.
+
+    use std::os::fd::RawFd;
+
+    fn last_errno() -> i32 {
+        std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EIO)
+    }
+
+    /// Maps `len` bytes of `fd` shared with `prot`; unmaps at once. `Err(errno)` if refused.
+    pub fn map_shared(fd: RawFd, len: usize, prot: i32) -> Result<(), i32> {
+        // SAFETY: a fresh mapping at an address the kernel picks; nothing else refers to it
+        // and it is unmapped before returning.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd, 0) };
+        if p == libc::MAP_FAILED {
+            return Err(last_errno());
+        }
+        // SAFETY: `p` is the mapping of `len` bytes made above.
+        unsafe { libc::munmap(p, len) };
+        Ok(())
+    }
+
+    /// Maps `len` bytes of `fd` read-only and shared, then asks for write access.
+    pub fn mprotect_writable(fd: RawFd, len: usize) -> Result<(), i32> {
+        // SAFETY: as in `map_shared`.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(last_errno());
+        }
+        // SAFETY: `p` is our own mapping of `len` bytes; changing its protection touches
+        // nothing else.
+        let r = unsafe { libc::mprotect(p, len, libc::PROT_READ | libc::PROT_WRITE) };
+        let result = if r == 0 {
+            // The attack worked: store through it so the test sees the changed byte.
+            // SAFETY: the mapping is now writable and at least one byte long.
+            unsafe { *(p as *mut u8) ^= 0xff };
+            Ok(())
+        } else {
+            Err(last_errno())
+        };
+        // SAFETY: `p` is the mapping made above.
+        unsafe { libc::munmap(p, len) };
+        result
+    }
+
+    pub fn fallocate(fd: RawFd, len: i64) -> Result<(), i32> {
+        // SAFETY: plain system call on a descriptor we own.
+        match unsafe { libc::fallocate(fd, 0, 0, len) } {
+            0 => Ok(()),
+            _ => Err(last_errno()),
+        }
+    }
+
+    pub fn ftruncate(fd: RawFd, len: i64) -> Result<(), i32> {
+        // SAFETY: plain system call on a descriptor we own.
+        match unsafe { libc::ftruncate(fd, len) } {
+            0 => Ok(()),
+            _ => Err(last_errno()),
+        }
+    }
+
+    pub fn add_seals(fd: RawFd, seals: i32) -> Result<(), i32> {
+        // SAFETY: plain system call on a descriptor we own.
+        match unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, seals) } {
+            -1 => Err(last_errno()),
+            _ => Ok(()),
+        }
+    }
+}
+
+fn report(name: &str, result: Result<(), i32>) {
+    match result {
+        Ok(()) => println!("{name}: ALLOWED"),
+        Err(errno) => println!("{name}: refused {errno}"),
+    }
+}
+
+fn errno_of(e: &RegionsError) -> i32 {
+    e.errno()
+}
+
+fn report_call<T>(name: &str, result: regions::Result<T>) {
+    report(name, result.map(drop).map_err(|e| errno_of(&e)));
+}
+
+fn segment(agent: &mut AgentClient, ino: u64, write: bool) -> anyhow::Result<(OwnedFd, u64)> {
+    match agent.segment(ino, write) {
+        Ok(Some(seg)) => {
+            println!("segment: ok");
+            Ok((seg.fd, seg.size))
+        }
+        Ok(None) => {
+            println!("segment: failed 0");
+            bail!("the agent has no segment of region {ino}")
+        }
+        Err(e) => {
+            println!("segment: failed {}", e.errno());
+            bail!("no segment of region {ino}: {e}")
+        }
+    }
+}
+
+fn read_segment(agent: &mut AgentClient, ino: u64) -> anyhow::Result<()> {
+    let (fd, size) = segment(agent, ino, false)?;
+    let raw = fd.as_raw_fd();
+    let len = usize::try_from(size).unwrap_or(4096).clamp(4096, 1 << 20);
+    let proc_path = format!("/proc/self/fd/{raw}");
+    report(
+        "reopen-read-write",
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&proc_path)
+            .and_then(|f| f.write_all_at(b"X", 0))
+            .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO)),
+    );
+    let file = File::from(fd.try_clone().context("dup of the segment")?);
+    report(
+        "pwrite",
+        file.write_all_at(b"X", 0)
+            .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO)),
+    );
+    report(
+        "mmap-writable",
+        raw::map_shared(raw, len, libc::PROT_READ | libc::PROT_WRITE),
+    );
+    report("mprotect-writable", raw::mprotect_writable(raw, len));
+    report("fallocate", raw::fallocate(raw, 1 << 20));
+    report(
+        "ftruncate-grow",
+        raw::ftruncate(raw, (size as i64).max(4096) * 4),
+    );
+    report("ftruncate-shrink", raw::ftruncate(raw, 0));
+    report("seal-grow", raw::add_seals(raw, libc::F_SEAL_GROW));
+    report(
+        "seal-future-write",
+        raw::add_seals(raw, libc::F_SEAL_FUTURE_WRITE),
+    );
+    report_call("segment-writable", agent.segment(ino, true));
+    let mut head = [0u8; 16];
+    let n = file
+        .read_at(&mut head, 0)
+        .context("reading the segment back")?;
+    let hex: String = head[..n].iter().map(|b| format!("{b:02x}")).collect();
+    println!("content: {hex}");
+    Ok(())
+}
+
+fn write_segment(agent: &mut AgentClient, ino: u64) -> anyhow::Result<()> {
+    let (fd, size) = segment(agent, ino, true)?;
+    let raw = fd.as_raw_fd();
+    report("seal-grow", raw::add_seals(raw, libc::F_SEAL_GROW));
+    report("seal-write", raw::add_seals(raw, libc::F_SEAL_WRITE));
+    report(
+        "seal-future-write",
+        raw::add_seals(raw, libc::F_SEAL_FUTURE_WRITE),
+    );
+    report("seal-seal", raw::add_seals(raw, libc::F_SEAL_SEAL));
+    report("ftruncate-shrink", raw::ftruncate(raw, (size as i64) / 2));
+    Ok(())
+}
+
+fn by_inode(agent: &mut AgentClient, ino: u64) {
+    report_call("open", agent.open(ino, false));
+    report_call("open-write", agent.open(ino, true));
+    report_call("segment", agent.segment(ino, false));
+    report_call("map-refresh", agent.map_refresh(ino, 0, false));
+    report_call("map-extend", agent.map_extend(ino, 1 << 20));
+}
+
+mod fuzz {
+    //! `fuzz`: random well-formed and malformed agent messages (see tests/tests/agent_fuzz.rs).
+
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixStream;
+    use std::path::Path;
+    use std::time::Duration;
+
+    use prost::Message;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+    use regions_proto::v1::{self, agent_request::Request};
+
+    /// How long a caller waits for an answer before it hangs up (a blocking sync call, say).
+    const PATIENCE: Duration = Duration::from_millis(300);
+
+    fn request(rng: &mut StdRng, inos: &[u64]) -> v1::AgentRequest {
+        let ino = match rng.random_range(0..6) {
+            0 => 0,
+            1 => rng.random(),
+            2 => 1,
+            _ => inos[rng.random_range(0..inos.len())],
+        };
+        let size = match rng.random_range(0..4) {
+            0 => u64::MAX,
+            1 => rng.random(),
+            _ => rng.random_range(0..(1 << 20)),
+        };
+        let name: String = match rng.random_range(0..5) {
+            0 => String::new(),
+            1 => "x".repeat(300),
+            2 => "a/b".into(),
+            _ => format!("f{}", rng.random_range(0..8)),
+        };
+        let request = match rng.random_range(0..10) {
+            0 => Request::Open(v1::AgentOpen {
+                ino,
+                write: rng.random(),
+            }),
+            1 => Request::Segment(v1::AgentSegment {
+                ino,
+                write: rng.random(),
+            }),
+            2 => Request::Stats(v1::AgentStats {}),
+            3 => Request::MapRefresh(v1::MapRefresh {
+                ino,
+                known_version: rng.random(),
+                write: rng.random(),
+            }),
+            4 => Request::MapExtend(v1::MapExtend { ino, size }),
+            5 => Request::MapClose(v1::MapClose {
+                handle: rng.random_range(0..64),
+            }),
+            6 => Request::OwnerCreate(v1::OwnerCreate {
+                parent: if rng.random_bool(0.7) { 1 } else { ino },
+                name,
+                mode: rng.random(),
+                attrs: None,
+                preallocate: if rng.random_bool(0.8) { 0 } else { size },
+            }),
+            _ => Request::Sync(v1::SyncCall {
+                op: rng.random_range(0..16),
+                name,
+                n: rng.random_range(0..4),
+                tid: rng.random(),
+                generation: rng.random(),
+                mode: rng.random_bool(0.5).then(|| rng.random()),
+            }),
+        };
+        v1::AgentRequest {
+            request: Some(request),
+        }
+    }
+
+    /// One message on `stream`: a valid request, garbage, a length over the limit, or a message
+    /// cut short. Returns false when the connection is done (closed by either side).
+    fn send_one(stream: &mut UnixStream, rng: &mut StdRng, inos: &[u64]) -> bool {
+        let body = match rng.random_range(0..10) {
+            0 => (0..rng.random_range(0..200))
+                .map(|_| rng.random())
+                .collect(),
+            1 => {
+                // A length far over the limit, then a few bytes.
+                let mut b = rng
+                    .random_range(2u32 << 20..u32::MAX)
+                    .to_le_bytes()
+                    .to_vec();
+                b.extend_from_slice(b"junk");
+                let _ = stream.write_all(&b);
+                return read_reply(stream);
+            }
+            2 => {
+                // A message cut short, then the caller leaves.
+                let body = request(rng, inos).encode_to_vec();
+                let mut b = ((body.len() + 10) as u32).to_le_bytes().to_vec();
+                b.extend_from_slice(&body);
+                let _ = stream.write_all(&b);
+                return false;
+            }
+            _ => request(rng, inos).encode_to_vec(),
+        };
+        let mut framed = (body.len() as u32).to_le_bytes().to_vec();
+        framed.extend_from_slice(&body);
+        if stream.write_all(&framed).is_err() {
+            return false;
+        }
+        read_reply(stream)
+    }
+
+    /// Reads one reply (and drops any descriptor); false when the connection ended or the reply
+    /// did not come within [`PATIENCE`].
+    fn read_reply(stream: &mut UnixStream) -> bool {
+        let mut len = [0u8; 4];
+        if stream.read_exact(&mut len).is_err() {
+            return false;
+        }
+        let len = u32::from_le_bytes(len) as usize;
+        if len > 64 << 20 {
+            return false;
+        }
+        let mut body = vec![0u8; len];
+        if stream.read_exact(&mut body).is_err() {
+            return false;
+        }
+        v1::AgentReply::decode(body.as_slice()).is_ok()
+    }
+
+    fn connect(socket: &Path) -> std::io::Result<UnixStream> {
+        let s = UnixStream::connect(socket)?;
+        s.set_read_timeout(Some(PATIENCE))?;
+        s.set_write_timeout(Some(Duration::from_secs(5)))?;
+        Ok(s)
+    }
+
+    /// Plays `cases` messages on connections of the current user.
+    /// Returns how many messages were answered.
+    pub fn play(socket: &Path, seed: u64, cases: usize, inos: &[u64]) -> std::io::Result<usize> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut stream = connect(socket)?;
+        let mut answered = 0;
+        for _ in 0..cases {
+            if send_one(&mut stream, &mut rng, inos) {
+                answered += 1;
+            } else {
+                stream = connect(socket)?;
+            }
+        }
+        Ok(answered)
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (Some(socket), Some(command), Some(first)) = (args.first(), args.get(1), args.get(2))
+    else {
+        bail!(
+            "usage: regions-attack SOCKET read-segment|write-segment|by-inode|create-in|close|fuzz ARG…"
+        );
+    };
+    let number = || -> anyhow::Result<u64> {
+        first
+            .parse()
+            .with_context(|| format!("{first:?} is not a number"))
+    };
+    let mut agent = AgentClient::connect(Path::new(socket))
+        .with_context(|| format!("cannot connect to the host agent at {socket}"))?;
+    match command.as_str() {
+        "read-segment" => read_segment(&mut agent, number()?)?,
+        "write-segment" => write_segment(&mut agent, number()?)?,
+        "by-inode" => by_inode(&mut agent, number()?),
+        "create-in" => {
+            let name = args.get(3).context("create-in needs PARENT NAME")?;
+            report_call(
+                "create",
+                agent.create_owned(number()?, name, 0o644, None, 0),
+            );
+        }
+        "close" => report_call("close", agent.map_close(number()?)),
+        "fuzz" => {
+            let cases = args.get(3).context("fuzz needs SEED CASES INOS")?;
+            let inos: Vec<u64> = args
+                .get(4)
+                .context("fuzz needs SEED CASES INOS")?
+                .split(',')
+                .filter_map(|s| s.parse().ok())
+                .collect();
+            if inos.is_empty() {
+                bail!("fuzz needs at least one inode number to aim at");
+            }
+            let answered = fuzz::play(Path::new(socket), number()?, cases.parse()?, &inos)
+                .context("the host agent stopped accepting connections")?;
+            println!("answered: {answered}");
+            println!("fuzz: done");
+        }
+        other => bail!("unknown command {other:?}"),
+    }
+    Ok(())
+}

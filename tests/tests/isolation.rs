@@ -1,0 +1,211 @@
+//! Isolation between users on one host, tested as attacks: the test runs as root, sets up
+//! regions through a real mount, and runs `regions-attack` as the unprivileged user `nobody`
+//! against the real host agent. Each attack must be refused; a control shows the same calls
+//! succeed where the user is allowed, so a refusal is the defence and not a broken set-up.
+
+use std::collections::HashMap;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use regions::agent::AgentClient;
+use regions_tests::{Cluster, MountProcess};
+
+/// The unprivileged user the attacks run as.
+const NOBODY: u32 = 65534;
+
+struct Setup {
+    cluster: Cluster,
+    mount: MountProcess,
+    /// `regions-attack`, copied where `nobody` may run it.
+    attack: PathBuf,
+    socket: PathBuf,
+}
+
+fn setup() -> Setup {
+    let cluster = Cluster::start(1, "256M").expect("cluster");
+    // nobody must reach the agent socket (and the attack binary) below the cluster directory,
+    // but not list it.
+    std::fs::set_permissions(cluster.dir.path(), std::fs::Permissions::from_mode(0o711))
+        .expect("chmod the cluster directory");
+    let mount = cluster.mount(1).expect("mount");
+    let attack = regions_tests::attack_binary(cluster.dir.path()).expect("attack binary");
+    let socket = cluster.daemon(1).expect("daemon").socket.clone();
+    Setup {
+        cluster,
+        mount,
+        attack,
+        socket,
+    }
+}
+
+impl Setup {
+    /// Runs `regions-attack SOCKET args…` as nobody and returns its lines as name → outcome.
+    fn attack(&self, args: &[&str]) -> HashMap<String, String> {
+        let mut cmd = Command::new(&self.attack);
+        cmd.arg(&self.socket)
+            .args(args)
+            .uid(NOBODY)
+            .gid(NOBODY)
+            .env("RUST_LOG", "off");
+        let out = regions_tests::output_within(&mut cmd, Duration::from_secs(60))
+            .expect("run the attack");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "regions-attack {args:?} failed: {}\n{stdout}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout
+            .lines()
+            .filter_map(|l| l.split_once(": "))
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect()
+    }
+
+    /// Creates a region of `bytes` through the mount (as root) with `mode`; returns its inode.
+    fn region(&self, rel: &str, bytes: &[u8], mode: u32) -> u64 {
+        let path = self.mount.path(rel);
+        std::fs::write(&path, bytes).expect("write a region");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+        std::fs::metadata(&path).expect("stat").ino()
+    }
+
+    fn dir(&self, rel: &str, mode: u32) -> u64 {
+        let path = self.mount.path(rel);
+        std::fs::create_dir(&path).expect("mkdir");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+        std::fs::metadata(&path).expect("stat").ino()
+    }
+}
+
+fn refused(outcomes: &HashMap<String, String>, name: &str, errnos: &[i32]) {
+    let got = outcomes
+        .get(name)
+        .unwrap_or_else(|| panic!("attack {name} was not tried: {outcomes:?}"));
+    let errno: Option<i32> = got.strip_prefix("refused ").and_then(|e| e.parse().ok());
+    assert!(
+        errno.is_some_and(|e| errnos.contains(&e)),
+        "attack {name}: {got} (expected refused with one of {errnos:?}); all: {outcomes:?}"
+    );
+}
+
+fn allowed(outcomes: &HashMap<String, String>, name: &str) {
+    assert_eq!(
+        outcomes.get(name).map(String::as_str),
+        Some("ALLOWED"),
+        "control {name} should succeed: {outcomes:?}"
+    );
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[test]
+fn a_reader_of_a_local_segment_cannot_write_or_seal_it_by_any_route() {
+    let s = setup();
+    let content = b"root's bytes, 0644, not yours to change";
+    let ino = s.region("public", content, 0o644);
+    let out = s.attack(&["read-segment", &ino.to_string()]);
+    assert_eq!(
+        out.get("segment").map(String::as_str),
+        Some("ok"),
+        "{out:?}"
+    );
+    refused(&out, "reopen-read-write", &[libc::EACCES]);
+    refused(&out, "pwrite", &[libc::EBADF]);
+    refused(&out, "mmap-writable", &[libc::EACCES]);
+    refused(&out, "mprotect-writable", &[libc::EACCES]);
+    refused(&out, "fallocate", &[libc::EBADF]);
+    refused(&out, "ftruncate-grow", &[libc::EINVAL, libc::EBADF]);
+    refused(&out, "ftruncate-shrink", &[libc::EINVAL, libc::EBADF]);
+    refused(&out, "seal-grow", &[libc::EPERM]);
+    refused(&out, "seal-future-write", &[libc::EPERM]);
+    refused(&out, "segment-writable", &[libc::EACCES]);
+    assert_eq!(
+        out.get("content").map(String::as_str),
+        Some(hex(&content[..16]).as_str()),
+        "the segment's bytes are unchanged"
+    );
+    // And through the mount, as root, after dropping the page cache.
+    let _ = std::fs::write("/proc/sys/vm/drop_caches", "3");
+    assert_eq!(std::fs::read(s.mount.path("public")).unwrap(), content);
+    drop(s.cluster);
+}
+
+#[test]
+fn a_writer_of_a_local_segment_cannot_seal_or_shrink_it() {
+    let s = setup();
+    let ino = s.region("shared", &vec![7u8; 256 << 10], 0o666);
+    let out = s.attack(&["write-segment", &ino.to_string()]);
+    assert_eq!(
+        out.get("segment").map(String::as_str),
+        Some("ok"),
+        "{out:?}"
+    );
+    for seal in ["seal-grow", "seal-write", "seal-future-write", "seal-seal"] {
+        refused(&out, seal, &[libc::EPERM]);
+    }
+    refused(&out, "ftruncate-shrink", &[libc::EPERM]);
+    // The daemon still serves the region, and root can still write it.
+    std::fs::write(s.mount.path("shared"), b"still writable").unwrap();
+    let _ = std::fs::write("/proc/sys/vm/drop_caches", "3");
+    assert_eq!(
+        &std::fs::read(s.mount.path("shared")).unwrap()[..],
+        b"still writable"
+    );
+}
+
+#[test]
+fn an_inode_number_inside_a_private_directory_gives_eacces() {
+    let s = setup();
+    // Control: a 0644 region in the (world-searchable) root directory.
+    let open_ino = s.region("readable", b"anyone may read this", 0o644);
+    let control = s.attack(&["by-inode", &open_ino.to_string()]);
+    allowed(&control, "open");
+    allowed(&control, "segment");
+    allowed(&control, "map-refresh");
+    refused(&control, "open-write", &[libc::EACCES]);
+    refused(&control, "map-extend", &[libc::EACCES]);
+
+    // The same kind of region inside root's 0700 directory, its number guessed.
+    s.dir("private", 0o700);
+    let hidden = s.region(
+        "private/notes",
+        b"root's notes, 0644 but unreachable",
+        0o644,
+    );
+    let out = s.attack(&["by-inode", &hidden.to_string()]);
+    for call in ["open", "open-write", "segment", "map-refresh", "map-extend"] {
+        refused(&out, call, &[libc::EACCES]);
+    }
+
+    // Creating below a 0777 directory that sits inside the private one.
+    let inner = s.dir("private/drop", 0o777);
+    let out = s.attack(&["create-in", &inner.to_string(), "planted"]);
+    refused(&out, "create", &[libc::EACCES]);
+    assert!(!s.mount.path("private/drop/planted").exists());
+    // Control: a 0777 directory reachable from the root.
+    let public = s.dir("drop", 0o777);
+    let out = s.attack(&["create-in", &public.to_string(), "planted"]);
+    allowed(&out, "create");
+}
+
+#[test]
+fn a_handle_can_be_closed_only_by_the_process_that_opened_it() {
+    let s = setup();
+    let ino = s.region("held", b"held open by root", 0o644);
+    let mut agent = AgentClient::connect(&s.socket).expect("agent");
+    let handle = agent
+        .open(ino, false)
+        .expect("open through the agent")
+        .handle;
+    let out = s.attack(&["close", &handle.to_string()]);
+    refused(&out, "close", &[libc::EBADF]);
+    agent
+        .map_close(handle)
+        .expect("the opener closes its own handle");
+}
