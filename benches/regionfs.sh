@@ -320,8 +320,8 @@ cc -O2 -Wall -o "$WORK/bin/small_files" "$ROOT/benches/small_files.c" ||
     fail "cannot compile benches/small_files.c"
 SF=$WORK/bin/small_files
 
-head -c 48 /dev/urandom | base64 | tr -d '\n' >"$WORK/secret"
-chmod 600 "$WORK/secret"
+# Created unreadable to others (the components refuse a secret others may read).
+(umask 077 && head -c 48 /dev/urandom | base64 | tr -d '\n' >"$WORK/secret")
 
 # Pools: host 2 holds the remote file, the mmap write file and the remote
 # write file; host 1 the local region, the local write file, the small

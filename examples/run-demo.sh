@@ -151,7 +151,8 @@ esac
 
 start_cluster() { # hosts
   local n=$1 h
-  head -c 32 /dev/urandom | base64 | tr -d '/+=' >"$work/secret"
+  # Mode 0600: the components refuse a secret others may read.
+  (umask 077 && head -c 32 /dev/urandom | base64 | tr -d '/+=' >"$work/secret")
   mkdir -p "$work/manager"
   RUST_LOG=${RUST_LOG:-warn} "$bindir/regions-manager" --listen 127.0.0.1:0 \
     --data-dir "$work/manager" --secret-file "$work/secret" \

@@ -17,9 +17,14 @@ use crate::transport::TransportConfig;
 #[derive(Parser, Debug, Clone)]
 #[command(version)]
 pub struct Args {
-    /// URL of the manager (`http://host:port`; a bare `host:port` means http).
+    /// URL of the manager (`http://host:port`, or `https://host:port` when it serves TLS; a
+    /// bare `host:port` means http).
     #[arg(long, env = "REGIONS_MANAGER", default_value = "http://127.0.0.1:7070")]
     pub manager: String,
+    /// CA certificate (PEM) that signed the manager's TLS certificate (needs an https://
+    /// --manager URL; without it the system's roots are trusted).
+    #[arg(long, env = "REGIONS_TLS_CA")]
+    pub tls_ca: Option<PathBuf>,
     /// This host's id in the cluster (1 or more, unique per host).
     #[arg(long, env = "REGIONS_HOST_ID")]
     pub host_id: u32,
@@ -106,6 +111,8 @@ pub fn parse_size(text: &str) -> std::result::Result<u64, String> {
 pub struct Config {
     /// The manager's URL.
     pub manager: String,
+    /// CA certificate (PEM) for an https:// manager URL.
+    pub tls_ca: Option<PathBuf>,
     /// This host's id.
     pub host_id: u32,
     /// Transport listen address (port 0 allowed).
@@ -144,6 +151,7 @@ impl Config {
     ) -> Config {
         Config {
             manager: manager.to_owned(),
+            tls_ca: None,
             host_id,
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             advertise: None,
@@ -164,6 +172,7 @@ impl Config {
         let secret = Secret::from_file(&args.secret_file)?;
         let config = Config {
             manager: args.manager.clone(),
+            tls_ca: args.tls_ca.clone(),
             host_id: args.host_id,
             listen: args.listen,
             advertise: args.advertise.clone(),
@@ -215,6 +224,17 @@ impl Config {
 mod tests {
     use super::*;
 
+    fn write_private(path: &std::path::Path, text: &str) {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+            .unwrap();
+        std::io::Write::write_all(&mut f, text.as_bytes()).unwrap();
+    }
+
     #[test]
     fn sizes() {
         assert_eq!(parse_size("4096"), Ok(4096));
@@ -233,7 +253,7 @@ mod tests {
     fn args_and_validation() {
         let dir = tempfile::tempdir().unwrap();
         let secret = dir.path().join("secret");
-        std::fs::write(&secret, "tok\n").unwrap();
+        write_private(&secret, "tok\n");
         let args = Args::try_parse_from([
             "regions-daemon",
             "--host-id",

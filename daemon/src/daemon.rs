@@ -56,7 +56,8 @@ impl Daemon {
         if let Some(addr) = config.metrics_listen {
             regions_proto::metrics::serve(addr).map_err(|e| DaemonError::Config(e.to_string()))?;
         }
-        let clients = ManagerClients::new(&config.manager, &config.secret)?;
+        let clients =
+            ManagerClients::new(&config.manager, &config.secret, config.tls_ca.as_deref())?;
         let listener = TransportServer::bind(config.listen)?;
         let bound = listener
             .local_addr()

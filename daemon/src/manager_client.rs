@@ -1,6 +1,7 @@
 //! gRPC clients of the manager, presenting the cluster secret, and the [`Authority`] the host
 //! agent asks about callers' rights.
 
+use std::path::Path;
 use std::time::Duration;
 
 use regions_proto::auth::{AttachSecret, Secret};
@@ -47,11 +48,14 @@ pub fn normalize_url(url: &str) -> String {
 }
 
 impl ManagerClients {
-    /// Clients for the manager at `url`; nothing is connected until the first call.
-    pub fn new(url: &str, secret: &Secret) -> Result<ManagerClients> {
+    /// Clients for the manager at `url` (TLS when it is `https://`, trusting `tls_ca` if
+    /// given); nothing is connected until the first call.
+    pub fn new(url: &str, secret: &Secret, tls_ca: Option<&Path>) -> Result<ManagerClients> {
         let url = normalize_url(url);
         let endpoint = Endpoint::from_shared(url.clone())
-            .map_err(|e| DaemonError::Config(format!("bad --manager URL {url}: {e}")))?
+            .map_err(|e| DaemonError::Config(format!("bad --manager URL {url}: {e}")))?;
+        let endpoint = regions_proto::tls::client_endpoint(endpoint, &url, tls_ca)
+            .map_err(|e| DaemonError::Config(e.to_string()))?
             .connect_timeout(CONNECT_TIMEOUT)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(5))
@@ -249,8 +253,8 @@ mod tests {
     #[tokio::test]
     async fn bad_urls_are_config_errors() {
         let secret = Secret::new("s").unwrap();
-        assert!(ManagerClients::new("http://127.0.0.1:1", &secret).is_ok());
-        let err = ManagerClients::new("http://bad host:1", &secret).unwrap_err();
+        assert!(ManagerClients::new("http://127.0.0.1:1", &secret, None).is_ok());
+        let err = ManagerClients::new("http://bad host:1", &secret, None).unwrap_err();
         assert_eq!(err.errno(), libc::EINVAL);
     }
 }

@@ -534,7 +534,7 @@ mod tests {
             .local_addr()
             .unwrap()
             .port();
-        let clients = ManagerClients::new(&format!("127.0.0.1:{port}"), &secret).unwrap();
+        let clients = ManagerClients::new(&format!("127.0.0.1:{port}"), &secret, None).unwrap();
         let mut reg = Registration::new(
             clients,
             1,

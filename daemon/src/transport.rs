@@ -1,8 +1,10 @@
 //! The tcp transport server (docs/ARCHITECTURE.md, "Data plane"; frames: `regions_proto::frame`):
 //! one thread per connection on blocking std sockets, `TCP_NODELAY`, many pipelined requests per connection.
 //!
-//! - The first frame must be HELLO with the cluster secret; anything else gets `EACCES` and the
-//!   connection closes with a log line.
+//! - The first frame must be HELLO: the cluster-secret challenge–response
+//!   ([`regions_proto::handshake`]) or a capability; anything else gets `EACCES` and the
+//!   connection closes with a log line. A connection that has not authenticated within
+//!   [`TransportConfig::auth_timeout`] is closed.
 //! - READ and READV replies go from the pool window to the socket with one `sendmsg` of header +
 //!   window ranges (no copy); WRITE payloads go from the socket straight into the window; WRITEV
 //!   payloads are buffered once and copied in.
@@ -60,6 +62,8 @@ pub struct TransportConfig {
     pub io_timeout: Duration,
     /// Size of each connection's input buffer.
     pub buffer: usize,
+    /// How long a new connection has to authenticate before it is closed.
+    pub auth_timeout: Duration,
 }
 
 impl Default for TransportConfig {
@@ -69,6 +73,7 @@ impl Default for TransportConfig {
             assign_wait: Duration::from_secs(2),
             io_timeout: Duration::from_secs(30),
             buffer: 256 << 10,
+            auth_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -236,12 +241,21 @@ fn serve_connection(stream: TcpStream, peer: SocketAddr, shared: &Arc<Shared>) {
         input: InBuf::new(shared.config.buffer),
         out: BytesMut::with_capacity(FLUSH_AT),
         auth: ConnAuth::default(),
+        auth_deadline: Some(Instant::now() + shared.config.auth_timeout),
     };
     match conn.run() {
         Ok(()) => tracing::debug!(%peer, "transport connection closed by the peer"),
         Err(Close::Quiet(reason)) => tracing::debug!(%peer, %reason, "transport connection closed"),
         Err(Close::Logged) => {}
     }
+}
+
+/// Whether a read failed because its timeout passed.
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
 }
 
 /// Why a connection ends.
@@ -320,6 +334,8 @@ struct Conn {
     out: BytesMut,
     /// The secret or the capabilities presented.
     auth: ConnAuth,
+    /// Until the connection authenticates: when it is closed if it has not.
+    auth_deadline: Option<Instant>,
 }
 
 impl Conn {
@@ -355,7 +371,14 @@ impl Conn {
         while self.input.len() < HEADER_LEN {
             // Nothing more is pipelined: the buffered replies go out before we block.
             self.flush()?;
-            if self.input.fill(&self.stream)? == 0 {
+            self.limit_unauthenticated()?;
+            let filled = match self.input.fill(&self.stream) {
+                Err(e) if self.auth_deadline.is_some() && is_timeout(&e) => {
+                    return Err(self.too_slow());
+                }
+                filled => filled?,
+            };
+            if filled == 0 {
                 if self.input.len() > 0 {
                     return Err(Close::Quiet(format!(
                         "peer closed in the middle of a frame header ({} bytes)",
@@ -379,6 +402,25 @@ impl Conn {
         }
         self.input.consume(HEADER_LEN);
         Ok(Some(header))
+    }
+
+    /// Before authentication, bounds blocking reads by what is left of the deadline.
+    fn limit_unauthenticated(&mut self) -> Result<(), Close> {
+        let Some(deadline) = self.auth_deadline else {
+            return Ok(());
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(self.too_slow());
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        Ok(())
+    }
+
+    fn too_slow(&mut self) -> Close {
+        let after = self.shared.config.auth_timeout;
+        tracing::warn!(peer = %self.peer, ?after, "transport connection did not authenticate in time; closing it");
+        Close::Logged
     }
 
     fn malformed(&mut self, e: &FrameError) -> Close {
@@ -540,22 +582,33 @@ impl Conn {
         if h.op != Op::Hello {
             return Err(self.refuse(
                 h,
-                "not authenticated: the first frame must be HELLO with the cluster secret",
+                "not authenticated: the first frame must be HELLO (the cluster-secret handshake or a capability)",
             ));
         }
         if h.flags & FLAG_REPLY != 0 || h.payload_len > MAX_HELLO {
             return Err(self.refuse(h, "malformed HELLO"));
         }
-        let token = self.read_payload(h.payload_len)?;
+        self.limit_unauthenticated()?;
+        let token = match self.read_payload(h.payload_len) {
+            Err(e) if self.auth_deadline.is_some() && is_timeout(&e) => {
+                return Err(self.too_slow());
+            }
+            token => token?,
+        };
         let shared = Arc::clone(&self.shared);
-        if let Err(message) = self
+        let reply = match self
             .auth
             .present(&shared.secret, &shared.key, h.capability, &token)
         {
-            return Err(self.refuse(h, &message));
+            Ok(reply) => reply,
+            Err(message) => return Err(self.refuse(h, &message)),
+        };
+        if self.auth_deadline.is_some() && self.auth.is_authenticated() {
+            self.auth_deadline = None;
+            self.stream.set_read_timeout(None)?;
+            tracing::debug!(peer = %self.peer, capability = h.capability, "transport connection authenticated");
         }
-        tracing::debug!(peer = %self.peer, capability = h.capability, "transport connection authenticated");
-        self.reply_ok(h, Bytes::new());
+        self.reply_ok(h, Bytes::from(reply));
         Ok(())
     }
 

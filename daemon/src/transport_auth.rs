@@ -3,15 +3,18 @@
 //! capabilities may touch only chunks of the regions they name, with their rights, until they
 //! expire.
 //!
-//! A HELLO with `capability = 0` in its header carries the cluster secret; one with a nonzero
-//! `capability` carries a token, stored under that id for the connection (a later HELLO with
-//! the same id renews it). Every other request names in its header the capability id it uses.
+//! HELLOs with `capability = 0` in their header are the two steps of the cluster-secret
+//! challenge–response ([`regions_proto::handshake`]: the secret itself never crosses the
+//! network); one with a nonzero `capability` carries a token, stored under that id for the
+//! connection (a later HELLO with the same id renews it). Every other request names in its
+//! header the capability id it uses.
 
 use std::collections::HashMap;
 
 use regions_proto::auth::Secret;
 use regions_proto::capability::{Capability, CapabilityKey, now_ms};
 use regions_proto::frame::{Header, Op};
+use regions_proto::handshake::ServerHello;
 
 /// Most capabilities one connection may hold.
 pub const MAX_CAPABILITIES: usize = 256;
@@ -20,6 +23,8 @@ pub const MAX_CAPABILITIES: usize = 256;
 #[derive(Debug, Default)]
 pub struct ConnAuth {
     secret: bool,
+    /// The cluster-secret handshake waiting for the client's proof.
+    pending: Option<ServerHello>,
     caps: HashMap<u64, Capability>,
 }
 
@@ -56,22 +61,32 @@ impl ConnAuth {
         self.secret || !self.caps.is_empty()
     }
 
-    /// Takes in a HELLO: the cluster secret (`id` 0) or a capability token stored as `id`.
+    /// Takes in a HELLO: a step of the cluster-secret handshake (`id` 0) or a capability
+    /// token stored as `id`. Returns the payload of the reply.
     pub fn present(
         &mut self,
         secret: &Secret,
         key: &CapabilityKey,
         id: u64,
         token: &[u8],
-    ) -> Result<(), String> {
+    ) -> Result<Vec<u8>, String> {
         if id == 0 {
-            if !secret.matches(token) {
-                return Err(
-                    "wrong cluster secret: use the same --secret-file as the manager".into(),
-                );
-            }
-            self.secret = true;
-            return Ok(());
+            return match self.pending.take() {
+                None => {
+                    let (pending, reply) =
+                        ServerHello::challenge(secret, token).map_err(|e| e.to_string())?;
+                    self.pending = Some(pending);
+                    Ok(reply)
+                }
+                Some(pending) => {
+                    pending.verify(secret, token).map_err(|e| e.to_string())?;
+                    self.secret = true;
+                    Ok(Vec::new())
+                }
+            };
+        }
+        if self.pending.is_some() {
+            return Err("expected the cluster-secret proof to finish the HELLO in progress".into());
         }
         let cap = key.verify(token).map_err(|e| e.to_string())?;
         cap.check_time(now_ms()).map_err(|e| e.to_string())?;
@@ -82,7 +97,7 @@ impl ConnAuth {
             ));
         }
         self.caps.insert(id, cap);
-        Ok(())
+        Ok(Vec::new())
     }
 
     /// Decides a request (not HELLO): what it may touch, or why it is refused (`EACCES`).
@@ -121,6 +136,7 @@ impl ConnAuth {
 mod tests {
     use super::*;
     use regions_proto::capability::{RIGHT_READ, RIGHT_WRITE};
+    use regions_proto::handshake::ClientHello;
 
     fn setup() -> (Secret, CapabilityKey) {
         let s = Secret::new("cluster").unwrap();
@@ -143,13 +159,47 @@ mod tests {
         h
     }
 
+    /// Runs the client's side of the handshake against `a` with `client_secret`.
+    fn handshake(
+        a: &mut ConnAuth,
+        s: &Secret,
+        k: &CapabilityKey,
+        client: &Secret,
+    ) -> Result<(), String> {
+        let (hello, open) = ClientHello::start().unwrap();
+        let reply = a.present(s, k, 0, &open)?;
+        let answer = hello.answer(client, &reply).map_err(|e| e.to_string())?;
+        a.present(s, k, 0, &answer).map(|_| ())
+    }
+
     #[test]
     fn secret_reaches_everything() {
         let (s, k) = setup();
         let mut a = ConnAuth::default();
         assert!(!a.is_authenticated());
-        assert!(a.present(&s, &k, 0, b"wrong").is_err());
-        a.present(&s, &k, 0, b"cluster").unwrap();
+        assert!(
+            a.present(&s, &k, 0, b"cluster").is_err(),
+            "the raw secret is no HELLO"
+        );
+        // A client with another secret cannot verify the daemon, nor prove itself.
+        let wrong = Secret::new("wrong").unwrap();
+        assert!(
+            handshake(&mut ConnAuth::default(), &s, &k, &wrong)
+                .unwrap_err()
+                .contains("daemon could not prove")
+        );
+        let (_, open) = ClientHello::start().unwrap();
+        let mut b = ConnAuth::default();
+        b.present(&s, &k, 0, &open).unwrap();
+        let forged = [&[regions_proto::handshake::STEP_PROOF][..], &[0u8; 32]].concat();
+        assert!(
+            b.present(&s, &k, 0, &forged)
+                .unwrap_err()
+                .contains("wrong cluster secret")
+        );
+        assert!(!b.is_authenticated());
+        handshake(&mut a, &s, &k, &s).unwrap();
+        assert!(a.is_authenticated());
         assert_eq!(a.authorize(&req(Op::Write, 0)), Ok(Reach::Any));
     }
 

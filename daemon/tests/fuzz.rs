@@ -168,9 +168,7 @@ fn play(addr: SocketAddr, (auth, pieces): &(bool, Vec<Vec<u8>>)) {
         .set_read_timeout(Some(Duration::from_secs(15)))
         .unwrap();
     if *auth {
-        c.send(&Request::Hello {
-            token: Bytes::from_static(TOKEN.as_bytes()),
-        });
+        c.handshake(TOKEN);
     }
     for piece in pieces {
         // The server may close early (bad frame): later writes fail, which is fine.

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use bytes::{BufMut, Bytes, BytesMut};
 use common::{Client, TOKEN, server, status};
 use regions_daemon::pools::Pools;
+use regions_daemon::transport::TransportConfig;
 use regions_proto::frame::{HEADER_LEN, Header, Op, Range, Request};
+use regions_proto::handshake::ClientHello;
 use regions_proto::layout::CHUNK_SIZE;
 
 const C: u64 = CHUNK_SIZE;
@@ -59,11 +61,51 @@ fn hello_is_required_and_checked() {
     assert_eq!(status(&replies[0]), libc::EACCES);
     assert!(replies[0].error_message().unwrap().contains("HELLO"));
 
-    // A wrong secret: EACCES and closed.
+    // The raw secret is no HELLO (the handshake never sends it): EACCES and closed.
     let mut c = Client::connect(addr);
     c.send(&Request::Hello {
-        token: Bytes::from_static(b"wrong"),
+        token: Bytes::from_static(TOKEN.as_bytes()),
     });
+    let replies = c.drain();
+    assert_eq!(
+        replies.iter().map(status).collect::<Vec<_>>(),
+        [libc::EACCES]
+    );
+    assert!(
+        replies[0]
+            .error_message()
+            .unwrap()
+            .contains("malformed HELLO")
+    );
+
+    // A client with a wrong secret: the daemon's challenge cannot be verified by it, and a
+    // proof made with it is refused with EACCES, then the connection closes.
+    let mut c = Client::connect(addr);
+    let (_, open) = ClientHello::start().unwrap();
+    let challenge = c.call(&Request::Hello { token: open.into() });
+    assert_eq!(status(&challenge), 0);
+    assert_eq!(challenge.payload.len(), 64, "server nonce + server proof");
+    let mut forged = vec![regions_proto::handshake::STEP_PROOF];
+    forged.extend_from_slice(&[7u8; 32]);
+    c.send(&Request::Hello {
+        token: forged.into(),
+    });
+    let replies = c.drain();
+    assert_eq!(
+        replies.iter().map(status).collect::<Vec<_>>(),
+        [libc::EACCES]
+    );
+    assert!(
+        replies[0]
+            .error_message()
+            .unwrap()
+            .contains("wrong cluster secret")
+    );
+    // Requests between the challenge and the proof are refused too.
+    let mut c = Client::connect(addr);
+    let (_, open) = ClientHello::start().unwrap();
+    assert_eq!(status(&c.call(&Request::Hello { token: open.into() })), 0);
+    c.send(&Request::Ping);
     let replies = c.drain();
     assert_eq!(
         replies.iter().map(status).collect::<Vec<_>>(),
@@ -73,7 +115,7 @@ fn hello_is_required_and_checked() {
     // The right one: served.
     let mut c = Client::authenticated(addr, TOKEN);
     assert_eq!(status(&c.call(&Request::Ping)), 0);
-    // A later HELLO with a wrong secret ends the connection too.
+    // A later malformed HELLO ends the connection too.
     c.send(&Request::Hello {
         token: Bytes::from_static(b"nope"),
     });
@@ -81,6 +123,32 @@ fn hello_is_required_and_checked() {
         c.drain().iter().map(status).collect::<Vec<_>>(),
         [libc::EACCES]
     );
+}
+
+#[test]
+fn connections_must_authenticate_in_time() {
+    let config = TransportConfig {
+        auth_timeout: Duration::from_millis(300),
+        ..TransportConfig::default()
+    };
+    let srv = common::server_with(pools(), config);
+    let addr = srv.local_addr();
+    // Silent: closed after the deadline.
+    let started = Instant::now();
+    let mut c = Client::connect(addr);
+    assert!(c.recv().is_none(), "closed without a reply");
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(250), "{waited:?}");
+    assert!(waited < Duration::from_secs(5), "{waited:?}");
+    // Stalling after the challenge: closed too.
+    let mut c = Client::connect(addr);
+    let (_, open) = ClientHello::start().unwrap();
+    assert_eq!(status(&c.call(&Request::Hello { token: open.into() })), 0);
+    assert!(c.recv().is_none());
+    // Authenticated connections may stay idle longer.
+    let mut c = Client::authenticated(addr, TOKEN);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(status(&c.call(&Request::Ping)), 0);
 }
 
 #[test]
@@ -132,7 +200,7 @@ fn read_write_readv_writev_round_trip() {
     assert_eq!(&reply.payload[..], &big[..]);
 
     let s = stats.snapshot(1, &pools, 0);
-    assert_eq!(s.transport_requests, 8, "hello + 7 requests");
+    assert_eq!(s.transport_requests, 9, "two hello steps + 7 requests");
     assert!(s.transport_bytes_read >= (data.len() + big.len()) as u64);
     assert!(s.transport_bytes_written >= (data.len() + big.len() + 7) as u64);
     assert_eq!(s.transport_connections, 1);

@@ -20,9 +20,12 @@ pub const ROOT_INO: u64 = 1;
 /// How a node component (regionfs, a test, a benchmark) reaches a cluster.
 #[derive(Clone, Debug)]
 pub struct ClientConfig {
-    /// Manager address, e.g. `http://127.0.0.1:7070`.
+    /// Manager address, e.g. `http://127.0.0.1:7070` (`https://` when it serves TLS).
     pub manager: String,
     pub secret: Secret,
+    /// CA certificate (PEM) trusted for an `https://` manager (default: `REGIONS_TLS_CA`;
+    /// without one the system's roots are trusted).
+    pub tls_ca: Option<PathBuf>,
     /// This host's id.
     pub host_id: u32,
     /// Identity requests are made for (defaults to this process).
@@ -37,6 +40,9 @@ pub struct ClientConfig {
     pub connect_timeout: Duration,
 }
 
+/// Environment variable naming the CA certificate of an `https://` manager.
+pub const TLS_CA_ENV: &str = "REGIONS_TLS_CA";
+
 impl ClientConfig {
     /// A configuration acting as the current process.
     pub fn new(manager: &str, secret: Secret, host_id: u32) -> ClientConfig {
@@ -45,6 +51,9 @@ impl ClientConfig {
         ClientConfig {
             manager: manager.to_owned(),
             secret,
+            tls_ca: std::env::var_os(TLS_CA_ENV)
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from),
             host_id,
             uid,
             gid,
@@ -72,7 +81,7 @@ impl Shared {
         let make = || {
             Arc::new(TcpTransport::new(
                 addr,
-                self.config.secret.token().as_bytes(),
+                &self.config.secret,
                 self.config.retry,
                 Arc::clone(&self.stats),
             ))
@@ -97,8 +106,12 @@ pub struct Client {
 
 impl Client {
     pub fn connect(config: ClientConfig) -> Result<Client> {
-        let manager =
-            ManagerClient::connect(&config.manager, &config.secret, config.connect_timeout)?;
+        let manager = ManagerClient::connect(
+            &config.manager,
+            &config.secret,
+            config.tls_ca.as_deref(),
+            config.connect_timeout,
+        )?;
         let caller = v1::Caller {
             uid: config.uid,
             gid: config.gid,

@@ -2,6 +2,7 @@
 //! hold the cluster secret (regionfs, daemons, tests).
 
 use std::future::Future;
+use std::path::Path;
 use std::time::Duration;
 
 use regions_proto::auth::{AttachSecret, Secret};
@@ -32,11 +33,14 @@ pub struct ManagerChannel {
 }
 
 impl ManagerChannel {
-    /// Connects to the manager at `addr` (`http://host:port`) within `timeout`, on a runtime
-    /// of one worker thread named `thread_name` that the caller keeps for its blocking calls.
+    /// Connects to the manager at `addr` (`http://host:port`, or `https://host:port` for TLS,
+    /// trusting `tls_ca` (PEM) if given, else the system's roots) within `timeout`, on a
+    /// runtime of one worker thread named `thread_name` that the caller keeps for its blocking
+    /// calls. The one place node components build their manager channel.
     pub fn open(
         addr: &str,
         secret: &Secret,
+        tls_ca: Option<&Path>,
         timeout: Duration,
         thread_name: &str,
     ) -> Result<(tokio::runtime::Runtime, ManagerChannel)> {
@@ -55,6 +59,8 @@ impl ManagerChannel {
             .connect_timeout(timeout)
             .timeout(CALL_TIMEOUT)
             .tcp_nodelay(true);
+        let endpoint = regions_proto::tls::client_endpoint(endpoint, addr, tls_ca)
+            .map_err(|e| RegionsError::Invalid(e.to_string()))?;
         let channel = runtime
             .block_on(endpoint.connect())
             .map_err(|e| unreachable(e.to_string()))?;
@@ -92,9 +98,16 @@ pub struct ManagerClient {
 }
 
 impl ManagerClient {
-    /// Connects to the manager at `addr` (e.g. `http://127.0.0.1:7070`).
-    pub fn connect(addr: &str, secret: &Secret, timeout: Duration) -> Result<ManagerClient> {
-        let (runtime, channel) = ManagerChannel::open(addr, secret, timeout, "regions-grpc")?;
+    /// Connects to the manager at `addr` (e.g. `http://127.0.0.1:7070`; see
+    /// [`ManagerChannel::open`] for `https://` and `tls_ca`).
+    pub fn connect(
+        addr: &str,
+        secret: &Secret,
+        tls_ca: Option<&Path>,
+        timeout: Duration,
+    ) -> Result<ManagerClient> {
+        let (runtime, channel) =
+            ManagerChannel::open(addr, secret, tls_ca, timeout, "regions-grpc")?;
         Ok(ManagerClient {
             addr: addr.to_owned(),
             namespace: channel.namespace(),

@@ -38,6 +38,13 @@ struct Args {
     /// Write the bound address to this file once serving (for scripts and tests).
     #[arg(long, env = "REGIONS_READY_FILE")]
     ready_file: Option<PathBuf>,
+    /// Serve gRPC over TLS with this certificate chain (PEM); needs --tls-key. Clients then
+    /// use an https:// manager URL (and --tls-ca unless a system root signed it).
+    #[arg(long, env = "REGIONS_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --tls-cert.
+    #[arg(long, env = "REGIONS_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     /// Serve Prometheus metrics over HTTP on this address (`GET /metrics`); off by default.
     #[arg(long, env = "REGIONS_METRICS_LISTEN")]
     metrics_listen: Option<SocketAddr>,
@@ -59,6 +66,19 @@ async fn main() -> anyhow::Result<()> {
         regions_proto::metrics::serve(addr)?;
     }
     let secret = Secret::from_file(&args.secret_file)?;
+    let tls = regions_proto::tls::server_config(args.tls_cert.as_deref(), args.tls_key.as_deref())?;
+    if let Some(tls) = &tls {
+        // Parse the certificate and key now: a bad pair stops the start, not the first call.
+        tonic::transport::Server::builder()
+            .tls_config(tls.clone())
+            .map_err(|e| {
+                let cause = std::error::Error::source(&e).map_or(String::new(), |s| format!(": {s}"));
+                anyhow::anyhow!(
+                    "cannot use --tls-cert/--tls-key ({e}{cause}); give a PEM certificate chain and its PEM private key"
+                )
+            })?;
+        tracing::info!("serving gRPC over TLS");
+    }
     let config = Config {
         lease: Duration::from_millis(args.lease_ms.max(100)),
         ..Config::default()
@@ -93,7 +113,7 @@ async fn main() -> anyhow::Result<()> {
             }
         }
     };
-    server::serve(manager, listener, secret, shutdown).await?;
+    server::serve_with_tls(manager, listener, secret, tls, shutdown).await?;
     if let Some(reason) = failure {
         anyhow::bail!("stopped because the store failed: {reason}; fix the disk and restart");
     }

@@ -4,18 +4,60 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use regions_proto::auth::{RequireSecret, Secret};
+use regions_proto::auth::{CallPath, RequireSecret, Secret};
 use regions_proto::v1::{
     cluster_server::ClusterServer, namespace_server::NamespaceServer, regions_server::RegionsServer,
 };
 use tokio::net::TcpListener;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::TcpListenerStream;
+use tonic::codegen::{Service, http};
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::Server;
+use tonic::transport::{Server, ServerTlsConfig};
 
 use crate::manager::Manager;
 use crate::service::Services;
+
+/// Records each call's gRPC method path ([`CallPath`]) in the request's extensions, where
+/// [`RequireSecret`] finds it: per-call proofs are bound to the method they were made for.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RecordCallPathLayer;
+
+impl<S> tower_layer::Layer<S> for RecordCallPathLayer {
+    type Service = RecordCallPath<S>;
+
+    fn layer(&self, inner: S) -> RecordCallPath<S> {
+        RecordCallPath { inner }
+    }
+}
+
+/// See [`RecordCallPathLayer`].
+#[derive(Clone, Debug)]
+pub struct RecordCallPath<S> {
+    inner: S,
+}
+
+impl<S, B> Service<http::Request<B>> for RecordCallPath<S>
+where
+    S: Service<http::Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: http::Request<B>) -> S::Future {
+        let path = CallPath(request.uri().path().to_owned());
+        request.extensions_mut().insert(path);
+        self.inner.call(request)
+    }
+}
 
 /// Largest gRPC message (a region map of 1 TiB is 64 MiB of entries).
 pub const MAX_MESSAGE: usize = 256 << 20;
@@ -33,6 +75,17 @@ pub async fn serve(
     secret: Secret,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), tonic::transport::Error> {
+    serve_with_tls(manager, listener, secret, None, shutdown).await
+}
+
+/// [`serve`], over TLS when `tls` is given ([`regions_proto::tls::server_config`]).
+pub async fn serve_with_tls(
+    manager: Arc<Manager>,
+    listener: TcpListener,
+    secret: Secret,
+    tls: Option<ServerTlsConfig>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), tonic::transport::Error> {
     let services = Services {
         manager: Arc::clone(&manager),
         minter: Arc::new(crate::capability::Minter::from_env(&secret)),
@@ -44,7 +97,7 @@ pub async fn serve(
     // Barriers, mutexes and doorbells; the expiry task ends once shutdown begins.
     let sync = crate::sync::SyncService::new(Arc::clone(&manager), secret.clone());
     tokio::spawn(sync.clone().run_host_expiry());
-    let auth = RequireSecret(secret);
+    let auth = RequireSecret::new(secret);
     let incoming = TcpListenerStream::new(listener).map(|stream| {
         if let Ok(s) = &stream
             && let Err(e) = s.set_nodelay(true)
@@ -54,8 +107,13 @@ pub async fn serve(
         stream
     });
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = Server::builder()
+    let mut builder = Server::builder();
+    if let Some(tls) = tls {
+        builder = builder.tls_config(tls)?;
+    }
+    let server = builder
         .layer(crate::metrics::GrpcMetricsLayer)
+        .layer(RecordCallPathLayer)
         .add_service(InterceptedService::new(
             NamespaceServer::new(services.clone())
                 .max_decoding_message_size(MAX_MESSAGE)

@@ -930,7 +930,7 @@ impl SyncService {
             || {
                 Arc::new(TcpTransport::new(
                     addr,
-                    self.inner.secret.token().as_bytes(),
+                    &self.inner.secret,
                     RetryPolicy::default(),
                     Arc::clone(&self.inner.stats),
                 ))

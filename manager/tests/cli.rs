@@ -56,7 +56,15 @@ impl Drop for Running {
 }
 
 fn write_secret(path: &Path) {
-    std::fs::write(path, "cli-test-secret\n").unwrap();
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .unwrap();
+    std::io::Write::write_all(&mut f, b"cli-test-secret\n").unwrap();
 }
 
 #[test]

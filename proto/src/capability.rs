@@ -159,8 +159,7 @@ impl std::fmt::Debug for CapabilityKey {
 impl CapabilityKey {
     /// The key of the cluster whose secret is `secret`.
     pub fn from_secret(secret: &Secret) -> CapabilityKey {
-        let mut mac = HmacSha256::new_from_slice(secret.token().as_bytes())
-            .unwrap_or_else(|_| unreachable_hmac());
+        let mut mac = secret.hmac();
         mac.update(KEY_LABEL);
         CapabilityKey(mac.finalize().into_bytes().into())
     }

@@ -35,8 +35,9 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 pub const HEADER_LEN: usize = 64;
 /// Magic number at the start of every frame ("RG" little-endian).
 pub const MAGIC: u16 = 0x5247;
-/// The protocol version this codec speaks.
-pub const VERSION: u8 = 1;
+/// The protocol version this codec speaks. Version 2: HELLO with the cluster secret is a
+/// challenge–response ([`crate::handshake`]); version 1 sent the secret itself.
+pub const VERSION: u8 = 2;
 /// Flag bit marking a reply frame.
 pub const FLAG_REPLY: u16 = 1;
 /// All flag bits this version knows.
@@ -68,7 +69,9 @@ pub enum FrameError {
     )]
     BadMagic(u16),
     /// The frame's version is not [`VERSION`].
-    #[error("unsupported frame version {0} (this build speaks version 1): upgrade the older side")]
+    #[error(
+        "unsupported frame version {0} (this build speaks version {VERSION}): upgrade the older side"
+    )]
     UnsupportedVersion(u8),
     /// The op byte names no known [`Op`].
     #[error("unknown frame op {0} (known ops are 1..=8)")]
@@ -466,9 +469,10 @@ impl Range {
 /// A typed view of a request frame.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Request {
-    /// Authenticate with a token (cluster secret or capability).
+    /// Authenticate: with capability id 0 a step of the cluster-secret handshake
+    /// ([`crate::handshake`]), else a capability token.
     Hello {
-        /// The token bytes.
+        /// The handshake step or the capability token.
         token: Bytes,
     },
     /// Read `len` bytes at `offset` of `pool`.
@@ -870,7 +874,7 @@ mod tests {
     fn samples() -> Vec<Request> {
         vec![
             Request::Hello {
-                token: Bytes::from_static(b"cluster-secret"),
+                token: Bytes::from_static(b"\x01client-nonce"),
             },
             read(3, 4096, 8192),
             write(7, b"hello"),
@@ -995,7 +999,7 @@ mod tests {
     fn header_layout_is_fixed() {
         let buf = encode(&read(0x1_2345, 0x10, 0x20).to_frame(7, 8));
         assert_eq!(buf.len(), HEADER_LEN);
-        assert_eq!(&buf[0..4], &[0x47, 0x52, 1, 2]);
+        assert_eq!(&buf[0..4], &[0x47, 0x52, 2, 2]);
         assert_eq!((buf[8], buf[16], buf[32], buf[40]), (7, 8, 0x10, 0x20));
         assert_eq!(&buf[24..28], &0x1_2345u32.to_le_bytes());
     }
@@ -1093,8 +1097,8 @@ mod tests {
             with_bytes(&ping, |b| b[0] = 0),
             Err(FrameError::BadMagic(0x5200))
         );
-        let bad_version = with_bytes(&ping, |b| b[2] = 2);
-        assert_eq!(bad_version, Err(FrameError::UnsupportedVersion(2)));
+        let bad_version = with_bytes(&ping, |b| b[2] = 1);
+        assert_eq!(bad_version, Err(FrameError::UnsupportedVersion(1)));
         assert_eq!(
             with_bytes(&ping, |b| b[6] = 1),
             Err(FrameError::NonZeroReserved)

@@ -3,11 +3,13 @@
 //! - [`v1`]: the manager's gRPC services (namespace, regions, cluster, sync),
 //!   generated from `proto/regions/v1/*.proto`.
 //! - [`errno`]: how POSIX errnos travel inside gRPC statuses.
-//! - [`auth`]: the cluster secret in request metadata.
+//! - [`auth`]: the cluster secret, and the per-call proofs of it in request metadata.
+//! - [`handshake`]: the transport's challenge–response HELLO with the cluster secret.
 //! - [`frame`]: the binary frame codec of the tcp data transport.
 //! - [`word_wait`]: how processes sharing region memory wait for a word to change.
 //! - [`pid_watch`]: watching processes for their exit with pidfds.
 //! - [`metrics`]: the Prometheus endpoint every binary serves with `--metrics-listen`.
+//! - [`tls`]: optional TLS for the manager's gRPC endpoint.
 //! - [`config`]: settings from a TOML file beneath flags and environment variables.
 
 pub mod auth;
@@ -15,10 +17,12 @@ pub mod capability;
 pub mod config;
 pub mod errno;
 pub mod frame;
+pub mod handshake;
 pub mod layout;
 #[cfg(feature = "exporter")]
 pub mod metrics;
 pub mod pid_watch;
+pub mod tls;
 pub mod word_wait;
 
 /// Generated messages, clients and servers of the manager's services.

@@ -374,6 +374,7 @@ impl RegionFs {
         let rpc = Arc::new(Rpc::connect(
             &config.manager,
             &config.secret,
+            config.tls_ca.as_deref(),
             config.connect_timeout,
         )?);
         let identity = Arc::new(Identity::new(config.host_id));

@@ -46,9 +46,14 @@ enum Command {
 
 #[derive(Args, Debug)]
 struct StatusArgs {
-    /// URL of the manager (`http://host:port`; a bare `host:port` means http).
+    /// URL of the manager (`http://host:port`, `https://host:port` when it serves TLS; a bare
+    /// `host:port` means http).
     #[arg(long, env = "REGIONS_MANAGER", default_value = "http://127.0.0.1:7070")]
     manager: String,
+    /// CA certificate (PEM) that signed the manager's TLS certificate (https:// URLs; default:
+    /// the system's roots).
+    #[arg(long, env = "REGIONS_TLS_CA")]
+    tls_ca: Option<PathBuf>,
     /// File holding the cluster secret (default: /etc/regions/secret, else the one
     /// `regionfs up` keeps in /var/lib/regions).
     #[arg(long, env = "REGIONS_SECRET_FILE")]
@@ -85,9 +90,14 @@ struct FsArgs {
 
 #[derive(Args, Debug)]
 struct MountArgs {
-    /// URL of the manager (`http://host:port`; a bare `host:port` means http).
+    /// URL of the manager (`http://host:port`, `https://host:port` when it serves TLS; a bare
+    /// `host:port` means http).
     #[arg(long, env = "REGIONS_MANAGER")]
     manager: String,
+    /// CA certificate (PEM) that signed the manager's TLS certificate (https:// URLs; default:
+    /// the system's roots).
+    #[arg(long, env = "REGIONS_TLS_CA")]
+    tls_ca: Option<PathBuf>,
     /// This host's id (the one its daemon registered with).
     #[arg(long, env = "REGIONS_HOST_ID")]
     host_id: u32,
@@ -176,6 +186,7 @@ fn run_mount(args: MountArgs) -> anyhow::Result<()> {
     let url = manager_url(&args.manager);
     let mut config = ClientConfig::new(&url, secret, args.host_id);
     config.agent_socket = args.agent_socket.clone();
+    config.tls_ca = args.tls_ca.clone();
     let client = Client::connect(config)
         .with_context(|| format!("cannot connect to the manager at {url}"))?;
     let ready = format!("host {} of the cluster at {url}", args.host_id);
@@ -205,6 +216,7 @@ fn run_status(args: StatusArgs) -> anyhow::Result<()> {
     let manager = regions::manager_client::ManagerClient::connect(
         &url,
         &secret,
+        args.tls_ca.as_deref(),
         Duration::from_millis(args.timeout_ms),
     )
     .with_context(|| format!("cannot reach the manager at {url}: is it running?"))?;

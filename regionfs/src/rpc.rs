@@ -62,17 +62,24 @@ pub struct SetAttrIn {
 }
 
 impl Rpc {
-    /// Connects to the manager at `addr` (`http://host:port`).
-    pub fn connect(addr: &str, secret: &Secret, timeout: Duration) -> FsResult<Rpc> {
-        let (runtime, channel) = ManagerChannel::open(addr, secret, timeout, "regionfs-grpc")
-            .map_err(|e| match e {
-                RegionsError::ManagerUnreachable { addr, reason } => {
-                    FsError::ManagerUnreachable { addr, reason }
+    /// Connects to the manager at `addr` (`http://host:port`, or `https://` trusting `tls_ca`).
+    pub fn connect(
+        addr: &str,
+        secret: &Secret,
+        tls_ca: Option<&std::path::Path>,
+        timeout: Duration,
+    ) -> FsResult<Rpc> {
+        let (runtime, channel) =
+            ManagerChannel::open(addr, secret, tls_ca, timeout, "regionfs-grpc").map_err(|e| {
+                match e {
+                    RegionsError::ManagerUnreachable { addr, reason } => {
+                        FsError::ManagerUnreachable { addr, reason }
+                    }
+                    other => FsError::ManagerUnreachable {
+                        addr: addr.to_owned(),
+                        reason: other.to_string(),
+                    },
                 }
-                other => FsError::ManagerUnreachable {
-                    addr: addr.to_owned(),
-                    reason: other.to_string(),
-                },
             })?;
         Ok(Rpc {
             addr: addr.to_owned(),

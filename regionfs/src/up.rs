@@ -7,7 +7,7 @@
 
 use std::io::{Read, Write};
 use std::net::SocketAddr;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -103,11 +103,8 @@ pub fn load_or_create_secret(path: &Path) -> Result<Secret, UpError> {
             cause,
         })?;
         tracing::info!(path = %path.display(), "generated a new cluster secret");
-    } else if let Ok(meta) = std::fs::metadata(path)
-        && meta.permissions().mode() & 0o077 != 0
-    {
-        tracing::warn!(path = %path.display(), "the cluster secret is readable by others; chmod 600 it");
     }
+    // An existing file readable by others is refused here, with the `chmod` to run.
     Secret::from_file(path).map_err(|e| UpError::Secret(e.to_string()))
 }
 
@@ -225,6 +222,8 @@ impl Cluster {
     pub fn client_config(&self) -> ClientConfig {
         let mut c = ClientConfig::new(&self.manager_url, self.secret.clone(), HOST_ID);
         c.agent_socket = Some(self.agent_socket.clone());
+        // The embedded manager serves plain gRPC on loopback.
+        c.tls_ca = None;
         c
     }
 
@@ -267,6 +266,7 @@ impl Drop for Cluster {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     #[test]
     fn secret_is_generated_private_and_kept() {
@@ -275,8 +275,12 @@ mod tests {
         let a = load_or_create_secret(&path).unwrap();
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
-        assert_eq!(a.token().len(), 48);
+        assert_eq!(std::fs::read_to_string(&path).unwrap().trim().len(), 48);
         let b = load_or_create_secret(&path).unwrap();
-        assert_eq!(a.token(), b.token());
+        assert!(a.same_as(&b));
+        // A secret others may read is refused, naming the fix.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let err = load_or_create_secret(&path).unwrap_err().to_string();
+        assert!(err.contains("chmod 600"), "{err}");
     }
 }

@@ -1366,7 +1366,7 @@ fn bench() -> anyhow::Result<()> {
     Placement::fetch(&remote_client, local_ino, p.region, 1)?;
     let raw = TcpTransport::new(
         &cluster.daemon(2)?.addr,
-        cluster.secret.token().as_bytes(),
+        &cluster.secret,
         RetryPolicy::default(),
         Arc::new(TransportStats::default()),
     );

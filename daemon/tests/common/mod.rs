@@ -10,15 +10,42 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use regions_daemon::pools::Pools;
 use regions_daemon::stats::Stats;
 use regions_daemon::transport::{TransportConfig, TransportServer};
 use regions_proto::auth::Secret;
 use regions_proto::frame::{Frame, Limits, Request, decode_frame};
+use regions_proto::handshake::ClientHello;
+
+/// Writes `text` to a new file at `path` readable by its owner only (as secrets must be).
+pub fn write_private(path: &Path, text: &str) {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .unwrap();
+    f.write_all(text.as_bytes()).unwrap();
+}
 
 /// The secret of test servers.
 pub const TOKEN: &str = "test-secret-token";
+
+/// A transport server over `pools` with `config`.
+pub fn server_with(pools: Arc<Pools>, config: TransportConfig) -> TransportServer {
+    let listener = TransportServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    TransportServer::start(
+        listener,
+        pools,
+        Secret::new(TOKEN).unwrap(),
+        Arc::new(Stats::default()),
+        config,
+    )
+    .unwrap()
+}
 
 /// A transport server over `pools`.
 pub fn server(pools: Arc<Pools>, assign_wait: Duration) -> (TransportServer, Arc<Stats>) {
@@ -64,12 +91,11 @@ impl Client {
         }
     }
 
-    /// Connects and authenticates with `token`.
+    /// Connects and authenticates with the cluster secret `token` (the challenge–response
+    /// HELLO).
     pub fn authenticated(addr: SocketAddr, token: &str) -> Client {
         let mut c = Client::connect(addr);
-        let reply = c.call(&Request::Hello {
-            token: Bytes::copy_from_slice(token.as_bytes()),
-        });
+        let reply = c.handshake(token);
         assert_eq!(
             reply.header.status,
             0,
@@ -77,6 +103,21 @@ impl Client {
             reply.error_message()
         );
         c
+    }
+
+    /// Runs the cluster-secret handshake with `token`; returns the last reply (the daemon's
+    /// challenge when it refused that, else the answer to the proof).
+    pub fn handshake(&mut self, token: &str) -> Frame {
+        let secret = Secret::new(token).unwrap();
+        let (hello, open) = ClientHello::start().unwrap();
+        let challenge = self.call(&Request::Hello { token: open.into() });
+        if challenge.header.status != 0 {
+            return challenge;
+        }
+        let answer = hello.answer(&secret, &challenge.payload).unwrap();
+        self.call(&Request::Hello {
+            token: answer.into(),
+        })
     }
 
     /// Sends `req`; returns its request id.
@@ -167,7 +208,7 @@ impl ManagerProcess {
     pub fn start(dir: &Path, listen: &str, lease_ms: u64) -> ManagerProcess {
         let secret_file = dir.join("secret");
         if !secret_file.exists() {
-            std::fs::write(&secret_file, format!("{TOKEN}\n")).unwrap();
+            write_private(&secret_file, &format!("{TOKEN}\n"));
         }
         let ready = dir.join("manager.ready");
         let _ = std::fs::remove_file(&ready);

@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use metrics::counter;
+use regions_proto::auth::Secret;
 use regions_proto::frame::{FLAG_REPLY, HEADER_LEN, Header, Op, RANGE_LEN};
+use regions_proto::handshake::{CHALLENGE_REPLY_LEN, ClientHello};
 use std::borrow::Cow;
 
 use super::{Completion, Span, Transport, TransportStats};
@@ -59,8 +61,9 @@ struct Conn {
     generation: u64,
 }
 
-/// What connections present in HELLO: the cluster secret (the transport's `cap_id` 0) or a
-/// capability token stored under `cap_id` and named in every request.
+/// What connections present in HELLO: a capability token stored under `cap_id` and named in
+/// every request (with `cap_id` 0 connections prove the cluster secret instead, see
+/// [`TcpTransport::new`]).
 struct Auth {
     token: Bytes,
     /// Bumped when the token is renewed: older connections are not reused.
@@ -92,6 +95,8 @@ pub struct TcpTransport {
     auth: Mutex<Auth>,
     /// `auth.cap_id`, readable without the lock.
     cap_id: u64,
+    /// The cluster secret, proven (never sent) when `cap_id` is 0.
+    secret: Option<Secret>,
     idle: Mutex<Vec<Conn>>,
     next_id: AtomicU64,
     retry: RetryPolicy,
@@ -121,15 +126,19 @@ const PROBE: Duration = Duration::from_millis(500);
 const QUIET: Duration = Duration::from_secs(1);
 
 impl TcpTransport {
-    /// A transport to the daemon at `addr` ("host:port") that authenticates
-    /// with `token` (the cluster secret).
+    /// A transport to the daemon at `addr` ("host:port") whose connections prove the cluster
+    /// `secret` with the challenge–response HELLO ([`regions_proto::handshake`]); the secret
+    /// itself is never sent.
     pub fn new(
         addr: &str,
-        token: &[u8],
+        secret: &Secret,
         retry: RetryPolicy,
         stats: Arc<TransportStats>,
     ) -> TcpTransport {
-        Self::with_capability(addr, 0, token, retry, stats)
+        TcpTransport {
+            secret: Some(secret.clone()),
+            ..Self::with_capability(addr, 0, &[], retry, stats)
+        }
     }
 
     /// A transport to the daemon at `addr` that presents the capability `token` under id
@@ -148,6 +157,7 @@ impl TcpTransport {
                 generation: 0,
             }),
             cap_id,
+            secret: None,
             idle: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
             retry,
@@ -208,18 +218,53 @@ impl TcpTransport {
             Err(_) => (Bytes::new(), 0),
         };
         let mut conn = Conn { stream, generation };
-        let mut hello = Header::new(Op::Hello, self.id());
-        hello.capability = self.cap_id;
-        hello.payload_len = token.len() as u32;
-        send(&mut conn.stream, &hello, &[&token])?;
-        let reply = recv_header(&mut conn.stream)?;
-        if reply.status != 0 {
-            let msg = recv_message(&mut conn.stream, &reply)?;
-            return Err(Failure::Final(self.daemon_error(reply.status, &msg)));
+        match (self.cap_id, &self.secret) {
+            (0, Some(secret)) => self.prove_secret(&mut conn.stream, secret)?,
+            (0, None) => {
+                return Err(Failure::Final(RegionsError::Invalid(
+                    "a transport without capability needs the cluster secret".into(),
+                )));
+            }
+            _ => {
+                self.hello(&mut conn.stream, &token)?;
+            }
         }
-        skip_payload(&mut conn.stream, &reply)?;
         TransportStats::add(&self.stats.connections, 1);
         Ok(conn)
+    }
+
+    /// Sends one HELLO with `payload` and returns the payload of the daemon's (ok) reply.
+    fn hello(&self, stream: &mut TcpStream, payload: &[u8]) -> Result<Vec<u8>, Failure> {
+        let mut hello = Header::new(Op::Hello, self.id());
+        hello.capability = self.cap_id;
+        hello.payload_len = payload.len() as u32;
+        send(stream, &hello, &[payload])?;
+        let reply = recv_header(stream)?;
+        if reply.status != 0 {
+            let msg = recv_message(stream, &reply)?;
+            return Err(Failure::Final(self.daemon_error(reply.status, &msg)));
+        }
+        if reply.payload_len as usize > CHALLENGE_REPLY_LEN {
+            return Err(Failure::Final(RegionsError::Protocol {
+                peer: self.addr.clone(),
+                reason: format!("HELLO reply of {} bytes", reply.payload_len),
+            }));
+        }
+        let mut out = vec![0u8; reply.payload_len as usize];
+        stream.read_exact(&mut out)?;
+        Ok(out)
+    }
+
+    /// The cluster-secret handshake: the daemon proves the secret to us, then we to it.
+    fn prove_secret(&self, stream: &mut TcpStream, secret: &Secret) -> Result<(), Failure> {
+        let refused = |e: regions_proto::handshake::HelloError| {
+            Failure::Final(self.daemon_error(libc::EACCES as u32, &e.to_string()))
+        };
+        let (hello, open) = ClientHello::start().map_err(refused)?;
+        let challenge = self.hello(stream, &open)?;
+        let answer = hello.answer(secret, &challenge).map_err(refused)?;
+        self.hello(stream, &answer)?;
+        Ok(())
     }
 
     fn daemon_error(&self, status: u32, message: &str) -> RegionsError {
@@ -731,7 +776,8 @@ mod tests {
             deadline: Duration::from_millis(300),
             backoff: Duration::from_millis(10),
         };
-        let t = TcpTransport::new(&addr.to_string(), b"secret", retry, Arc::default());
+        let secret = Secret::new("secret").unwrap();
+        let t = TcpTransport::new(&addr.to_string(), &secret, retry, Arc::default());
         let spans = [span(0, 0, 4096)];
         let mut buf = vec![0u8; 4096];
         let first = t.read(&spans, &mut buf).unwrap_err();

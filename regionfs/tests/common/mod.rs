@@ -261,7 +261,17 @@ impl Cluster {
             .expect("tempdir");
         let d = dir.path();
         let secret = d.join("secret");
-        std::fs::write(&secret, "regionfs-test-secret-0123456789\n").expect("secret");
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&secret)
+                .expect("secret");
+            std::io::Write::write_all(&mut f, b"regionfs-test-secret-0123456789\n")
+                .expect("secret");
+        }
         let data = d.join("manager");
         std::fs::create_dir_all(&data).expect("data dir");
         let manager = Proc::start(

@@ -295,7 +295,9 @@ mod tests {
     use super::*;
     use crate::transport::Transport;
     use crate::transport::tcp::RetryPolicy;
+    use regions_proto::auth::Secret;
     use regions_proto::frame::{FLAG_REPLY, HEADER_LEN, Header};
+    use regions_proto::handshake::ServerHello;
     use std::io::{Read, Write};
     use std::net::TcpListener;
     use std::sync::mpsc;
@@ -322,6 +324,21 @@ mod tests {
         s.write_all(&out).unwrap();
     }
 
+    /// The daemon's side of the cluster-secret HELLO with the secret `s`.
+    fn serve_hello(s: &mut TcpStream) {
+        let secret = secret();
+        let (open, payload) = read_request(s).unwrap();
+        let (hello, challenge) = ServerHello::challenge(&secret, &payload).unwrap();
+        write_reply(s, &open, &challenge);
+        let (proof, payload) = read_request(s).unwrap();
+        hello.verify(&secret, &payload).unwrap();
+        write_reply(s, &proof, &[]);
+    }
+
+    fn secret() -> Secret {
+        Secret::new("s").unwrap()
+    }
+
     /// A daemon stand-in: answers HELLO, then applies CAS requests to one word in order,
     /// after `delay` each.
     fn fake_daemon(delay: Duration) -> (String, std::thread::JoinHandle<u64>) {
@@ -329,6 +346,7 @@ mod tests {
         let addr = listener.local_addr().unwrap().to_string();
         let handle = std::thread::spawn(move || {
             let (mut s, _) = listener.accept().unwrap();
+            serve_hello(&mut s);
             let mut word = 0u64;
             while let Some((h, payload)) = read_request(&mut s) {
                 if h.op != Op::Cas {
@@ -361,7 +379,7 @@ mod tests {
     #[test]
     fn posted_requests_are_applied_before_later_atomics_and_completed_in_order() {
         let (addr, daemon) = fake_daemon(Duration::from_millis(5));
-        let t = TcpTransport::new(&addr, b"s", RetryPolicy::default(), Arc::default());
+        let t = TcpTransport::new(&addr, &secret(), RetryPolicy::default(), Arc::default());
         let (tx, rx) = mpsc::channel();
         for i in 0..3u64 {
             let tx = tx.clone();
@@ -384,7 +402,7 @@ mod tests {
     #[test]
     fn the_reaper_completes_a_posted_request_nobody_waits_for() {
         let (addr, _daemon) = fake_daemon(Duration::ZERO);
-        let t = TcpTransport::new(&addr, b"s", RetryPolicy::default(), Arc::default());
+        let t = TcpTransport::new(&addr, &secret(), RetryPolicy::default(), Arc::default());
         let (tx, rx) = mpsc::channel();
         t.post_atomic(
             Op::Cas,
@@ -403,11 +421,10 @@ mod tests {
         // Answers HELLO, then reads one request and hangs up without replying.
         let daemon = std::thread::spawn(move || {
             let (mut s, _) = listener.accept().unwrap();
-            let (hello, _) = read_request(&mut s).unwrap();
-            write_reply(&mut s, &hello, &[]);
+            serve_hello(&mut s);
             read_request(&mut s).unwrap();
         });
-        let t = TcpTransport::new(&addr, b"s", RetryPolicy::default(), Arc::default());
+        let t = TcpTransport::new(&addr, &secret(), RetryPolicy::default(), Arc::default());
         let (tx, rx) = mpsc::channel();
         t.post_atomic(
             Op::Cas,
