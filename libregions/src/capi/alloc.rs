@@ -211,7 +211,7 @@ fn alloc_fast(fd: c_int, len: usize) -> Option<Result<*mut u8>> {
                 // SAFETY: the block lies inside the heap, inside the mapping.
                 Ok(off) => Some(Ok(unsafe { m.base().add(off as usize) })),
                 Err(HeapError::Full { .. } | HeapError::NeedsMapping { .. }) => None,
-                Err(e) => Some(Err(e.into())),
+                Err(e) => Some(Err(heap_error(m, e))),
             }
         })
         .ok()
@@ -234,11 +234,19 @@ fn free_fast(ptr: *const u8) -> Option<Result<()>> {
             match heap.free((p - e.base) as u64) {
                 Ok(()) => Some(Ok(())),
                 Err(HeapError::NeedsMapping { .. }) => None,
-                Err(e) => Some(Err(e.into())),
+                Err(err) => Some(Err(heap_error(&e.mapping, err))),
             }
         })
         .ok()
         .flatten()
+}
+
+/// A heap error as the application sees it: a corrupt heap names its region.
+fn heap_error(m: &Mapping, e: HeapError) -> RegionsError {
+    match e {
+        HeapError::Corrupt(_) => RegionsError::Invalid(format!("region {}: {e}", m.ino())),
+        e => e.into(),
+    }
 }
 
 /// Mappings by region identity (device, inode).
@@ -329,7 +337,7 @@ fn heap_of(m: &Mapping, create: bool) -> Result<Heap> {
                 let want = (want as usize).max(if len < MIN_HEAP { INITIAL_HEAP } else { 0 });
                 grow_to(m, want)?;
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(heap_error(m, e)),
         }
     }
     Err(RegionsError::NoMemory(format!(
@@ -351,7 +359,7 @@ fn with_heap<T>(
                 grow_to(m, len as usize)?;
                 heap = heap_of(m, false)?;
             }
-            r => return r.map_err(Into::into),
+            r => return r.map_err(|e| heap_error(m, e)),
         }
     }
     Err(RegionsError::NoMemory(format!(
@@ -402,7 +410,7 @@ pub fn alloc_in(fd: c_int, len: usize) -> Result<*mut u8> {
                 grow_to(&m, len as usize)?;
                 heap = heap_of(&m, false)?;
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(heap_error(&m, e)),
         }
     }
     Err(RegionsError::NoMemory(format!(

@@ -16,11 +16,12 @@
 //!   class per slab (24 classes, 16-byte granularity up to 128 bytes, then
 //!   four per power of two). A slab keeps a free list threaded through its
 //!   free blocks, a bump index for never-used blocks, and at its end one
-//!   state byte per block, set while the block is handed out (so a double
-//!   free or a pointer into the middle of a block is refused with
-//!   `EINVAL`). Slabs with free blocks are on their
-//!   class's partial list; an empty slab goes back to the page allocator
-//!   unless it is the class's last one.
+//!   state byte per block, set while the block is handed out and (to
+//!   another value) while it sits in a thread cache (so a double free or a
+//!   pointer into the middle of a block is refused with `EINVAL`, and a
+//!   corrupt free list that leads to a block in use is noticed). Slabs
+//!   with free blocks are on their class's partial list; an empty slab goes
+//!   back to the page allocator unless it is the class's last one.
 //! - Large blocks are runs of whole pages, page aligned. Free runs carry their
 //!   length in the page map at both ends (boundary tags, so a freed run merges
 //!   with its neighbours in O(1)) and sit in 64 bins: exact bins for 1-32
@@ -54,15 +55,16 @@
 //! `rclearcache`s or maps afresh).
 //!
 //! The fast paths take no lock: a free checks the block against the page map
-//! and its slab, checks that its state byte says "handed out" and clears it
-//! (a plain load and store: only the block's current holder writes its
-//! byte, so no atomic read-modify-write is needed) and pushes it on the
-//! cache; an allocation pops a block and sets its byte. The byte is set
-//! exactly while the block is handed out, so a double free is refused
+//! and its slab, checks that its state byte says "handed out" and sets it to
+//! "cached" (a plain load and store: only the block's current holder writes
+//! its byte, so no atomic read-modify-write is needed) and pushes it on the
+//! cache; an allocation pops a block and sets its byte to "handed out". The
+//! byte says "handed out" exactly while the block is handed out, so a
+//! double free is refused
 //! (`EINVAL`) wherever the block sits: on its slab, in this thread's cache,
 //! or in another thread's or process's cache. The one case no longer caught:
 //! two frees of the same block that run at the same instant on two threads
-//! (both can read "handed out" before either clears it); before, the lock
+//! (both can read "handed out" before either changes it); before, the lock
 //! serialised them and refused the second. Only the owner touches a record's slots; other threads
 //! read its counts (statistics) and take a record over, with the blocks in
 //! it, only when the owner thread no longer exists (same host and pid
@@ -92,6 +94,28 @@
 //! thread exit never touches unmapped memory and a new heap mapped at the
 //! same address never meets an old cache).
 //!
+//! # Untrusted heaps
+//!
+//! Any process that maps the region can write the heap, so nothing read from
+//! it is trusted: every offset, index, count, link, size, page-map entry,
+//! thread-cache record field and the lock word is checked before it is used
+//! as an address, an index or a loop bound. Offsets must lie inside the heap
+//! (and inside this process's view of it) with the alignment the layout
+//! gives them, indices below their tables' lengths, counts below their
+//! capacities, list links must point at structures of the right kind whose
+//! back links agree, list walks stop after as many steps as the heap has
+//! pages (a cycle is an error, not a hang), and sums saturate. A heap that
+//! fails a check gives [`HeapError::Corrupt`] (`EINVAL`) naming the field
+//! and its value; it never makes the allocator write outside the heap, panic
+//! or hang. Waiting for the lock is bounded too: a lock word that names no
+//! possible thread fails at once, one that names a live thread that holds it
+//! for more than [`LOCK_TIMEOUT`] fails then (see `lock`). Corruption that
+//! passes every check (a list head zeroed, a forged structure that looks
+//! valid) can still lose memory (the heap looks `Full`) or hand memory out
+//! twice, but only memory inside the heap. The fast paths check a cached
+//! block against the page map, its slab and its state byte (a few compares,
+//! no system call), as they did before.
+//!
 //! # Errors
 //!
 //! [`HeapError::Full`] when no free run is large enough (the caller grows the
@@ -110,7 +134,10 @@ mod size_class;
 #[cfg(test)]
 mod test_mem;
 mod thread_cache;
+#[cfg(test)]
+mod untrusted_tests;
 
+pub use lock::LOCK_TIMEOUT;
 pub use thread_cache::{unmap_epoch, unmapping};
 
 use std::ptr;
@@ -156,6 +183,10 @@ const MAX_RUN: u64 = VALUE_MASK as u64;
 
 /// State byte of a block handed out to the application.
 const LIVE: u8 = 1;
+/// State byte of a block in a thread cache (0 in heaps of older versions of
+/// this library, which the caches still accept). Blocks on their slab's free
+/// list are 0, so a free list that runs into a cached block is refused.
+const CACHED: u8 = 2;
 
 /// The heap header at offset 0 of the managed memory.
 #[repr(C)]
@@ -229,8 +260,12 @@ pub enum HeapError {
     /// bytes and retry.
     #[error("the heap spans {len} bytes, more than this process has mapped")]
     NeedsMapping { len: u64 },
-    /// The memory is not a valid heap.
-    #[error("rmalloc heap corrupt: {0}")]
+    /// The memory is not a valid heap: what failed validation (which field,
+    /// which value).
+    #[error(
+        "the rmalloc heap is corrupt: {0}; the allocator metadata in the region was \
+         overwritten: recreate the region, or restore it from a copy"
+    )]
     Corrupt(String),
     /// A pointer that is not a live block of this heap.
     #[error("not an rmalloc block: {0}")]
@@ -272,6 +307,15 @@ impl From<HeapError> for crate::RegionsError {
 }
 
 type HResult<T> = std::result::Result<T, HeapError>;
+
+/// A [`HeapError::Corrupt`] with the message `what` builds (out of line:
+/// only corrupt heaps get here, and the checks stay a few compares on the
+/// hot paths).
+#[cold]
+#[inline(never)]
+fn corrupt_with(what: impl FnOnce() -> String) -> HeapError {
+    HeapError::Corrupt(what())
+}
 
 /// Usage numbers of a heap.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -445,25 +489,50 @@ impl Heap {
         let h = self.header();
         // SAFETY: the header is in the first page, which is mapped.
         unsafe {
+            let magic = (*h).magic.load(Ordering::Relaxed);
+            if magic != MAGIC {
+                return Err(corrupt_with(move || format!("header magic is {magic:#x}")));
+            }
             if (*h).version != VERSION {
-                return Err(HeapError::Corrupt(format!(
-                    "heap layout version {} (this library reads version {VERSION})",
-                    (*h).version
-                )));
+                return Err(corrupt_with(move || {
+                    format!(
+                        "heap layout version {} (this library reads version {VERSION})",
+                        (*h).version
+                    )
+                }));
             }
             if (*h).checksum != checksum(h) {
-                return Err(HeapError::Corrupt("header checksum mismatch".into()));
+                return Err(corrupt_with(move || {
+                    format!(
+                        "header checksum {:#x} does not match the layout fields (len {}, npages \
+                         {}, map_off {:#x}, map_cap {})",
+                        (*h).checksum,
+                        (*h).len,
+                        (*h).npages,
+                        (*h).map_off,
+                        (*h).map_cap
+                    )
+                }));
             }
-            let len = (*h).len;
+            let (len, npages, map_off, map_cap) =
+                ((*h).len, (*h).npages, (*h).map_off, (*h).map_cap);
+            let map_end = map_cap.checked_mul(4).and_then(|b| b.checked_add(map_off));
             if (*h).page_size as usize != PAGE
                 || len < MIN_HEAP as u64
                 || !len.is_multiple_of(PAGE as u64)
-                || (*h).npages != len / PAGE as u64
-                || (*h).map_cap < (*h).npages
-                || !(*h).map_off.is_multiple_of(PAGE as u64)
-                || (*h).map_off + (*h).map_cap * 4 > len
+                || npages != len / PAGE as u64
+                || map_cap < npages
+                || map_off < PAGE as u64
+                || !map_off.is_multiple_of(PAGE as u64)
+                || map_end.is_none_or(|end| end > len)
             {
-                return Err(HeapError::Corrupt("header fields out of range".into()));
+                return Err(corrupt_with(move || {
+                    format!(
+                        "header fields out of range: page size {}, len {len}, npages {npages}, \
+                         page map at {map_off:#x} for {map_cap} pages",
+                        (*h).page_size
+                    )
+                }));
             }
             if len > self.mapped as u64 {
                 return Err(HeapError::NeedsMapping { len });
@@ -490,36 +559,79 @@ impl Heap {
             for p in 0..1 + map_pages {
                 self.set_map(p, entry(K_META, 0));
             }
-            self.insert_run(1 + map_pages, npages - 1 - map_pages);
+            // A fresh heap: its bins are empty.
+            let _ = self.insert_run(1 + map_pages, npages - 1 - map_pages);
         }
     }
 
-    // ---- raw access (all offsets are checked against the heap length) ----
+    // ---- raw access ----
+    //
+    // Callers check offsets against `npages()`, which never exceeds this
+    // view; the page map accessors check against the view themselves (the
+    // header was checked under the lock, but its memory is shared), so no
+    // value read from the heap can move an access outside it.
 
+    /// Offset of page `page`'s map entry, None when it is not inside the view.
+    #[inline(always)]
+    fn map_slot(&self, page: u64) -> Option<usize> {
+        // SAFETY: the header is mapped.
+        let map_off = unsafe { (*self.header()).map_off };
+        let slot = page.checked_mul(4)?.checked_add(map_off)?;
+        (slot.checked_add(4)? <= self.mapped as u64).then_some(slot as usize)
+    }
+
+    /// The page map entry of `page`; 0 (no kind, which every caller refuses)
+    /// when the entry would lie outside the view.
     fn map_entry(&self, page: u64) -> u32 {
-        // SAFETY: callers pass page < npages <= map_cap; the page map lies
-        // inside the checked heap length.
-        unsafe {
-            let map = self.base.add((*self.header()).map_off as usize) as *const u32;
-            map.add(page as usize).read()
+        match self.map_slot(page) {
+            // SAFETY: the entry lies inside the view.
+            Some(slot) => unsafe { (self.base.add(slot) as *const u32).read() },
+            None => 0,
         }
     }
 
+    /// Sets the page map entry of `page` (nothing when it would lie outside
+    /// the view: the header checked under the lock rules that out).
     fn set_map(&self, page: u64, e: u32) {
-        // SAFETY: as in map_entry.
-        unsafe {
-            let map = self.base.add((*self.header()).map_off as usize) as *mut u32;
-            map.add(page as usize).write(e)
+        if let Some(slot) = self.map_slot(page) {
+            // SAFETY: the entry lies inside the view.
+            unsafe { (self.base.add(slot) as *mut u32).write(e) }
         }
     }
 
+    /// Pages of the heap, at most the pages of this view.
+    #[inline(always)]
     fn npages(&self) -> u64 {
         // SAFETY: the header is mapped.
-        unsafe { (*self.header()).npages }
+        let n = unsafe { (*self.header()).npages };
+        n.min((self.mapped >> PAGE_SHIFT) as u64)
+    }
+
+    /// Error unless `off` is a page of the heap: `what` names the field that
+    /// held it.
+    #[inline(always)]
+    fn check_page_off(&self, off: u64, what: &dyn Fn() -> String) -> HResult<u64> {
+        if !off.is_multiple_of(PAGE as u64) {
+            return Err(corrupt_with(move || {
+                format!("{} is {off:#x}, not page aligned", what())
+            }));
+        }
+        let page = off >> PAGE_SHIFT;
+        if page == 0 || page >= self.npages() {
+            return Err(corrupt_with(move || {
+                format!(
+                    "{} is {off:#x}, outside the heap's pages 1..{}",
+                    what(),
+                    self.npages()
+                )
+            }));
+        }
+        Ok(page)
     }
 
     fn run_at(&self, page: u64) -> *mut FreeRun {
-        // SAFETY: page < npages, inside the mapped heap.
+        debug_assert!(page < self.npages());
+        // SAFETY: callers pass page < npages, inside the mapped heap.
         unsafe { self.base.add((page as usize) << PAGE_SHIFT) as *mut FreeRun }
     }
 
@@ -529,78 +641,138 @@ impl Heap {
 
     // ---- free runs ----
 
+    /// The free run at offset `off`, which field `what` links to: a page of
+    /// the heap holding a free run's header whose length fits the heap.
+    /// Returns the run and its first page.
+    #[inline(always)]
+    fn run_link(&self, off: u64, what: &dyn Fn() -> String) -> HResult<(*mut FreeRun, u64)> {
+        let page = self.check_page_off(off, what)?;
+        let r = self.run_at(page);
+        // SAFETY: a page of the heap.
+        let (magic, pages) = unsafe { ((*r).magic, (*r).pages) };
+        if magic != RUN_MAGIC {
+            return Err(corrupt_with(move || {
+                format!(
+                    "{} is {off:#x}, which holds no free run (magic {magic:#x})",
+                    what()
+                )
+            }));
+        }
+        if pages == 0 || pages > self.npages() - page {
+            return Err(corrupt_with(move || {
+                format!(
+                    "the free run at {off:#x} ({}) is {pages} pages long, past the heap's {} pages",
+                    what(),
+                    self.npages()
+                )
+            }));
+        }
+        Ok((r, page))
+    }
+
     /// Adds the free run [page, page+pages) to its bin and tags its ends.
-    fn insert_run(&self, page: u64, pages: u64) {
+    fn insert_run(&self, page: u64, pages: u64) -> HResult<()> {
         if pages == 0 {
-            return;
+            return Ok(());
         }
         let h = self.header();
         let bin = bin_of(pages);
+        // SAFETY: the header is mapped.
+        let head = unsafe { (*h).bins[bin] };
+        let head_run = if head != 0 {
+            Some(
+                self.run_link(head, &move || format!("the head of free-run bin {bin}"))?
+                    .0,
+            )
+        } else {
+            None
+        };
         let r = self.run_at(page);
-        // SAFETY: the run lies inside the heap; the header is mapped.
+        // SAFETY: the run lies inside the heap (callers pass a run they
+        // checked), head_run is a checked run; the header is mapped.
         unsafe {
-            let head = (*h).bins[bin];
             (*r).magic = RUN_MAGIC;
             (*r).next = head;
             (*r).prev = 0;
             (*r).pages = pages;
-            if head != 0 {
-                (*self.run_at(head >> PAGE_SHIFT)).prev = page << PAGE_SHIFT;
+            if let Some(hr) = head_run {
+                (*hr).prev = page << PAGE_SHIFT;
             }
             (*h).bins[bin] = page << PAGE_SHIFT;
             (*h).bin_mask |= 1 << bin;
         }
         self.set_map(page, entry(K_FREE, pages));
         self.set_map(page + pages - 1, entry(K_FREE, pages));
+        Ok(())
     }
 
     /// Takes the free run at `page` out of its bin (its map tags stay).
     fn remove_run(&self, page: u64) -> HResult<u64> {
         let h = self.header();
-        let r = self.run_at(page);
-        // SAFETY: page < npages; links are checked before use.
+        let off = page << PAGE_SHIFT;
+        let (r, _) = self.run_link(off, &move || format!("the free run at page {page}"))?;
+        // SAFETY: r is a checked run; its links are checked before use.
         unsafe {
             let pages = (*r).pages;
-            if (*r).magic != RUN_MAGIC
-                || pages == 0
-                || page + pages > (*h).npages
-                || self.map_entry(page) != entry(K_FREE, pages)
-            {
-                return Err(HeapError::Corrupt(format!("free run at page {page}")));
+            let tag = self.map_entry(page);
+            if tag != entry(K_FREE, pages) {
+                return Err(corrupt_with(move || {
+                    format!(
+                        "page-map entry of page {page} is {tag:#x}, not the tag of the free run of \
+                         {pages} pages there"
+                    )
+                }));
             }
             let (next, prev) = ((*r).next, (*r).prev);
-            self.check_run_link(next)?;
-            self.check_run_link(prev)?;
             let bin = bin_of(pages);
-            if prev != 0 {
-                (*self.run_at(prev >> PAGE_SHIFT)).next = next;
+            let next_run = if next != 0 {
+                let (n, _) =
+                    self.run_link(next, &move || format!("the next link of free run {off:#x}"))?;
+                if (*n).prev != off {
+                    return Err(corrupt_with(move || {
+                        format!(
+                            "free run {next:#x} links back to {:#x}, not to {off:#x}",
+                            (*n).prev
+                        )
+                    }));
+                }
+                Some(n)
             } else {
-                if (*h).bins[bin] != page << PAGE_SHIFT {
-                    return Err(HeapError::Corrupt(format!(
-                        "free run at page {page} is not in its bin"
-                    )));
+                None
+            };
+            if prev != 0 {
+                let (p, _) =
+                    self.run_link(prev, &move || format!("the prev link of free run {off:#x}"))?;
+                if (*p).next != off {
+                    return Err(corrupt_with(move || {
+                        format!(
+                            "free run {prev:#x} links on to {:#x}, not to {off:#x}",
+                            (*p).next
+                        )
+                    }));
+                }
+                (*p).next = next;
+            } else {
+                if (*h).bins[bin] != off {
+                    return Err(corrupt_with(move || {
+                        format!(
+                            "free run {off:#x} of {pages} pages has no prev link but is not the \
+                             head of bin {bin} (the head is {:#x})",
+                            (*h).bins[bin]
+                        )
+                    }));
                 }
                 (*h).bins[bin] = next;
                 if next == 0 {
                     (*h).bin_mask &= !(1 << bin);
                 }
             }
-            if next != 0 {
-                (*self.run_at(next >> PAGE_SHIFT)).prev = prev;
+            if let Some(n) = next_run {
+                (*n).prev = prev;
             }
             (*r).magic = 0;
             Ok(pages)
         }
-    }
-
-    fn check_run_link(&self, off: u64) -> HResult<()> {
-        if off == 0 {
-            return Ok(());
-        }
-        if !off.is_multiple_of(PAGE as u64) || off >> PAGE_SHIFT >= self.npages() {
-            return Err(HeapError::Corrupt(format!("free run link {off:#x}")));
-        }
-        Ok(())
     }
 
     /// Allocates a run of `pages` pages; None when no free run is long enough.
@@ -620,19 +792,25 @@ impl Heap {
             bits &= bits - 1;
             // SAFETY: the header is mapped.
             let mut off = unsafe { (*h).bins[bin] };
+            let mut from = None;
             while off != 0 {
-                self.check_run_link(off)?;
-                let r = self.run_at(off >> PAGE_SHIFT);
-                // SAFETY: checked link inside the heap.
+                let (r, page) = self.run_link(off, &move || match from {
+                    None => format!("the head of free-run bin {bin}"),
+                    Some(f) => format!("the next link of free run {f:#x} (bin {bin})"),
+                })?;
+                // SAFETY: a checked run.
                 let (len, next) = unsafe { ((*r).pages, (*r).next) };
                 if len >= pages {
-                    found = Some(off >> PAGE_SHIFT);
+                    found = Some(page);
                     break;
                 }
                 scanned += 1;
                 if scanned > self.npages() {
-                    return Err(HeapError::Corrupt("free run list has a cycle".into()));
+                    return Err(corrupt_with(move || {
+                        format!("the free-run list of bin {bin} has a cycle (through {off:#x})")
+                    }));
                 }
+                from = Some(off);
                 off = next;
             }
             if found.is_some() {
@@ -640,11 +818,23 @@ impl Heap {
             }
         }
         let Some(page) = found else {
+            // A bin whose mask bit is clear must be empty: a head there would
+            // make a heap with free runs look full.
+            // SAFETY: the header is mapped.
+            let (mask, bins) = unsafe { ((*h).bin_mask, &(*h).bins) };
+            if let Some(bin) = (first..NBINS).find(|&b| mask & (1 << b) == 0 && bins[b] != 0) {
+                return Err(corrupt_with(move || {
+                    format!(
+                        "free-run bin {bin} has head {:#x} but bin_mask {mask:#x} says it is empty",
+                        bins[bin]
+                    )
+                }));
+            }
             return Ok(None);
         };
         let len = self.remove_run(page)?;
         if len > pages {
-            self.insert_run(page + pages, len - pages);
+            self.insert_run(page + pages, len - pages)?;
         }
         if pages > 1 && len == pages {
             // The old tail tag is now inside an allocated run.
@@ -661,14 +851,26 @@ impl Heap {
             let e = self.map_entry(page - 1);
             if kind(e) == K_FREE {
                 let plen = value(e);
-                if plen == 0 || plen > page {
-                    return Err(HeapError::Corrupt(format!(
-                        "free run tag at page {}",
-                        page - 1
-                    )));
+                if plen == 0 || plen >= page {
+                    return Err(corrupt_with(move || {
+                        format!(
+                            "page-map entry of page {} is the tail tag of a free run of {plen} \
+                             pages, which would start before page 1",
+                            page - 1
+                        )
+                    }));
                 }
                 let pstart = page - plen;
-                self.remove_run(pstart)?;
+                let got = self.remove_run(pstart)?;
+                if got != plen {
+                    return Err(corrupt_with(move || {
+                        format!(
+                            "page-map entry of page {} is the tail tag of a free run of {plen} \
+                             pages, but the run at page {pstart} has {got} pages",
+                            page - 1
+                        )
+                    }));
+                }
                 self.set_map(page - 1, entry(K_FREE_IN, 0));
                 start = pstart;
                 len += plen;
@@ -689,28 +891,51 @@ impl Heap {
         if pages > 1 {
             self.set_map(page + pages - 1, entry(K_FREE_IN, 0));
         }
-        self.insert_run(start, len);
-        Ok(())
+        self.insert_run(start, len)
     }
 
     // ---- slabs ----
 
-    fn slab_check(&self, off: u64, class: usize) -> HResult<*mut Slab> {
+    /// The slab of `class` at offset `off`, which field `what` links to:
+    /// page aligned, inside the heap, with a header that matches the class.
+    #[inline(always)]
+    fn slab_check(&self, off: u64, class: usize, what: &dyn Fn() -> String) -> HResult<*mut Slab> {
         let (pages, n) = slab_geometry(class);
-        if !off.is_multiple_of(PAGE as u64) || (off >> PAGE_SHIFT) + pages as u64 > self.npages() {
-            return Err(HeapError::Corrupt(format!("slab offset {off:#x}")));
+        let page = self.check_page_off(off, what)?;
+        if page + pages as u64 > self.npages() {
+            return Err(corrupt_with(move || {
+                format!(
+                    "{} is {off:#x}, but a slab of class {class} ({pages} pages) there would end \
+                     past the heap's {} pages",
+                    what(),
+                    self.npages()
+                )
+            }));
         }
-        let s = self.slab_at(off >> PAGE_SHIFT);
+        let s = self.slab_at(page);
         // SAFETY: the slab lies inside the heap.
         unsafe {
-            if (*s).magic.load(Ordering::Relaxed) != SLAB_MAGIC
+            let magic = (*s).magic.load(Ordering::Relaxed);
+            if magic != SLAB_MAGIC
                 || (*s).class as usize != class
                 || (*s).pages as usize != pages
                 || (*s).nblocks as usize != n
                 || (*s).used > (*s).nblocks
                 || (*s).bump > (*s).nblocks
             {
-                return Err(HeapError::Corrupt(format!("slab header at {off:#x}")));
+                return Err(corrupt_with(move || {
+                    format!(
+                        "{} is {off:#x}, which holds no valid slab of class {class}: magic \
+                         {magic:#x}, class {}, {} pages, {} blocks, {} used, bump {} (want class \
+                         {class}, {pages} pages, {n} blocks, used and bump at most {n})",
+                        what(),
+                        (*s).class,
+                        (*s).pages,
+                        (*s).nblocks,
+                        (*s).used,
+                        (*s).bump
+                    )
+                }));
             }
         }
         Ok(s)
@@ -745,23 +970,42 @@ impl Heap {
             self.set_map(page + i, entry(K_SLAB, (class as u64) << 8 | i));
         }
         let off = page << PAGE_SHIFT;
-        self.partial_push(class, off);
+        self.partial_push(class, off)?;
         Ok(Some(off))
     }
 
-    fn partial_push(&self, class: usize, off: u64) {
+    /// Puts the checked slab at `off` at the head of its class's partial list.
+    fn partial_push(&self, class: usize, off: u64) -> HResult<()> {
         let h = self.header();
+        // SAFETY: the header is mapped.
+        let head = unsafe { (*h).partial[class] };
+        if head == off {
+            return Err(corrupt_with(move || {
+                format!(
+                    "slab {off:#x} of class {class} is not on its partial list (it was full) but \
+                     is the list's head"
+                )
+            }));
+        }
+        let head_slab = if head != 0 {
+            Some(self.slab_check(head, class, &move || {
+                format!("the partial-list head of class {class}")
+            })?)
+        } else {
+            None
+        };
         let s = self.slab_at(off >> PAGE_SHIFT);
-        // SAFETY: off is a checked slab; the header is mapped.
+        // SAFETY: off is a checked slab, head_slab a checked slab; the header
+        // is mapped.
         unsafe {
-            let head = (*h).partial[class];
             (*s).next = head;
             (*s).prev = 0;
-            if head != 0 {
-                (*self.slab_at(head >> PAGE_SHIFT)).prev = off;
+            if let Some(hs) = head_slab {
+                (*hs).prev = off;
             }
             (*h).partial[class] = off;
         }
+        Ok(())
     }
 
     fn partial_remove(&self, class: usize, off: u64) -> HResult<()> {
@@ -770,20 +1014,49 @@ impl Heap {
         // SAFETY: off is a checked slab; its links are checked before use.
         unsafe {
             let (next, prev) = ((*s).next, (*s).prev);
-            if next != 0 {
-                self.slab_check(next, class)?;
-            }
-            if prev != 0 {
-                self.slab_check(prev, class)?;
-                (*self.slab_at(prev >> PAGE_SHIFT)).next = next;
+            let next_slab = if next != 0 {
+                let n = self.slab_check(next, class, &move || {
+                    format!("the next link of slab {off:#x} (class {class})")
+                })?;
+                if (*n).prev != off {
+                    return Err(corrupt_with(move || {
+                        format!(
+                            "slab {next:#x} links back to {:#x}, not to {off:#x} (class {class})",
+                            (*n).prev
+                        )
+                    }));
+                }
+                Some(n)
             } else {
-                if (*h).partial[class] != off {
-                    return Err(HeapError::Corrupt(format!("slab {off:#x} list links")));
+                None
+            };
+            if prev != 0 {
+                let p = self.slab_check(prev, class, &move || {
+                    format!("the prev link of slab {off:#x} (class {class})")
+                })?;
+                if (*p).next != off {
+                    return Err(corrupt_with(move || {
+                        format!(
+                            "slab {prev:#x} links on to {:#x}, not to {off:#x} (class {class})",
+                            (*p).next
+                        )
+                    }));
+                }
+                (*p).next = next;
+            } else {
+                let head = (*h).partial[class];
+                if head != off {
+                    return Err(corrupt_with(move || {
+                        format!(
+                            "slab {off:#x} has no prev link but is not the partial-list head of \
+                             class {class} (the head is {head:#x})"
+                        )
+                    }));
                 }
                 (*h).partial[class] = next;
             }
-            if next != 0 {
-                (*self.slab_at(next >> PAGE_SHIFT)).prev = prev;
+            if let Some(n) = next_slab {
+                (*n).prev = prev;
             }
             (*s).next = 0;
             (*s).prev = 0;
@@ -791,67 +1064,140 @@ impl Heap {
         Ok(())
     }
 
-    /// Takes a block of `class` off a slab (free list first, then the bump
-    /// index) and counts it in `used`. Its bitmap bit stays clear: the caller
-    /// sets it when the block goes to the application, or keeps it clear
-    /// while the block sits in a thread cache. Call with the lock held.
-    fn take_small(&self, class: usize) -> HResult<Option<u64>> {
+    /// Takes a block of `class` off a slab (see [`Heap::take_small_n`]) and
+    /// sets its state byte to `mark`. Call with the lock held.
+    fn take_small(&self, class: usize, mark: u8) -> HResult<Option<u64>> {
+        let mut out = [0u64; 1];
+        Ok((self.take_small_n(class, mark, &mut out)? == 1).then_some(out[0]))
+    }
+
+    /// Takes up to `out.len()` blocks of `class` off slabs (free list first,
+    /// then the bump index), counts them in `used` and sets the state byte
+    /// of the first to `mark` ([`LIVE`] for the application, [`CACHED`] for
+    /// a thread cache) and of the others to [`CACHED`]. Returns how many it
+    /// took: fewer when the heap has no room for another slab. Each slab is
+    /// checked once, its free blocks one by one. Call with the lock held.
+    fn take_small_n(&self, class: usize, mark: u8, out: &mut [u64]) -> HResult<usize> {
         let h = self.header();
-        // SAFETY: the header is mapped.
-        let mut off = unsafe { (*h).partial[class] };
-        if off == 0 {
-            match self.new_slab(class)? {
-                Some(o) => off = o,
-                None => return Ok(None),
-            }
-        }
-        let s = self.slab_check(off, class)?;
         let size = CLASS_SIZES[class] as u64;
-        // SAFETY: s is a checked slab; block offsets are checked before use.
-        unsafe {
-            let n = (*s).nblocks as u64;
-            let first = off + SLAB_HDR as u64;
-            let (block, i) = if (*s).free != 0 {
-                let b = (*s).free;
-                let i = match b.checked_sub(first).and_then(|rel| block_index(rel, class)) {
-                    Some(i) if (i as u64) < n => i,
-                    _ => return Err(HeapError::Corrupt(format!("slab {off:#x} free list"))),
-                };
-                (*s).free = (self.base.add(b as usize) as *const u64).read();
-                (b, i)
-            } else if ((*s).bump as u64) < n {
-                let i = (*s).bump as usize;
-                (*s).bump += 1;
-                (first + i as u64 * size, i)
-            } else {
-                return Err(HeapError::Corrupt(format!(
-                    "full slab {off:#x} on the partial list"
-                )));
-            };
-            if self.block_state(off, class, i).load(Ordering::Relaxed) != 0 {
-                return Err(HeapError::Corrupt(format!(
-                    "slab {off:#x} free list holds a live block"
-                )));
+        let mut got = 0;
+        while got < out.len() {
+            // SAFETY: the header is mapped.
+            let mut off = unsafe { (*h).partial[class] };
+            if off == 0 {
+                match self.new_slab(class)? {
+                    Some(o) => off = o,
+                    None => break,
+                }
             }
-            (*s).used += 1;
-            if (*s).used as u64 == n {
-                self.partial_remove(class, off)?;
+            let s = self.slab_check(off, class, &move || {
+                format!("the partial-list head of class {class}")
+            })?;
+            // SAFETY: s is a checked slab; block offsets are checked before
+            // use.
+            unsafe {
+                let n = (*s).nblocks as u64;
+                let first = off + SLAB_HDR as u64;
+                while got < out.len() {
+                    let (used, bump, b) = ((*s).used as u64, (*s).bump, (*s).free);
+                    if used >= n {
+                        return Err(corrupt_with(move || {
+                            format!(
+                                "slab {off:#x} of class {class} is on the partial list with all \
+                                 {n} blocks used"
+                            )
+                        }));
+                    }
+                    let (block, i) = if b != 0 {
+                        let i = match b.checked_sub(first).and_then(|rel| block_index(rel, class)) {
+                            Some(i) if i < bump as usize => i,
+                            _ => {
+                                return Err(corrupt_with(move || {
+                                    format!(
+                                        "the free list of slab {off:#x} (class {class}) holds \
+                                         {b:#x}, not a block of that slab that was handed out \
+                                         (bump index {bump})"
+                                    )
+                                }));
+                            }
+                        };
+                        (b, i)
+                    } else if (bump as u64) < n {
+                        let i = bump as usize;
+                        (first + i as u64 * size, i)
+                    } else {
+                        return Err(corrupt_with(move || {
+                            format!(
+                                "slab {off:#x} of class {class} is on the partial list with no \
+                                 free block ({used} of {n} used)"
+                            )
+                        }));
+                    };
+                    let state = self.block_state(off, class, i);
+                    let st = state.load(Ordering::Relaxed);
+                    if st != 0 {
+                        return Err(corrupt_with(move || {
+                            format!(
+                                "the free list of slab {off:#x} (class {class}) holds block \
+                                 {block:#x}, which is not free (state {st}: a cycle in the list, \
+                                 or a block in use)"
+                            )
+                        }));
+                    }
+                    if b != 0 {
+                        // The next link sits in the block: inside the slab.
+                        (*s).free = (self.base.add(block as usize) as *const u64).read();
+                    } else {
+                        (*s).bump = bump + 1;
+                    }
+                    state.store(if got == 0 { mark } else { CACHED }, Ordering::Release);
+                    (*s).used = used as u16 + 1;
+                    out[got] = block;
+                    got += 1;
+                    if used + 1 == n {
+                        self.partial_remove(class, off)?;
+                        break;
+                    }
+                }
             }
-            Ok(Some(block))
         }
+        Ok(got)
+    }
+
+    /// The slab offset and class that page `page`'s map entry `e` (of kind
+    /// [`K_SLAB`]) names, checked against the class table and the page.
+    #[inline(always)]
+    fn slab_of_entry(&self, page: u64, e: u32) -> HResult<(u64, usize)> {
+        let class = (value(e) >> 8) as usize;
+        let index = value(e) & 0xff;
+        if class >= NCLASSES {
+            return Err(corrupt_with(move || {
+                format!(
+                    "page-map entry of page {page} is a slab page of class {class} (entry {e:#x}); \
+                     there are {NCLASSES} classes"
+                )
+            }));
+        }
+        if index >= slab_geometry(class).0 as u64 || index >= page {
+            return Err(corrupt_with(move || {
+                format!(
+                    "page-map entry of page {page} is page {index} of a slab of class {class} \
+                     (entry {e:#x}); its slabs have {} pages",
+                    slab_geometry(class).0
+                )
+            }));
+        }
+        Ok(((page - index) << PAGE_SHIFT, class))
     }
 
     /// The slab of the small block at `off` (page map entry `e` of its
     /// page), with the block's index; a bad pointer when `off` is not the
     /// start of a block.
     fn small_block(&self, off: u64, page: u64, e: u32) -> HResult<(u64, *mut Slab, usize, usize)> {
-        let class = (value(e) >> 8) as usize;
-        let index = value(e) & 0xff;
-        if class >= NCLASSES || index > page {
-            return Err(HeapError::Corrupt(format!("page map entry of page {page}")));
-        }
-        let slab = (page - index) << PAGE_SHIFT;
-        let s = self.slab_check(slab, class)?;
+        let (slab, class) = self.slab_of_entry(page, e)?;
+        let s = self.slab_check(slab, class, &move || {
+            format!("the slab of page {page} (page-map entry {e:#x})")
+        })?;
         let first = slab + SLAB_HDR as u64;
         let Some(i) = off
             .checked_sub(first)
@@ -871,21 +1217,26 @@ impl Heap {
     }
 
     /// Puts block `i` (at `off`) of slab `s` back on the slab's free list;
-    /// its bitmap bit is already clear. Returns the slab's pages to the page
+    /// its state byte is already 0. Returns the slab's pages to the page
     /// allocator when it empties (unless it is its class's last). Call with
     /// the lock held.
     fn release_small(&self, slab: u64, s: *mut Slab, class: usize, off: u64) -> HResult<()> {
         // SAFETY: s is a checked slab and off one of its blocks.
         unsafe {
             if (*s).used == 0 {
-                return Err(HeapError::Corrupt(format!("slab {slab:#x} use count")));
+                return Err(corrupt_with(move || {
+                    format!(
+                        "slab {slab:#x} (class {class}) has a block to take back but its use \
+                         count is 0"
+                    )
+                }));
             }
             (self.base.add(off as usize) as *mut u64).write((*s).free);
             (*s).free = off;
             let was_full = (*s).used == (*s).nblocks;
             (*s).used -= 1;
             if was_full {
-                self.partial_push(class, slab);
+                self.partial_push(class, slab)?;
             } else if (*s).used == 0 {
                 let h = self.header();
                 let only = (*h).partial[class] == slab && (*s).next == 0;
@@ -905,8 +1256,9 @@ impl Heap {
     }
 
     /// The state byte of block `i` of the checked slab at `slab`: [`LIVE`]
-    /// while the block is handed out to the application, 0 while it is free
-    /// or in a thread cache. Only the block's current holder writes it (the
+    /// while the block is handed out to the application, [`CACHED`] while it
+    /// is in a thread cache (0 in heaps of older versions of this library),
+    /// 0 while it is on its slab. Only the block's current holder writes it (the
     /// lock holder, the thread freeing it, or the cache owner handing it
     /// out), with plain stores.
     #[inline(always)]
@@ -956,7 +1308,7 @@ impl Heap {
 
     #[inline(never)]
     fn alloc_slow(&self, size: usize) -> HResult<u64> {
-        let _g = self.lock();
+        let _g = self.lock()?;
         self.check_header()?;
         self.alloc_locked(size)
     }
@@ -965,14 +1317,8 @@ impl Heap {
         let h = self.header();
         let (off, bytes) = if size <= MAX_SMALL {
             let class = class_of(size.max(1));
-            match self.take_small(class)? {
-                Some(off) => {
-                    let state = self.cached_block_bit(off, class).ok_or_else(|| {
-                        HeapError::Corrupt(format!("fresh block {off:#x} fails validation"))
-                    })?;
-                    state.store(LIVE, Ordering::Release);
-                    (off, CLASS_SIZES[class] as u64)
-                }
+            match self.take_small(class, LIVE)? {
+                Some(off) => (off, CLASS_SIZES[class] as u64),
                 None => {
                     return Err(HeapError::Full {
                         pages: slab_geometry(class).0 as u64,
@@ -994,8 +1340,8 @@ impl Heap {
         };
         // SAFETY: the header is mapped and we hold the lock.
         unsafe {
-            (*h).allocated += bytes;
-            (*h).nblocks += 1;
+            (*h).allocated = (*h).allocated.saturating_add(bytes);
+            (*h).nblocks = (*h).nblocks.saturating_add(1);
         }
         Ok(off)
     }
@@ -1021,7 +1367,7 @@ impl Heap {
 
     #[inline(never)]
     fn free_slow(&self, off: u64) -> HResult<()> {
-        let _g = self.lock();
+        let _g = self.lock()?;
         self.check_header()?;
         self.free_locked(off)
     }
@@ -1030,9 +1376,9 @@ impl Heap {
         let h = self.header();
         let npages = self.npages();
         let page = off >> PAGE_SHIFT;
-        if page >= npages {
+        if page == 0 || page >= npages {
             return Err(HeapError::BadPointer(format!(
-                "offset {off:#x} is outside the heap"
+                "offset {off:#x} is outside the heap's blocks"
             )));
         }
         let e = self.map_entry(page);
@@ -1041,7 +1387,27 @@ impl Heap {
             K_LARGE if off.is_multiple_of(PAGE as u64) => {
                 let pages = value(e);
                 if pages == 0 || page + pages > npages {
-                    return Err(HeapError::Corrupt(format!("large block at page {page}")));
+                    return Err(corrupt_with(move || {
+                        format!(
+                            "page-map entry of page {page} is a large block of {pages} pages \
+                             (entry {e:#x}), past the heap's {npages} pages"
+                        )
+                    }));
+                }
+                // The block's last page continues it and the page after it
+                // does not (its length is right, as far as O(1) checks go).
+                let last = page + pages - 1;
+                let (le, ne) = (self.map_entry(last), self.map_entry(page + pages));
+                if (pages > 1 && kind(le) != K_CONT)
+                    || (page + pages < npages && kind(ne) == K_CONT)
+                {
+                    return Err(corrupt_with(move || {
+                        format!(
+                            "page-map entry of page {page} is a large block of {pages} pages \
+                             (entry {e:#x}), but the entries of its last page {last} and of the \
+                             page after it are {le:#x} and {ne:#x}"
+                        )
+                    }));
                 }
                 self.set_map(page, entry(K_FREE_IN, 0));
                 self.free_pages(page, pages)?;
@@ -1074,7 +1440,7 @@ impl Heap {
 
     /// Usable size of the live block at `off`.
     pub fn block_size(&self, off: u64) -> HResult<usize> {
-        let _g = self.lock();
+        let _g = self.lock()?;
         self.check_header()?;
         let page = off >> PAGE_SHIFT;
         if page >= self.npages() {
@@ -1082,8 +1448,23 @@ impl Heap {
         }
         let e = self.map_entry(page);
         match kind(e) {
-            K_SLAB => Ok(CLASS_SIZES[((value(e) >> 8) as usize).min(NCLASSES - 1)] as usize),
-            K_LARGE if off.is_multiple_of(PAGE as u64) => Ok(value(e) as usize * PAGE),
+            K_SLAB => {
+                let (_, _, class, _) = self.small_block(off, page, e)?;
+                Ok(CLASS_SIZES[class] as usize)
+            }
+            K_LARGE if off.is_multiple_of(PAGE as u64) => {
+                let pages = value(e);
+                if pages == 0 || page + pages > self.npages() {
+                    return Err(corrupt_with(move || {
+                        format!(
+                            "page-map entry of page {page} is a large block of {pages} pages \
+                             (entry {e:#x}), past the heap's {} pages",
+                            self.npages()
+                        )
+                    }));
+                }
+                Ok(pages as usize * PAGE)
+            }
             _ => Err(HeapError::BadPointer(format!("offset {off:#x}"))),
         }
     }
@@ -1092,7 +1473,7 @@ impl Heap {
     /// Growing needs one more page-map page per 4 MiB beyond the map's
     /// capacity; it is taken from the new memory.
     pub fn extend(&self, new_len: usize) -> HResult<()> {
-        let _g = self.lock();
+        let _g = self.lock()?;
         self.check_header()?;
         self.extend_locked(new_len)
     }
@@ -1153,7 +1534,7 @@ impl Heap {
 
     /// Stores the root block offset (None clears it).
     pub fn set_root(&self, off: Option<u64>) -> HResult<()> {
-        let _g = self.lock();
+        let _g = self.lock()?;
         self.check_header()?;
         // SAFETY: the header is mapped.
         let len = unsafe { (*self.header()).len };
@@ -1178,17 +1559,31 @@ impl Heap {
         // SAFETY: the header is mapped.
         let (v, len) = unsafe { ((*h).root.load(Ordering::Acquire), (*h).len) };
         match v.checked_sub(1) {
-            Some(off) if off >= len => Err(HeapError::Corrupt(format!(
-                "root offset {off:#x} is outside the heap"
-            ))),
-            Some(off) if off >= self.mapped as u64 => Err(HeapError::NeedsMapping { len }),
+            Some(off) if off >= len => Err(corrupt_with(move || {
+                format!("the root slot holds offset {off:#x}, outside the heap ({len} bytes)")
+            })),
+            Some(off) if off >= self.mapped as u64 => {
+                // Another process grew the heap (its header says so), or
+                // the header is corrupt.
+                // SAFETY: the header is mapped.
+                if unsafe { (*h).checksum } != checksum(h) {
+                    return Err(corrupt_with(move || {
+                        format!(
+                            "the root slot holds offset {off:#x}, past this view of {} bytes, and \
+                             the header checksum does not match its length {len}",
+                            self.mapped
+                        )
+                    }));
+                }
+                Err(HeapError::NeedsMapping { len })
+            }
             r => Ok(r),
         }
     }
 
     /// Heap usage; also walks the free runs to validate them.
     pub fn stats(&self) -> HResult<HeapStats> {
-        let _g = self.lock();
+        let _g = self.lock()?;
         self.check_header()?;
         let h = self.header();
         let mut free_pages = 0;
@@ -1196,21 +1591,33 @@ impl Heap {
         for bin in 0..NBINS {
             // SAFETY: the header is mapped.
             let mut off = unsafe { (*h).bins[bin] };
+            let mut from = None;
             let mut n = 0u64;
             while off != 0 {
-                self.check_run_link(off)?;
-                let r = self.run_at(off >> PAGE_SHIFT);
-                // SAFETY: checked link.
-                let (pages, next, magic) = unsafe { ((*r).pages, (*r).next, (*r).magic) };
-                if magic != RUN_MAGIC || bin_of(pages.max(1)) != bin {
-                    return Err(HeapError::Corrupt(format!("free run at {off:#x}")));
+                let (r, _) = self.run_link(off, &move || match from {
+                    None => format!("the head of free-run bin {bin}"),
+                    Some(f) => format!("the next link of free run {f:#x} (bin {bin})"),
+                })?;
+                // SAFETY: a checked run.
+                let (pages, next) = unsafe { ((*r).pages, (*r).next) };
+                if bin_of(pages) != bin {
+                    return Err(corrupt_with(move || {
+                        format!(
+                            "the free run at {off:#x} has {pages} pages but is in bin {bin} (runs \
+                             of {pages} pages go to bin {})",
+                            bin_of(pages)
+                        )
+                    }));
                 }
-                free_pages += pages;
+                free_pages = pages.saturating_add(free_pages);
                 largest = largest.max(pages);
                 n += 1;
                 if n > self.npages() {
-                    return Err(HeapError::Corrupt("free run list has a cycle".into()));
+                    return Err(corrupt_with(move || {
+                        format!("the free-run list of bin {bin} has a cycle (through {off:#x})")
+                    }));
                 }
+                from = Some(off);
                 off = next;
             }
         }
@@ -1218,16 +1625,23 @@ impl Heap {
         for class in 0..NCLASSES {
             // SAFETY: the header is mapped.
             let mut off = unsafe { (*h).partial[class] };
+            let mut from = None;
             let mut n = 0u64;
             while off != 0 {
-                let s = self.slab_check(off, class)?;
+                let s = self.slab_check(off, class, &move || match from {
+                    None => format!("the partial-list head of class {class}"),
+                    Some(f) => format!("the next link of slab {f:#x} (class {class})"),
+                })?;
                 partial_slab_pages += slab_geometry(class).0 as u64;
-                // SAFETY: checked slab.
-                off = unsafe { (*s).next };
                 n += 1;
                 if n > self.npages() {
-                    return Err(HeapError::Corrupt("slab list has a cycle".into()));
+                    return Err(corrupt_with(move || {
+                        format!("the partial list of class {class} has a cycle (through {off:#x})")
+                    }));
                 }
+                from = Some(off);
+                // SAFETY: checked slab.
+                off = unsafe { (*s).next };
             }
         }
         let (cached_blocks, cached_bytes) = self.cached()?;

@@ -15,8 +15,8 @@ use std::sync::{Mutex, Once, OnceLock};
 use super::lock::{current_tid, forget_current_tid, pid_namespace, thread_alive};
 use super::size_class::{CLASS_SIZES, GEOMETRY, NCLASSES, block_index};
 use super::{
-    ALIGN, HResult, Heap, HeapError, K_CACHE, K_FREE_IN, K_SLAB, LIVE, PAGE, PAGE_SHIFT, SLAB_HDR,
-    SLAB_MAGIC, entry, kind, value,
+    ALIGN, CACHED, HResult, Heap, HeapError, K_CACHE, K_FREE_IN, K_SLAB, LIVE, PAGE, PAGE_SHIFT,
+    SLAB_HDR, SLAB_MAGIC, corrupt_with, entry, kind, value,
 };
 
 /// Most blocks a thread caches per size class.
@@ -52,16 +52,22 @@ const CACHE_RETRY: u32 = 256;
 /// Only the owner changes it, without the heap lock; others read it under
 /// the lock (the counts, for statistics) or take it over when the owner
 /// thread no longer exists.
+///
+/// Read from the heap, so checked before use: `count[c]` must not exceed
+/// `CACHE_CAPS[c]`, `next` must be 0 or a page whose map entry says
+/// `K_CACHE` and that holds a record, and every slot must be a block of its
+/// class in a valid slab whose state byte says "cached" ([`CACHED`], or 0
+/// in heaps of older versions of this library).
 #[repr(C)]
-struct CacheRec {
+pub(super) struct CacheRec {
     magic: u64,
     /// Host (boot id) and pid namespace of the owner thread.
     owner_ns: AtomicU64,
-    owner_tid: AtomicU32,
+    pub(super) owner_tid: AtomicU32,
     owner_pid: AtomicU32,
     /// Next record (under the heap lock).
     next: u64,
-    count: [AtomicU8; NCLASSES],
+    pub(super) count: [AtomicU8; NCLASSES],
     _pad: [u8; 8],
     /// Cached blocks per class, offset / 16; the newest last.
     slots: [[u32; CACHE_CAP]; NCLASSES],
@@ -268,6 +274,18 @@ fn host_ns() -> u64 {
     })
 }
 
+/// The error for a record whose count of `class` is `n`, over the cap.
+#[cold]
+fn bad_count(rec: u64, class: usize, n: usize) -> HeapError {
+    corrupt_with(move || {
+        format!(
+            "thread cache record {rec:#x}: the count of class {class} is {n}, more than the \
+             {} blocks a cache of that class holds",
+            CACHE_CAPS[class]
+        )
+    })
+}
+
 impl Heap {
     /// Takes a block of `class` from the calling thread's cache of this heap
     /// without the lock (refilling an empty cache under it); None when the
@@ -279,10 +297,12 @@ impl Heap {
         // this thread changes it.
         unsafe {
             let n = (*rec).count[class].load(Ordering::Relaxed) as usize;
-            if n > 0 {
+            // The count is heap memory: a slot index only when below the cap.
+            if n > 0 && n <= CACHE_CAPS[class] as usize {
                 let off = ((*rec).slots[class][n - 1] as u64) << 4;
+                // Cached: CACHED, or 0 in heaps of older versions.
                 if let Some(state) = self.cached_block_bit(off, class)
-                    && state.load(Ordering::Relaxed) == 0
+                    && state.load(Ordering::Relaxed) & !CACHED == 0
                 {
                     state.store(LIVE, Ordering::Relaxed);
                     (*rec).count[class].store(n as u8 - 1, Ordering::Relaxed);
@@ -293,7 +313,8 @@ impl Heap {
         Some(self.alloc_cache_miss(rec, class))
     }
 
-    /// The cache of `class` is empty (refill it) or its top slot is bad.
+    /// The cache of `class` is empty (refill it), or its count or top slot
+    /// is bad.
     #[inline(never)]
     fn alloc_cache_miss(&self, rec: *mut CacheRec, class: usize) -> HResult<u64> {
         // SAFETY: rec is this thread's record.
@@ -302,24 +323,39 @@ impl Heap {
             return self.alloc_refill(rec, class);
         }
         // Outside this view, or not a free block: check the header under the
-        // lock, then drop the slot.
-        let _g = self.lock();
+        // lock, then drop the slot (or, for a bad count, the class's slots).
+        let _g = self.lock()?;
         self.check_header()?;
-        // SAFETY: as above.
+        if n > CACHE_CAPS[class] as usize {
+            // SAFETY: as above.
+            unsafe { (*rec).count[class].store(0, Ordering::Relaxed) };
+            return Err(bad_count(self.rec_off(rec), class, n));
+        }
+        // SAFETY: as above; n - 1 < CACHE_CAPS[class] <= CACHE_CAP.
         let off = unsafe {
             (*rec).count[class].store(n as u8 - 1, Ordering::Relaxed);
             ((*rec).slots[class][n - 1] as u64) << 4
         };
-        Err(HeapError::Corrupt(format!(
-            "thread cache holds offset {off:#x}, not a free block of class {class}"
-        )))
+        Err(corrupt_with(move || {
+            format!(
+                "thread cache record {:#x} holds offset {off:#x} in slot {} of class {class}, \
+                 which is not a free block of that class",
+                self.rec_off(rec),
+                n - 1
+            )
+        }))
+    }
+
+    /// The offset of the record at `rec` (for messages).
+    fn rec_off(&self, rec: *mut CacheRec) -> u64 {
+        (rec as usize).wrapping_sub(self.base as usize) as u64
     }
 
     /// Refills the empty cache of `class` in this thread's record `rec`
     /// under the lock and hands out its first block.
     #[cold]
     fn alloc_refill(&self, rec: *mut CacheRec, class: usize) -> HResult<u64> {
-        let _g = self.lock();
+        let _g = self.lock()?;
         self.check_header()?;
         let h = self.header();
         // SAFETY: the header is mapped.
@@ -330,16 +366,8 @@ impl Heap {
             (CACHE_CAPS[class] as usize / 2).max(1)
         };
         let mut got = [0u64; CACHE_CAP];
-        let mut n = 0;
-        while n < want {
-            match self.take_small(class)? {
-                Some(off) => {
-                    got[n] = off;
-                    n += 1;
-                }
-                None => break,
-            }
-        }
+        // The first block goes to the caller (LIVE), the others to the cache.
+        let n = self.take_small_n(class, LIVE, &mut got[..want])?;
         if n == 0 {
             // Blocks of other classes in this thread's cache may hold the
             // pages: give them back and try once more.
@@ -349,8 +377,8 @@ impl Heap {
         let size = CLASS_SIZES[class] as u64;
         // SAFETY: the header is mapped, we hold the lock, rec is ours.
         unsafe {
-            (*h).allocated += n as u64 * size;
-            (*h).nblocks += n as u64;
+            (*h).allocated = (*h).allocated.saturating_add(n as u64 * size);
+            (*h).nblocks = (*h).nblocks.saturating_add(n as u64);
             // The first block taken goes to the caller; the others are
             // stacked so that they come out in the slab's order.
             for (j, &off) in got[1..n].iter().enumerate() {
@@ -358,16 +386,12 @@ impl Heap {
             }
             (*rec).count[class].store(n as u8 - 1, Ordering::Relaxed);
         }
-        let state = self.cached_block_bit(got[0], class).ok_or_else(|| {
-            HeapError::Corrupt(format!("fresh block {:#x} fails validation", got[0]))
-        })?;
-        state.store(LIVE, Ordering::Release);
         Ok(got[0])
     }
 
     /// Puts the small block at `off` in the calling thread's cache of this
     /// heap without the lock (giving the cache's older half back under it
-    /// when full); its state byte is cleared first, so a double free is
+    /// when full); its state byte is set to [`CACHED`] first, so a double free is
     /// refused whether the block sits in a cache or on its slab. None when
     /// the thread has no cache here or `off` is not a live small block in
     /// this view (the caller takes the locked path, which says why).
@@ -385,7 +409,7 @@ impl Heap {
             let n = (*rec).count[class].load(Ordering::Relaxed) as usize;
             if n < CACHE_CAPS[class] as usize {
                 if state.load(Ordering::Relaxed) == LIVE {
-                    state.store(0, Ordering::Relaxed);
+                    state.store(CACHED, Ordering::Relaxed);
                     (*rec).slots[class][n] = (off >> 4) as u32;
                     (*rec).count[class].store(n as u8 + 1, Ordering::Relaxed);
                     return Some(Ok(()));
@@ -402,7 +426,7 @@ impl Heap {
     /// under the lock, then caches `off`.
     #[cold]
     fn free_flush(&self, rec: *mut CacheRec, off: u64, class: usize) -> HResult<()> {
-        let _g = self.lock();
+        let _g = self.lock()?;
         self.check_header()?;
         let half = CACHE_CAPS[class] as usize / 2;
         self.flush_class(rec, class, half)?;
@@ -412,10 +436,14 @@ impl Heap {
         if state.load(Ordering::Relaxed) != LIVE {
             return self.free_locked(off);
         }
-        state.store(0, Ordering::Relaxed);
-        // SAFETY: rec is ours; the flush left room.
+        // SAFETY: rec is ours; the flush left room (the count is checked
+        // again: it is heap memory).
         unsafe {
             let n = (*rec).count[class].load(Ordering::Relaxed) as usize;
+            if n >= CACHE_CAPS[class] as usize {
+                return Err(bad_count(self.rec_off(rec), class, n));
+            }
+            state.store(CACHED, Ordering::Relaxed);
             (*rec).slots[class][n] = (off >> 4) as u32;
             (*rec).count[class].store(n as u8 + 1, Ordering::Relaxed);
         }
@@ -471,7 +499,12 @@ impl Heap {
                             c.0[idx].retry = CACHE_RETRY;
                             return None;
                         }
-                        Err(_) => return None,
+                        Err(e) => {
+                            // A corrupt heap: the locked paths report it.
+                            tracing::debug!(error = %e, "rmalloc: no thread cache");
+                            c.0[idx].retry = CACHE_RETRY;
+                            return None;
+                        }
                     }
                 }
                 let e = &mut c.0[idx];
@@ -571,7 +604,11 @@ impl Heap {
         // not use it meanwhile (it is the caller, or dead); the header is
         // mapped and we hold the lock.
         unsafe {
-            let n = ((*rec).count[class].load(Ordering::Relaxed) as usize).min(CACHE_CAP);
+            let n = (*rec).count[class].load(Ordering::Relaxed) as usize;
+            if n > CACHE_CAPS[class] as usize {
+                (*rec).count[class].store(0, Ordering::Relaxed);
+                return Err(bad_count(self.rec_off(rec), class, n));
+            }
             let k = k.min(n);
             let mut bad = None;
             for j in 0..k {
@@ -580,14 +617,20 @@ impl Heap {
                 let r = if page < self.npages() && kind(self.map_entry(page)) == K_SLAB {
                     self.small_block(off, page, self.map_entry(page))
                 } else {
-                    Err(HeapError::Corrupt(format!("cached offset {off:#x}")))
+                    Err(HeapError::BadPointer(format!("cached offset {off:#x}")))
                 };
                 match r {
                     Ok((slab, s, c, i)) if c == class => {
-                        // A set bit: the owner died between handing the block
-                        // out and dropping it from its cache; it is live.
-                        if self.block_state(slab, class, i).load(Ordering::Acquire) != 0 {
-                            continue;
+                        // LIVE: the owner died between handing the block out
+                        // and dropping it from its cache; it is live.
+                        let state = self.block_state(slab, class, i);
+                        match state.load(Ordering::Acquire) {
+                            LIVE => continue,
+                            0 | CACHED => state.store(0, Ordering::Release),
+                            _ => {
+                                bad = Some(off);
+                                continue;
+                            }
                         }
                         self.release_small(slab, s, class, off)?;
                         (*h).allocated = (*h).allocated.saturating_sub(size);
@@ -621,31 +664,53 @@ impl Heap {
     }
 
     /// The record at `off`, checked.
-    fn record_at(&self, off: u64) -> HResult<*mut CacheRec> {
-        if !off.is_multiple_of(PAGE as u64)
-            || off >> PAGE_SHIFT >= self.npages()
-            || kind(self.map_entry(off >> PAGE_SHIFT)) != K_CACHE
-        {
-            return Err(HeapError::Corrupt(format!("thread cache link {off:#x}")));
+    pub(super) fn record_at(&self, off: u64) -> HResult<*mut CacheRec> {
+        self.record_link(off, &|| "a thread cache record".to_string())
+    }
+
+    /// The record at `off`, which field `what` links to, checked: a page of
+    /// the heap that the page map says is a record and that holds one.
+    fn record_link(&self, off: u64, what: &dyn Fn() -> String) -> HResult<*mut CacheRec> {
+        let page = self.check_page_off(off, what)?;
+        let e = self.map_entry(page);
+        if kind(e) != K_CACHE {
+            return Err(corrupt_with(move || {
+                format!(
+                    "{} is {off:#x}, but the page-map entry of page {page} is {e:#x}, not a thread \
+                     cache record's",
+                    what()
+                )
+            }));
         }
-        let rec = self.run_at(off >> PAGE_SHIFT) as *mut CacheRec;
+        let rec = self.run_at(page) as *mut CacheRec;
         // SAFETY: a page of the heap.
-        if unsafe { (*rec).magic } != CACHE_MAGIC {
-            return Err(HeapError::Corrupt(format!("thread cache at {off:#x}")));
+        let magic = unsafe { (*rec).magic };
+        if magic != CACHE_MAGIC {
+            return Err(corrupt_with(move || {
+                format!(
+                    "{} is {off:#x}, which holds no thread cache record (magic {magic:#x})",
+                    what()
+                )
+            }));
         }
         Ok(rec)
     }
 
     /// Offsets of all records. Call with the lock held.
-    fn records(&self) -> HResult<Vec<u64>> {
+    pub(super) fn records(&self) -> HResult<Vec<u64>> {
         let mut out = Vec::new();
         // SAFETY: the header is mapped.
         let mut off = unsafe { (*self.header()).caches };
         while off != 0 {
-            let rec = self.record_at(off)?;
+            let rec = self.record_link(off, &|| match out.last() {
+                None => "the head of the thread cache list".to_string(),
+                Some(p) => format!("the next link of thread cache record {p:#x}"),
+            })?;
             out.push(off);
             if out.len() as u64 > self.npages() {
-                return Err(HeapError::Corrupt("thread cache list has a cycle".into()));
+                return Err(corrupt_with(move || {
+                    format!("the thread cache list has a cycle (through {off:#x})")
+                }));
             }
             // SAFETY: checked record.
             off = unsafe { (*rec).next };
@@ -658,7 +723,7 @@ impl Heap {
     /// other dead owners are emptied and freed on the way. `mine` are the
     /// records this thread uses for other views.
     fn record_open(&self, mine: &[u64]) -> HResult<Option<u64>> {
-        let _g = self.lock();
+        let _g = self.lock()?;
         self.check_header()?;
         let h = self.header();
         // SAFETY: the header is mapped.
@@ -740,11 +805,18 @@ impl Heap {
                 (*h).caches = (*rec).next;
             } else {
                 let mut prev = (*h).caches;
+                let mut steps = 0u64;
                 loop {
                     if prev == 0 {
-                        return Err(HeapError::Corrupt(format!(
-                            "thread cache {off:#x} is not in the list"
-                        )));
+                        return Err(corrupt_with(move || {
+                            format!("thread cache record {off:#x} is not in the list of records")
+                        }));
+                    }
+                    steps += 1;
+                    if steps > self.npages() {
+                        return Err(corrupt_with(move || {
+                            format!("the thread cache list has a cycle (through {prev:#x})")
+                        }));
                     }
                     let p = self.record_at(prev)?;
                     if (*p).next == off {
@@ -762,7 +834,7 @@ impl Heap {
 
     /// Empties and frees the calling thread's record at `off`.
     fn record_close(&self, off: u64) -> HResult<()> {
-        let _g = self.lock();
+        let _g = self.lock()?;
         self.check_header()?;
         let rec = self.record_at(off)?;
         // SAFETY: checked record.
@@ -773,9 +845,12 @@ impl Heap {
             )
         };
         if ons != host_ns() || otid != current_tid() {
-            return Err(HeapError::Corrupt(format!(
-                "thread cache {off:#x} changed owner"
-            )));
+            return Err(corrupt_with(move || {
+                format!(
+                    "this thread's cache record {off:#x} now names owner {otid} (host and \
+                     namespace {ons:#x})"
+                )
+            }));
         }
         self.flush_record(rec, None)?;
         self.record_release(off)
@@ -809,6 +884,9 @@ impl Heap {
             for (c, &size) in CLASS_SIZES.iter().enumerate() {
                 // SAFETY: checked record; the count is atomic.
                 let n = unsafe { (*rec).count[c].load(Ordering::Relaxed) } as u64;
+                if n > CACHE_CAPS[c] as u64 {
+                    return Err(bad_count(off, c, n as usize));
+                }
                 blocks += n;
                 bytes += n * size as u64;
             }
