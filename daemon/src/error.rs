@@ -48,6 +48,9 @@ pub enum DaemonError {
     /// Permission refused (bad transport secret, manager's access check).
     #[error("{0}")]
     Denied(String),
+    /// An access through a stale map (`ESTALE`).
+    #[error("{0}")]
+    Stale(String),
     /// A handle the caller did not open (`EBADF`).
     #[error("{0}")]
     BadHandle(String),
@@ -132,6 +135,7 @@ impl DaemonError {
             DaemonError::Invalid(_) | DaemonError::Config(_) => libc::EINVAL,
             DaemonError::Denied(_) => libc::EACCES,
             DaemonError::BadHandle(_) => libc::EBADF,
+            DaemonError::Stale(_) => libc::ESTALE,
             DaemonError::NoSpace(_) => libc::ENOSPC,
             DaemonError::Sys { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
             DaemonError::Manager { errno, .. } => *errno,

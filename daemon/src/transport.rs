@@ -33,7 +33,7 @@ use crate::error::{DaemonError, Result};
 use crate::pools::{Pinned, Pools, Resolved};
 use crate::rawio::{Ready, wait_ready};
 use crate::stats::Stats;
-use crate::transport_auth::{ConnAuth, OUT_OF_REACH, Reach};
+use crate::transport_auth::{ConnAuth, Reach};
 
 /// Largest HELLO payload accepted (before authentication nothing bigger is read).
 const MAX_HELLO: u32 = 4096;
@@ -631,7 +631,7 @@ impl Conn {
             .and_then(|resolved| {
                 let pinned = resolved.pin(self.deadline())?;
                 if !reach.allows(|ino| pinned.all_backed_by(ino)) {
-                    return Err(DaemonError::Denied(OUT_OF_REACH.into()));
+                    return Err(reach.refusal());
                 }
                 op(&pinned)
             });
@@ -660,7 +660,7 @@ impl Conn {
             let seen = shared.pools.resolve(&[at]).and_then(|resolved| {
                 let pinned = resolved.pin(self.deadline())?;
                 if !reach.allows(|ino| pinned.all_backed_by(ino)) {
-                    return Err(DaemonError::Denied(OUT_OF_REACH.into()));
+                    return Err(reach.refusal());
                 }
                 pinned.wait_change(expected, left.min(WAIT_SLICE))
             });
@@ -683,7 +683,7 @@ impl Conn {
         let result = shared.pools.resolve(ranges).and_then(|resolved| {
             let pinned = resolved.pin(self.deadline())?;
             if !reach.allows(|ino| pinned.all_backed_by(ino)) {
-                return Err(DaemonError::Denied(OUT_OF_REACH.into()));
+                return Err(reach.refusal());
             }
             pinned.copy_in_at(0, data);
             Ok(())
@@ -723,7 +723,7 @@ impl Conn {
         };
         if !reach.allows(|ino| pinned.all_backed_by(ino)) {
             drop(pinned);
-            self.reply_err(h, libc::EACCES, OUT_OF_REACH);
+            self.reply_error(h, &reach.refusal());
             return Ok(());
         }
         let reply = Header {
@@ -846,7 +846,7 @@ impl Conn {
         if !reach.allows(|ino| pinned.all_backed_by(ino)) {
             drop(pinned);
             self.discard(len)?;
-            self.reply_err(h, libc::EACCES, OUT_OF_REACH);
+            self.reply_error(h, &reach.refusal());
             return Ok(());
         }
         let fingerprint = pinned.fingerprint().to_vec();

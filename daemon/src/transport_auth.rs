@@ -14,6 +14,8 @@ use std::collections::HashMap;
 use regions_proto::auth::Secret;
 use regions_proto::capability::{Capability, CapabilityKey, now_ms};
 use regions_proto::frame::{Header, Op};
+
+use crate::error::DaemonError;
 use regions_proto::handshake::ServerHello;
 
 /// Most capabilities one connection may hold.
@@ -31,10 +33,13 @@ pub struct ConnAuth {
 /// What a request may touch once authorized.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reach {
-    /// Any range (cluster secret).
+    /// Any range (cluster secret, no region named).
     Any,
-    /// Only chunks backing this region.
+    /// Only chunks backing this region (a capability's).
     Region(u64),
+    /// Only chunks backing the region the request names (cluster secret): a chunk that backs
+    /// something else now means the caller's map is stale.
+    Named(u64),
 }
 
 impl Reach {
@@ -42,7 +47,19 @@ impl Reach {
     pub fn allows(self, backed_by: impl FnOnce(u64) -> bool) -> bool {
         match self {
             Reach::Any => true,
-            Reach::Region(ino) => backed_by(ino),
+            Reach::Region(ino) | Reach::Named(ino) => backed_by(ino),
+        }
+    }
+
+    /// The error for a request whose chunks are out of reach: `EACCES` for a capability,
+    /// `ESTALE` for a named region (refresh the map and retry).
+    pub fn refusal(self) -> DaemonError {
+        match self {
+            Reach::Named(ino) => DaemonError::Stale(format!(
+                "the range no longer backs region {ino} (its map changed): refresh the map and \
+                 retry"
+            )),
+            Reach::Any | Reach::Region(_) => DaemonError::Denied(OUT_OF_REACH.into()),
         }
     }
 }
@@ -103,7 +120,10 @@ impl ConnAuth {
     /// Decides a request (not HELLO): what it may touch, or why it is refused (`EACCES`).
     pub fn authorize(&self, h: &Header) -> Result<Reach, String> {
         if self.secret {
-            return Ok(Reach::Any);
+            return Ok(match h.object_id {
+                0 => Reach::Any,
+                ino => Reach::Named(ino),
+            });
         }
         if h.op == Op::Ping {
             return Ok(Reach::Any);
@@ -201,6 +221,15 @@ mod tests {
         handshake(&mut a, &s, &k, &s).unwrap();
         assert!(a.is_authenticated());
         assert_eq!(a.authorize(&req(Op::Write, 0)), Ok(Reach::Any));
+        // A request that names its region reaches only that region's chunks, and a chunk of
+        // another region is a stale map (ESTALE), not a refusal of the secret.
+        let mut named = req(Op::Write, 0);
+        named.object_id = 42;
+        assert_eq!(a.authorize(&named), Ok(Reach::Named(42)));
+        assert!(Reach::Named(42).allows(|ino| ino == 42));
+        assert!(!Reach::Named(42).allows(|ino| ino == 43));
+        assert_eq!(Reach::Named(42).refusal().errno(), libc::ESTALE);
+        assert_eq!(Reach::Region(42).refusal().errno(), libc::EACCES);
     }
 
     #[test]

@@ -375,6 +375,7 @@ impl AppRegion {
             let n = (CHUNK_SIZE - within).min(end - at);
             let loc = self.chunk(index)?;
             let span = Span {
+                ino: self.ino,
                 region_offset: at,
                 pool: loc.pool,
                 pool_offset: loc.pool_offset + within,

@@ -354,6 +354,7 @@ impl Region {
                     reason: format!("region {} names unknown pool {}", self.ino, entry.gid),
                 })?;
             let span = Span {
+                ino: self.ino,
                 region_offset: at,
                 pool: entry.gid,
                 pool_offset: entry.pool_offset + within,
@@ -461,11 +462,13 @@ impl Region {
         })
     }
 
-    /// Runs `op` and, if a daemon says the range is not allocated (a stale
-    /// map), refreshes the map and tries once more.
+    /// Runs `op` and, if a daemon says the range is not allocated or backs
+    /// another region now (a stale map), refreshes the map and tries once more.
     fn with_fresh_map<T>(&self, op: impl Fn() -> Result<T>) -> Result<T> {
         match op() {
-            Err(RegionsError::Daemon { errno, .. }) if errno == libc::EFAULT => {
+            Err(RegionsError::Daemon { errno, .. })
+                if errno == libc::EFAULT || errno == libc::ESTALE =>
+            {
                 self.refresh()?;
                 op()
             }

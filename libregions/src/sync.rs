@@ -486,6 +486,7 @@ impl SyncClient {
 
     fn word_at(&self, name: &str, location: MutexLocation) -> Arc<Word> {
         let span = Span {
+            ino: location.ino,
             region_offset: location.region_offset,
             pool: location.pool,
             pool_offset: location.pool_offset,

@@ -971,6 +971,7 @@ impl SyncService {
         }
         let transport = self.transport(&place.transport_addr)?;
         let span = Span {
+            ino: place.ino,
             region_offset: place.region_offset,
             pool: place.pool,
             pool_offset: place.pool_offset,
@@ -1517,6 +1518,65 @@ mod tests {
         .unwrap();
         s.register_pool(1, 0, 8 * CHUNK_SIZE).unwrap();
         s
+    }
+
+    #[test]
+    fn sync_objects_belong_to_their_creator() {
+        let mut s = state();
+        let user = |uid: u32| Caller {
+            uid,
+            gid: uid,
+            host_id: 1,
+            ..Caller::default()
+        };
+        s.sync_init(&user(1000), "mine", SyncDef::Bell, None)
+            .unwrap();
+        s.sync_init(&user(1000), "ours", SyncDef::Bell, Some(0o662))
+            .unwrap();
+        assert_eq!(
+            s.sync.owners["mine"],
+            SyncOwner {
+                uid: 1000,
+                gid: 1000,
+                mode: DEFAULT_SYNC_MODE
+            }
+        );
+        let other = user(1001);
+        for (name, mask, errno) in [
+            ("mine", READ, Some(libc::EACCES)),
+            ("mine", WRITE, Some(libc::EACCES)),
+            ("ours", WRITE, None),
+            ("ours", READ, Some(libc::EACCES)),
+        ] {
+            let r = s.sync_check(&other, name, mask, "use");
+            assert_eq!(r.err().map(|e| e.errno()), errno, "{name} mask {mask}");
+        }
+        assert_eq!(
+            s.sync_init(&other, "mine", SyncDef::Bell, None)
+                .unwrap_err()
+                .errno(),
+            libc::EACCES,
+            "init of an existing object is a use"
+        );
+        assert!(
+            s.sync_check(&Caller::root(1), "mine", READ | WRITE, "use")
+                .is_ok()
+        );
+        assert_eq!(
+            s.sync_delete(&other, "ours").unwrap_err().errno(),
+            libc::EPERM
+        );
+        // Owners survive the store; records from before owners load as root's, mode 0666.
+        let bytes = record_of(&s, "ours").unwrap().unwrap();
+        let legacy = postcard::to_allocvec(&SyncDef::Bell).unwrap();
+        let mut t = state();
+        load_record(&mut t, "ours", &bytes).unwrap();
+        load_record(&mut t, "legacy", &legacy).unwrap();
+        assert_eq!(t.sync.owners["ours"], s.sync.owners["ours"]);
+        assert_eq!(t.sync.owners["legacy"], SyncOwner::LEGACY);
+        assert!(t.sync_check(&other, "legacy", READ | WRITE, "use").is_ok());
+        s.sync_delete(&user(1000), "ours").unwrap();
+        assert!(!s.sync.owners.contains_key("ours"));
     }
 
     #[test]

@@ -23,6 +23,10 @@ pub struct SyncArgs {
     /// The host agent socket to use instead of asking the mount.
     #[arg(long, env = "REGIONS_AGENT_SOCKET")]
     agent_socket: Option<PathBuf>,
+    /// Permission bits (octal) of objects this command creates, e.g. 0660 to share them with
+    /// the group; default 0600 (yours only). An existing object keeps its mode.
+    #[arg(long, value_parser = parse_mode)]
+    mode: Option<u32>,
     #[command(subcommand)]
     command: SyncCommand,
 }
@@ -61,6 +65,13 @@ enum SyncCommand {
     Delete { name: String },
 }
 
+fn parse_mode(text: &str) -> Result<u32, String> {
+    u32::from_str_radix(text.trim_start_matches("0o"), 8)
+        .ok()
+        .filter(|m| *m <= 0o777)
+        .ok_or_else(|| format!("{text:?} is not an octal mode between 0 and 0777 (e.g. 0660)"))
+}
+
 fn hint(e: regions::RegionsError, what: &str, create: &str) -> anyhow::Error {
     let errno = e.errno();
     let advice = match errno {
@@ -81,6 +92,10 @@ pub fn run(args: SyncArgs) -> anyhow::Result<i32> {
                 args.mount.display()
             )
         })?,
+    };
+    let client = match args.mode {
+        Some(mode) => client.with_mode(mode),
+        None => client,
     };
     match args.command {
         SyncCommand::InitBarrier { name, n } => client

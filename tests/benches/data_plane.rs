@@ -652,6 +652,7 @@ impl Placement {
         let within = offset % CHUNK_SIZE;
         assert!(within + len <= CHUNK_SIZE, "span crosses a chunk");
         Span {
+            ino: 0,
             region_offset: offset,
             pool: entry.gid,
             pool_offset: entry.pool_offset + within,

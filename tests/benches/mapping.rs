@@ -303,6 +303,7 @@ fn main() -> anyhow::Result<()> {
         let off = p * PAGE;
         let loc = bare.chunk((off / (128 << 10)) as u64)?;
         let span = Span {
+            ino: 0,
             region_offset: off as u64,
             pool: loc.pool,
             pool_offset: loc.pool_offset + (off % (128 << 10)) as u64,

@@ -313,3 +313,48 @@ fn an_unreachable_daemon_gives_eio_within_the_retry_bound() {
     assert!(took < Duration::from_secs(6), "gave up after {took:?}");
     assert!(err.to_string().contains("unreachable"), "{err}");
 }
+
+/// A map from before a truncate never reaches the chunks another region got since: the
+/// transport names the region, the daemon answers `ESTALE`, and the client refreshes its map.
+#[test]
+fn an_old_map_never_reaches_the_chunks_of_another_region() {
+    const LEN: usize = 512 << 10;
+    let cluster = Cluster::start(2, "64M").unwrap();
+    let host2 = client(&cluster, 2, false);
+    let host1 = client(&cluster, 1, false);
+    let a = host2
+        .create_path("a", 0o644, on_hosts("1", false), 0)
+        .unwrap();
+    let old = host2.open(a.ino, true).unwrap();
+    old.write_at(0, &vec![b'A'; LEN]).unwrap();
+    let stale: std::collections::HashSet<u64> = old.map().into_iter().collect();
+
+    // Host 1 truncates `a` and gives its memory to `b`.
+    host1.open(a.ino, true).unwrap().set_len(0).unwrap();
+    let b = host1
+        .create_path("b", 0o644, on_hosts("1", false), 0)
+        .unwrap();
+    let rb = host1.open(b.ino, true).unwrap();
+    rb.write_at(0, &vec![b'B'; LEN]).unwrap();
+    assert!(
+        rb.map().iter().any(|e| stale.contains(e)),
+        "b did not reuse a's chunks, so this test would prove nothing: {:?} vs {stale:?}",
+        rb.map()
+    );
+
+    // Host 2's old open: its reads never return b's bytes, its writes never land in b.
+    let mut buf = vec![0u8; LEN];
+    if let Ok(n) = old.read_at(0, &mut buf) {
+        assert!(
+            !buf[..n].contains(&b'B'),
+            "a stale map read another region's bytes"
+        );
+    }
+    let _ = old.write_at(0, &vec![b'X'; LEN]);
+    let fresh = client(&cluster, 1, false).open(b.ino, false).unwrap();
+    let back = read_all(&fresh, LEN, 64 << 10);
+    assert!(
+        back.iter().all(|&c| c == b'B'),
+        "a stale map wrote into another region"
+    );
+}

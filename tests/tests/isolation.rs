@@ -209,3 +209,29 @@ fn a_handle_can_be_closed_only_by_the_process_that_opened_it() {
         .map_close(handle)
         .expect("the opener closes its own handle");
 }
+
+#[test]
+fn sync_objects_have_owners_and_modes() {
+    let s = setup();
+    let sync = regions::sync::SyncClient::connect(&s.socket);
+    sync.mutex_init("private-lock")
+        .expect("root's private mutex (0600)");
+    let shared = regions::sync::SyncClient::connect(&s.socket).with_mode(0o666);
+    shared
+        .mutex_init("shared-lock")
+        .expect("root's shared mutex (0666)");
+
+    let out = s.attack(&["sync", "private-lock"]);
+    refused(&out, "lock", &[libc::EACCES]);
+    refused(&out, "delete", &[libc::EPERM]);
+    // Control: a mutex everyone may use, but only its owner may delete.
+    let out = s.attack(&["sync", "shared-lock"]);
+    allowed(&out, "lock");
+    allowed(&out, "unlock");
+    refused(&out, "delete", &[libc::EPERM]);
+    // Root's own objects are still there and work.
+    sync.mutex_lock("private-lock")
+        .expect("root locks its mutex");
+    sync.mutex_unlock("private-lock").expect("and unlocks it");
+    sync.delete("shared-lock").expect("the owner deletes");
+}

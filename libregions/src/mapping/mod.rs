@@ -633,6 +633,7 @@ impl Mapping {
         let spans = runs
             .iter()
             .map(|&(a, b)| Span {
+                ino: self.ino(),
                 region_offset: (a * PAGE) as u64,
                 pool: loc.pool,
                 pool_offset: loc.pool_offset + (a * PAGE - chunk_start) as u64,
@@ -683,7 +684,9 @@ impl Mapping {
         let fetched = self.spans_across(runs).and_then(|(addr, spans)| {
             let t = self.region.transport(&addr)?;
             match t.read(&spans, buf) {
-                Err(RegionsError::Daemon { errno, .. }) if errno == libc::EFAULT => {
+                Err(RegionsError::Daemon { errno, .. })
+                    if errno == libc::EFAULT || errno == libc::ESTALE =>
+                {
                     // A stale map: fetch it again and retry once.
                     self.region.refresh()?;
                     let (addr, spans) = self.spans_across(runs)?;

@@ -219,6 +219,7 @@ mod tests {
 
     fn span(off: u64, len: u64) -> Span {
         Span {
+            ino: 0,
             region_offset: off,
             pool: 0,
             pool_offset: 0,

@@ -17,6 +17,10 @@ use crate::error::Result;
 /// its bytes live in a pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Span {
+    /// The region (inode) the span belongs to, named in transport requests so
+    /// that the daemon refuses (`ESTALE`) an access through a stale map to a
+    /// chunk that now backs another region; 0 names none.
+    pub ino: u64,
     pub region_offset: u64,
     pub pool: u32,
     pub pool_offset: u64,

@@ -497,6 +497,7 @@ fn plan_requests<'a>(spans: &[Span], write: Option<&'a [u8]>) -> Vec<IoRequest<'
             let len = (span.len - done).min(MAX_IO);
             let at = cursor + done as usize;
             let mut header = Header::new(if write.is_some() { Op::Write } else { Op::Read }, 0);
+            header.object_id = span.ino;
             header.pool = span.pool;
             header.offset = span.pool_offset + done;
             header.length = len;
@@ -543,6 +544,8 @@ fn vector_request<'a>(batch: &[(Span, usize)], write: Option<&'a [u8]>) -> IoReq
         0,
     );
     header.length = total;
+    // The spans of one call belong to one region.
+    header.object_id = batch.first().map_or(0, |(s, _)| s.ino);
     let first = batch.first().map_or(0, |(_, at)| *at);
     // Spans of a batch are consecutive in the caller's buffer.
     let contiguous = batch
@@ -664,6 +667,7 @@ fn atomic_header(t: &TcpTransport, op: Op, at: &Span, operands: &[u64]) -> (Head
     let payload: Vec<u8> = operands.iter().flat_map(|w| w.to_le_bytes()).collect();
     let mut header = Header::new(op, t.id());
     header.capability = t.cap_id;
+    header.object_id = at.ino;
     header.pool = at.pool;
     header.offset = at.pool_offset;
     header.length = 8;
@@ -808,6 +812,7 @@ mod tests {
 
     fn span(region_offset: u64, pool_offset: u64, len: u64) -> Span {
         Span {
+            ino: 0,
             region_offset,
             pool: 3,
             pool_offset,

@@ -8,6 +8,7 @@
 //! regions-attack SOCKET by-inode INO        (agent calls that name an inode by number)
 //! regions-attack SOCKET create-in PARENT NAME
 //! regions-attack SOCKET close HANDLE        (another process's handle)
+//! regions-attack SOCKET sync NAME          (lock, ring and delete another user's sync object)
 //! regions-attack SOCKET fuzz SEED CASES INO,INO…  (random and malformed agent messages)
 //! ```
 //!
@@ -384,6 +385,18 @@ fn main() -> anyhow::Result<()> {
             );
         }
         "close" => report_call("close", agent.map_close(number()?)),
+        "sync" => {
+            // FIRST is the object's name here.
+            let sync = regions::sync::SyncClient::connect(Path::new(socket));
+            let locked = sync.mutex_lock(first);
+            let held = locked.is_ok();
+            report_call("lock", locked);
+            if held {
+                report_call("unlock", sync.mutex_unlock(first));
+            }
+            report_call("ring", sync.bell_ring(first));
+            report_call("delete", sync.delete(first));
+        }
         "fuzz" => {
             let cases = args.get(3).context("fuzz needs SEED CASES INOS")?;
             let inos: Vec<u64> = args

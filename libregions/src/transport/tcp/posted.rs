@@ -369,6 +369,7 @@ mod tests {
 
     fn word() -> Span {
         Span {
+            ino: 0,
             region_offset: 0,
             pool: 0,
             pool_offset: 0,
