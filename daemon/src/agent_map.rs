@@ -66,7 +66,9 @@ pub fn close(
 ) -> (AgentReply, Option<OwnedFd>) {
     // A handle is its opener's, like a descriptor: another local process (even one of the
     // same user) may not close it and so free an unlinked region or a ONEWRITER slot under it.
-    if !handler.handles.owns(caller, r.handle) {
+    // Handles this agent does not know (the daemon restarted since) go to the manager, which
+    // checks the opener's pid.
+    if handler.handles.opened_by_other(caller, r.handle) {
         return reply(Err(DaemonError::BadHandle(format!(
             "handle {} was not opened through this host agent by process {}; close only \
              handles your process opened",

@@ -42,12 +42,15 @@ impl OpenHandles {
         }
     }
 
-    /// Whether process `pid` (with the caller's uid) opened `handle` through the agent.
-    pub fn owns(&self, caller: &Caller, handle: u64) -> bool {
+    /// Whether `handle` was opened through this agent by another process or user than
+    /// `caller`. A handle the agent does not know (opened before the daemon restarted) is
+    /// left to the manager, which checks the opener's pid.
+    pub fn opened_by_other(&self, caller: &Caller, handle: u64) -> bool {
         self.by_pid.lock().is_ok_and(|m| {
-            m.get(&caller.pid).is_some_and(|hs| {
-                hs.iter()
-                    .any(|(h, opener)| *h == handle && opener.uid == caller.uid)
+            m.iter().any(|(pid, hs)| {
+                hs.iter().any(|(h, opener)| {
+                    *h == handle && (*pid != caller.pid || opener.uid != caller.uid)
+                })
             })
         })
     }
@@ -164,15 +167,21 @@ mod tests {
     fn a_handle_belongs_to_the_process_and_user_that_opened_it() {
         let h = OpenHandles::default();
         h.opened(&caller(10), 7);
-        assert!(h.owns(&caller(10), 7));
-        assert!(!h.owns(&caller(11), 7), "another process");
-        assert!(!h.owns(&caller(10), 8), "a handle it never opened");
+        assert!(!h.opened_by_other(&caller(10), 7), "its opener");
+        assert!(h.opened_by_other(&caller(11), 7), "another process");
+        assert!(
+            !h.opened_by_other(&caller(11), 8),
+            "unknown here: the manager decides"
+        );
         let other_user = Caller {
             uid: 1000,
             ..caller(10)
         };
-        assert!(!h.owns(&other_user, 7), "a reused pid of another user");
+        assert!(
+            h.opened_by_other(&other_user, 7),
+            "a reused pid of another user"
+        );
         h.closed(10, 7);
-        assert!(!h.owns(&caller(10), 7));
+        assert!(!h.opened_by_other(&caller(11), 7));
     }
 }

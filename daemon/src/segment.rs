@@ -76,6 +76,12 @@ impl Segment {
         if size <= self.size() {
             return Ok(());
         }
+        if size > MAX_SEGMENT {
+            return Err(DaemonError::Invalid(format!(
+                "segment size {size} of region {} is too large",
+                self.ino
+            )));
+        }
         if self.file_size()? >= size {
             self.size.store(size, Ordering::Release);
             return Ok(());

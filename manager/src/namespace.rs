@@ -756,6 +756,14 @@ mod tests {
         );
         assert!(s.close_handle(&other, h.id).is_ok());
         assert_eq!(errno(s.check_path(&other, f.ino)), libc::EACCES);
+
+        // Unlinked but kept open by root: no path leads to it, so only its owner reaches it.
+        let g = create(&mut s, &owner, ROOT_INO, "g");
+        s.open_region(&root(), g.ino, false).unwrap();
+        s.unlink(&owner, ROOT_INO, "g").unwrap();
+        assert_eq!(errno(s.check_path(&other, g.ino)), libc::EACCES);
+        assert!(s.check_path(&by_inode(owner.clone()), g.ino).is_ok());
+        assert!(s.check_path(&other, ROOT_INO).is_ok());
     }
 
     #[test]

@@ -167,7 +167,7 @@ impl State {
     /// `EACCES`. Callers whose path the kernel walked (the mount) and root pass,
     /// and so does a process that holds an open handle of `ino` (like a
     /// descriptor, it keeps the access it was granted at open). An unlinked
-    /// inode has no directories above it.
+    /// inode has no path: only its owner reaches it by number.
     pub fn check_path(&self, caller: &Caller, ino: u64) -> Result<()> {
         if !caller.by_inode || caller.is_root() {
             return Ok(());
@@ -177,10 +177,23 @@ impl State {
                 .filter_map(|id| self.handles.get(id))
                 .any(|h| h.host_id == caller.host_id && h.pid == caller.pid)
         });
-        if holds_handle {
+        if holds_handle || ino == ROOT_INO {
             return Ok(());
         }
-        let mut parent = self.inode(ino)?.parent;
+        let inode = self.inode(ino)?;
+        if inode.parent == 0 {
+            // Unlinked but still open: no path leads to it any more, so only its owner (and
+            // processes holding a handle, above) may reach it by number.
+            return if caller.uid == inode.uid {
+                Ok(())
+            } else {
+                Err(ManagerError::Access(format!(
+                    "inode {ino} was unlinked: uid {} may not reach it by its number",
+                    caller.uid
+                )))
+            };
+        }
+        let mut parent = inode.parent;
         // A directory tree is acyclic; the bound only guards a corrupt store.
         for _ in 0..=self.inodes.len() {
             if parent == 0 {

@@ -183,12 +183,7 @@ pub fn record_of(state: &State, key: &str) -> Result<Option<Vec<u8>>, postcard::
             .map(|def| {
                 postcard::to_allocvec(&SyncRecord {
                     def: def.clone(),
-                    owner: state
-                        .sync
-                        .owners
-                        .get(key)
-                        .copied()
-                        .unwrap_or(SyncOwner::LEGACY),
+                    owner: state.sync_owner(key),
                 })
             })
             .transpose()
@@ -229,15 +224,19 @@ impl State {
         })
     }
 
-    /// Checks that `caller` may use `name` with `mask` (READ, WRITE) permission.
-    pub fn sync_check(&self, caller: &Caller, name: &str, mask: u32, what: &str) -> Result<()> {
-        self.sync_def(name)?;
-        let owner = self
-            .sync
+    /// The owner and mode of `name` ([`SyncOwner::LEGACY`] for objects stored without one).
+    fn sync_owner(&self, name: &str) -> SyncOwner {
+        self.sync
             .owners
             .get(name)
             .copied()
-            .unwrap_or(SyncOwner::LEGACY);
+            .unwrap_or(SyncOwner::LEGACY)
+    }
+
+    /// Checks that `caller` may use `name` with `mask` (READ, WRITE) permission.
+    pub fn sync_check(&self, caller: &Caller, name: &str, mask: u32, what: &str) -> Result<()> {
+        self.sync_def(name)?;
+        let owner = self.sync_owner(name);
         if crate::access::allows_bits(caller, owner.uid, owner.gid, owner.mode, false, mask) {
             Ok(())
         } else {
@@ -311,12 +310,7 @@ impl State {
     /// its slot is not reused).
     pub fn sync_delete(&mut self, caller: &Caller, name: &str) -> Result<SyncDef> {
         let def = self.sync_def(name)?;
-        let owner = self
-            .sync
-            .owners
-            .get(name)
-            .copied()
-            .unwrap_or(SyncOwner::LEGACY);
+        let owner = self.sync_owner(name);
         if !caller.is_root() && caller.uid != owner.uid {
             return Err(ManagerError::Perm(format!(
                 "only its owner (uid {}) or root may delete sync object {name:?}",

@@ -137,6 +137,26 @@ fn wait_timeout(child: &mut Child, timeout: Duration) -> anyhow::Result<Option<E
     }
 }
 
+/// The number of cases a fuzz test runs: `REGIONS_FUZZ_CASES`, else `default` (what CI
+/// runs; the README's long runs set 100,000).
+pub fn fuzz_cases(default: usize) -> usize {
+    std::env::var("REGIONS_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// The seed of a fuzz run: `REGIONS_FUZZ_SEED` (to replay a failure), else a random one; it
+/// is printed so that a failure can be replayed.
+pub fn fuzz_seed() -> u64 {
+    let seed = std::env::var("REGIONS_FUZZ_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    eprintln!("REGIONS_FUZZ_SEED={seed}");
+    seed
+}
+
 /// `regions-attack` copied into `dir` with mode 0755, so that an unprivileged user can run it
 /// whatever the permissions of the checkout (the isolation tests drop children to `nobody`).
 pub fn attack_binary(dir: &Path) -> anyhow::Result<PathBuf> {

@@ -14,22 +14,11 @@ use std::process::Command;
 use std::time::Duration;
 
 use regions::agent::AgentClient;
-use regions_tests::{Cluster, attack_binary, output_within};
-
-fn cases() -> usize {
-    std::env::var("REGIONS_FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(2_000)
-}
+use regions_tests::{Cluster, attack_binary, fuzz_cases, fuzz_seed, output_within};
 
 #[test]
 fn hostile_agent_callers_never_hurt_the_daemon() {
-    let seed = std::env::var("REGIONS_FUZZ_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(rand::random::<u64>);
-    eprintln!("REGIONS_FUZZ_SEED={seed}");
+    let seed = fuzz_seed();
     let mut cluster = Cluster::start(1, "256M").expect("cluster");
     std::fs::set_permissions(cluster.dir.path(), std::fs::Permissions::from_mode(0o711))
         .expect("let nobody reach the socket");
@@ -45,7 +34,7 @@ fn hostile_agent_callers_never_hurt_the_daemon() {
         inos.push(attr.ino.to_string());
     }
     let inos = inos.join(",");
-    let cases = cases().to_string();
+    let cases = fuzz_cases(2_000).to_string();
     let run = |uid: Option<u32>, seed: u64| {
         let mut cmd = Command::new(&attack);
         cmd.arg(&socket)

@@ -15,15 +15,10 @@ use std::time::Duration;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use regions_proto::v1;
-use regions_tests::{Clients, Cluster, ManagerProcess, ROOT_INO, connect, has_errno};
+use regions_tests::{
+    Clients, Cluster, ManagerProcess, ROOT_INO, connect, fuzz_cases, fuzz_seed, has_errno,
+};
 use tonic::{Code, Status};
-
-fn cases() -> usize {
-    std::env::var("REGIONS_FUZZ_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(3_000)
-}
 
 /// What the fuzzer knows of the namespace so far (inode numbers and handles it saw).
 #[derive(Default)]
@@ -485,11 +480,7 @@ async fn tree(c: &mut Clients) -> BTreeMap<String, (u64, i32, u32, u32, u32, u64
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_requests_never_hurt_the_manager_and_acknowledged_changes_survive_a_kill() {
-    let seed = std::env::var("REGIONS_FUZZ_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(rand::random::<u64>);
-    eprintln!("REGIONS_FUZZ_SEED={seed}");
+    let seed = fuzz_seed();
     let mut cluster = Cluster::start(1, "256M").expect("cluster");
     let mut c = connect(cluster.manager.addr, &cluster.secret)
         .await
@@ -512,7 +503,7 @@ async fn hostile_requests_never_hurt_the_manager_and_acknowledged_changes_surviv
         .into_inner();
     learn(&mut g.seen, Some(&play), 0);
     let mut counts: BTreeMap<&str, (u32, u32)> = BTreeMap::new();
-    for i in 0..cases() {
+    for i in 0..fuzz_cases(3_000) {
         let (name, result) = tokio::time::timeout(Duration::from_secs(30), one(&mut c, &mut g))
             .await
             .unwrap_or_else(|_| panic!("request {i} got no answer in 30 s (seed {seed})"));
