@@ -224,17 +224,6 @@ impl Config {
 mod tests {
     use super::*;
 
-    fn write_private(path: &std::path::Path, text: &str) {
-        use std::os::unix::fs::OpenOptionsExt;
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(path)
-            .unwrap();
-        std::io::Write::write_all(&mut f, text.as_bytes()).unwrap();
-    }
-
     #[test]
     fn sizes() {
         assert_eq!(parse_size("4096"), Ok(4096));
@@ -253,7 +242,7 @@ mod tests {
     fn args_and_validation() {
         let dir = tempfile::tempdir().unwrap();
         let secret = dir.path().join("secret");
-        write_private(&secret, "tok\n");
+        Secret::new("tok").unwrap().write_file(&secret).unwrap();
         let args = Args::try_parse_from([
             "regions-daemon",
             "--host-id",

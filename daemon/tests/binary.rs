@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{ManagerProcess, wait_until, write_private};
+use common::{ManagerProcess, wait_until, write_secret};
 
 fn daemon_command(manager: &str, secret: &Path, socket: &Path) -> Command {
     daemon_with_memory(manager, secret, socket, "2M")
@@ -101,7 +101,7 @@ fn starts_registers_and_stops_on_sigterm() {
 fn startup_errors_say_what_to_do() {
     let dir = tempfile::tempdir().unwrap();
     let secret = dir.path().join("secret");
-    write_private(&secret, "tok\n");
+    write_secret(&secret, "tok");
     // Socket directory missing.
     let out = run_failing(daemon_command(
         "http://127.0.0.1:1",

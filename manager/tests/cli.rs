@@ -56,15 +56,10 @@ impl Drop for Running {
 }
 
 fn write_secret(path: &Path) {
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
+    regions_proto::auth::Secret::new("cli-test-secret")
+        .unwrap()
+        .write_file(path)
         .unwrap();
-    std::io::Write::write_all(&mut f, b"cli-test-secret\n").unwrap();
 }
 
 #[test]

@@ -100,6 +100,22 @@ impl Secret {
         })
     }
 
+    /// Writes the secret to `path` (created, or replaced) as [`Secret::from_file`] reads it:
+    /// one line, readable and writable by its owner only (mode 0600).
+    pub fn write_file(&self, path: &Path) -> std::io::Result<()> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(path)?;
+        // A file that existed keeps its mode through the open: make it private too.
+        file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+        writeln!(file, "{}", self.0)
+    }
+
     /// A secret from a string (tests, embedded clusters).
     pub fn new(token: &str) -> Result<Secret, SecretError> {
         if token.is_empty() {
@@ -523,5 +539,13 @@ mod tests {
         }
         write_mode(&path, "tok\n", 0o600);
         assert!(Secret::from_file(&path).is_ok());
+        // write_file makes even an exposed file private, and from_file reads it back.
+        write_mode(&path, "old\n", 0o644);
+        let written = Secret::new("fresh-token").unwrap();
+        written.write_file(&path).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode, 0o600);
+        let read = Secret::from_file(&path).unwrap();
+        assert_eq!(read.mac(b"t", &[]), written.mac(b"t", &[]));
     }
 }

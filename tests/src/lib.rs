@@ -16,9 +16,7 @@
 //! socket.
 
 use std::fs::File;
-use std::io::Write as _;
 use std::net::SocketAddr;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -100,16 +98,11 @@ pub fn write_secret(path: &Path) -> anyhow::Result<Secret> {
             })
         })
         .collect();
-    // Secrets must be readable by their owner only, or the components refuse them.
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
-        .with_context(|| format!("cannot create {}", path.display()))?;
-    writeln!(file, "{token}").with_context(|| format!("cannot write {}", path.display()))?;
-    Secret::new(&token).context("generated secret was refused")
+    let secret = Secret::new(&token).context("generated secret was refused")?;
+    secret
+        .write_file(path)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(secret)
 }
 
 /// Sends `signal` to `pid`.

@@ -18,17 +18,9 @@ use regions_proto::auth::Secret;
 use regions_proto::frame::{Frame, Limits, Request, decode_frame};
 use regions_proto::handshake::ClientHello;
 
-/// Writes `text` to a new file at `path` readable by its owner only (as secrets must be).
-pub fn write_private(path: &Path, text: &str) {
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
-        .unwrap();
-    f.write_all(text.as_bytes()).unwrap();
+/// Writes the secret `token` to `path`, readable by its owner only (as secrets must be).
+pub fn write_secret(path: &Path, token: &str) {
+    Secret::new(token).unwrap().write_file(path).unwrap();
 }
 
 /// The secret of test servers.
@@ -208,7 +200,7 @@ impl ManagerProcess {
     pub fn start(dir: &Path, listen: &str, lease_ms: u64) -> ManagerProcess {
         let secret_file = dir.join("secret");
         if !secret_file.exists() {
-            write_private(&secret_file, &format!("{TOKEN}\n"));
+            write_secret(&secret_file, TOKEN);
         }
         let ready = dir.join("manager.ready");
         let _ = std::fs::remove_file(&ready);
