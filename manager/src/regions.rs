@@ -302,10 +302,8 @@ impl State {
     pub fn check_write_or_handle(&self, caller: &Caller, ino: u64, what: &str) -> Result<()> {
         let inode = self.region(ino)?;
         self.check_path(caller, ino)?;
-        let has_handle = self.open.get(&ino).is_some_and(|ids| {
-            ids.iter().filter_map(|id| self.handles.get(id)).any(|h| {
-                h.write && h.host_id == caller.host_id && (!caller.by_inode || h.pid == caller.pid)
-            })
+        let has_handle = self.handles_of(ino).any(|h| {
+            h.write && h.host_id == caller.host_id && (!caller.by_inode || h.pid == caller.pid)
         });
         if has_handle {
             Ok(())
@@ -315,11 +313,7 @@ impl State {
     }
 
     fn writers(&self, ino: u64) -> usize {
-        self.open.get(&ino).map_or(0, |ids| {
-            ids.iter()
-                .filter(|id| self.handles.get(id).is_some_and(|h| h.write))
-                .count()
-        })
+        self.handles_of(ino).filter(|h| h.write).count()
     }
 
     /// Closes a handle; frees the region if it was unlinked and this was its

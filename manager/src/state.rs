@@ -161,6 +161,15 @@ impl State {
             .ok_or_else(|| ManagerError::NotFound(format!("inode {ino}")))
     }
 
+    /// The open handles of region `ino`.
+    pub fn handles_of(&self, ino: u64) -> impl Iterator<Item = &Handle> + '_ {
+        self.open
+            .get(&ino)
+            .into_iter()
+            .flatten()
+            .filter_map(|id| self.handles.get(id))
+    }
+
     /// For a caller that named `ino` by number ([`Caller::by_inode`]), search
     /// permission on every directory above it, as `open(2)` needs for a path:
     /// guessing an inode number inside another user's 0700 directory gives
@@ -172,11 +181,9 @@ impl State {
         if !caller.by_inode || caller.is_root() {
             return Ok(());
         }
-        let holds_handle = self.open.get(&ino).is_some_and(|ids| {
-            ids.iter()
-                .filter_map(|id| self.handles.get(id))
-                .any(|h| h.host_id == caller.host_id && h.pid == caller.pid)
-        });
+        let holds_handle = self
+            .handles_of(ino)
+            .any(|h| h.host_id == caller.host_id && h.pid == caller.pid);
         if holds_handle || ino == ROOT_INO {
             return Ok(());
         }
