@@ -98,6 +98,20 @@ impl Shared {
     }
 }
 
+/// The non-empty components of a path ("." kept: the manager's lookup
+/// knows it, as it knows "..").
+fn components(path: &str) -> impl DoubleEndedIterator<Item = &str> {
+    path.split('/').filter(|n| !n.is_empty())
+}
+
+/// An absolute symlink target as a path inside the namespace: the part
+/// after `mount`, or `None` when it points elsewhere.
+fn namespace_relative(target: &str, mount: &std::path::Path) -> Option<String> {
+    let mount = mount.to_str()?.trim_end_matches('/');
+    let rest = target.strip_prefix(mount)?;
+    (rest.is_empty() || rest.starts_with('/')).then(|| rest.to_owned())
+}
+
 /// A connection to a regions cluster.
 #[derive(Clone)]
 pub struct Client {
@@ -144,14 +158,60 @@ impl Client {
         self.shared.stats.snapshot()
     }
 
-    /// Resolves a path relative to the root ("a/b/c").
+    /// Resolves a path relative to the root ("a/b/c"), following symbolic
+    /// links as `open(2)` does (see [`Client::resolve`]).
     pub fn lookup_path(&self, path: &str) -> Result<v1::Attr> {
-        let mut attr = self.shared.manager.getattr(&self.shared.caller, ROOT_INO)?;
-        for name in path.split('/').filter(|n| !n.is_empty()) {
-            attr = self
-                .shared
-                .manager
-                .lookup(&self.shared.caller, attr.ino, name)?;
+        self.resolve(path, true)
+    }
+
+    /// Resolves `path` from the namespace root. Symbolic links in the middle
+    /// are followed, and the last one too when `follow_last`: a relative
+    /// target from the link's directory, an absolute one from the root once
+    /// the mount point (`REGIONS_MOUNT`, default `/regions`) is taken off its
+    /// front. More than 40 links give [`RegionsError::SymlinkLoop`].
+    pub fn resolve(&self, path: &str, follow_last: bool) -> Result<v1::Attr> {
+        const MAX_FOLLOWED: usize = 40;
+        let manager = &self.shared.manager;
+        let caller = &self.shared.caller;
+        let root = manager.getattr(caller, ROOT_INO)?;
+        let mut dir = root.clone();
+        let mut attr = root.clone();
+        // Components still to walk, the next one last.
+        let mut pending: Vec<String> = components(path).rev().map(str::to_owned).collect();
+        let mut followed = 0;
+        while let Some(name) = pending.pop() {
+            attr = manager.lookup(caller, dir.ino, &name)?;
+            let is_link = attr.kind() == v1::FileKind::Symlink;
+            if !is_link || (pending.is_empty() && !follow_last) {
+                if !pending.is_empty() {
+                    dir = attr.clone();
+                }
+                continue;
+            }
+            followed += 1;
+            if followed > MAX_FOLLOWED {
+                return Err(RegionsError::SymlinkLoop(path.to_owned()));
+            }
+            let target = manager.readlink(caller, attr.ino)?;
+            let target = String::from_utf8(target).map_err(|_| {
+                RegionsError::Invalid(format!(
+                    "symbolic link {name:?} in {path:?} has a target that is not UTF-8"
+                ))
+            })?;
+            let inside = if target.starts_with('/') {
+                dir = root.clone();
+                namespace_relative(&target, &crate::agent::default_mount()).ok_or_else(|| {
+                    RegionsError::Invalid(format!(
+                        "symbolic link {name:?} in {path:?} points to {target:?}, outside the regions mount; open it through the file system"
+                    ))
+                })?
+            } else {
+                target
+            };
+            pending.extend(components(&inside).rev().map(str::to_owned));
+            if pending.is_empty() {
+                attr = dir.clone(); // a link to "/regions" itself
+            }
         }
         Ok(attr)
     }
@@ -245,5 +305,24 @@ impl Client {
     pub fn open_path(&self, path: &str, write: bool) -> Result<Region> {
         let attr = self.lookup_path(path)?;
         self.open(attr.ino, write)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn absolute_link_targets_are_read_inside_the_mount() {
+        let mount = std::path::Path::new("/regions/");
+        assert_eq!(
+            namespace_relative("/regions/a/b", mount).as_deref(),
+            Some("/a/b")
+        );
+        assert_eq!(namespace_relative("/regions", mount).as_deref(), Some(""));
+        assert_eq!(namespace_relative("/regionsx/a", mount), None);
+        assert_eq!(namespace_relative("/etc/passwd", mount), None);
+        let parts: Vec<&str> = components("a//b/./../c/").collect();
+        assert_eq!(parts, ["a", "b", ".", "..", "c"]);
     }
 }

@@ -39,6 +39,11 @@ pub enum RegionsError {
     /// Bad arguments from the caller.
     #[error("invalid argument: {0}")]
     Invalid(String),
+    /// Resolving a path met more symbolic links than a kernel follows (40).
+    #[error(
+        "too many symbolic links resolving {0:?}: a link loops, or the chain is longer than 40"
+    )]
+    SymlinkLoop(String),
     /// Out of memory: a region is full and cannot grow (rmalloc).
     #[error("out of memory: {0}")]
     NoMemory(String),
@@ -65,6 +70,7 @@ impl RegionsError {
             | RegionsError::DaemonUnreachable { .. }
             | RegionsError::Protocol { .. } => libc::EIO,
             RegionsError::Invalid(_) => libc::EINVAL,
+            RegionsError::SymlinkLoop(_) => libc::ELOOP,
             RegionsError::NoMemory(_) => libc::ENOMEM,
             RegionsError::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
         }

@@ -160,6 +160,16 @@ impl ManagerClient {
         }))
     }
 
+    /// The target of symbolic link `ino`.
+    pub fn readlink(&self, caller: &v1::Caller, ino: u64) -> Result<Vec<u8>> {
+        let mut c = self.namespace();
+        self.call(c.read_link(v1::GetAttrRequest {
+            caller: Some(caller.clone()),
+            ino,
+        }))
+        .map(|r| r.target)
+    }
+
     pub fn getattr(&self, caller: &v1::Caller, ino: u64) -> Result<v1::Attr> {
         let mut c = self.namespace();
         self.call(c.get_attr(v1::GetAttrRequest {

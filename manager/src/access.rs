@@ -164,6 +164,8 @@ mod tests {
             xattrs: Default::default(),
             next_cookie: 3,
             map_version: 0,
+            rdev: 0,
+            target: Vec::new(),
         }
     }
 

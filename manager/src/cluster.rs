@@ -196,7 +196,7 @@ impl State {
 
     pub fn stats(&self) -> v1::StatsReply {
         let (mut regions, mut region_bytes, mut lost_regions) = (0u64, 0u64, 0u64);
-        for inode in self.inodes.values().filter(|i| !i.is_dir()) {
+        for inode in self.inodes.values().filter(|i| i.is_region()) {
             regions += 1;
             region_bytes += inode.size;
             lost_regions += u64::from(inode.xattrs.contains_key(crate::lifetime::LOST_KEY));

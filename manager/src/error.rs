@@ -24,6 +24,10 @@ pub enum ManagerError {
     InvalidName(String),
     #[error("name of {0} bytes is longer than the limit of 255 bytes")]
     NameTooLong(usize),
+    #[error("symbolic link target of {0} bytes is longer than the limit of 4095 bytes")]
+    TargetTooLong(usize),
+    #[error("inode {0} has the most hard links it may have; remove one first")]
+    TooManyLinks(u64),
     #[error("invalid argument: {0}")]
     Invalid(String),
     #[error("out of memory in the cluster: {0}")]
@@ -62,7 +66,8 @@ impl ManagerError {
             ManagerError::Access(_) => libc::EACCES,
             ManagerError::Perm(_) => libc::EPERM,
             ManagerError::InvalidName(_) | ManagerError::Invalid(_) => libc::EINVAL,
-            ManagerError::NameTooLong(_) => libc::ENAMETOOLONG,
+            ManagerError::NameTooLong(_) | ManagerError::TargetTooLong(_) => libc::ENAMETOOLONG,
+            ManagerError::TooManyLinks(_) => libc::EMLINK,
             ManagerError::NoSpace(_) | ManagerError::NeedPool { .. } => libc::ENOSPC,
             ManagerError::TooBig(_) => libc::EFBIG,
             ManagerError::WriterBusy(_) => libc::ETXTBSY,

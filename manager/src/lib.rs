@@ -12,6 +12,7 @@ pub mod capability;
 pub mod cluster;
 pub mod error;
 pub mod lifetime;
+pub mod links;
 pub mod manager;
 pub mod metrics;
 pub mod model;

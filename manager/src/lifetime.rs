@@ -84,38 +84,26 @@ impl State {
             .is_some_and(|i| i.xattrs.contains_key(LOST_KEY))
     }
 
-    /// Removes region `ino`'s name as the system (no permission check), as an unlink does:
-    /// its memory goes now, or at its last close. A region with no name is left alone.
+    /// Removes every name of region `ino` as the system (no permission check), as unlinks
+    /// do: its memory goes now, or at its last close. A region with no name is left alone.
     pub fn delete_region(&mut self, ino: u64) -> Result<()> {
         let inode = self.region(ino)?;
         if inode.nlink == 0 {
             return Ok(());
         }
-        let parent = inode.parent;
-        let name = self
-            .dirs
-            .get(&parent)
-            .and_then(|d| {
-                d.by_name
-                    .iter()
-                    .find(|(_, e)| e.ino == ino)
-                    .map(|(n, _)| n.clone())
-            })
-            .ok_or_else(|| {
-                ManagerError::NotFound(format!("the name of region {ino} in directory {parent}"))
-            })?;
-        self.remove_entry(parent, &name);
-        let now = Time::now();
-        let inode = self.inode_mut(ino)?;
-        inode.nlink = 0;
-        inode.parent = 0;
-        inode.ctime = now;
-        if !self.open.contains_key(&ino) {
-            self.free_region(ino);
+        let names = self.names_of(ino);
+        if names.is_empty() {
+            let parent = inode.parent;
+            return Err(ManagerError::NotFound(format!(
+                "the name of region {ino} in directory {parent}"
+            )));
         }
-        let dir = self.inode_mut(parent)?;
-        dir.mtime = now;
-        dir.ctime = now;
+        let now = Time::now();
+        for (parent, name) in names {
+            self.remove_entry(parent, &name);
+            self.drop_name(ino, parent, now)?;
+            self.touch_dir(parent, now)?;
+        }
         Ok(())
     }
 
@@ -125,7 +113,7 @@ impl State {
             .inodes
             .values()
             .filter(|i| {
-                !i.is_dir()
+                i.is_region()
                     && i.nlink > 0
                     && !i.attrs.persistent
                     && i.owner_host == host

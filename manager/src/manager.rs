@@ -570,6 +570,51 @@ impl Manager {
             .await
     }
 
+    pub async fn symlink(
+        &self,
+        caller: &Caller,
+        parent: u64,
+        name: &str,
+        target: &[u8],
+    ) -> Result<v1::Attr> {
+        self.write(|s| s.symlink(caller, parent, name, target).map(|i| s.attr(&i)))
+            .await
+    }
+
+    pub async fn readlink(&self, caller: &Caller, ino: u64) -> Result<Vec<u8>> {
+        self.read(|s| s.readlink(caller, ino)).await
+    }
+
+    pub async fn link(
+        &self,
+        caller: &Caller,
+        ino: u64,
+        new_parent: u64,
+        new_name: &str,
+    ) -> Result<v1::Attr> {
+        self.write(|s| {
+            s.link(caller, ino, new_parent, new_name)
+                .map(|i| s.attr(&i))
+        })
+        .await
+    }
+
+    pub async fn make_node(
+        &self,
+        caller: &Caller,
+        parent: u64,
+        name: &str,
+        kind: Kind,
+        mode: u32,
+        rdev: u64,
+    ) -> Result<v1::Attr> {
+        self.write(|s| {
+            s.make_node(caller, parent, name, kind, mode, rdev)
+                .map(|i| s.attr(&i))
+        })
+        .await
+    }
+
     pub async fn rmdir(&self, caller: &Caller, parent: u64, name: &str) -> Result<()> {
         self.write(|s| s.rmdir(caller, parent, name)).await
     }
@@ -676,12 +721,16 @@ impl Manager {
                             "inode {ino}; directories have no size to set"
                         )));
                     }
-                    crate::access::check(
-                        &caller,
-                        inode,
-                        crate::access::WRITE,
-                        "truncate this region",
-                    )?;
+                    if change.through_write_handle {
+                        s.check_write_or_handle(&caller, ino, "truncate this region")?;
+                    } else {
+                        crate::access::check(
+                            &caller,
+                            inode,
+                            crate::access::WRITE,
+                            "truncate this region",
+                        )?;
+                    }
                 }
                 // Validate the attribute change on a copy before resizing.
                 let before = s.inode(ino)?.clone();
@@ -1078,6 +1127,61 @@ mod tests {
         // New inode numbers do not reuse old ones.
         let n = m.mkdir(&user(1), ROOT_INO, "new", 0o755).await.unwrap();
         assert!(n.ino > region);
+    }
+
+    #[tokio::test]
+    async fn links_and_special_files_survive_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let (region, fifo) = {
+            let m = Manager::open(dir.path(), config()).unwrap();
+            add_host(&m, 1, 16 * MIB, 16 * MIB).await;
+            let d = m.mkdir(&user(1), ROOT_INO, "d", 0o755).await.unwrap();
+            let r = m
+                .create(user(1), d.ino, "r".into(), 0o640, None, MIB)
+                .await
+                .unwrap();
+            m.link(&user(1), r.ino, ROOT_INO, "r2").await.unwrap();
+            m.link(&user(1), r.ino, ROOT_INO, "r3").await.unwrap();
+            m.unlink(&user(1), d.ino, "r").await.unwrap();
+            m.symlink(&user(1), ROOT_INO, "l", b"d/../r2")
+                .await
+                .unwrap();
+            let p = m
+                .make_node(&user(1), d.ino, "p", Kind::Fifo, 0o600, 0)
+                .await
+                .unwrap();
+            m.make_node(
+                &Caller::root(1),
+                d.ino,
+                "null",
+                Kind::CharDevice,
+                0o666,
+                0x103,
+            )
+            .await
+            .unwrap();
+            (r.ino, p.ino)
+        };
+        let m = Manager::open(dir.path(), config()).unwrap();
+        let r2 = m.lookup(&user(1), ROOT_INO, "r2").await.unwrap();
+        let r3 = m.lookup(&user(1), ROOT_INO, "r3").await.unwrap();
+        assert_eq!((r2.ino, r3.ino, r2.nlink), (region, region, 2));
+        assert_eq!(r2.allocated, MIB, "the region kept its memory");
+        let l = m.lookup(&user(1), ROOT_INO, "l").await.unwrap();
+        assert_eq!(l.kind(), v1::FileKind::Symlink);
+        assert_eq!(m.readlink(&user(1), l.ino).await.unwrap(), b"d/../r2");
+        let d = m.lookup(&user(1), ROOT_INO, "d").await.unwrap();
+        let p = m.lookup(&user(1), d.ino, "p").await.unwrap();
+        assert_eq!((p.ino, p.kind(), p.mode), (fifo, v1::FileKind::Fifo, 0o600));
+        let null = m.lookup(&user(1), d.ino, "null").await.unwrap();
+        assert_eq!((null.kind(), null.rdev), (v1::FileKind::CharDevice, 0x103));
+        m.unlink(&user(1), ROOT_INO, "r2").await.unwrap();
+        m.unlink(&user(1), ROOT_INO, "r3").await.unwrap();
+        assert_eq!(
+            m.getattr(region).await.unwrap_err().errno(),
+            libc::ENOENT,
+            "freed with its last name after the restart"
+        );
     }
 
     #[tokio::test]

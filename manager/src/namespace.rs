@@ -67,6 +67,9 @@ pub struct SetAttr {
     pub gid: Option<u32>,
     pub atime: Option<TimeChange>,
     pub mtime: Option<TimeChange>,
+    /// The change comes through a descriptor opened for writing on the
+    /// caller's host: a size change was allowed at open (`ftruncate`).
+    pub through_write_handle: bool,
 }
 
 impl State {
@@ -90,7 +93,12 @@ impl State {
     }
 
     /// Checks that `name` may be added to `parent` by `caller`.
-    fn check_new_entry(&self, caller: &Caller, parent: u64, name: &str) -> Result<Inode> {
+    pub(crate) fn check_new_entry(
+        &self,
+        caller: &Caller,
+        parent: u64,
+        name: &str,
+    ) -> Result<Inode> {
         check_name(name)?;
         let dir = self.dir(parent)?;
         self.check_path(caller, parent)?;
@@ -109,7 +117,7 @@ impl State {
     }
 
     /// Touches a directory's mtime and ctime after its entries changed.
-    fn touch_dir(&mut self, ino: u64, now: Time) -> Result<()> {
+    pub(crate) fn touch_dir(&mut self, ino: u64, now: Time) -> Result<()> {
         let dir = self.inode_mut(ino)?;
         dir.mtime = now;
         dir.ctime = now;
@@ -208,20 +216,8 @@ impl State {
         }
         self.remove_entry(parent, name);
         let now = Time::now();
-        self.drop_name(victim.ino, now)?;
+        self.drop_name(victim.ino, parent, now)?;
         self.touch_dir(parent, now)
-    }
-
-    /// A region lost its only name: free it now, or at its last close.
-    fn drop_name(&mut self, ino: u64, now: Time) -> Result<()> {
-        let inode = self.inode_mut(ino)?;
-        inode.nlink = 0;
-        inode.parent = 0;
-        inode.ctime = now;
-        if !self.open.contains_key(&ino) {
-            self.free_region(ino);
-        }
-        Ok(())
     }
 
     /// Whether `ino` is `ancestor` or lies below it.
@@ -329,13 +325,15 @@ impl State {
                 self.delete_dir(target.ino);
                 dec_nlink(self.inode_mut(new_parent)?);
             } else {
-                self.drop_name(target.ino, now)?;
+                self.drop_name(target.ino, new_parent, now)?;
             }
         }
         self.remove_entry(parent, name);
         self.add_entry(new_parent, new_name, src.ino)?;
         let moved = self.inode_mut(src.ino)?;
-        moved.parent = new_parent;
+        if moved.parent == parent {
+            moved.parent = new_parent;
+        }
         moved.ctime = now;
         if src.is_dir() && parent != new_parent {
             dec_nlink(self.inode_mut(parent)?);
@@ -359,9 +357,14 @@ impl State {
         self.remove_entry(new_parent, new_name);
         self.add_entry(new_parent, new_name, src.ino)?;
         self.add_entry(parent, name, target.ino)?;
-        for (ino, dir) in [(src.ino, new_parent), (target.ino, parent)] {
+        for (ino, from, to) in [
+            (src.ino, parent, new_parent),
+            (target.ino, new_parent, parent),
+        ] {
             let i = self.inode_mut(ino)?;
-            i.parent = dir;
+            if i.parent == from {
+                i.parent = to;
+            }
             i.ctime = now;
         }
         if parent != new_parent && src.is_dir() != target.is_dir() {
@@ -499,7 +502,7 @@ impl State {
             AttrName::Foreign(_) => missing(),
             AttrName::User(n) => inode.xattrs.get(&n).cloned().map_or_else(missing, Ok),
             AttrName::Region(attr) => {
-                if inode.is_dir() && attr.is_read_only() {
+                if inode.kind.is_special() || (inode.is_dir() && attr.is_read_only()) {
                     return missing();
                 }
                 Ok(match attr {
@@ -526,8 +529,12 @@ impl State {
             READ,
             "list extended attributes of this inode",
         )?;
-        let mut names: Vec<String> = RegionAttr::SETTABLE.iter().map(|a| a.name()).collect();
-        if !inode.is_dir() {
+        let mut names: Vec<String> = if inode.kind.is_special() {
+            Vec::new()
+        } else {
+            RegionAttr::SETTABLE.iter().map(|a| a.name()).collect()
+        };
+        if inode.is_region() {
             names.extend(RegionAttr::READ_ONLY.iter().map(|a| a.name()));
         }
         names.extend(
@@ -599,6 +606,13 @@ impl State {
                 if attr.is_read_only() {
                     return Err(ManagerError::Perm(format!("{} is read-only", attr.name())));
                 }
+                if inode.kind.is_special() {
+                    return Err(ManagerError::NotSupported(format!(
+                        "{} on a {:?} (region attributes belong to regions and directories)",
+                        attr.name(),
+                        inode.kind
+                    )));
+                }
                 if flags & XATTR_CREATE != 0 {
                     return Err(ManagerError::Exists(attr.name()));
                 }
@@ -614,7 +628,7 @@ impl State {
                     RegionAttr::Hostalloc => next.attrs.hostalloc = xattr::parse_hostalloc(value)?,
                     RegionAttr::Fixvaddr => {
                         next.attrs.fixvaddr = xattr::parse_bool(attr, value)?;
-                        if !inode.is_dir() {
+                        if inode.is_region() {
                             self.set_fixvaddr(&mut next)?;
                         }
                     }

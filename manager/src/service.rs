@@ -14,6 +14,7 @@ use crate::access::Caller;
 use crate::cluster::HostRegistration;
 use crate::error::{ManagerError, Result};
 use crate::manager::Manager;
+use crate::model::Kind;
 use crate::namespace::{SetAttr, TimeChange};
 
 /// Most entries one ReadDir returns.
@@ -77,6 +78,7 @@ impl Namespace for Services {
             gid: r.gid,
             atime: TimeChange::from_proto(r.atime.as_ref()),
             mtime: TimeChange::from_proto(r.mtime.as_ref()),
+            through_write_handle: r.through_write_handle,
         };
         self.reply(
             "setattr",
@@ -113,6 +115,61 @@ impl Namespace for Services {
             .create(c, r.parent, r.name, r.mode, r.attrs, r.preallocate)
             .await;
         self.reply("create", result)
+    }
+
+    async fn symlink(&self, r: Request<v1::SymlinkRequest>) -> Result<Response<v1::Attr>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        self.reply(
+            "symlink",
+            self.manager.symlink(&c, r.parent, &r.name, &r.target).await,
+        )
+    }
+
+    async fn read_link(
+        &self,
+        r: Request<v1::GetAttrRequest>,
+    ) -> Result<Response<v1::ReadLinkReply>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        self.reply(
+            "readlink",
+            self.manager
+                .readlink(&c, r.ino)
+                .await
+                .map(|target| v1::ReadLinkReply { target }),
+        )
+    }
+
+    async fn link(&self, r: Request<v1::LinkRequest>) -> Result<Response<v1::Attr>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        self.reply(
+            "link",
+            self.manager
+                .link(&c, r.ino, r.new_parent, &r.new_name)
+                .await,
+        )
+    }
+
+    async fn make_node(
+        &self,
+        r: Request<v1::MakeNodeRequest>,
+    ) -> Result<Response<v1::Attr>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        let kind = v1::FileKind::try_from(r.kind)
+            .ok()
+            .and_then(Kind::from_proto)
+            .ok_or_else(|| {
+                Status::invalid_argument(format!("mknod: unknown file kind {}", r.kind))
+            })?;
+        self.reply(
+            "mknod",
+            self.manager
+                .make_node(&c, r.parent, &r.name, kind, r.mode, r.rdev)
+                .await,
+        )
     }
 
     async fn unlink(&self, r: Request<v1::RemoveRequest>) -> Result<Response<v1::Empty>, Status> {

@@ -126,6 +126,8 @@ impl State {
             xattrs: BTreeMap::new(),
             next_cookie: FIRST_COOKIE,
             map_version: 0,
+            rdev: 0,
+            target: Vec::new(),
         };
         s.put_inode(root);
         s.dirs.insert(ROOT_INO, DirIndex::default());
@@ -200,7 +202,26 @@ impl State {
                 )))
             };
         }
-        let mut parent = inode.parent;
+        if inode.nlink <= 1 || inode.is_dir() {
+            return self.check_search_above(caller, ino, inode.parent);
+        }
+        // A hard-linked inode is reachable when any of its names is.
+        let mut parents: Vec<u64> = self.names_of(ino).into_iter().map(|(d, _)| d).collect();
+        parents.dedup();
+        let mut refused = None;
+        for parent in parents {
+            match self.check_search_above(caller, ino, parent) {
+                Ok(()) => return Ok(()),
+                Err(e) => refused = Some(e),
+            }
+        }
+        Err(refused.unwrap_or_else(|| {
+            ManagerError::Access(format!("no name of inode {ino} is reachable"))
+        }))
+    }
+
+    /// Search permission on `parent` and every directory above it.
+    fn check_search_above(&self, caller: &Caller, ino: u64, mut parent: u64) -> Result<()> {
         // A directory tree is acyclic; the bound only guards a corrupt store.
         for _ in 0..=self.inodes.len() {
             if parent == 0 {
@@ -244,10 +265,12 @@ impl State {
 
     pub fn region(&self, ino: u64) -> Result<&Inode> {
         let inode = self.inode(ino)?;
-        if inode.is_dir() {
-            Err(ManagerError::IsDir(format!("inode {ino}")))
-        } else {
-            Ok(inode)
+        match inode.kind {
+            Kind::Region => Ok(inode),
+            Kind::Directory => Err(ManagerError::IsDir(format!("inode {ino}"))),
+            other => Err(ManagerError::Invalid(format!(
+                "inode {ino} is a {other:?}, not a region: it holds no memory to open, map or size"
+            ))),
         }
     }
 
@@ -321,7 +344,7 @@ impl State {
         }
         let (owner_pid, owner_host) = match kind {
             Kind::Region => (caller.pid, caller.host_id),
-            Kind::Directory => (0, 0),
+            _ => (0, 0),
         };
         Inode {
             ino: self.next_ino(),
@@ -344,6 +367,8 @@ impl State {
             xattrs: BTreeMap::new(),
             next_cookie: FIRST_COOKIE,
             map_version: 0,
+            rdev: 0,
+            target: Vec::new(),
         }
     }
 
@@ -412,10 +437,7 @@ impl State {
             .map_or(0, |m| m.len() as u64 * CHUNK_SIZE);
         v1::Attr {
             ino: inode.ino,
-            kind: match inode.kind {
-                Kind::Directory => v1::FileKind::Directory as i32,
-                Kind::Region => v1::FileKind::Region as i32,
-            },
+            kind: inode.kind.to_proto() as i32,
             mode: inode.mode,
             nlink: inode.nlink,
             uid: inode.uid,
@@ -430,6 +452,7 @@ impl State {
             owner_host: inode.owner_host,
             vaddr: inode.vaddr,
             allocated,
+            rdev: inode.rdev,
         }
     }
 }

@@ -167,7 +167,7 @@ impl Store {
         };
         for row in txn.open_table(INODES)?.iter()? {
             let (_, v) = row?;
-            let inode: Inode = decode(v.value())?;
+            let inode = Inode::decode_stored(v.value())?;
             state.inodes.insert(inode.ino, inode);
         }
         for row in txn.open_table(DIRENTS)?.iter()? {

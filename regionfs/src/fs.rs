@@ -20,6 +20,7 @@ use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -158,8 +159,8 @@ pub struct DirEntryOut {
     pub cookie: u64,
     /// The entry's name.
     pub name: std::ffi::OsString,
-    /// Whether the entry is a directory.
-    pub is_dir: bool,
+    /// The entry's kind.
+    pub kind: FileKind,
     /// Attributes (absent for "." and "..").
     pub attr: Option<v1::Attr>,
 }
@@ -260,6 +261,22 @@ fn stamp(attr: &v1::Attr) -> (v1::Timespec, u64) {
 
 fn is_dir(attr: &v1::Attr) -> bool {
     attr.kind() == FileKind::Directory
+}
+
+/// Whether `attr` is a region's (not a directory, symlink or special file).
+fn is_region(attr: &v1::Attr) -> bool {
+    attr.kind() == FileKind::Region
+}
+
+/// The special file kind `mknod` makes for file type `mode & S_IFMT`.
+fn node_kind(mode: u32) -> Option<FileKind> {
+    match mode & libc::S_IFMT {
+        libc::S_IFIFO => Some(FileKind::Fifo),
+        libc::S_IFSOCK => Some(FileKind::Socket),
+        libc::S_IFCHR => Some(FileKind::CharDevice),
+        libc::S_IFBLK => Some(FileKind::BlockDevice),
+        _ => None,
+    }
 }
 
 fn wire(name: &OsStr) -> FsResult<std::borrow::Cow<'_, str>> {
@@ -477,7 +494,7 @@ impl RegionFs {
     /// the kernel trusts its own size of a file it caches, so a region that
     /// grew elsewhere is announced with a one-byte cache store.
     fn note_reply(&self, attr: &v1::Attr) {
-        if is_dir(attr) {
+        if !is_region(attr) {
             return;
         }
         let grown_from = {
@@ -752,6 +769,9 @@ impl RegionFs {
         let writer = handle
             .as_ref()
             .is_some_and(|h| matches!(&h.body, Body::Region(r) if r.write));
+        // ftruncate: the descriptor was opened for writing, which is the
+        // permission a size change needs (a later chmod does not take it).
+        change.through_write_handle = writer && change.size.is_some();
         if bookkeeping && only_times && writer {
             // The kernel flushing the mtime of a file written through this
             // handle: the next publish (flush, fsync or release) sets it at
@@ -887,7 +907,9 @@ impl RegionFs {
         Ok(())
     }
 
-    /// Creates a region (regular files only; other node types are refused).
+    /// Creates a region (a regular file), or a FIFO, socket or device node
+    /// (a namespace entry without region memory: the kernel of the host that
+    /// opens it serves it, so a FIFO connects processes of one host).
     pub fn mknod(
         &self,
         ctx: &RequestCtx,
@@ -895,25 +917,28 @@ impl RegionFs {
         name: &OsStr,
         mode: u32,
         umask: u32,
+        rdev: u32,
     ) -> FsResult<v1::Attr> {
-        if mode & libc::S_IFMT != libc::S_IFREG && mode & libc::S_IFMT != 0 {
-            tracing::info!(
-                ?name,
-                mode = format!("{mode:o}"),
-                "mknod refused: regions holds regular files (regions) and directories only, not fifos, sockets or devices"
-            );
-            return Err(FsError::NotSupported(
-                "only regular files and directories exist in regions".into(),
-            ));
-        }
         self.check_creatable(ctx, parent, name)?;
         let caller = self.caller(ctx);
         let name = wire(name)?;
         let name: &str = &name;
+        let bits = mode & !umask & 0o7777;
+        if let Some(kind) = node_kind(mode) {
+            return self
+                .rpc
+                .make_node(&caller, parent, name, kind, bits, u64::from(rdev));
+        }
+        if mode & libc::S_IFMT != libc::S_IFREG && mode & libc::S_IFMT != 0 {
+            return Err(FsError::Invalid(format!(
+                "mknod of file type {:o}: regions makes regular files, FIFOs, sockets and device nodes",
+                mode & libc::S_IFMT
+            )));
+        }
         let defaults = self.thread_defaults.overrides(ctx.pid);
         let attr = self
             .rpc
-            .create_with(&caller, parent, name, mode & !umask & 0o7777, defaults)?;
+            .create_with(&caller, parent, name, bits, defaults)?;
         self.created(&caller, parent, name, &attr);
         Ok(attr)
     }
@@ -1046,9 +1071,20 @@ impl RegionFs {
         let caller = self.caller(ctx);
         let name = wire(name)?;
         let name: &str = &name;
+        // A watched region (its owner lives) that has other names stays
+        // watched: its lifetime is the region's, not this name's.
+        let other_names = match &self.owners {
+            Some(w) if w.watches_name(parent, name) => self
+                .rpc
+                .lookup(&caller, parent, name)
+                .is_ok_and(|a| a.nlink > 1),
+            _ => false,
+        };
         self.rpc.unlink(&caller, parent, name)?;
         self.forget_cached_attrs();
-        if let Some(w) = &self.owners {
+        if let Some(w) = &self.owners
+            && !other_names
+        {
             w.forget_name(parent, name);
         }
         Ok(())
@@ -1127,7 +1163,7 @@ impl RegionFs {
             if let Some(b) = &replaced {
                 if flags & libc::RENAME_EXCHANGE != 0 {
                     w.renamed(b.ino, parent, name);
-                } else {
+                } else if b.nlink <= 1 {
                     w.forget(b.ino);
                 }
             }
@@ -1138,25 +1174,53 @@ impl RegionFs {
         Ok(())
     }
 
-    /// Symbolic links do not exist in regions.
-    pub fn symlink(&self, parent: u64, name: &OsStr) -> FsResult<v1::Attr> {
-        tracing::info!(
-            parent,
-            ?name,
-            "symlink refused: regions has no symbolic links (a region is memory, a directory organises regions)"
-        );
-        Err(FsError::NotSupported("symbolic links".into()))
+    /// Makes `name` in `parent` a symbolic link to `target` (kept at the
+    /// manager: every host follows it).
+    pub fn symlink(
+        &self,
+        ctx: &RequestCtx,
+        parent: u64,
+        name: &OsStr,
+        target: &Path,
+    ) -> FsResult<v1::Attr> {
+        self.check_creatable(ctx, parent, name)?;
+        let caller = self.caller(ctx);
+        let name = wire(name)?;
+        self.rpc
+            .symlink(&caller, parent, &name, target.as_os_str().as_bytes())
     }
 
-    /// Hard links do not exist in regions.
-    pub fn link(&self, ino: u64, new_parent: u64, new_name: &OsStr) -> FsResult<v1::Attr> {
-        tracing::info!(
-            ino,
-            new_parent,
-            ?new_name,
-            "link refused: regions has no hard links (a region has exactly one name)"
-        );
-        Err(FsError::NotSupported("hard links".into()))
+    /// The target of symbolic link `ino`.
+    pub fn readlink(&self, ctx: &RequestCtx, ino: u64) -> FsResult<Vec<u8>> {
+        if pseudo::is_pseudo(ino) {
+            return Err(FsError::Invalid(format!(
+                "inode {ino} is region metadata, not a symbolic link"
+            )));
+        }
+        self.rpc.readlink(&self.caller(ctx), ino)
+    }
+
+    /// Gives `ino` the further name `new_name` in `new_parent`.
+    pub fn link(
+        &self,
+        ctx: &RequestCtx,
+        ino: u64,
+        new_parent: u64,
+        new_name: &OsStr,
+    ) -> FsResult<v1::Attr> {
+        if pseudo::is_pseudo(ino) {
+            Self::root_only(ctx)?;
+            return Err(FsError::Denied(
+                "region metadata files cannot be linked".into(),
+            ));
+        }
+        self.check_creatable(ctx, new_parent, new_name)?;
+        let caller = self.caller(ctx);
+        let new_name = wire(new_name)?;
+        let attr = self.rpc.link(&caller, ino, new_parent, &new_name)?;
+        // The link count changed: answers kept for the kernel are stale.
+        self.forget_cached_attrs();
+        Ok(self.with_local_size(attr))
     }
 
     /// Checks that a directory may be opened (pseudo directories: root only).
@@ -1209,7 +1273,7 @@ impl RegionFs {
                 ino: attr.ino,
                 cookie: e.offset,
                 name: names::from_wire(&e.name),
-                is_dir: is_dir(&attr),
+                kind: attr.kind(),
                 attr: Some(attr),
             });
         }
@@ -1224,7 +1288,7 @@ impl RegionFs {
                     ino: i,
                     cookie,
                     name: name.into(),
-                    is_dir: true,
+                    kind: FileKind::Directory,
                     attr: None,
                 });
             }
@@ -1500,7 +1564,7 @@ impl RegionFs {
     /// the kernel look up again (a lookup reply, or `ESTALE` from open,
     /// which the kernel retries once after looking the path up afresh).
     fn kernel_size_stale(&self, attr: &v1::Attr) -> bool {
-        if !self.writeback() || is_dir(attr) {
+        if !self.writeback() || !is_region(attr) {
             return false;
         }
         let busy = !self.handles_of(attr.ino).is_empty();
@@ -1715,16 +1779,20 @@ impl RegionFs {
         u32::try_from(data.len()).map_err(|_| FsError::Invalid("write too large".into()))
     }
 
-    /// Clears the setuid bit, and the setgid bit of a group-executable
-    /// file, of region `ino` before a write by someone the kernel says must
-    /// not keep them (the file system handles this: `FUSE_HANDLE_KILLPRIV_V2`).
-    pub fn kill_suidgid(&self, ino: u64) {
+    /// Clears the setuid bit of region `ino`, and its setgid bit when the
+    /// group may execute it or the writer is not in its group (the kernel's
+    /// rule since Linux 6.2), before a write by someone the kernel says must
+    /// not keep them: it asks only when the writer lacks `CAP_FSETID` (the
+    /// file system handles this: `FUSE_HANDLE_KILLPRIV_V2`).
+    pub fn kill_suidgid(&self, ctx: &RequestCtx, ino: u64) {
+        let writer = self.caller(ctx);
         let internal = self.identity.internal();
         let Ok(attr) = self.rpc.getattr(&internal, ino) else {
             return;
         };
+        let in_group = writer.gid == attr.gid || writer.groups.contains(&attr.gid);
         let mut mode = attr.mode & !libc::S_ISUID;
-        if attr.mode & libc::S_IXGRP != 0 {
+        if attr.mode & libc::S_IXGRP != 0 || !in_group {
             mode &= !libc::S_ISGID;
         }
         if mode == attr.mode {
@@ -1766,7 +1834,7 @@ impl RegionFs {
     /// The size of `attr` as this mount knows it: the manager's, or what
     /// this mount's writers grew it to and have not published yet.
     fn with_local_size(&self, mut attr: v1::Attr) -> v1::Attr {
-        if !is_dir(&attr) {
+        if is_region(&attr) {
             attr.size = attr.size.max(self.unpublished_size(attr.ino));
         }
         attr
@@ -1885,31 +1953,39 @@ impl RegionFs {
     }
 }
 
-/// Deletes a region whose owner exited, if it is still where it was
-/// created (or renamed to through this mount) and still not persistent.
+/// Deletes a region whose owner exited, unless it was made persistent. A
+/// region with one name, still where it was created (or renamed to through
+/// this mount), loses that name; otherwise (hard links, or a rename through
+/// another host) the manager deletes every name of the owner's
+/// non-persistent regions, as the daemon does for owners it watches.
 fn reap(rpc: &Rpc, identity: &Identity, o: &Owned) {
     let caller = identity.internal();
-    match rpc.lookup(&caller, o.parent, &o.name) {
-        Ok(a) if a.ino == o.ino => {
-            if a.region_attrs.as_ref().is_some_and(|r| r.persistent) {
-                tracing::info!(ino = o.ino, name = %o.name, "owner exited but the region was made persistent; keeping it");
-                return;
-            }
-            match rpc.unlink(&caller, o.parent, &o.name) {
-                Ok(()) => {
-                    tracing::info!(pid = o.pid, ino = o.ino, name = %o.name, "deleted a non-persistent region whose owner exited")
-                }
-                Err(e) => {
-                    tracing::warn!(pid = o.pid, ino = o.ino, name = %o.name, error = %e, "cannot delete the region of an exited owner")
-                }
-            }
+    let attr = match rpc.getattr(&caller, o.ino) {
+        Ok(a) if a.nlink > 0 => a,
+        Ok(_) | Err(_) => {
+            tracing::info!(pid = o.pid, ino = o.ino, name = %o.name, "owner exited; its region is already gone");
+            return;
         }
-        Ok(_) | Err(_) => tracing::info!(
-            pid = o.pid,
-            ino = o.ino,
-            name = %o.name,
-            "owner exited; its region is no longer at its name (renamed elsewhere or removed); leaving it"
-        ),
+    };
+    if attr.region_attrs.as_ref().is_some_and(|r| r.persistent) {
+        tracing::info!(ino = o.ino, name = %o.name, "owner exited but the region was made persistent; keeping it");
+        return;
+    }
+    let at_its_name = rpc
+        .lookup(&caller, o.parent, &o.name)
+        .is_ok_and(|a| a.ino == o.ino);
+    let outcome = if at_its_name && attr.nlink == 1 {
+        rpc.unlink(&caller, o.parent, &o.name).map(|()| vec![o.ino])
+    } else {
+        rpc.release_owner(identity.host_id(), o.pid)
+    };
+    match outcome {
+        Ok(deleted) => {
+            tracing::info!(pid = o.pid, ino = o.ino, name = %o.name, ?deleted, "deleted the non-persistent regions of an exited owner")
+        }
+        Err(e) => {
+            tracing::warn!(pid = o.pid, ino = o.ino, name = %o.name, error = %e, "cannot delete the region of an exited owner")
+        }
     }
 }
 

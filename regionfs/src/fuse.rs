@@ -192,9 +192,21 @@ fn time(t: Option<v1::Timespec>) -> SystemTime {
     }
 }
 
+/// The kernel's file type of a kind.
+fn file_type(kind: FileKind) -> FileType {
+    match kind {
+        FileKind::Directory => FileType::Directory,
+        FileKind::Symlink => FileType::Symlink,
+        FileKind::Fifo => FileType::NamedPipe,
+        FileKind::Socket => FileType::Socket,
+        FileKind::CharDevice => FileType::CharDevice,
+        FileKind::BlockDevice => FileType::BlockDevice,
+        FileKind::Region | FileKind::Unspecified => FileType::RegularFile,
+    }
+}
+
 /// The kernel's view of an attribute.
 pub fn file_attr(a: &v1::Attr) -> FileAttr {
-    let dir = a.kind() == FileKind::Directory;
     FileAttr {
         ino: INodeNo(a.ino),
         size: a.size,
@@ -203,16 +215,13 @@ pub fn file_attr(a: &v1::Attr) -> FileAttr {
         mtime: time(a.mtime),
         ctime: time(a.ctime),
         crtime: time(a.crtime),
-        kind: if dir {
-            FileType::Directory
-        } else {
-            FileType::RegularFile
-        },
+        kind: file_type(a.kind()),
         perm: (a.mode & 0o7777) as u16,
         nlink: a.nlink,
         uid: a.uid,
         gid: a.gid,
-        rdev: 0,
+        // The kernel's dev_t is 32 bits: major in 12, minor in 20.
+        rdev: a.rdev as u32,
         blksize: BLKSIZE,
         flags: 0,
     }
@@ -370,6 +379,7 @@ impl Filesystem for FuseFs {
             size,
             atime: set_time(atime),
             mtime: set_time(mtime),
+            through_write_handle: false,
         };
         match self
             .core
@@ -387,11 +397,14 @@ impl Filesystem for FuseFs {
         name: &OsStr,
         mode: u32,
         umask: u32,
-        _rdev: u32,
+        rdev: u32,
         reply: ReplyEntry,
     ) {
         let _timed = Timed::start("mknod");
-        match self.core.mknod(&ctx(req), parent.0, name, mode, umask) {
+        match self
+            .core
+            .mknod(&ctx(req), parent.0, name, mode, umask, rdev)
+        {
             Ok(a) => reply.entry(
                 &TTL,
                 &file_attr(&a),
@@ -439,14 +452,14 @@ impl Filesystem for FuseFs {
 
     fn symlink(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         link_name: &OsStr,
-        _target: &Path,
+        target: &Path,
         reply: ReplyEntry,
     ) {
         let _timed = Timed::start("symlink");
-        match self.core.symlink(parent.0, link_name) {
+        match self.core.symlink(&ctx(req), parent.0, link_name, target) {
             Ok(a) => reply.entry(
                 &TTL,
                 &file_attr(&a),
@@ -478,16 +491,24 @@ impl Filesystem for FuseFs {
         }
     }
 
+    fn readlink(&self, req: &Request, ino: INodeNo, reply: ReplyData) {
+        let _timed = Timed::start("readlink");
+        match self.core.readlink(&ctx(req), ino.0) {
+            Ok(target) => reply.data(&target),
+            Err(e) => reply.error(self.fail("readlink", ino.0, &e)),
+        }
+    }
+
     fn link(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         newparent: INodeNo,
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
         let _timed = Timed::start("link");
-        match self.core.link(ino.0, newparent.0, newname) {
+        match self.core.link(&ctx(req), ino.0, newparent.0, newname) {
             Ok(a) => reply.entry(
                 &TTL,
                 &file_attr(&a),
@@ -533,7 +554,7 @@ impl Filesystem for FuseFs {
 
     fn write(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         fh: FileHandle,
         offset: u64,
@@ -545,7 +566,7 @@ impl Filesystem for FuseFs {
     ) {
         let _timed = Timed::start("write");
         if write_flags.contains(WriteFlags::FUSE_WRITE_KILL_SUIDGID) {
-            self.core.kill_suidgid(ino.0);
+            self.core.kill_suidgid(&ctx(req), ino.0);
         }
         match self.core.write(fh.0, offset, data) {
             Ok(n) => {
@@ -628,12 +649,7 @@ impl Filesystem for FuseFs {
         match self.core.readdir(&ctx(req), ino.0, offset, false) {
             Ok(entries) => {
                 for e in entries {
-                    let kind = if e.is_dir {
-                        FileType::Directory
-                    } else {
-                        FileType::RegularFile
-                    };
-                    if reply.add(INodeNo(e.ino), e.cookie, kind, &e.name) {
+                    if reply.add(INodeNo(e.ino), e.cookie, file_type(e.kind), &e.name) {
                         break;
                     }
                 }

@@ -96,6 +96,16 @@ impl OwnerWatch {
         }
     }
 
+    /// Whether a region at `name` in `parent` is watched.
+    pub fn watches_name(&self, parent: u64, name: &str) -> bool {
+        self.regions.by_pid.lock().is_ok_and(|by_pid| {
+            by_pid
+                .values()
+                .flatten()
+                .any(|o| o.parent == parent && o.name == name)
+        })
+    }
+
     /// Stops watching the region at `name` in `parent` (it was removed).
     pub fn forget_name(&self, parent: u64, name: &str) {
         if let Ok(mut by_pid) = self.regions.by_pid.lock() {

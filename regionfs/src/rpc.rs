@@ -59,6 +59,9 @@ pub struct SetAttrIn {
     pub atime: Option<SetTime>,
     /// New modification time.
     pub mtime: Option<SetTime>,
+    /// The change comes through a descriptor opened for writing (the
+    /// manager then allows a size change without write permission now).
+    pub through_write_handle: bool,
 }
 
 impl Rpc {
@@ -136,6 +139,68 @@ impl Rpc {
             size: change.size,
             atime: change.atime.map(SetTime::to_proto),
             mtime: change.mtime.map(SetTime::to_proto),
+            through_write_handle: change.through_write_handle,
+        }))
+    }
+
+    /// Makes `name` in `parent` a symbolic link to `target`.
+    pub fn symlink(
+        &self,
+        caller: &v1::Caller,
+        parent: u64,
+        name: &str,
+        target: &[u8],
+    ) -> FsResult<v1::Attr> {
+        self.call(self.ns().symlink(v1::SymlinkRequest {
+            caller: Some(caller.clone()),
+            parent,
+            name: name.to_owned(),
+            target: target.to_vec(),
+        }))
+    }
+
+    /// The target of symbolic link `ino`.
+    pub fn readlink(&self, caller: &v1::Caller, ino: u64) -> FsResult<Vec<u8>> {
+        self.call(self.ns().read_link(v1::GetAttrRequest {
+            caller: Some(caller.clone()),
+            ino,
+        }))
+        .map(|r| r.target)
+    }
+
+    /// Gives `ino` the further name `new_name` in `new_parent`.
+    pub fn link(
+        &self,
+        caller: &v1::Caller,
+        ino: u64,
+        new_parent: u64,
+        new_name: &str,
+    ) -> FsResult<v1::Attr> {
+        self.call(self.ns().link(v1::LinkRequest {
+            caller: Some(caller.clone()),
+            ino,
+            new_parent,
+            new_name: new_name.to_owned(),
+        }))
+    }
+
+    /// Makes a FIFO, socket or device node.
+    pub fn make_node(
+        &self,
+        caller: &v1::Caller,
+        parent: u64,
+        name: &str,
+        kind: v1::FileKind,
+        mode: u32,
+        rdev: u64,
+    ) -> FsResult<v1::Attr> {
+        self.call(self.ns().make_node(v1::MakeNodeRequest {
+            caller: Some(caller.clone()),
+            parent,
+            name: name.to_owned(),
+            kind: kind as i32,
+            mode,
+            rdev,
         }))
     }
 
@@ -324,5 +389,16 @@ impl Rpc {
     /// Cluster counters.
     pub fn stats(&self) -> FsResult<v1::StatsReply> {
         self.call(self.cluster.clone().stats(v1::StatsRequest {}))
+    }
+
+    /// Owner `pid` on host `host_id` exited: the manager deletes every name of
+    /// its non-persistent regions; returns them.
+    pub fn release_owner(&self, host_id: u32, pid: u32) -> FsResult<Vec<u64>> {
+        self.call(
+            self.cluster
+                .clone()
+                .release_owner(v1::ReleaseOwnerRequest { host_id, pid }),
+        )
+        .map(|r| r.inos)
     }
 }

@@ -253,6 +253,48 @@ fn owner_exit_deletes_its_non_persistent_region_through_a_mount() {
     assert!(exists(&c, "owned"), "the directory itself stays");
 }
 
+/// OWNERPID follows the region, not a name: an owner that gives its region a
+/// second name and removes the first still takes the region with it when it
+/// exits, and a region with two names loses both.
+#[test]
+fn owner_exit_deletes_every_name_of_its_hard_linked_regions() {
+    let cluster = Cluster::start(1, "64M").unwrap();
+    let mount = cluster.mount(1).unwrap();
+    let c = client(&cluster, 1);
+    let dir = c.mkdir_path("owned", 0o777).unwrap();
+    c.manager()
+        .setxattr(c.caller(), dir.ino, "user.regions.persistent", b"0")
+        .unwrap();
+    let script = r#"
+import os, sys
+d = sys.argv[1]
+for name in ("moved", "twice"):
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(b"owned " * 100)
+os.link(os.path.join(d, "moved"), os.path.join(d, "moved2"))
+os.unlink(os.path.join(d, "moved"))
+os.link(os.path.join(d, "twice"), os.path.join(d, "twice2"))
+print("ready", flush=True)
+sys.stdin.read()
+"#;
+    let mut cmd = Command::new("python3");
+    cmd.arg("-c").arg(script).arg(mount.path("owned"));
+    let mut owner = Owner::start(cmd);
+    for name in ["owned/moved2", "owned/twice", "owned/twice2"] {
+        assert_eq!(owner_pid_of(&c, name), owner.pid(), "{name}");
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(exists(&c, "owned/moved2"), "deleted while its owner lives");
+    owner.exit();
+    for name in ["owned/moved2", "owned/twice", "owned/twice2"] {
+        let took = wait_gone(&c, name);
+        assert!(
+            took < OWNER_BOUND,
+            "{name} deleted only {took:?} after the exit"
+        );
+    }
+}
+
 #[test]
 fn owner_exit_deletes_its_non_persistent_region_through_the_agent() {
     let cluster = Cluster::start(3, "64M").unwrap();

@@ -212,7 +212,7 @@ async fn one(c: &mut Clients, g: &mut Gen) -> (&'static str, Result<(), Status>)
             ($name, result)
         }};
     }
-    match g.rng.random_range(0..22) {
+    match g.rng.random_range(0..26) {
         0 => call!(
             "lookup",
             c.namespace.lookup(v1::LookupRequest {
@@ -253,6 +253,7 @@ async fn one(c: &mut Clients, g: &mut Gen) -> (&'static str, Result<(), Status>)
                     size,
                     atime,
                     mtime,
+                    through_write_handle: g.rng.random_bool(0.3),
                 }),
                 |a| learn(&mut g.seen, Some(&a), 0)
             )
@@ -428,6 +429,50 @@ async fn one(c: &mut Clients, g: &mut Gen) -> (&'static str, Result<(), Status>)
                 write: g.rng.random(),
             }),
             |_r| ()
+        ),
+        21 => {
+            let len = [0, 1, 20, 4095, 4096, 5000][g.rng.random_range(0..6)];
+            let target: Vec<u8> = (0..len).map(|_| g.rng.random()).collect();
+            call!(
+                "symlink",
+                c.namespace.symlink(v1::SymlinkRequest {
+                    caller,
+                    parent: g.dir(),
+                    name: g.name(),
+                    target,
+                }),
+                |a| learn(&mut g.seen, Some(&a), 0)
+            )
+        }
+        22 => call!(
+            "readlink",
+            c.namespace.read_link(v1::GetAttrRequest {
+                caller,
+                ino: g.ino()
+            }),
+            |_r| ()
+        ),
+        23 => call!(
+            "link",
+            c.namespace.link(v1::LinkRequest {
+                caller,
+                ino: g.ino(),
+                new_parent: g.dir(),
+                new_name: g.name(),
+            }),
+            |a| learn(&mut g.seen, Some(&a), 0)
+        ),
+        24 => call!(
+            "mknod",
+            c.namespace.make_node(v1::MakeNodeRequest {
+                caller,
+                parent: g.dir(),
+                name: g.name(),
+                kind: g.rng.random_range(-1..9),
+                mode: g.mode(),
+                rdev: g.rng.random(),
+            }),
+            |a| learn(&mut g.seen, Some(&a), 0)
         ),
         _ => call!(
             "heartbeat",

@@ -59,7 +59,11 @@ impl RegionFs {
                             ino: node.ino(),
                             cookie,
                             name: name.into(),
-                            is_dir: dir,
+                            kind: if dir {
+                                FileKind::Directory
+                            } else {
+                                FileKind::Region
+                            },
                             attr: Some(self.pseudo_attr(node)?),
                         });
                     }
@@ -94,7 +98,7 @@ impl RegionFs {
                         ino: m.ino(),
                         cookie: e.offset,
                         name: names::from_wire(&e.name),
-                        is_dir: is_dir(&a),
+                        kind: a.kind(),
                         attr: Some(attr),
                     });
                 }

@@ -188,14 +188,32 @@ fn namespace_operations() {
         errno(e.fs.mkdir(&root(), ROOT_INO, os(".regions"), 0o755, 0)),
         libc::EEXIST
     );
-    assert_eq!(errno(e.fs.symlink(ROOT_INO, os("l"))), libc::EPERM);
-    assert_eq!(errno(e.fs.link(a.ino, ROOT_INO, os("l"))), libc::EPERM);
+    // symbolic links, hard links and special files
+    let l =
+        e.fs.symlink(&root(), ROOT_INO, os("l"), Path::new("b"))
+            .unwrap();
+    assert_eq!(l.kind(), FileKind::Symlink);
+    assert_eq!(e.fs.readlink(&root(), l.ino).unwrap(), b"b");
+    assert_eq!(errno(e.fs.readlink(&root(), a.ino)), libc::EINVAL);
+    let twin = e.fs.link(&root(), a.ino, ROOT_INO, os("twin")).unwrap();
+    assert_eq!((twin.ino, twin.nlink), (a.ino, 2));
     assert_eq!(
-        errno(e.fs.mknod(&root(), ROOT_INO, os("fifo"), libc::S_IFIFO | 0o644, 0)),
+        errno(e.fs.link(&root(), a.ino, ROOT_INO, os("l"))),
+        libc::EEXIST
+    );
+    let fifo =
+        e.fs.mknod(&root(), ROOT_INO, os("fifo"), libc::S_IFIFO | 0o666, 0o022, 0)
+            .unwrap();
+    assert_eq!((fifo.kind(), fifo.mode), (FileKind::Fifo, 0o644));
+    assert_eq!(
+        errno(e.fs.mknod(&user(), ROOT_INO, os("dev"), libc::S_IFCHR | 0o600, 0, 0x103)),
         libc::EPERM
     );
+    for name in ["l", "twin", "fifo"] {
+        e.fs.unlink(&root(), ROOT_INO, os(name)).unwrap();
+    }
     let n =
-        e.fs.mknod(&root(), ROOT_INO, os("plain"), libc::S_IFREG | 0o600, 0)
+        e.fs.mknod(&root(), ROOT_INO, os("plain"), libc::S_IFREG | 0o600, 0, 0)
             .unwrap();
     assert_eq!(n.mode & 0o777, 0o600);
     // permissions are the manager's
