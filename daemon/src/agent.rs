@@ -36,6 +36,11 @@ pub const MAX_REQUEST: u32 = 1 << 20;
 pub const MAX_REPLY: u32 = 512 << 20;
 /// How often the accept loop checks for shutdown.
 const ACCEPT_POLL: Duration = Duration::from_millis(100);
+/// Connections one non-root user may hold open at once (each is a thread and up to one
+/// request of [`MAX_REQUEST`] bytes): past it, new ones are closed at once.
+pub const MAX_CONNECTIONS_PER_USER: usize = 128;
+/// Connections open at once, all users together.
+pub const MAX_CONNECTIONS: usize = 2048;
 
 /// Writes one length-prefixed message, with `fd` riding on its first byte.
 pub fn write_message(
@@ -252,8 +257,11 @@ impl AgentHandler {
 struct Shared {
     handler: AgentHandler,
     stop: AtomicBool,
-    conns: Mutex<HashMap<u64, UnixStream>>,
+    /// Open connections, with the uid of their peer.
+    conns: Mutex<HashMap<u64, (UnixStream, u32)>>,
     next_conn: AtomicU64,
+    /// Connections closed at once because a cap was reached, since start.
+    refused: AtomicU64,
 }
 
 /// A running host agent.
@@ -328,6 +336,7 @@ impl AgentServer {
             stop: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
+            refused: AtomicU64::new(0),
         });
         let for_thread = Arc::clone(&shared);
         let accept = std::thread::Builder::new()
@@ -351,7 +360,7 @@ impl AgentServer {
     pub fn shutdown(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
         if let Ok(conns) = self.shared.conns.lock() {
-            for stream in conns.values() {
+            for (stream, _) in conns.values() {
                 let _ = stream.shutdown(std::net::Shutdown::Both);
             }
         }
@@ -398,15 +407,22 @@ fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
         if shared.stop.load(Ordering::SeqCst) {
             break;
         }
+        let cred = match fdpass::peer_cred(&stream) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot identify a host-agent caller (SO_PEERCRED)");
+                continue;
+            }
+        };
         let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-        if let (Ok(clone), Ok(mut conns)) = (stream.try_clone(), shared.conns.lock()) {
-            conns.insert(id, clone);
+        if !admit(shared, id, &stream, cred.uid) {
+            continue;
         }
         let for_thread = Arc::clone(shared);
         let spawned = std::thread::Builder::new()
             .name(format!("agent-{id}"))
             .spawn(move || {
-                serve_connection(&stream, &for_thread.handler);
+                serve_connection(&stream, cred, &for_thread.handler);
                 if let Ok(mut conns) = for_thread.conns.lock() {
                     conns.remove(&id);
                 }
@@ -416,6 +432,40 @@ fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
             if let Ok(mut conns) = shared.conns.lock() {
                 conns.remove(&id);
             }
+        }
+    }
+}
+
+/// Records connection `id` of `uid`, or closes it (returns `false`) when that user already
+/// holds [`MAX_CONNECTIONS_PER_USER`] (root is not limited) or the agent [`MAX_CONNECTIONS`].
+fn admit(shared: &Shared, id: u64, stream: &UnixStream, uid: u32) -> bool {
+    let Ok(mut conns) = shared.conns.lock() else {
+        return false;
+    };
+    let mine = conns.values().filter(|(_, u)| *u == uid).count();
+    let full = conns.len() >= MAX_CONNECTIONS;
+    if full || (uid != 0 && mine >= MAX_CONNECTIONS_PER_USER) {
+        drop(conns);
+        let n = shared.refused.fetch_add(1, Ordering::Relaxed) + 1;
+        if n.is_power_of_two() {
+            tracing::warn!(
+                uid,
+                of_this_user = mine,
+                full,
+                refused_so_far = n,
+                "host agent: too many connections; closing a new one"
+            );
+        }
+        return false;
+    }
+    match stream.try_clone() {
+        Ok(handle) => {
+            conns.insert(id, (handle, uid));
+            true
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot keep a handle of a host-agent connection; closing it");
+            false
         }
     }
 }
@@ -435,14 +485,7 @@ fn call_name(request: &AgentRequest) -> &'static str {
     }
 }
 
-fn serve_connection(stream: &UnixStream, handler: &AgentHandler) {
-    let cred = match fdpass::peer_cred(stream) {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot identify a host-agent caller (SO_PEERCRED)");
-            return;
-        }
-    };
+fn serve_connection(stream: &UnixStream, cred: fdpass::PeerCred, handler: &AgentHandler) {
     tracing::debug!(pid = cred.pid, uid = cred.uid, "host-agent connection");
     loop {
         let body = match read_message(stream, MAX_REQUEST) {

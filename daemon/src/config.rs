@@ -64,6 +64,22 @@ pub struct Args {
     /// How long a transport request for a chunk not assigned yet waits for the manager's event.
     #[arg(long, env = "REGIONS_ASSIGN_WAIT_MS", default_value_t = 2_000)]
     pub assign_wait_ms: u64,
+    /// Most transport connections open at once; past it the oldest connection that has not
+    /// authenticated makes room, or the new one is closed.
+    #[arg(long, env = "REGIONS_MAX_CONNECTIONS", default_value_t = 1024)]
+    pub max_connections: usize,
+    /// Most transport connections waiting to authenticate; past it the oldest silent one is
+    /// closed to make room.
+    #[arg(long, env = "REGIONS_MAX_UNAUTHENTICATED", default_value_t = 128)]
+    pub max_unauthenticated: usize,
+    /// Bytes of request payloads all transport connections together may hold (K, M, G
+    /// suffixes); a connection past it waits for room.
+    #[arg(long, env = "REGIONS_MAX_BUFFERED", default_value = "256M", value_parser = parse_size)]
+    pub max_buffered: u64,
+    /// Seconds an authenticated transport connection may stay silent before it is closed
+    /// (clients reconnect).
+    #[arg(long, env = "REGIONS_IDLE_TIMEOUT_S", default_value_t = 300)]
+    pub idle_timeout_s: u64,
     /// Tests only: waits this long before applying each chunk release or tail zeroing, to
     /// show that the manager's replies wait for them.
     #[arg(
@@ -184,6 +200,12 @@ impl Config {
             startup_timeout: Duration::from_millis(args.startup_timeout_ms),
             transport: TransportConfig {
                 assign_wait: Duration::from_millis(args.assign_wait_ms),
+                idle_timeout: Duration::from_secs(args.idle_timeout_s),
+                admission: crate::admission::Limits {
+                    max_connections: args.max_connections,
+                    max_unauthenticated: args.max_unauthenticated,
+                },
+                max_buffered: args.max_buffered,
                 ..TransportConfig::default()
             },
             metrics_listen: args.metrics_listen,
@@ -210,6 +232,22 @@ impl Config {
             return Err(DaemonError::Config(
                 "--heartbeat-ms must be positive".into(),
             ));
+        }
+        let t = &self.transport;
+        if t.admission.max_unauthenticated == 0
+            || t.admission.max_connections < t.admission.max_unauthenticated
+        {
+            return Err(DaemonError::Config(format!(
+                "--max-unauthenticated {} must be at least 1 and at most --max-connections {}",
+                t.admission.max_unauthenticated, t.admission.max_connections
+            )));
+        }
+        if t.idle_timeout < t.io_timeout {
+            return Err(DaemonError::Config(format!(
+                "--idle-timeout-s {} must be at least the I/O timeout ({} s)",
+                t.idle_timeout.as_secs(),
+                t.io_timeout.as_secs()
+            )));
         }
         Ok(())
     }

@@ -19,6 +19,7 @@
 //! - [`stats`]: the counters the agent reports.
 //! - [`daemon`]: [`Daemon`], everything started together.
 
+pub mod admission;
 pub mod agent;
 pub mod agent_map;
 pub mod agent_sync;

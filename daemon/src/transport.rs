@@ -13,12 +13,17 @@
 //!   (`EFAULT` unassigned or out of bounds, `ENOENT` unknown pool, `EINVAL` malformed request).
 //! - A frame that cannot be decoded (bad header, oversized payload) closes the connection with
 //!   a log line. Nothing a peer sends makes the daemon panic.
+//! - Connections are capped, waiting ones evicted oldest first ([`crate::admission`]); a
+//!   connection that has not authenticated holds a 4 KiB input buffer, an authenticated one
+//!   [`TransportConfig::buffer`]; payloads read and not yet served are bounded in total by
+//!   [`TransportConfig::max_buffered`]. A peer that stalls inside a frame for
+//!   [`TransportConfig::io_timeout`], or sends nothing for [`TransportConfig::idle_timeout`],
+//!   is disconnected (clients reconnect).
 
-use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -29,6 +34,7 @@ use regions_proto::frame::{
     FLAG_REPLY, Frame, FrameError, HEADER_LEN, Header, Limits, Op, Range, Request,
 };
 
+use crate::admission::{self, Admission, Budget};
 use crate::error::{DaemonError, Result};
 use crate::pools::{Pinned, Pools, Resolved};
 use crate::rawio::{Ready, wait_ready};
@@ -37,6 +43,12 @@ use crate::transport_auth::{ConnAuth, Reach};
 
 /// Largest HELLO payload accepted (before authentication nothing bigger is read).
 const MAX_HELLO: u32 = 4096;
+/// Input buffer of a connection that has not authenticated: a header and a HELLO.
+const UNAUTHENTICATED_BUFFER: usize = HEADER_LEN + MAX_HELLO as usize;
+/// Payload buffers of at most this many bytes are not counted in the budget.
+const UNBUDGETED: usize = 64 << 10;
+/// A payload buffer grows (and its budget is reserved) by at least this much at a time.
+const PAYLOAD_PIECE: usize = 1 << 20;
 /// Replies buffered before they are written even though more requests are waiting.
 const FLUSH_AT: usize = 64 << 10;
 /// Longest `WaitChange` served (callers ask again).
@@ -45,6 +57,8 @@ const MAX_WAIT: Duration = Duration::from_secs(1);
 const WAIT_SLICE: Duration = Duration::from_millis(10);
 /// How often the accept loop checks for shutdown.
 const ACCEPT_POLL: Duration = Duration::from_millis(100);
+/// Connections the kernel queues for the accept loop (capped by `net.core.somaxconn`).
+const LISTEN_BACKLOG: i32 = 1024;
 /// Vector reads of at least this many ranges, moving at most
 /// [`GATHER_MAX_BYTES`], are gathered into one buffer and sent at once.
 const GATHER_MIN_RANGES: usize = 16;
@@ -64,6 +78,12 @@ pub struct TransportConfig {
     pub buffer: usize,
     /// How long a new connection has to authenticate before it is closed.
     pub auth_timeout: Duration,
+    /// How long an authenticated connection may send nothing before it is closed.
+    pub idle_timeout: Duration,
+    /// Caps on open and unauthenticated connections.
+    pub admission: admission::Limits,
+    /// Bytes of request payloads all connections together may hold.
+    pub max_buffered: u64,
 }
 
 impl Default for TransportConfig {
@@ -74,6 +94,9 @@ impl Default for TransportConfig {
             io_timeout: Duration::from_secs(30),
             buffer: 256 << 10,
             auth_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(300),
+            admission: admission::Limits::default(),
+            max_buffered: 256 << 20,
         }
     }
 }
@@ -88,7 +111,8 @@ struct Shared {
     stats: Arc<Stats>,
     config: TransportConfig,
     stop: AtomicBool,
-    conns: Mutex<HashMap<u64, TcpStream>>,
+    admission: Admission,
+    budget: Budget,
     next_conn: AtomicU64,
 }
 
@@ -102,11 +126,19 @@ pub struct TransportServer {
 
 impl TransportServer {
     /// Binds the transport address (port 0 picks a free port).
+    /// The accept queue holds [`LISTEN_BACKLOG`] connections, so that a burst of new ones
+    /// (a flood, or many clients at once) is not answered with dropped SYNs and retries.
     pub fn bind(addr: SocketAddr) -> Result<TcpListener> {
-        TcpListener::bind(addr).map_err(|source| DaemonError::Bind {
+        let bind_error = |source| DaemonError::Bind {
             addr: addr.to_string(),
             source,
-        })
+        };
+        let listener = TcpListener::bind(addr).map_err(bind_error)?;
+        // Listening again on a listening socket only changes its backlog.
+        let backlog = nix::sys::socket::Backlog::new(LISTEN_BACKLOG)
+            .map_err(|e| bind_error(io::Error::from(e)))?;
+        nix::sys::socket::listen(&listener, backlog).map_err(|e| bind_error(io::Error::from(e)))?;
+        Ok(listener)
     }
 
     /// Serves `listener` on a background thread until [`TransportServer::shutdown`].
@@ -127,7 +159,8 @@ impl TransportServer {
             stats,
             config,
             stop: AtomicBool::new(false),
-            conns: Mutex::new(HashMap::new()),
+            admission: Admission::new(config.admission),
+            budget: Budget::new(config.max_buffered),
             next_conn: AtomicU64::new(1),
         });
         let for_thread = Arc::clone(&shared);
@@ -151,11 +184,7 @@ impl TransportServer {
     /// Stops accepting, closes every connection and waits for the accept thread.
     pub fn shutdown(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
-        if let Ok(conns) = self.shared.conns.lock() {
-            for stream in conns.values() {
-                let _ = stream.shutdown(Shutdown::Both);
-            }
-        }
+        self.shared.admission.close_all();
         if let Some(handle) = self.accept.take() {
             // Wake the accept loop now rather than at its next poll timeout.
             let mut wake = self.addr;
@@ -201,8 +230,19 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
             break;
         }
         let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-        if let (Ok(clone), Ok(mut conns)) = (stream.try_clone(), shared.conns.lock()) {
-            conns.insert(id, clone);
+        let handle = match stream.try_clone() {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(%peer, error = %e, "cannot keep a handle of a new connection; dropping it");
+                continue;
+            }
+        };
+        if let Err(refused) = shared.admission.admit(id, handle) {
+            let n = shared.admission.refusals();
+            if n.is_power_of_two() {
+                tracing::warn!(%peer, open = refused.open, refused_so_far = n, "transport full of authenticated connections; closing a new one");
+            }
+            continue;
         }
         let for_thread = Arc::clone(shared);
         let spawned = std::thread::Builder::new()
@@ -210,22 +250,18 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
             .spawn(move || {
                 Stats::add(&for_thread.stats.connections, 1);
                 Stats::add(&for_thread.stats.connections_total, 1);
-                serve_connection(stream, peer, &for_thread);
+                serve_connection(id, stream, peer, &for_thread);
                 Stats::dec(&for_thread.stats.connections);
-                if let Ok(mut conns) = for_thread.conns.lock() {
-                    conns.remove(&id);
-                }
+                for_thread.admission.remove(id);
             });
         if let Err(e) = spawned {
             tracing::warn!(%peer, error = %e, "cannot start a connection thread; dropping the connection");
-            if let Ok(mut conns) = shared.conns.lock() {
-                conns.remove(&id);
-            }
+            shared.admission.remove(id);
         }
     }
 }
 
-fn serve_connection(stream: TcpStream, peer: SocketAddr, shared: &Arc<Shared>) {
+fn serve_connection(id: u64, stream: TcpStream, peer: SocketAddr, shared: &Arc<Shared>) {
     if let Err(e) = stream
         .set_nodelay(true)
         .and_then(|()| stream.set_write_timeout(Some(shared.config.io_timeout)))
@@ -235,10 +271,12 @@ fn serve_connection(stream: TcpStream, peer: SocketAddr, shared: &Arc<Shared>) {
     }
     tracing::debug!(%peer, "transport connection opened");
     let mut conn = Conn {
+        id,
         stream,
         peer,
         shared: Arc::clone(shared),
-        input: InBuf::new(shared.config.buffer),
+        input: InBuf::new(UNAUTHENTICATED_BUFFER),
+        held: 0,
         out: BytesMut::with_capacity(FLUSH_AT),
         auth: ConnAuth::default(),
         auth_deadline: Some(Instant::now() + shared.config.auth_timeout),
@@ -292,6 +330,13 @@ impl InBuf {
         &self.buf[self.start..self.end]
     }
 
+    /// Makes the buffer hold `capacity` bytes (never less than it holds now).
+    fn grow(&mut self, capacity: usize) {
+        if capacity > self.buf.len() {
+            self.buf.resize(capacity, 0);
+        }
+    }
+
     fn len(&self) -> usize {
         self.end - self.start
     }
@@ -326,6 +371,8 @@ impl InBuf {
 
 /// One transport connection.
 struct Conn {
+    /// Its number in [`Shared::admission`].
+    id: u64,
     stream: TcpStream,
     peer: SocketAddr,
     shared: Arc<Shared>,
@@ -336,6 +383,14 @@ struct Conn {
     auth: ConnAuth,
     /// Until the connection authenticates: when it is closed if it has not.
     auth_deadline: Option<Instant>,
+    /// Bytes of [`Shared::budget`] this connection holds for the request it serves.
+    held: u64,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.release_budget();
+    }
 }
 
 impl Conn {
@@ -347,6 +402,7 @@ impl Conn {
             Stats::add(&self.shared.stats.requests, 1);
             let (op, started) = (header.op.name(), Instant::now());
             let handled = self.handle(header);
+            self.release_budget();
             counter!("regions_daemon_transport_requests_total", "op" => op).increment(1);
             histogram!("regions_daemon_transport_request_duration_seconds", "op" => op)
                 .record(started.elapsed());
@@ -368,6 +424,7 @@ impl Conn {
 
     /// The next request header; `None` when the peer closed between frames.
     fn next_header(&mut self) -> Result<Option<Header>, Close> {
+        let mut idle = Duration::ZERO;
         while self.input.len() < HEADER_LEN {
             // Nothing more is pipelined: the buffered replies go out before we block.
             self.flush()?;
@@ -375,6 +432,14 @@ impl Conn {
             let filled = match self.input.fill(&self.stream) {
                 Err(e) if self.auth_deadline.is_some() && is_timeout(&e) => {
                     return Err(self.too_slow());
+                }
+                Err(e) if is_timeout(&e) && self.input.len() == 0 => {
+                    // Between frames: idle, up to the idle timeout.
+                    idle += self.shared.config.io_timeout;
+                    if idle >= self.shared.config.idle_timeout {
+                        return Err(Close::Quiet(format!("idle for {idle:?}")));
+                    }
+                    continue;
                 }
                 filled => filled?,
             };
@@ -431,20 +496,70 @@ impl Conn {
 
     /// Reads a whole payload of `len` bytes into memory. Memory grows with the bytes that
     /// actually arrive, so a peer announcing a large payload and sending none costs nothing.
+    /// The buffer's capacity is reserved in [`Shared::budget`] before it grows, and it grows
+    /// (doubling, up to `len`) only as bytes arrive; the reservation is held until the request
+    /// has been served.
     fn read_payload(&mut self, len: u32) -> io::Result<Bytes> {
         let len = len as usize;
         let take = len.min(self.input.len());
-        let mut payload = Vec::with_capacity(take.max(len.min(self.input.buf.len())));
+        let first = take.max(len.min(self.input.buf.len()));
+        self.reserve(first)?;
+        let mut payload = Vec::with_capacity(first);
         payload.extend_from_slice(&self.input.available()[..take]);
         self.input.consume(take);
-        if payload.len() < len {
-            let rest = (len - payload.len()) as u64;
-            (&self.stream).take(rest).read_to_end(&mut payload)?;
-            if payload.len() < len {
+        while payload.len() < len {
+            if payload.len() == payload.capacity() {
+                let grown = (payload.capacity() * 2).clamp(PAYLOAD_PIECE, len);
+                let more = grown - payload.capacity();
+                self.reserve(more)?;
+                payload.reserve_exact(more);
+            }
+            let piece = (len - payload.len()).min(payload.capacity() - payload.len());
+            let before = payload.len();
+            (&self.stream)
+                .take(piece as u64)
+                .read_to_end(&mut payload)?;
+            if payload.len() - before < piece {
                 return Err(io::ErrorKind::UnexpectedEof.into());
             }
         }
         Ok(Bytes::from(payload))
+    }
+
+    /// Reserves `n` more bytes of the shared budget for the request being served. Pieces of
+    /// at most [`UNBUDGETED`] bytes are not counted (they are bounded per connection, like the
+    /// input buffer), so that handshakes and small requests never wait behind large payloads.
+    fn reserve(&mut self, n: usize) -> io::Result<()> {
+        if n <= UNBUDGETED {
+            return Ok(());
+        }
+        if !self
+            .shared
+            .budget
+            .reserve(n as u64, self.shared.config.io_timeout)
+        {
+            tracing::warn!(
+                peer = %self.peer,
+                bytes = n,
+                held = self.shared.budget.used(),
+                max = self.shared.budget.max(),
+                "transport payload budget stayed spent; closing the connection"
+            );
+            return Err(io::Error::new(
+                io::ErrorKind::OutOfMemory,
+                "the daemon's payload budget is spent",
+            ));
+        }
+        self.held += n as u64;
+        Ok(())
+    }
+
+    /// Gives back what the served request held of the budget.
+    fn release_budget(&mut self) {
+        if self.held > 0 {
+            self.shared.budget.release(self.held);
+            self.held = 0;
+        }
     }
 
     /// Reads and drops `len` bytes of payload.
@@ -603,9 +718,18 @@ impl Conn {
             Ok(reply) => reply,
             Err(message) => return Err(self.refuse(h, &message)),
         };
+        if !self.auth.is_authenticated() {
+            // The first step of the handshake went well: a client at work.
+            self.shared.admission.started(self.id);
+        }
         if self.auth_deadline.is_some() && self.auth.is_authenticated() {
             self.auth_deadline = None;
-            self.stream.set_read_timeout(None)?;
+            self.shared.admission.authenticated(self.id);
+            self.input.grow(self.shared.config.buffer);
+            // From now on a stall inside a frame ends the connection after the I/O timeout,
+            // silence between frames after the idle timeout (see `next_header`).
+            self.stream
+                .set_read_timeout(Some(self.shared.config.io_timeout))?;
             tracing::debug!(peer = %self.peer, capability = h.capability, "transport connection authenticated");
         }
         self.reply_ok(h, Bytes::from(reply));

@@ -3,14 +3,18 @@
 
 mod common;
 
+use std::io::Write;
+use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use common::{Client, TOKEN, server, status};
 use regions_daemon::pools::Pools;
-use regions_daemon::transport::TransportConfig;
-use regions_proto::frame::{HEADER_LEN, Header, Op, Range, Request};
+use regions_daemon::stats::Stats;
+use regions_daemon::transport::{TransportConfig, TransportServer};
+use regions_proto::auth::Secret;
+use regions_proto::frame::{HEADER_LEN, Header, Limits, Op, Range, Request};
 use regions_proto::handshake::ClientHello;
 use regions_proto::layout::CHUNK_SIZE;
 
@@ -521,4 +525,318 @@ fn wait_change_answers_when_an_atomic_changes_the_word_or_at_its_timeout() {
         timeout_us: 1000,
     });
     assert_eq!(status(&r), libc::EINVAL);
+}
+
+/// Raises this process's limit of open files to `n` (tests run as root, who may).
+fn raise_fd_limit(n: u64) {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the rlimit we own.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+    if lim.rlim_cur >= n {
+        return;
+    }
+    let want = libc::rlimit {
+        rlim_cur: n,
+        rlim_max: lim.rlim_max.max(n),
+    };
+    // SAFETY: setrlimit reads the rlimit we own; it changes only this process's limit.
+    let r = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) };
+    assert_eq!(
+        r,
+        0,
+        "raise RLIMIT_NOFILE to {n}: {}",
+        std::io::Error::last_os_error()
+    );
+}
+
+/// The median round trip of `n` pings on `c`.
+fn median_ping(c: &mut Client, n: usize) -> Duration {
+    let mut times: Vec<Duration> = (0..n)
+        .map(|_| {
+            let started = Instant::now();
+            assert_eq!(status(&c.call(&Request::Ping)), 0);
+            started.elapsed()
+        })
+        .collect();
+    times.sort();
+    times[n / 2]
+}
+
+/// A header announcing `op` with a payload of `len` bytes.
+fn raw_header(op: Op, len: u32) -> Vec<u8> {
+    let mut out = BytesMut::new();
+    Header {
+        pool: 1,
+        payload_len: len,
+        ..Header::new(op, 1)
+    }
+    .encode(&mut out);
+    out.to_vec()
+}
+
+/// Set (to the payload budget in bytes) for [`flood_server_helper`].
+const FLOOD_SERVER_ENV: &str = "REGIONS_TEST_FLOOD_SERVER";
+
+/// Not a test of its own: the transport server of [`a_flood_of_connections_leaves_authenticated_clients_served`],
+/// in a process of its own so that its memory can be measured. Does nothing unless
+/// [`FLOOD_SERVER_ENV`] is set. Prints `addr ADDR`, then answers each line on stdin with
+/// `open N` (connections open now); exits when stdin ends.
+#[test]
+fn flood_server_helper() {
+    use std::io::BufRead;
+    let Ok(budget) = std::env::var(FLOOD_SERVER_ENV) else {
+        return;
+    };
+    regions_daemon::admission::return_large_buffers_to_the_os();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .try_init();
+    let stats = Arc::new(Stats::default());
+    let config = TransportConfig {
+        io_timeout: Duration::from_secs(5),
+        max_buffered: budget.parse().unwrap(),
+        ..TransportConfig::default()
+    };
+    let listener = TransportServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let srv = TransportServer::start(
+        listener,
+        pools(),
+        Secret::new(TOKEN).unwrap(),
+        Arc::clone(&stats),
+        config,
+    )
+    .unwrap();
+    println!("addr {}", srv.local_addr());
+    for _ in std::io::stdin().lock().lines() {
+        let open = stats.connections.load(std::sync::atomic::Ordering::Relaxed);
+        println!("open {open}");
+    }
+}
+
+/// The flood server: its process, address and output lines.
+struct FloodServer {
+    child: std::process::Child,
+    addr: std::net::SocketAddr,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl FloodServer {
+    fn start(budget: u64) -> FloodServer {
+        use std::io::BufRead;
+        use std::process::{Command, Stdio};
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "flood_server_helper",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(FLOOD_SERVER_ENV, budget.to_string())
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "off".into()),
+            )
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+            {
+                let _ = tx.send(line);
+            }
+        });
+        let mut server = FloodServer {
+            child,
+            addr: "127.0.0.1:1".parse().unwrap(),
+            lines,
+        };
+        server.addr = server.expect("addr ").parse().unwrap();
+        server
+    }
+
+    /// What follows `prefix` on the next output line that has it (bounded wait).
+    fn expect(&self, prefix: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = self
+                .lines
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("the flood server never said {prefix:?}"));
+            // libtest prints "test NAME ... " before the helper's first line.
+            if let Some(at) = line.find(prefix) {
+                return line[at + prefix.len()..].trim().to_owned();
+            }
+        }
+    }
+
+    /// Connections open at the server now.
+    fn open(&mut self) -> usize {
+        writeln!(self.child.stdin.as_mut().unwrap()).unwrap();
+        self.expect("open ").parse().unwrap()
+    }
+
+    /// The server's resident memory.
+    fn rss(pid: u32) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+            << 10
+    }
+}
+
+impl Drop for FloodServer {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// 2,000 connections that never authenticate, 50 announcing maximum-size HELLOs and 50
+/// authenticated ones streaming into maximum-size frames, against a transport server in a
+/// process of its own: it keeps at most its cap of waiting connections (the oldest make room),
+/// its resident memory grows by at most its payload budget and its buffers, and an
+/// authenticated client is served throughout, as is a new one. (Latency under the flood is
+/// printed, not asserted.)
+#[test]
+fn a_flood_of_connections_leaves_authenticated_clients_served() {
+    raise_fd_limit(8192);
+    let budget: u64 = 64 << 20;
+    let caps = regions_daemon::admission::Limits::default();
+    let mut server = FloodServer::start(budget);
+    let (addr, pid) = (server.addr, server.child.id());
+    let mut c = Client::authenticated(addr, TOKEN);
+    let unloaded = median_ping(&mut c, 200);
+    let rss_before = FloodServer::rss(pid);
+    let peak = Arc::new(std::sync::atomic::AtomicU64::new(rss_before));
+    let sampling = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sampler = {
+        let (peak, sampling) = (Arc::clone(&peak), Arc::clone(&sampling));
+        std::thread::spawn(move || {
+            while sampling.load(std::sync::atomic::Ordering::Relaxed) {
+                peak.fetch_max(FloodServer::rss(pid), std::sync::atomic::Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        })
+    };
+
+    let idle: Vec<TcpStream> = (0..2000)
+        .map(|i| TcpStream::connect(addr).unwrap_or_else(|e| panic!("connection {i}: {e}")))
+        .collect();
+    let max = Limits::default().max_payload;
+    let hellos: Vec<TcpStream> = (0..50)
+        .map(|_| {
+            let mut s = TcpStream::connect(addr).unwrap();
+            let _ = s.write_all(&raw_header(Op::Hello, max));
+            s
+        })
+        .collect();
+    let junk = Arc::new(vec![0x5au8; 1 << 20]);
+    let writers: Vec<_> = (0..50)
+        .map(|_| {
+            let w = Client::authenticated(addr, TOKEN);
+            let junk = Arc::clone(&junk);
+            std::thread::spawn(move || {
+                let mut s = w.stream;
+                s.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+                let _ = s.write_all(&raw_header(Op::WriteV, max));
+                for _ in 0..8 {
+                    if s.write_all(&junk).is_err() {
+                        break;
+                    }
+                }
+                s
+            })
+        })
+        .collect();
+    let loaded = median_ping(&mut c, 200);
+    let mut fresh = Client::authenticated(addr, TOKEN);
+    assert_eq!(
+        status(&fresh.call(&Request::Ping)),
+        0,
+        "a new client during the flood"
+    );
+    let writers: Vec<TcpStream> = writers.into_iter().map(|t| t.join().unwrap()).collect();
+    let open = server.open();
+    assert_eq!(
+        status(&c.call(&Request::Ping)),
+        0,
+        "still served after the flood"
+    );
+    sampling.store(false, std::sync::atomic::Ordering::Relaxed);
+    sampler.join().unwrap();
+    let grew = peak
+        .load(std::sync::atomic::Ordering::Relaxed)
+        .saturating_sub(rss_before);
+    eprintln!(
+        "flood: ping {unloaded:?} unloaded, {loaded:?} under 2,100 connections ({:.1}x); \
+         {open} connections open at the server; its resident memory peaked {} MiB above the start",
+        loaded.as_secs_f64() / unloaded.as_secs_f64().max(1e-9),
+        grew >> 20
+    );
+    assert!(
+        open <= caps.max_unauthenticated + writers.len() + 2 + 16,
+        "{open} connections open at the server: waiting ones are not capped at {}",
+        caps.max_unauthenticated
+    );
+    // The budget, the input buffers of 52 authenticated connections (256 KiB each), and the
+    // stacks of the connection threads.
+    let bound = budget + 52 * (256 << 10) + (48 << 20);
+    assert!(
+        grew < bound,
+        "the server's resident memory grew by {} MiB under the flood (bound {} MiB)",
+        grew >> 20,
+        bound >> 20
+    );
+    drop((idle, hellos, writers));
+}
+
+/// An authenticated connection that sends nothing for the idle timeout, or stops inside a
+/// frame for the I/O timeout, is closed; one that keeps talking is not.
+#[test]
+fn silent_and_stalled_connections_are_closed() {
+    let config = TransportConfig {
+        io_timeout: Duration::from_millis(100),
+        idle_timeout: Duration::from_millis(500),
+        ..TransportConfig::default()
+    };
+    let srv = common::server_with(pools(), config);
+    let addr = srv.local_addr();
+    let mut busy = Client::authenticated(addr, TOKEN);
+    let mut silent = Client::authenticated(addr, TOKEN);
+    for _ in 0..8 {
+        std::thread::sleep(Duration::from_millis(150));
+        assert_eq!(
+            status(&busy.call(&Request::Ping)),
+            0,
+            "a talking client stays"
+        );
+    }
+    silent.send(&Request::Ping);
+    assert!(silent.recv().is_none(), "closed after 1.2 s of silence");
+
+    let mut stalled = Client::authenticated(addr, TOKEN);
+    let header = raw_header(Op::Read, 0);
+    stalled.send_raw(&header[..HEADER_LEN / 2]).unwrap();
+    let started = Instant::now();
+    assert!(stalled.recv().is_none(), "closed inside a frame");
+    assert!(started.elapsed() < Duration::from_secs(5));
 }

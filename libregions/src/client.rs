@@ -104,6 +104,28 @@ fn components(path: &str) -> impl DoubleEndedIterator<Item = &str> {
     path.split('/').filter(|n| !n.is_empty())
 }
 
+/// The kernel's `protected_symlinks` rule: a symbolic link in a sticky,
+/// world-writable directory is followed only by its owner, or when the
+/// directory's owner owns it.
+fn check_followable(
+    caller: &v1::Caller,
+    dir: &v1::Attr,
+    link: &v1::Attr,
+    name: &str,
+) -> Result<()> {
+    let shared_sticky = dir.mode & 0o1002 == 0o1002;
+    if shared_sticky && link.uid != caller.uid && link.uid != dir.uid {
+        return Err(RegionsError::Manager {
+            errno: libc::EACCES,
+            message: format!(
+                "symbolic link {name:?} belongs to uid {} in a sticky world-writable directory; only its owner follows it (protected_symlinks)",
+                link.uid
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// An absolute symlink target as a path inside the namespace: the part
 /// after `mount`, or `None` when it points elsewhere.
 fn namespace_relative(target: &str, mount: &std::path::Path) -> Option<String> {
@@ -168,23 +190,55 @@ impl Client {
     /// are followed, and the last one too when `follow_last`: a relative
     /// target from the link's directory, an absolute one from the root once
     /// the mount point (`REGIONS_MOUNT`, default `/regions`) is taken off its
-    /// front. More than 40 links give [`RegionsError::SymlinkLoop`].
+    /// front. A target that leads out of the namespace (absolute elsewhere,
+    /// or `..` above the root) is `EINVAL`: open it through the file system.
+    /// As the kernel's `protected_symlinks`, a link in a sticky world-writable
+    /// directory is followed only if the caller or the directory's owner owns
+    /// it (`EACCES`). More than 40 links give [`RegionsError::SymlinkLoop`].
     pub fn resolve(&self, path: &str, follow_last: bool) -> Result<v1::Attr> {
         const MAX_FOLLOWED: usize = 40;
         let manager = &self.shared.manager;
         let caller = &self.shared.caller;
         let root = manager.getattr(caller, ROOT_INO)?;
-        let mut dir = root.clone();
+        // The directories walked so far, the root first: ".." pops one.
+        let mut dirs = vec![root.clone()];
         let mut attr = root.clone();
-        // Components still to walk, the next one last.
-        let mut pending: Vec<String> = components(path).rev().map(str::to_owned).collect();
+        // Components still to walk, the next one last, each with whether it came
+        // from a link target.
+        let mut pending: Vec<(String, bool)> = components(path)
+            .rev()
+            .map(|c| (c.to_owned(), false))
+            .collect();
         let mut followed = 0;
-        while let Some(name) = pending.pop() {
+        while let Some((name, from_link)) = pending.pop() {
+            let dir = dirs.last().cloned().unwrap_or_else(|| root.clone());
+            match name.as_str() {
+                "." => {
+                    attr = dir;
+                    continue;
+                }
+                ".." => {
+                    // Search permission on the directory left, as the kernel checks.
+                    manager.lookup(caller, dir.ino, "..")?;
+                    if dirs.len() == 1 {
+                        if from_link {
+                            return Err(RegionsError::Invalid(format!(
+                                "a symbolic link in {path:?} leads above the regions root; open it through the file system"
+                            )));
+                        }
+                    } else {
+                        dirs.pop();
+                    }
+                    attr = dirs.last().cloned().unwrap_or_else(|| root.clone());
+                    continue;
+                }
+                _ => {}
+            }
             attr = manager.lookup(caller, dir.ino, &name)?;
             let is_link = attr.kind() == v1::FileKind::Symlink;
             if !is_link || (pending.is_empty() && !follow_last) {
                 if !pending.is_empty() {
-                    dir = attr.clone();
+                    dirs.push(attr.clone());
                 }
                 continue;
             }
@@ -192,6 +246,7 @@ impl Client {
             if followed > MAX_FOLLOWED {
                 return Err(RegionsError::SymlinkLoop(path.to_owned()));
             }
+            check_followable(caller, &dir, &attr, &name)?;
             let target = manager.readlink(caller, attr.ino)?;
             let target = String::from_utf8(target).map_err(|_| {
                 RegionsError::Invalid(format!(
@@ -199,7 +254,7 @@ impl Client {
                 ))
             })?;
             let inside = if target.starts_with('/') {
-                dir = root.clone();
+                dirs.truncate(1);
                 namespace_relative(&target, &crate::agent::default_mount()).ok_or_else(|| {
                     RegionsError::Invalid(format!(
                         "symbolic link {name:?} in {path:?} points to {target:?}, outside the regions mount; open it through the file system"
@@ -208,9 +263,9 @@ impl Client {
             } else {
                 target
             };
-            pending.extend(components(&inside).rev().map(str::to_owned));
+            pending.extend(components(&inside).rev().map(|c| (c.to_owned(), true)));
             if pending.is_empty() {
-                attr = dir.clone(); // a link to "/regions" itself
+                attr = dirs.last().cloned().unwrap_or_else(|| root.clone()); // a link to the root
             }
         }
         Ok(attr)

@@ -23,6 +23,8 @@ pub mod service;
 pub mod state;
 pub mod store;
 pub mod sync;
+#[cfg(test)]
+mod test_support;
 pub mod vaddr;
 pub mod wal;
 pub mod xattr;

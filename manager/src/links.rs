@@ -115,6 +115,12 @@ impl State {
         if inode.nlink >= MAX_LINKS {
             return Err(ManagerError::TooManyLinks(ino));
         }
+        if self.names_of(ino).is_empty() {
+            // An internal region (the sync service's lock words) has no name to add to.
+            return Err(ManagerError::NotFound(format!(
+                "inode {ino} has no name in the namespace"
+            )));
+        }
         Self::check_linkable(caller, inode)?;
         self.check_path(caller, ino)?;
         self.check_new_entry(caller, new_parent, new_name)?;
@@ -209,33 +215,9 @@ impl State {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
     use crate::model::ROOT_INO;
-
-    fn state() -> State {
-        State::new(Duration::from_secs(10), 0o1777)
-    }
-
-    fn root() -> Caller {
-        Caller::root(1)
-    }
-
-    fn user(uid: u32) -> Caller {
-        Caller {
-            uid,
-            gid: uid,
-            groups: vec![],
-            pid: 100 + uid,
-            host_id: 1,
-            by_inode: false,
-        }
-    }
-
-    fn errno<T: std::fmt::Debug>(r: Result<T>) -> i32 {
-        r.unwrap_err().errno()
-    }
+    use crate::test_support::{errno, root, state, user};
 
     #[test]
     fn symlinks_keep_their_target_and_refuse_bad_ones() {
@@ -317,6 +299,65 @@ mod tests {
             s.child(d.ino, "mine").is_none(),
             "a refused link changes nothing"
         );
+    }
+
+    #[test]
+    fn noreplace_over_a_link_nameless_inodes_and_xattrs_of_links() {
+        let mut s = state();
+        // RENAME_NOREPLACE over another name of the same inode: EEXIST, as for any name.
+        let f = s.create_entry(&root(), ROOT_INO, "f", 0o644, None).unwrap();
+        s.link(&root(), f.ino, ROOT_INO, "g").unwrap();
+        assert_eq!(
+            errno(s.rename(
+                &root(),
+                ROOT_INO,
+                "f",
+                ROOT_INO,
+                "g",
+                crate::namespace::RENAME_NOREPLACE
+            )),
+            libc::EEXIST
+        );
+        // An inode with no name (an internal region) gets none.
+        let hidden = s
+            .create_entry(&root(), ROOT_INO, "hidden", 0o666, None)
+            .unwrap();
+        s.remove_entry(ROOT_INO, "hidden");
+        assert_eq!(
+            errno(s.link(&root(), hidden.ino, ROOT_INO, "found")),
+            libc::ENOENT
+        );
+        // user.* attributes stay off symbolic links and special files.
+        let l = s.symlink(&root(), ROOT_INO, "l", b"f").unwrap();
+        assert_eq!(
+            errno(s.setxattr(&root(), l.ino, "user.a", b"1", 0)),
+            libc::EPERM
+        );
+        assert_eq!(errno(s.getxattr(&root(), l.ino, "user.a")), libc::ENODATA);
+        assert_eq!(errno(s.removexattr(&root(), l.ino, "user.a")), libc::EPERM);
+    }
+
+    #[test]
+    fn a_hard_linked_inode_is_reachable_through_any_name() {
+        let mut s = state();
+        let owner = user(1000);
+        let private = s.mkdir(&owner, ROOT_INO, "private", 0o700).unwrap();
+        let public = s.mkdir(&owner, ROOT_INO, "public", 0o755).unwrap();
+        let f = s
+            .create_entry(&owner, private.ino, "f", 0o644, None)
+            .unwrap();
+        let other = Caller {
+            by_inode: true,
+            ..user(1001)
+        };
+        assert_eq!(errno(s.check_path(&other, f.ino)), libc::EACCES);
+        s.link(&owner, f.ino, public.ino, "f").unwrap();
+        assert!(
+            s.check_path(&other, f.ino).is_ok(),
+            "through the public name"
+        );
+        s.unlink(&owner, public.ino, "f").unwrap();
+        assert_eq!(errno(s.check_path(&other, f.ino)), libc::EACCES);
     }
 
     #[test]

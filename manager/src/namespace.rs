@@ -262,8 +262,13 @@ impl State {
             "add entries to the target directory",
         )?;
         let target = self.child(new_parent, new_name).map(|d| d.ino);
+        if target.is_some() && flags & RENAME_NOREPLACE != 0 {
+            return Err(ManagerError::Exists(format!(
+                "{new_name:?} in directory {new_parent}"
+            )));
+        }
         if target == Some(src.ino) {
-            return Ok(()); // same entry: nothing to do
+            return Ok(()); // the same inode (one entry, or two hard links): nothing to do
         }
         if src.is_dir() && self.is_within(new_parent, src.ino) {
             return Err(ManagerError::Invalid(format!(
@@ -302,11 +307,6 @@ impl State {
             return self.exchange(parent, name, &src, new_parent, new_name, &target);
         }
         if let Some(target) = &target {
-            if flags & RENAME_NOREPLACE != 0 {
-                return Err(ManagerError::Exists(format!(
-                    "{new_name:?} in directory {new_parent}"
-                )));
-            }
             access::check_sticky(caller, &new_dir, target)?;
             match (src.is_dir(), target.is_dir()) {
                 (true, false) => return Err(ManagerError::NotDir(format!("{new_name:?}"))),
@@ -573,6 +573,7 @@ impl State {
                 )));
             }
             AttrName::User(n) => {
+                Self::check_user_xattrs_allowed(&inode)?;
                 access::check(
                     caller,
                     &inode,
@@ -641,10 +642,23 @@ impl State {
         Ok(())
     }
 
+    /// `user.*` attributes belong to regions and directories only, as Linux allows them on
+    /// regular files and directories only (`EPERM` otherwise).
+    fn check_user_xattrs_allowed(inode: &Inode) -> Result<()> {
+        if inode.kind.is_special() {
+            return Err(ManagerError::Perm(format!(
+                "inode {} is a {:?}: user.* extended attributes belong to regular files and directories",
+                inode.ino, inode.kind
+            )));
+        }
+        Ok(())
+    }
+
     pub fn removexattr(&mut self, caller: &Caller, ino: u64, name: &str) -> Result<()> {
         let inode = self.inode(ino)?.clone();
         match xattr::parse_name(name)? {
             AttrName::User(n) => {
+                Self::check_user_xattrs_allowed(&inode)?;
                 access::check(
                     caller,
                     &inode,
@@ -671,32 +685,8 @@ impl State {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
-
-    fn state() -> State {
-        State::new(Duration::from_secs(10), 0o1777)
-    }
-
-    fn root() -> Caller {
-        Caller::root(1)
-    }
-
-    fn user(uid: u32) -> Caller {
-        Caller {
-            uid,
-            gid: uid,
-            groups: vec![],
-            pid: 100 + uid,
-            host_id: 1,
-            by_inode: false,
-        }
-    }
-
-    fn errno<T: std::fmt::Debug>(r: Result<T>) -> i32 {
-        r.unwrap_err().errno()
-    }
+    use crate::test_support::{errno, root, state, user};
 
     fn create(s: &mut State, c: &Caller, parent: u64, name: &str) -> Inode {
         s.create_entry(c, parent, name, 0o644, None).unwrap()

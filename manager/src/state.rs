@@ -202,22 +202,20 @@ impl State {
                 )))
             };
         }
-        if inode.nlink <= 1 || inode.is_dir() {
-            return self.check_search_above(caller, ino, inode.parent);
+        let through_parent = self.check_search_above(caller, ino, inode.parent);
+        if through_parent.is_ok() || inode.nlink <= 1 || inode.is_dir() {
+            return through_parent;
         }
-        // A hard-linked inode is reachable when any of its names is.
+        // A hard-linked inode is reachable when any of its names is (the scan runs only when
+        // the directory of its first name is out of reach).
         let mut parents: Vec<u64> = self.names_of(ino).into_iter().map(|(d, _)| d).collect();
         parents.dedup();
-        let mut refused = None;
         for parent in parents {
-            match self.check_search_above(caller, ino, parent) {
-                Ok(()) => return Ok(()),
-                Err(e) => refused = Some(e),
+            if self.check_search_above(caller, ino, parent).is_ok() {
+                return Ok(());
             }
         }
-        Err(refused.unwrap_or_else(|| {
-            ManagerError::Access(format!("no name of inode {ino} is reachable"))
-        }))
+        through_parent
     }
 
     /// Search permission on `parent` and every directory above it.

@@ -1071,21 +1071,19 @@ impl RegionFs {
         let caller = self.caller(ctx);
         let name = wire(name)?;
         let name: &str = &name;
-        // A watched region (its owner lives) that has other names stays
-        // watched: its lifetime is the region's, not this name's.
-        let other_names = match &self.owners {
-            Some(w) if w.watches_name(parent, name) => self
-                .rpc
-                .lookup(&caller, parent, name)
-                .is_ok_and(|a| a.nlink > 1),
-            _ => false,
+        // A watched region (its owner lives) stops being watched with its
+        // last name; one that has other names stays watched, by inode: its
+        // lifetime is the region's, not this name's.
+        let watched = match &self.owners {
+            Some(w) if w.watches_name(parent, name) => self.rpc.lookup(&caller, parent, name).ok(),
+            _ => None,
         };
         self.rpc.unlink(&caller, parent, name)?;
         self.forget_cached_attrs();
-        if let Some(w) = &self.owners
-            && !other_names
+        if let (Some(w), Some(a)) = (&self.owners, watched)
+            && a.nlink <= 1
         {
-            w.forget_name(parent, name);
+            w.forget(a.ino);
         }
         Ok(())
     }

@@ -266,6 +266,9 @@ impl Mounted {
             // The kernel takes the subtype as a mount option ("fuse.regions").
             MountOption::CUSTOM("subtype=regions".into()),
             MountOption::NoAtime,
+            // Device nodes and setuid files on the mount are entries only (docs/SECURITY.md).
+            MountOption::NoDev,
+            MountOption::NoSuid,
         ];
         config.acl = SessionACL::All;
         config.n_threads = Some(options.threads.max(2));

@@ -106,19 +106,6 @@ impl OwnerWatch {
         })
     }
 
-    /// Stops watching the region at `name` in `parent` (it was removed).
-    pub fn forget_name(&self, parent: u64, name: &str) {
-        if let Ok(mut by_pid) = self.regions.by_pid.lock() {
-            by_pid.retain(|pid, regions| {
-                regions.retain(|o| o.parent != parent || o.name != name);
-                if regions.is_empty() {
-                    self.pids.unwatch(*pid);
-                }
-                !regions.is_empty()
-            });
-        }
-    }
-
     /// Stops watching a region (it was removed).
     pub fn forget(&self, ino: u64) {
         if let Ok(mut by_pid) = self.regions.by_pid.lock() {

@@ -210,6 +210,75 @@ fn a_handle_can_be_closed_only_by_the_process_that_opened_it() {
         .expect("the opener closes its own handle");
 }
 
+/// One user opening connections without end gets at most its share of the host agent; root
+/// and other users are still served while it holds them.
+#[test]
+fn one_user_cannot_hold_every_host_agent_connection() {
+    use std::io::{BufRead, BufReader};
+    let s = setup();
+    let flood = 3 * regions_daemon::agent::MAX_CONNECTIONS_PER_USER;
+    let mut cmd = Command::new(&s.attack);
+    cmd.arg(&s.socket)
+        .args(["flood", &flood.to_string()])
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .env("RUST_LOG", "off")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped());
+    let mut child = cmd.spawn().expect("start the flood");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut answered = None;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while let Ok(line) =
+        rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
+    {
+        if let Some(n) = line.strip_prefix("answered: ") {
+            answered = n.parse::<usize>().ok();
+        }
+        if line.starts_with("holding: ") {
+            break;
+        }
+    }
+    let answered = answered.expect("the flood reports how many connections were served");
+    assert_eq!(
+        answered,
+        regions_daemon::agent::MAX_CONNECTIONS_PER_USER,
+        "nobody is served on exactly its share of {flood} connections"
+    );
+    // While nobody holds its share: root is served, and so is another user.
+    let mut agent = AgentClient::connect(&s.socket).expect("root connects");
+    agent.stats().expect("root is served during the flood");
+    let mut other = Command::new(&s.attack);
+    other
+        .arg(&s.socket)
+        .args(["flood", "5"])
+        .uid(NOBODY - 1)
+        .gid(NOBODY - 1)
+        .env("RUST_LOG", "off")
+        .stdin(std::process::Stdio::null());
+    let out = regions_tests::output_within(&mut other, Duration::from_secs(60)).expect("run");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("answered: 5"),
+        "another user during the flood: {text}"
+    );
+    drop(child.stdin.take());
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while child.try_wait().expect("wait for the flood").is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the flood did not exit after its stdin closed");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn sync_objects_have_owners_and_modes() {
     let s = setup();

@@ -265,33 +265,53 @@ fn owner_exit_deletes_every_name_of_its_hard_linked_regions() {
     c.manager()
         .setxattr(c.caller(), dir.ino, "user.regions.persistent", b"0")
         .unwrap();
+    // Two owners, so that the second's only way out is its own watch: one that gives its
+    // regions second names, and one whose new region at a reused name is removed while its old
+    // region lives on under another name (removing the new one must not end the old one's
+    // watch).
     let script = r#"
 import os, sys
-d = sys.argv[1]
-for name in ("moved", "twice"):
+d, mode = sys.argv[1:3]
+def make(name):
     with open(os.path.join(d, name), "wb") as f:
         f.write(b"owned " * 100)
-os.link(os.path.join(d, "moved"), os.path.join(d, "moved2"))
-os.unlink(os.path.join(d, "moved"))
-os.link(os.path.join(d, "twice"), os.path.join(d, "twice2"))
+if mode == "links":
+    make("moved"); make("twice")
+    os.link(os.path.join(d, "moved"), os.path.join(d, "moved2"))
+    os.unlink(os.path.join(d, "moved"))
+    os.link(os.path.join(d, "twice"), os.path.join(d, "twice2"))
+else:
+    make("x"); make("keep")
+    os.link(os.path.join(d, "x"), os.path.join(d, "y"))
+    os.unlink(os.path.join(d, "x"))
+    make("x")
+    os.unlink(os.path.join(d, "x"))
 print("ready", flush=True)
 sys.stdin.read()
 "#;
-    let mut cmd = Command::new("python3");
-    cmd.arg("-c").arg(script).arg(mount.path("owned"));
-    let mut owner = Owner::start(cmd);
-    for name in ["owned/moved2", "owned/twice", "owned/twice2"] {
-        assert_eq!(owner_pid_of(&c, name), owner.pid(), "{name}");
-    }
-    std::thread::sleep(Duration::from_millis(300));
-    assert!(exists(&c, "owned/moved2"), "deleted while its owner lives");
-    owner.exit();
-    for name in ["owned/moved2", "owned/twice", "owned/twice2"] {
-        let took = wait_gone(&c, name);
-        assert!(
-            took < OWNER_BOUND,
-            "{name} deleted only {took:?} after the exit"
-        );
+    for (mode, names) in [
+        (
+            "links",
+            &["owned/moved2", "owned/twice", "owned/twice2"][..],
+        ),
+        ("reuse", &["owned/y", "owned/keep"][..]),
+    ] {
+        let mut cmd = Command::new("python3");
+        cmd.arg("-c").arg(script).arg(mount.path("owned")).arg(mode);
+        let mut owner = Owner::start(cmd);
+        for name in names {
+            assert_eq!(owner_pid_of(&c, name), owner.pid(), "{name}");
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(exists(&c, names[0]), "deleted while its owner lives");
+        owner.exit();
+        for name in names {
+            let took = wait_gone(&c, name);
+            assert!(
+                took < OWNER_BOUND,
+                "{name} deleted only {took:?} after the exit"
+            );
+        }
     }
 }
 

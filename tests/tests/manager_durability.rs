@@ -255,6 +255,11 @@ impl Model {
                 let Some(src_kind) = self.nodes.get(&src).map(|n| n.kind) else {
                     return Err(libc::ENOENT);
                 };
+                // As Linux: an existing target refuses RENAME_NOREPLACE before anything
+                // else is looked at (the same name, or a directory into itself).
+                if *noreplace && self.nodes.contains_key(&dst) {
+                    return Err(libc::EEXIST);
+                }
                 if src == dst {
                     return Ok(());
                 }

@@ -459,7 +459,41 @@ fn links_and_special_files_made_on_one_host_are_seen_on_another() {
     std::os::unix::fs::symlink("loop2", t.a.path("loop1")).unwrap();
     std::os::unix::fs::symlink("loop1", t.a.path("loop2")).unwrap();
     assert_eq!(c.lookup_path("loop1").unwrap_err().errno(), libc::ELOOP);
+    // A target above the root leads out of the namespace; the library does not guess.
+    std::os::unix::fs::symlink("../../etc/passwd", t.a.path("d/out")).unwrap();
+    assert_eq!(c.lookup_path("d/out").unwrap_err().errno(), libc::EINVAL);
+    // protected_symlinks: another user's link in the sticky, world-writable root is not
+    // followed for root (the caller here).
+    std::os::unix::fs::symlink("d/data", t.a.path("planted")).unwrap();
+    std::os::unix::fs::lchown(t.a.path("planted"), Some(1000), Some(1000)).unwrap();
+    assert_eq!(c.lookup_path("planted").unwrap_err().errno(), libc::EACCES);
+    assert_eq!(c.resolve("planted", false).unwrap().uid, 1000);
     assert_eq!(errno_of(std::fs::read(t.b.path("loop1"))), libc::ELOOP);
+
+    // ONEWRITER belongs to the region: a writer through one name on host 1 keeps a writer
+    // through the other name on host 2 out.
+    assert_eq!(
+        setxattr(&t.a.path("twin"), "user.regions.onewriter", b"1"),
+        0
+    );
+    {
+        let _writer = std::fs::OpenOptions::new()
+            .write(true)
+            .open(t.a.path("d/data"))
+            .unwrap();
+        assert_eq!(
+            errno_of(
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(t.b.path("twin"))
+            ),
+            libc::ETXTBSY
+        );
+    }
+    assert_eq!(
+        setxattr(&t.a.path("twin"), "user.regions.onewriter", b"0"),
+        0
+    );
 
     // A write through a hard link on host 2 is read through the first name on host 1.
     std::fs::write(t.b.path("twin"), b"rewritten on host 2").unwrap();

@@ -86,6 +86,10 @@ impl RegionFs {
                 )?;
                 for e in reply.entries {
                     let Some(a) = e.attr else { continue };
+                    // Metadata is about regions and the directories that hold them.
+                    if !matches!(a.kind(), FileKind::Region | FileKind::Directory) {
+                        continue;
+                    }
                     let Some(m) = Node::mirror(a.ino) else {
                         continue;
                     };

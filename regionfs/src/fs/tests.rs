@@ -202,11 +202,25 @@ fn namespace_operations() {
         libc::EEXIST
     );
     let fifo =
-        e.fs.mknod(&root(), ROOT_INO, os("fifo"), libc::S_IFIFO | 0o666, 0o022, 0)
-            .unwrap();
+        e.fs.mknod(
+            &root(),
+            ROOT_INO,
+            os("fifo"),
+            libc::S_IFIFO | 0o666,
+            0o022,
+            0,
+        )
+        .unwrap();
     assert_eq!((fifo.kind(), fifo.mode), (FileKind::Fifo, 0o644));
     assert_eq!(
-        errno(e.fs.mknod(&user(), ROOT_INO, os("dev"), libc::S_IFCHR | 0o600, 0, 0x103)),
+        errno(e.fs.mknod(
+            &user(),
+            ROOT_INO,
+            os("dev"),
+            libc::S_IFCHR | 0o600,
+            0,
+            0x103
+        )),
         libc::EPERM
     );
     for name in ["l", "twin", "fifo"] {

@@ -10,6 +10,7 @@
 //! regions-attack SOCKET close HANDLE        (another process's handle)
 //! regions-attack SOCKET sync NAME          (lock, ring and delete another user's sync object)
 //! regions-attack SOCKET fuzz SEED CASES INO,INO…  (random and malformed agent messages)
+//! regions-attack SOCKET flood N             (N connections at once; holds them until stdin ends)
 //! ```
 //!
 //! Each attempt prints `NAME: refused ERRNO`, or `NAME: ALLOWED` when the attack worked. Set-up
@@ -341,6 +342,30 @@ mod fuzz {
         Ok(s)
     }
 
+    /// Opens `n` connections and asks each for the agent's stats; returns how many answered.
+    /// The connections stay open (returned) so that the caller can hold them.
+    pub fn flood(socket: &Path, n: usize) -> (usize, Vec<UnixStream>) {
+        let body = v1::AgentRequest {
+            request: Some(Request::Stats(v1::AgentStats {})),
+        }
+        .encode_to_vec();
+        let mut framed = (body.len() as u32).to_le_bytes().to_vec();
+        framed.extend_from_slice(&body);
+        let mut streams = Vec::new();
+        for _ in 0..n {
+            if let Ok(s) = connect(socket) {
+                streams.push(s);
+            }
+        }
+        let mut answered = 0;
+        for s in &mut streams {
+            if s.write_all(&framed).is_ok() && read_reply(s) {
+                answered += 1;
+            }
+        }
+        (answered, streams)
+    }
+
     /// Plays `cases` messages on connections of the current user.
     /// Returns how many messages were answered.
     pub fn play(socket: &Path, seed: u64, cases: usize, inos: &[u64]) -> std::io::Result<usize> {
@@ -412,6 +437,16 @@ fn main() -> anyhow::Result<()> {
                 .context("the host agent stopped accepting connections")?;
             println!("answered: {answered}");
             println!("fuzz: done");
+        }
+        "flood" => {
+            drop(agent);
+            let (answered, held) = fuzz::flood(Path::new(socket), number()? as usize);
+            println!("answered: {answered}");
+            println!("holding: {}", held.len());
+            // Hold them until the test closes our stdin.
+            let mut rest = String::new();
+            let _ = std::io::Read::read_to_string(&mut std::io::stdin(), &mut rest);
+            drop(held);
         }
         other => bail!("unknown command {other:?}"),
     }
