@@ -617,6 +617,21 @@ fn flood_server_helper() {
     }
 }
 
+/// What follows `prefix` on the next line from `lines` that has it (bounded wait).
+fn next_with(lines: &std::sync::mpsc::Receiver<String>, prefix: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = lines
+            .recv_timeout(left)
+            .unwrap_or_else(|_| panic!("the flood server never said {prefix:?}"));
+        // libtest prints "test NAME ... " before the helper's first line.
+        if let Some(at) = line.find(prefix) {
+            return line[at + prefix.len()..].trim().to_owned();
+        }
+    }
+}
+
 /// The flood server: its process, address and output lines.
 struct FloodServer {
     child: std::process::Child,
@@ -654,35 +669,14 @@ impl FloodServer {
                 let _ = tx.send(line);
             }
         });
-        let mut server = FloodServer {
-            child,
-            addr: "127.0.0.1:1".parse().unwrap(),
-            lines,
-        };
-        server.addr = server.expect("addr ").parse().unwrap();
-        server
-    }
-
-    /// What follows `prefix` on the next output line that has it (bounded wait).
-    fn expect(&self, prefix: &str) -> String {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let line = self
-                .lines
-                .recv_timeout(left)
-                .unwrap_or_else(|_| panic!("the flood server never said {prefix:?}"));
-            // libtest prints "test NAME ... " before the helper's first line.
-            if let Some(at) = line.find(prefix) {
-                return line[at + prefix.len()..].trim().to_owned();
-            }
-        }
+        let addr = next_with(&lines, "addr ").parse().unwrap();
+        FloodServer { child, addr, lines }
     }
 
     /// Connections open at the server now.
     fn open(&mut self) -> usize {
         writeln!(self.child.stdin.as_mut().unwrap()).unwrap();
-        self.expect("open ").parse().unwrap()
+        next_with(&self.lines, "open ").parse().unwrap()
     }
 
     /// The server's resident memory.

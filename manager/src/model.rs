@@ -36,18 +36,6 @@ impl Kind {
         !matches!(self, Kind::Directory | Kind::Region)
     }
 
-    /// The kind of a `mknod` file type (`S_IFIFO`, ...), if it makes one of
-    /// the special kinds.
-    pub fn of_node_type(file_type: u32) -> Option<Kind> {
-        match file_type & libc::S_IFMT {
-            libc::S_IFIFO => Some(Kind::Fifo),
-            libc::S_IFSOCK => Some(Kind::Socket),
-            libc::S_IFCHR => Some(Kind::CharDevice),
-            libc::S_IFBLK => Some(Kind::BlockDevice),
-            _ => None,
-        }
-    }
-
     pub fn to_proto(self) -> v1::FileKind {
         match self {
             Kind::Directory => v1::FileKind::Directory,
