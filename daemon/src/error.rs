@@ -51,6 +51,9 @@ pub enum DaemonError {
     /// An access through a stale map (`ESTALE`).
     #[error("{0}")]
     Stale(String),
+    /// A capability revoked by a change to its region (`EKEYREVOKED`): renew it.
+    #[error("{0}")]
+    Revoked(String),
     /// A handle the caller did not open (`EBADF`).
     #[error("{0}")]
     BadHandle(String),
@@ -136,6 +139,7 @@ impl DaemonError {
             DaemonError::Denied(_) => libc::EACCES,
             DaemonError::BadHandle(_) => libc::EBADF,
             DaemonError::Stale(_) => libc::ESTALE,
+            DaemonError::Revoked(_) => libc::EKEYREVOKED,
             DaemonError::NoSpace(_) => libc::ENOSPC,
             DaemonError::Sys { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
             DaemonError::Manager { errno, .. } => *errno,

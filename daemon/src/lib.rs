@@ -10,6 +10,7 @@
 //! - [`segment`]: a region's sparse memfd on this host.
 //! - [`pools`]: the pools' chunk tables, event application, pinning ranges for requests.
 //! - [`rawio`]: socket I/O straight to and from pool memory.
+//! - [`revocations`]: capability epochs the transport enforces.
 //! - [`transport`]: the tcp transport server.
 //! - [`fdpass`]: `SCM_RIGHTS` and `SO_PEERCRED` on Unix sockets.
 //! - [`agent`]: the host agent on the daemon's Unix socket.
@@ -33,6 +34,7 @@ pub mod owners;
 pub mod pools;
 pub mod rawio;
 pub mod registration;
+pub mod revocations;
 pub mod segment;
 pub mod stats;
 pub mod transport;

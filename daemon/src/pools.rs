@@ -20,12 +20,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
+use regions_proto::capability::{Capability, WHOLE_REGION};
 use regions_proto::frame::Range;
 use regions_proto::layout::CHUNK_SIZE;
 use regions_proto::word_wait;
 
 use crate::error::{DaemonError, Result};
 use crate::rawio::{self, RawSpan};
+use crate::revocations::Revocations;
 use crate::segment::Segment;
 use crate::window::Window;
 
@@ -133,6 +135,8 @@ pub struct Pools {
     apply: Mutex<()>,
     changes: Changes,
     next_epoch: AtomicU64,
+    /// Capability revocations the transport enforces (they arrive with the chunk events).
+    revocations: Revocations,
 }
 
 /// Checks that an event's numbers are chunk aligned and non-empty.
@@ -156,6 +160,11 @@ impl Pools {
     /// No pools yet.
     pub fn new() -> Pools {
         Pools::default()
+    }
+
+    /// The capability revocations in force on this daemon.
+    pub fn revocations(&self) -> &Revocations {
+        &self.revocations
     }
 
     fn lock_apply(&self) -> MutexGuard<'_, ()> {
@@ -700,6 +709,42 @@ impl Pinned<'_> {
     /// answer true until they are dropped.
     pub fn all_backed_by(&self, ino: u64) -> bool {
         self._guards.iter().all(|g| g.is_some_and(|b| b.ino == ino))
+    }
+
+    /// Whether every pinned byte is a byte of region `ino` that `cap` covers (its offset
+    /// range); the pins keep the answer true until they are dropped.
+    pub fn all_covered_by(&self, cap: &Capability) -> bool {
+        if !self.all_backed_by(cap.ino) {
+            return false;
+        }
+        if cap.len == WHOLE_REGION && cap.offset == 0 {
+            return true;
+        }
+        // The backing of each pinned chunk, by (pool index, chunk).
+        let backing = |index: usize, chunk: usize| {
+            self.resolved
+                .chunks
+                .iter()
+                .position(|&c| c == (index, chunk))
+                .and_then(|at| *self._guards[at])
+        };
+        self.resolved.spans.iter().all(|&(index, offset, len)| {
+            let end = offset + len;
+            let mut at = offset;
+            while at < end {
+                let chunk = at / CHUNK_SIZE;
+                let within = at % CHUNK_SIZE;
+                let n = (CHUNK_SIZE - within).min(end - at);
+                let Some(b) = backing(index, chunk as usize) else {
+                    return false;
+                };
+                if !cap.covers(b.region_offset + within, n) {
+                    return false;
+                }
+                at += n;
+            }
+            true
+        })
     }
 
     /// The pinned ranges as raw spans, in request order.

@@ -158,6 +158,10 @@ impl Registration {
             .map_err(manager_err)?
             .into_inner();
         let lease = Duration::from_millis(reply.lease_ms.max(100));
+        if let Some(r) = reply.revoke_all {
+            // Tokens of an earlier manager run: their holders renew them with this run.
+            self.pools.revocations().revoke(0, r.before, r.until_ms);
+        }
         if self.pools.list().is_empty() {
             self.first_pools(&reply.pools).await?;
         } else {
@@ -449,7 +453,10 @@ impl Registration {
     /// Applies one event (errors are logged: a bad event never stops the daemon).
     async fn apply(&mut self, event: v1::HostEvent, after: &mut u64) {
         let sequence = event.sequence;
-        let destructive = matches!(event.event, Some(Event::Released(_) | Event::Truncated(_)));
+        let destructive = matches!(
+            event.event,
+            Some(Event::Released(_) | Event::Truncated(_) | Event::Revoked(_))
+        );
         if destructive && !self.destructive_event_delay.is_zero() {
             tokio::time::sleep(self.destructive_event_delay).await;
         }
@@ -463,6 +470,10 @@ impl Registration {
                     .release(b.gid, b.pool_offset, b.ino, b.region_offset, b.len)
             }
             Some(Event::Truncated(t)) => self.pools.truncate(t.ino, t.size),
+            Some(Event::Revoked(r)) => {
+                self.pools.revocations().revoke(r.ino, r.before, r.until_ms);
+                Ok(())
+            }
             Some(Event::GrowPool(bytes)) => self.grow(bytes).await,
             None => Ok(()),
         };

@@ -594,8 +594,13 @@ impl Conn {
 
     /// Refuses an unauthenticated or wrongly authenticated connection, then closes it.
     fn refuse(&mut self, req: &Header, message: &str) -> Close {
+        self.refuse_with(req, libc::EACCES, message)
+    }
+
+    /// [`Self::refuse`] with another errno (`EKEYREVOKED` for a revoked token).
+    fn refuse_with(&mut self, req: &Header, errno: i32, message: &str) -> Close {
         tracing::warn!(peer = %self.peer, op = %req.op, reason = message, "transport connection refused");
-        Frame::reply_err(req, libc::EACCES as u32, message).encode(&mut self.out);
+        Frame::reply_err(req, errno as u32, message).encode(&mut self.out);
         let _ = self.flush();
         // Let the reply reach the peer before the close: stop writing, and drain briefly what
         // it already sent (closing with unread input would reset the connection).
@@ -622,15 +627,15 @@ impl Conn {
         if h.op == Op::Hello || !self.auth.is_authenticated() {
             return self.hello(&h);
         }
-        let reach = match self.auth.authorize(&h) {
+        let reach = match self.auth.authorize(&h, self.shared.pools.revocations()) {
             Ok(reach) => reach,
-            Err(message) => {
+            Err(refusal) => {
                 if h.op == Op::Write {
                     self.discard(u64::from(h.payload_len))?;
                 } else {
                     self.read_payload(h.payload_len)?;
                 }
-                self.reply_err(&h, libc::EACCES, &message);
+                self.reply_error(&h, &refusal);
                 return Ok(());
             }
         };
@@ -711,12 +716,17 @@ impl Conn {
             token => token?,
         };
         let shared = Arc::clone(&self.shared);
-        let reply = match self
-            .auth
-            .present(&shared.secret, &shared.key, h.capability, &token)
-        {
+        let reply = match self.auth.present(
+            &shared.secret,
+            &shared.key,
+            shared.pools.revocations(),
+            h.capability,
+            &token,
+        ) {
             Ok(reply) => reply,
-            Err(message) => return Err(self.refuse(h, &message)),
+            Err(refusal) => {
+                return Err(self.refuse_with(h, refusal.errno(), &refusal.to_string()));
+            }
         };
         if !self.auth.is_authenticated() {
             // The first step of the handshake went well: a client at work.
@@ -754,7 +764,7 @@ impl Conn {
             }])
             .and_then(|resolved| {
                 let pinned = resolved.pin(self.deadline())?;
-                if !reach.allows(|ino| pinned.all_backed_by(ino)) {
+                if !reach.allows(&pinned) {
                     return Err(reach.refusal());
                 }
                 op(&pinned)
@@ -783,7 +793,7 @@ impl Conn {
             let left = deadline.saturating_duration_since(Instant::now());
             let seen = shared.pools.resolve(&[at]).and_then(|resolved| {
                 let pinned = resolved.pin(self.deadline())?;
-                if !reach.allows(|ino| pinned.all_backed_by(ino)) {
+                if !reach.allows(&pinned) {
                     return Err(reach.refusal());
                 }
                 pinned.wait_change(expected, left.min(WAIT_SLICE))
@@ -806,7 +816,7 @@ impl Conn {
         let shared = Arc::clone(&self.shared);
         let result = shared.pools.resolve(ranges).and_then(|resolved| {
             let pinned = resolved.pin(self.deadline())?;
-            if !reach.allows(|ino| pinned.all_backed_by(ino)) {
+            if !reach.allows(&pinned) {
                 return Err(reach.refusal());
             }
             pinned.copy_in_at(0, data);
@@ -845,7 +855,7 @@ impl Conn {
                 return Ok(());
             }
         };
-        if !reach.allows(|ino| pinned.all_backed_by(ino)) {
+        if !reach.allows(&pinned) {
             drop(pinned);
             self.reply_error(h, &reach.refusal());
             return Ok(());
@@ -967,7 +977,7 @@ impl Conn {
                 return Ok(());
             }
         };
-        if !reach.allows(|ino| pinned.all_backed_by(ino)) {
+        if !reach.allows(&pinned) {
             drop(pinned);
             self.discard(len)?;
             self.reply_error(h, &reach.refusal());

@@ -1,6 +1,7 @@
 //! Capability-authenticated transport connections (docs/ARCHITECTURE.md, "Capabilities") against
 //! a real transport server: a token reaches only the chunks of its region, with its rights, until it
-//! expires; forged and expired tokens are refused.
+//! expires, within its byte range, and until the manager revokes it; forged, expired and revoked
+//! tokens are refused.
 
 mod common;
 
@@ -11,7 +12,9 @@ use bytes::{Bytes, BytesMut};
 use common::{Client, TOKEN, server, status};
 use regions_daemon::pools::Pools;
 use regions_proto::auth::Secret;
-use regions_proto::capability::{Capability, CapabilityKey, RIGHT_READ, RIGHT_WRITE, now_ms};
+use regions_proto::capability::{
+    Capability, CapabilityKey, RIGHT_READ, RIGHT_WRITE, WHOLE_REGION, now_ms,
+};
 use regions_proto::frame::{Frame, Range, Request};
 use regions_proto::layout::CHUNK_SIZE;
 
@@ -27,12 +30,26 @@ fn pools() -> Arc<Pools> {
 }
 
 fn token(secret: &str, ino: u64, rights: u8, ttl_ms: i64) -> Bytes {
+    ranged(secret, ino, rights, ttl_ms, (0, WHOLE_REGION), 3)
+}
+
+/// A token for region bytes `range` (offset, len), issued at `issued`.
+fn ranged(
+    secret: &str,
+    ino: u64,
+    rights: u8,
+    ttl_ms: i64,
+    range: (u64, u64),
+    issued: u64,
+) -> Bytes {
     let key = CapabilityKey::from_secret(&Secret::new(secret).unwrap());
     Bytes::from(key.mint(&Capability {
         ino,
         rights,
         expires_ms: (now_ms() as i64 + ttl_ms) as u64,
-        nonce: 3,
+        issued,
+        offset: range.0,
+        len: range.1,
     }))
 }
 
@@ -169,4 +186,79 @@ fn forged_and_expired_tokens_are_refused_and_renewal_works() {
     // The cluster secret still reaches everything.
     let mut s = Client::authenticated(srv.local_addr(), TOKEN);
     assert_eq!(status(&s.call(&read(4 * C, 8))), 0);
+}
+
+#[test]
+fn a_range_token_reaches_its_bytes_only() {
+    // Region 10's chunks 0..4 sit at pool offsets 0..4C; the token covers 64 bytes at C + 128.
+    let (srv, _) = server(pools(), Duration::from_millis(50));
+    let mut c = Client::connect(srv.local_addr());
+    let t = ranged(
+        TOKEN,
+        10,
+        RIGHT_READ | RIGHT_WRITE,
+        60_000,
+        (C + 128, 64),
+        9,
+    );
+    assert_eq!(status(&hello(&mut c, t, 1).unwrap()), 0);
+    let inside = Request::Write {
+        pool: 1,
+        offset: C + 128,
+        data: Bytes::from_static(b"12345678"),
+    };
+    assert_eq!(status(&call(&mut c, &inside, 1).unwrap()), 0);
+    assert_eq!(status(&call(&mut c, &read(C + 184, 8), 1).unwrap()), 0);
+    let cas = |offset| Request::Cas {
+        pool: 1,
+        offset,
+        expected: 0,
+        new: 1,
+    };
+    assert_eq!(status(&call(&mut c, &cas(C + 136), 1).unwrap()), 0);
+    // One byte past either end, the neighbouring word, another chunk: refused.
+    for (req, what) in [
+        (read(C + 127, 8), "before"),
+        (read(C + 185, 8), "after"),
+        (cas(C + 192), "the next slot"),
+        (write(0), "another chunk"),
+        (read(0, 2 * C), "a span over the range"),
+    ] {
+        let r = call(&mut c, &req, 1).unwrap();
+        assert_eq!(status(&r), libc::EACCES, "{what}");
+        assert!(r.error_message().unwrap().contains("byte range"), "{what}");
+    }
+}
+
+#[test]
+fn revoked_tokens_are_refused_and_renewed_ones_work() {
+    let pools = pools();
+    let (srv, _) = server(Arc::clone(&pools), Duration::from_millis(50));
+    let mut c = Client::connect(srv.local_addr());
+    let old = ranged(TOKEN, 10, RIGHT_READ, 60_000, (0, WHOLE_REGION), 100);
+    assert_eq!(status(&hello(&mut c, old.clone(), 1).unwrap()), 0);
+    assert_eq!(status(&call(&mut c, &read(0, 8), 1).unwrap()), 0);
+    // The manager revoked region 10's tokens issued before 200 (a chmod, say).
+    pools.revocations().revoke(10, 200, now_ms() + 60_000);
+    let r = call(&mut c, &read(0, 8), 1).unwrap();
+    assert_eq!(status(&r), libc::EKEYREVOKED);
+    assert!(r.error_message().unwrap().contains("revoked"));
+    // Presenting the old token again is refused and the connection closed.
+    let mut d = Client::connect(srv.local_addr());
+    assert_eq!(status(&hello(&mut d, old, 1).unwrap()), libc::EKEYREVOKED);
+    assert!(d.recv().is_none());
+    // A token issued after the revocation works on the first connection.
+    let new = ranged(TOKEN, 10, RIGHT_READ, 60_000, (0, WHOLE_REGION), 201);
+    assert_eq!(status(&hello(&mut c, new, 1).unwrap()), 0);
+    assert_eq!(status(&call(&mut c, &read(0, 8), 1).unwrap()), 0);
+    // Another region's tokens are untouched; a revocation of every region reaches them.
+    let other = ranged(TOKEN, 11, RIGHT_READ, 60_000, (0, WHOLE_REGION), 150);
+    assert_eq!(status(&hello(&mut c, other, 2).unwrap()), 0);
+    assert_eq!(status(&call(&mut c, &read(4 * C, 8), 2).unwrap()), 0);
+    pools.revocations().revoke(0, 160, now_ms() + 60_000);
+    assert_eq!(
+        status(&call(&mut c, &read(4 * C, 8), 2).unwrap()),
+        libc::EKEYREVOKED
+    );
+    assert_eq!(status(&call(&mut c, &read(0, 8), 1).unwrap()), 0);
 }

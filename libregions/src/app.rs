@@ -403,14 +403,30 @@ impl AppRegion {
             return Ok(0);
         }
         let n = (size - offset).min(buf.len() as u64) as usize;
-        let mut done = 0usize;
-        for (addr, span) in self.spans(offset, n as u64)? {
-            let len = span.len as usize;
-            self.transport(&addr)?
-                .read(&[span], &mut buf[done..done + len])?;
-            done += len;
+        self.with_fresh_capability(|| {
+            let mut done = 0usize;
+            for (addr, span) in self.spans(offset, n as u64)? {
+                let len = span.len as usize;
+                self.transport(&addr)?
+                    .read(&[span], &mut buf[done..done + len])?;
+                done += len;
+            }
+            Ok(n)
+        })
+    }
+
+    /// Runs `op` and, if a daemon says the map or the capability is out of date (a stale map,
+    /// or a token revoked by a `chmod`, `chown`, unlink or truncate), fetches both again
+    /// (permission is checked again) and tries once more.
+    fn with_fresh_capability<T>(&self, mut op: impl FnMut() -> Result<T>) -> Result<T> {
+        match op() {
+            Err(e) if e.calls_for_refresh() => {
+                tracing::debug!(ino = self.ino, error = %e, "renewing the map and capability");
+                self.refresh()?;
+                op()
+            }
+            other => other,
         }
-        Ok(n)
     }
 
     /// Writes `data` at `offset` over the transports, growing the region first when needed.
@@ -419,14 +435,17 @@ impl AppRegion {
         if end > self.size() {
             self.extend(end)?;
         }
-        let mut done = 0usize;
-        for (addr, span) in self.spans(offset, data.len() as u64)? {
-            let len = span.len as usize;
-            self.transport(&addr)?
-                .write(&[span], &data[done..done + len])?;
-            done += len;
-        }
-        Ok(())
+        // Writing the same bytes again is harmless, so a retry may cover spans already done.
+        self.with_fresh_capability(|| {
+            let mut done = 0usize;
+            for (addr, span) in self.spans(offset, data.len() as u64)? {
+                let len = span.len as usize;
+                self.transport(&addr)?
+                    .write(&[span], &data[done..done + len])?;
+                done += len;
+            }
+            Ok(())
+        })
     }
 
     /// Closes the open handle at the manager (also done on drop).

@@ -76,6 +76,19 @@ impl RegionsError {
         }
     }
 
+    /// Whether a daemon refused the access because what the caller holds is out of date: the
+    /// range is not allocated yet or backs another region now (`EFAULT`, `ESTALE`: a stale
+    /// map), or the capability was revoked by a change to the region (`EKEYREVOKED`). Fetching
+    /// the map and the capability again (which checks permission again) and retrying once is
+    /// the cure.
+    pub fn calls_for_refresh(&self) -> bool {
+        matches!(
+            self,
+            RegionsError::Daemon { errno, .. }
+                if matches!(*errno, libc::EFAULT | libc::ESTALE | libc::EKEYREVOKED)
+        )
+    }
+
     pub(crate) fn from_status(status: tonic::Status) -> RegionsError {
         RegionsError::Manager {
             errno: errno::errno_of(&status),

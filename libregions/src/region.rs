@@ -462,13 +462,11 @@ impl Region {
         })
     }
 
-    /// Runs `op` and, if a daemon says the range is not allocated or backs
-    /// another region now (a stale map), refreshes the map and tries once more.
+    /// Runs `op` and, if a daemon says the map or the capability is out of date
+    /// ([`RegionsError::calls_for_refresh`]), refreshes both and tries once more.
     fn with_fresh_map<T>(&self, op: impl Fn() -> Result<T>) -> Result<T> {
         match op() {
-            Err(RegionsError::Daemon { errno, .. })
-                if errno == libc::EFAULT || errno == libc::ESTALE =>
-            {
+            Err(e) if e.calls_for_refresh() => {
                 self.refresh()?;
                 op()
             }

@@ -633,6 +633,14 @@ impl SyncClient {
         h.clone()
     }
 
+    /// Where mutex `name`'s lock word is, with a capability that reaches that word's slot
+    /// and nothing else of the lock region (for tools that operate on the word themselves).
+    pub fn mutex_locate(&self, name: &str) -> Result<MutexLocation> {
+        self.call(SyncOp::MutexLocate, name, 0)?
+            .location
+            .ok_or_else(|| self.agent_error(libc::EIO, "locate reply without a location"))
+    }
+
     /// Locks mutex `name` for this thread: a compare-and-swap on its word when free, else
     /// queued in FIFO order at the manager.
     pub fn mutex_lock(&self, name: &str) -> Result<()> {

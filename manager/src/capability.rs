@@ -1,20 +1,80 @@
-//! Minting transport capabilities (docs/ARCHITECTURE.md, "Capabilities"; the token format is
-//! `regions_proto::capability`). The manager signs a token on every open, after its permission
-//! check, and on a `GetMap` that asks for renewal; daemons verify it with the same key, derived
-//! from the cluster secret.
+//! Minting and revoking transport capabilities (docs/ARCHITECTURE.md, "Capabilities"; the
+//! token format is `regions_proto::capability`). The manager signs a token on every open, after
+//! its permission check, and on a `GetMap` that asks for renewal; daemons verify it with the same
+//! key, derived from the cluster secret.
+//!
+//! Every token carries its `issued` time on one clock ([`tick`]): strictly increasing within a
+//! manager run and starting past the wall clock in nanoseconds, so a later run's tokens are
+//! issued after an earlier run's. A change that must end access already granted (`chmod`,
+//! `chown`, the loss of a name, a shrinking truncate) takes a new tick as the region's
+//! revocation epoch and sends it to the daemons holding the region ([`State::revoke_capabilities`]):
+//! they refuse the region's tokens issued before it, and the holders renew, which checks
+//! permission again.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use regions_proto::auth::Secret;
 use regions_proto::capability::{
-    Capability, CapabilityKey, RIGHT_READ, RIGHT_WRITE, TOKEN_LEN, now_ms,
+    Capability, CapabilityKey, RIGHT_READ, RIGHT_WRITE, TOKEN_LEN, WHOLE_REGION, now_ms,
 };
 use regions_proto::v1;
+use regions_proto::v1::host_event::Event;
 
-/// Default lifetime of a token; holders renew at half of it.
+use crate::model::Kind;
+use crate::state::State;
+
+/// Default lifetime of a token (the manager's `--capability-ttl-secs`); holders renew at half
+/// of it.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(600);
-/// Environment variable overriding the lifetime, in seconds (tests use short ones).
-pub const TTL_ENV: &str = "REGIONS_CAPABILITY_TTL_SECS";
+
+/// The capability clock: the wall clock in nanoseconds, made strictly increasing.
+pub fn tick() -> u64 {
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let wall = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let mut last = LAST.load(Ordering::Relaxed);
+    loop {
+        let next = wall.max(last + 1);
+        match LAST.compare_exchange_weak(last, next, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return next,
+            Err(seen) => last = seen,
+        }
+    }
+}
+
+/// The revocation of every region's tokens issued before `before` (a tick taken when this
+/// manager run began): sent to each daemon that registers, so that tokens of an earlier run
+/// (whose per-region epochs this run does not know) are renewed against this run's
+/// permissions.
+pub fn revoke_all(before: u64, ttl: Duration) -> v1::RegionRevoked {
+    v1::RegionRevoked {
+        ino: 0,
+        before,
+        until_ms: now_ms() + ttl.as_millis() as u64,
+    }
+}
+
+impl State {
+    /// Ends access granted to region `ino` before now: the daemons holding its chunks (and
+    /// any that receive chunks later in this run) refuse its tokens issued before this call.
+    /// Nothing happens for inodes that are not regions.
+    pub fn revoke_capabilities(&mut self, ino: u64) {
+        if self.inodes.get(&ino).is_none_or(|i| i.kind != Kind::Region) {
+            return;
+        }
+        let revoked = v1::RegionRevoked {
+            ino,
+            before: tick(),
+            until_ms: now_ms() + self.capability_ttl.as_millis() as u64,
+        };
+        self.revoked.insert(ino, revoked);
+        for host in self.region_hosts(ino) {
+            self.events.push((host, Event::Revoked(revoked)));
+        }
+    }
+}
 
 /// Signs capabilities.
 #[derive(Clone, Debug)]
@@ -32,17 +92,13 @@ impl Minter {
         }
     }
 
-    /// A minter whose lifetime comes from [`TTL_ENV`] (default [`DEFAULT_TTL`]).
-    pub fn from_env(secret: &Secret) -> Minter {
-        let ttl = std::env::var(TTL_ENV)
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .map_or(DEFAULT_TTL, Duration::from_secs);
-        Minter::new(secret, ttl)
+    /// A token for every byte of region `ino`, writable when `write`.
+    pub fn mint(&self, ino: u64, write: bool) -> (Vec<u8>, u64) {
+        self.mint_range(ino, write, 0, WHOLE_REGION)
     }
 
-    /// A token for region `ino`, writable when `write`.
-    pub fn mint(&self, ino: u64, write: bool) -> (Vec<u8>, u64) {
+    /// A token for region `ino`'s bytes `[offset, offset + len)`, writable when `write`.
+    pub fn mint_range(&self, ino: u64, write: bool, offset: u64, len: u64) -> (Vec<u8>, u64) {
         let expires_ms = now_ms() + self.ttl.as_millis() as u64;
         let cap = Capability {
             ino,
@@ -52,7 +108,9 @@ impl Minter {
                 RIGHT_READ
             },
             expires_ms,
-            nonce: rand::random(),
+            issued: tick(),
+            offset,
+            len,
         };
         let token = self.key.mint(&cap);
         debug_assert_eq!(token.len(), TOKEN_LEN);
@@ -99,8 +157,23 @@ mod tests {
             .verify(&info.capability)
             .unwrap();
         assert!(cap.can_write());
+        assert!(cap.covers(0, u64::MAX));
         // Another cluster's daemons refuse it.
         let other = CapabilityKey::from_secret(&Secret::new("other").unwrap());
         assert!(other.verify(&info.capability).is_err());
+        // A range token reaches its range only.
+        let (token, _) = minter.mint_range(9, true, 128, 64);
+        let cap = CapabilityKey::from_secret(&secret).verify(&token).unwrap();
+        assert!(cap.covers(128, 64) && !cap.covers(120, 16) && !cap.covers(190, 8));
+    }
+
+    #[test]
+    fn the_clock_only_moves_forward() {
+        let mut last = tick();
+        for _ in 0..10_000 {
+            let t = tick();
+            assert!(t > last);
+            last = t;
+        }
     }
 }

@@ -172,6 +172,8 @@ impl State {
     /// close; otherwise `parent` of the inode moves to a directory that still
     /// holds a name.
     pub(crate) fn drop_name(&mut self, ino: u64, parent: u64, now: Time) -> Result<()> {
+        // Access granted through the name ends with it; holders of open handles renew.
+        self.revoke_capabilities(ino);
         let inode = self.inode_mut(ino)?;
         inode.nlink = inode.nlink.saturating_sub(1);
         inode.ctime = now;

@@ -35,6 +35,11 @@ struct Args {
     /// Milliseconds a host stays live without a heartbeat.
     #[arg(long, env = "REGIONS_LEASE_MS", default_value_t = 10_000)]
     lease_ms: u64,
+    /// Seconds a transport capability lives; holders renew it at half its life, and a
+    /// deleted mutex or barrier's lock-word slot is reused after it (every token for the
+    /// slot has expired by then).
+    #[arg(long, env = "REGIONS_CAPABILITY_TTL_SECS", default_value_t = 600)]
+    capability_ttl_secs: u64,
     /// Write the bound address to this file once serving (for scripts and tests).
     #[arg(long, env = "REGIONS_READY_FILE")]
     ready_file: Option<PathBuf>,
@@ -81,6 +86,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let config = Config {
         lease: Duration::from_millis(args.lease_ms.max(100)),
+        capability_ttl: Duration::from_secs(args.capability_ttl_secs.max(1)),
         ..Config::default()
     };
     let manager = Manager::open(&args.data_dir, config)?;

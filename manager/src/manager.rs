@@ -47,6 +47,8 @@ pub struct Config {
     pub grow_timeout: Duration,
     /// Daemon events kept per host for streams that reconnect.
     pub event_backlog: usize,
+    /// Lifetime of transport capabilities; holders renew at half of it.
+    pub capability_ttl: Duration,
 }
 
 impl Default for Config {
@@ -56,6 +58,7 @@ impl Default for Config {
             root_mode: 0o1777,
             grow_timeout: Duration::from_secs(3),
             event_backlog: 1 << 16,
+            capability_ttl: crate::capability::DEFAULT_TTL,
         }
     }
 }
@@ -129,6 +132,8 @@ pub struct Manager {
     closing: watch::Sender<bool>,
     /// Namespace and region requests answered (see `StatsReply::file_requests`).
     file_requests: std::sync::atomic::AtomicU64,
+    /// The capability clock when this run began: earlier tokens are revoked.
+    run_began: u64,
     config: Config,
 }
 
@@ -137,11 +142,15 @@ impl Manager {
     /// committer thread.
     pub fn open(data_dir: &Path, config: Config) -> Result<Arc<Manager>, StoreError> {
         let (mut store, mut state) = Store::open(data_dir, config.lease, config.root_mode)?;
+        state.capability_ttl = config.capability_ttl.max(Duration::from_secs(1));
         // Handle numbers handed out by an earlier run may not all have been
         // stored (see `write_handles`): never hand them out again.
         state.counters.next_handle = state.counters.next_handle.saturating_add(HANDLE_ID_GAP);
         state.dirty.counters = true;
         state.free_orphans();
+        if state.restrict_lock_region() {
+            tracing::info!("the sync lock region is now mode 0600 (root only)");
+        }
         store.commit(&mut state)?;
         state.events.clear();
         // Sequence numbers start from the clock so that a daemon holding a
@@ -190,12 +199,18 @@ impl Manager {
             events_applied: watch::channel(0).0,
             closing: watch::channel(false).0,
             file_requests: Default::default(),
+            run_began: crate::capability::tick(),
             config,
         }))
     }
 
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// The capability clock when this manager run began.
+    pub fn run_began(&self) -> u64 {
+        self.run_began
     }
 
     /// Follows what is durable; `failed` is set once the store has failed.
@@ -527,7 +542,10 @@ fn publish(events: &Mutex<EventLog>, event_seq: &watch::Sender<u64>, batch: Vec<
         let sequence = log.next;
         log.next += 1;
         last = sequence;
-        if matches!(event, Event::Released(_) | Event::Truncated(_)) {
+        if matches!(
+            event,
+            Event::Released(_) | Event::Truncated(_) | Event::Revoked(_)
+        ) {
             log.destructive.insert(host, sequence);
         }
         let queue = log.per_host.entry(host).or_default();
@@ -619,8 +637,12 @@ impl Manager {
         self.write(|s| s.rmdir(caller, parent, name)).await
     }
 
+    /// Unlinks a name. Returns once the daemons no longer serve tokens granted through it
+    /// (like every change that revokes capabilities, see `State::revoke_capabilities`).
     pub async fn unlink(&self, caller: &Caller, parent: u64, name: &str) -> Result<()> {
-        self.write(|s| s.unlink(caller, parent, name)).await
+        self.write(|s| s.unlink(caller, parent, name)).await?;
+        self.settle_destructive().await;
+        Ok(())
     }
 
     pub async fn rename(
@@ -633,7 +655,10 @@ impl Manager {
         flags: u32,
     ) -> Result<()> {
         self.write(|s| s.rename(caller, parent, name, new_parent, new_name, flags))
-            .await
+            .await?;
+        // A name replaced may have ended a region's last name (and its tokens).
+        self.settle_destructive().await;
+        Ok(())
     }
 
     pub async fn readdir(
@@ -711,7 +736,6 @@ impl Manager {
         change: SetAttr,
         size: Option<u64>,
     ) -> Result<v1::Attr> {
-        let resized = size.is_some();
         let attr = self
             .write_allocating(move |s| {
                 if size.is_some() {
@@ -745,9 +769,9 @@ impl Manager {
                 s.inode(ino).map(|i| s.attr(i))
             })
             .await?;
-        if resized {
-            self.settle_destructive().await;
-        }
+        // Chunks released, a tail zeroed, or tokens revoked (mode, owner, size): the daemons
+        // apply it before the caller hears of it.
+        self.settle_destructive().await;
         Ok(attr)
     }
 

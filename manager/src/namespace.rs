@@ -476,6 +476,11 @@ impl State {
             }
         }
         next.ctime = now;
+        if (next.mode, next.uid, next.gid) != (inode.mode, inode.uid, inode.gid) {
+            // Access granted under the old mode or owner ends (holders renew, and are checked
+            // against the new ones).
+            self.revoke_capabilities(ino);
+        }
         self.put_inode(next.clone());
         Ok(next)
     }

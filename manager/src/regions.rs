@@ -126,6 +126,10 @@ impl State {
         };
         // Checks are done; change.
         let now = Time::now();
+        if new_size < inode.size {
+            // Tokens granted before a shrink end with it (before its chunks are released).
+            self.revoke_capabilities(ino);
+        }
         if target > have {
             self.queue_backing(ino, have, &added, true);
             self.maps.entry(ino).or_default().extend_from_slice(&added);

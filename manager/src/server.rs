@@ -88,7 +88,10 @@ pub async fn serve_with_tls(
 ) -> Result<(), tonic::transport::Error> {
     let services = Services {
         manager: Arc::clone(&manager),
-        minter: Arc::new(crate::capability::Minter::from_env(&secret)),
+        minter: Arc::new(crate::capability::Minter::new(
+            &secret,
+            manager.config().capability_ttl,
+        )),
     };
     // Ends by itself once shutdown begins.
     tokio::spawn(crate::lifetime::run_lease_expiry(Arc::clone(&manager)));

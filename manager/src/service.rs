@@ -422,7 +422,14 @@ impl Cluster for Services {
             (async {
                 let (lease_ms, pools) = self.manager.register_host(&reg).await?;
                 tracing::info!(host = reg.host_id, addr = %reg.transport_addr, "host registered");
-                Ok(v1::RegisterHostReply { lease_ms, pools })
+                Ok(v1::RegisterHostReply {
+                    lease_ms,
+                    pools,
+                    revoke_all: Some(crate::capability::revoke_all(
+                        self.manager.run_began(),
+                        self.manager.config().capability_ttl,
+                    )),
+                })
             })
             .await,
         )

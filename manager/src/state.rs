@@ -95,6 +95,12 @@ pub struct State {
     /// restart forgets them, and the space stays allocated until the next
     /// writer closes).
     pub reserved: std::collections::HashSet<u64>,
+    /// The newest capability revocation of each region in this run (not stored: a new run
+    /// revokes every earlier token, see `capability::revoke_all`); daemons that receive a
+    /// region's chunks later get it too.
+    pub revoked: HashMap<u64, v1::RegionRevoked>,
+    /// Lifetime of the capabilities the manager mints (its configuration; not stored).
+    pub capability_ttl: Duration,
 }
 
 impl State {
@@ -153,6 +159,8 @@ impl State {
             events: Vec::new(),
             sync: crate::sync::SyncState::default(),
             reserved: Default::default(),
+            revoked: HashMap::new(),
+            capability_ttl: crate::capability::DEFAULT_TTL,
         }
     }
 
@@ -418,6 +426,10 @@ impl State {
             let Some(host) = self.pool_host(piece.gid) else {
                 continue;
             };
+            if assigned && let Some(revoked) = self.revoked.get(&ino) {
+                // Before the daemon can serve the new chunk, it knows which tokens are revoked.
+                self.events.push((host, Event::Revoked(*revoked)));
+            }
             let event = if assigned {
                 Event::Assigned(backing)
             } else {

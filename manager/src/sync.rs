@@ -88,6 +88,19 @@ pub enum SyncDef {
 }
 
 impl SyncDef {
+    /// Whether the object has (or, when created, gets) a word in the lock region.
+    fn has_word(&self) -> bool {
+        !matches!(self, SyncDef::Bell)
+    }
+
+    /// The offset of the object's word in the lock region.
+    fn word_offset(&self) -> Option<u64> {
+        match self {
+            SyncDef::Mutex { offset } | SyncDef::BarrierWord { offset, .. } => Some(*offset),
+            SyncDef::Barrier { .. } | SyncDef::Bell => None,
+        }
+    }
+
     fn kind(&self) -> &'static str {
         match self {
             SyncDef::Barrier { .. } | SyncDef::BarrierWord { .. } => "barrier",
@@ -134,8 +147,38 @@ pub struct LockRegion {
     pub ino: u64,
     /// Slots handed out so far (the next new slot's index).
     pub next: u64,
-    /// Unused: slots are never reused (kept so that stored records load).
+    /// Slots of deleted objects, each [`FreeSlot::pack`]ed: reused once every capability
+    /// for them has expired.
     pub free: Vec<u64>,
+}
+
+/// A slot of a deleted object, waiting to be reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FreeSlot {
+    /// The slot's index (offset / [`SLOT_STRIDE`]).
+    pub index: u32,
+    /// Unix second from which it may be reused.
+    pub after_secs: u32,
+}
+
+impl FreeSlot {
+    /// Stored form: the index in the high 32 bits, the second in the low 32.
+    pub fn pack(self) -> u64 {
+        (u64::from(self.index) << 32) | u64::from(self.after_secs)
+    }
+
+    pub fn unpack(raw: u64) -> FreeSlot {
+        FreeSlot {
+            index: (raw >> 32) as u32,
+            after_secs: raw as u32,
+        }
+    }
+}
+
+fn unix_secs() -> u32 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs().min(u64::from(u32::MAX)) as u32)
 }
 
 /// Sync definitions in the manager's state.
@@ -145,6 +188,31 @@ pub struct SyncState {
     /// Owner and mode of each object in `defs`.
     pub owners: BTreeMap<String, SyncOwner>,
     pub lock_region: Option<LockRegion>,
+}
+
+/// Mode of the lock region: root's alone. Other users reach their objects' words through
+/// the manager or with a capability for one slot, never by mapping the region.
+pub const LOCK_REGION_MODE: u32 = 0o600;
+
+impl State {
+    /// Gives a lock region made by an earlier version (mode 0666) the mode
+    /// [`LOCK_REGION_MODE`]; returns whether it changed.
+    pub fn restrict_lock_region(&mut self) -> bool {
+        let Some(ino) = self.sync.lock_region.as_ref().map(|r| r.ino) else {
+            return false;
+        };
+        let Ok(inode) = self.inode(ino) else {
+            return false;
+        };
+        if inode.mode & 0o7777 == LOCK_REGION_MODE && inode.uid == 0 {
+            return false;
+        }
+        let mut inode = inode.clone();
+        inode.mode = (inode.mode & !0o7777) | LOCK_REGION_MODE;
+        inode.uid = 0;
+        self.put_inode(inode);
+        true
+    }
 }
 
 /// Loads one stored sync record.
@@ -258,6 +326,19 @@ impl State {
         def: SyncDef,
         mode: Option<u32>,
     ) -> Result<SyncDef> {
+        self.sync_init_in(caller, name, def, mode, None)
+    }
+
+    /// [`State::sync_init`], giving a new mutex or barrier the word at `slot` when one is
+    /// given (a reused slot whose word the caller cleared, see [`State::take_reusable_slot`]).
+    pub fn sync_init_in(
+        &mut self,
+        caller: &Caller,
+        name: &str,
+        def: SyncDef,
+        mode: Option<u32>,
+        slot: Option<u64>,
+    ) -> Result<SyncDef> {
         check_name(name)?;
         if let SyncDef::Barrier { n: 0 } | SyncDef::BarrierWord { n: 0, .. } = def {
             return Err(ManagerError::Invalid(format!(
@@ -283,14 +364,15 @@ impl State {
                 existing.kind()
             )));
         }
+        let mut word = || match slot {
+            Some(offset) => Ok(offset),
+            None => self.alloc_lock_slot(caller.host_id),
+        };
         let def = match def {
-            SyncDef::Mutex { .. } => SyncDef::Mutex {
-                offset: self.alloc_lock_slot(caller.host_id)?,
-            },
-            SyncDef::Barrier { n } | SyncDef::BarrierWord { n, .. } => SyncDef::BarrierWord {
-                n,
-                offset: self.alloc_lock_slot(caller.host_id)?,
-            },
+            SyncDef::Mutex { .. } => SyncDef::Mutex { offset: word()? },
+            SyncDef::Barrier { n } | SyncDef::BarrierWord { n, .. } => {
+                SyncDef::BarrierWord { n, offset: word()? }
+            }
             other => other,
         };
         self.sync.defs.insert(name.to_owned(), def.clone());
@@ -320,10 +402,42 @@ impl State {
         self.sync.defs.remove(name);
         self.sync.owners.remove(name);
         self.dirty.sync.insert(name.to_owned());
+        if let Some(offset) = def.word_offset() {
+            // Tokens for the slot live at most one capability lifetime (and cached locations
+            // are located again by then): after that, nobody but a new object reaches it.
+            let after = unix_secs().saturating_add(self.capability_ttl.as_secs() as u32 + 1);
+            self.free_lock_slot(offset, after);
+        }
         Ok(def)
     }
 
-    /// A new lock-word slot (never one used before), creating or growing the lock region as
+    /// Puts the slot at `offset` on the free list, reusable from Unix second `after_secs`.
+    pub fn free_lock_slot(&mut self, offset: u64, after_secs: u32) {
+        let Some(region) = self.sync.lock_region.as_mut() else {
+            return;
+        };
+        let Ok(index) = u32::try_from(offset / SLOT_STRIDE) else {
+            return;
+        };
+        region.free.push(FreeSlot { index, after_secs }.pack());
+        self.dirty.sync.insert(LOCK_REGION_KEY.to_owned());
+    }
+
+    /// Takes a freed slot whose capabilities have all expired, if any (its word still holds
+    /// what the deleted object left: clear it before use). `None`: allocate a new slot.
+    pub fn take_reusable_slot(&mut self) -> Option<u64> {
+        let now = unix_secs();
+        let region = self.sync.lock_region.as_mut()?;
+        let at = region
+            .free
+            .iter()
+            .position(|raw| FreeSlot::unpack(*raw).after_secs <= now)?;
+        let slot = FreeSlot::unpack(region.free.swap_remove(at));
+        self.dirty.sync.insert(LOCK_REGION_KEY.to_owned());
+        Some(u64::from(slot.index) * SLOT_STRIDE)
+    }
+
+    /// A new lock-word slot (one never used before), creating or growing the lock region as
     /// needed (placed on `host` when it is the first, like a region created there).
     fn alloc_lock_slot(&mut self, host: u32) -> Result<u64> {
         let created = match &self.sync.lock_region {
@@ -338,7 +452,8 @@ impl State {
             }
             None => {
                 let root = self.inode(ROOT_INO)?.clone();
-                let mut inode = self.new_inode(Kind::Region, 0o666, &Caller::root(host), &root);
+                let mut inode =
+                    self.new_inode(Kind::Region, LOCK_REGION_MODE, &Caller::root(host), &root);
                 // No name: nobody can open or unlink it through the namespace.
                 inode.nlink = 1;
                 inode.attrs = RegionAttrs {
@@ -537,7 +652,7 @@ impl SyncService {
     pub fn new(manager: Arc<Manager>, secret: Secret) -> SyncService {
         SyncService {
             inner: Arc::new(Inner {
-                minter: Minter::from_env(&secret),
+                minter: Minter::new(&secret, manager.config().capability_ttl),
                 manager,
                 secret,
                 runtime: StdMutex::new(Runtime::default()),
@@ -566,9 +681,76 @@ impl SyncService {
     ) -> Result<SyncDef> {
         let caller = caller.clone();
         let name = name.to_owned();
-        self.manager()
-            .write_allocating(move |s| s.sync_init(&caller, &name, def.clone(), mode))
+        let slot = if def.has_word() {
+            self.reusable_slot().await
+        } else {
+            None
+        };
+        let made = self
+            .manager()
+            .write_allocating(move |s| s.sync_init_in(&caller, &name, def.clone(), mode, slot))
+            .await;
+        if let Some(offset) = slot
+            && !matches!(&made, Ok(d) if d.word_offset() == Some(offset))
+        {
+            // Not used (the object existed, or the init failed): the slot is clear and no
+            // token reaches it, so it is reusable at once.
+            let returned = self
+                .manager()
+                .write(move |s| {
+                    s.free_lock_slot(offset, 0);
+                    Ok(())
+                })
+                .await;
+            if let Err(e) = returned {
+                tracing::warn!(offset, error = %e, "cannot return an unused lock slot");
+            }
+        }
+        made
+    }
+
+    /// A deleted object's slot that may be reused, its word cleared; `None` when there is
+    /// none (or it cannot be cleared now: it is put back for later).
+    async fn reusable_slot(&self) -> Option<u64> {
+        let offset = self
+            .manager()
+            .write(|s| Ok(s.take_reusable_slot()))
             .await
+            .ok()??;
+        match self.clear_word(offset).await {
+            Ok(()) => Some(offset),
+            Err(e) => {
+                tracing::warn!(offset, error = %e, "cannot clear a freed lock slot; keeping it aside");
+                let later = unix_secs().saturating_add(60);
+                let _ = self
+                    .manager()
+                    .write(move |s| {
+                        s.free_lock_slot(offset, later);
+                        Ok(())
+                    })
+                    .await;
+                None
+            }
+        }
+    }
+
+    /// Sets the word at `offset` to 0 (whatever a deleted object left there).
+    async fn clear_word(&self, offset: u64) -> Result<()> {
+        let place = self.word_place(offset).await?;
+        let mut seen = self.read_word(&place).await?;
+        for _ in 0..64 {
+            if seen == 0 {
+                return Ok(());
+            }
+            let got = self.cas(&place, seen, 0).await?;
+            if got == seen {
+                return Ok(());
+            }
+            seen = got;
+        }
+        Err(ManagerError::Unavailable(format!(
+            "the word at {offset} of the lock region keeps changing; is a stale client using it?"
+        )))
     }
 
     /// Checks that `caller` may use `name` with `mask` permission.
@@ -997,7 +1179,12 @@ impl SyncService {
 
     /// The location of a word for `caller` (its tag names the process: tid 0).
     fn location(&self, caller: &Caller, place: WordPlace) -> Result<v1::MutexLocation> {
-        let (capability, capability_expires_ms) = self.inner.minter.mint(place.ino, true);
+        // The token reaches this object's slot only, not the other words of the lock region.
+        let slot = place.region_offset - place.region_offset % SLOT_STRIDE;
+        let (capability, capability_expires_ms) =
+            self.inner
+                .minter
+                .mint_range(place.ino, true, slot, SLOT_STRIDE);
         Ok(v1::MutexLocation {
             ino: place.ino,
             region_offset: place.region_offset,
@@ -1574,7 +1761,7 @@ mod tests {
     }
 
     #[test]
-    fn barriers_and_mutexes_get_slots_that_are_never_reused() {
+    fn deleted_slots_are_reused_after_a_capability_lifetime() {
         let mut s = state();
         let c = Caller::root(1);
         let barrier = |n| SyncDef::BarrierWord { n, offset: 0 };
@@ -1612,14 +1799,64 @@ mod tests {
         s.sync_delete(&c, "b").unwrap();
         assert_eq!(s.sync_def("m").unwrap_err().errno(), libc::ENOENT);
         assert_eq!(
-            s.sync_init(&c, "m", mutex, None).unwrap(),
+            s.sync_init(&c, "m", mutex.clone(), None).unwrap(),
             SyncDef::Mutex {
                 offset: 2 * SLOT_STRIDE
             },
-            "a deleted object's slot is not reused"
+            "a deleted object's slot is not reused while tokens for it may live"
         );
         let place = s.lock_word(2 * SLOT_STRIDE).unwrap();
         assert_eq!((place.host_id, place.region_offset), (1, 2 * SLOT_STRIDE));
+        // The freed slots wait one capability lifetime, and the free list is stored.
+        let free: Vec<FreeSlot> = s
+            .sync
+            .lock_region
+            .as_ref()
+            .unwrap()
+            .free
+            .iter()
+            .map(|r| FreeSlot::unpack(*r))
+            .collect();
+        assert_eq!(free.iter().map(|f| f.index).collect::<Vec<_>>(), vec![1, 0]);
+        assert!(free.iter().all(|f| f.after_secs > unix_secs() + 500));
+        assert_eq!(s.take_reusable_slot(), None);
+        let stored = record_of(&s, LOCK_REGION_KEY).unwrap().unwrap();
+        let mut t = state();
+        load_record(&mut t, LOCK_REGION_KEY, &stored).unwrap();
+        assert_eq!(t.sync.lock_region, s.sync.lock_region);
+        // Once they are due, they are handed out (and used by init) before new ones.
+        s.sync.lock_region.as_mut().unwrap().free = free
+            .iter()
+            .map(|f| {
+                FreeSlot {
+                    after_secs: 0,
+                    ..*f
+                }
+                .pack()
+            })
+            .collect();
+        let slot = s.take_reusable_slot().unwrap();
+        assert_eq!(slot, SLOT_STRIDE);
+        assert_eq!(
+            s.sync_init_in(&c, "reused", mutex, None, Some(slot))
+                .unwrap(),
+            SyncDef::Mutex {
+                offset: SLOT_STRIDE
+            }
+        );
+        assert_eq!(s.take_reusable_slot(), Some(0));
+        assert_eq!(s.take_reusable_slot(), None);
+        assert_eq!(
+            FreeSlot::unpack(
+                FreeSlot {
+                    index: 7,
+                    after_secs: 9
+                }
+                .pack()
+            )
+            .index,
+            7
+        );
     }
 
     #[test]

@@ -1,23 +1,28 @@
 //! Transport capabilities (docs/ARCHITECTURE.md, "Capabilities"): a token bound to (region,
-//! rights, expiry) that the manager mints when a caller opens a region and daemons verify on the
-//! transport, so an application can reach the pool memory of the regions it opened and nothing
-//! else, without ever holding the cluster secret.
+//! offset range, rights, expiry) that the manager mints when a caller opens a region and daemons
+//! verify on the transport, so an application can reach the pool memory of the regions it opened
+//! and nothing else, without ever holding the cluster secret.
 //!
-//! A token is 64 bytes, little-endian:
+//! A token is 80 bytes, little-endian:
 //!
-//! | off | field     | type | notes                                              |
-//! |-----|-----------|------|----------------------------------------------------|
-//! | 0   | version   | u8   | [`TOKEN_VERSION`]                                  |
-//! | 1   | rights    | u8   | [`RIGHT_READ`] \| [`RIGHT_WRITE`]                  |
-//! | 2   | reserved  | 6 B  | must be 0                                          |
-//! | 8   | ino       | u64  | the region                                         |
-//! | 16  | expires   | u64  | Unix time in milliseconds                          |
-//! | 24  | nonce     | u64  | random; tells tokens apart in logs                 |
-//! | 32  | mac       | 32 B | HMAC-SHA256 of bytes 0..32 under the capability key |
+//! | off | field     | type | notes                                                 |
+//! |-----|-----------|------|-------------------------------------------------------|
+//! | 0   | version   | u8   | [`TOKEN_VERSION`]                                     |
+//! | 1   | rights    | u8   | [`RIGHT_READ`] \| [`RIGHT_WRITE`]                     |
+//! | 2   | reserved  | 6 B  | must be 0                                             |
+//! | 8   | ino       | u64  | the region                                            |
+//! | 16  | expires   | u64  | Unix time in milliseconds                             |
+//! | 24  | issued    | u64  | the manager's capability clock when minted (unique)   |
+//! | 32  | offset    | u64  | first region byte reached                             |
+//! | 40  | len       | u64  | bytes reached from `offset` ([`WHOLE_REGION`]: all)   |
+//! | 48  | mac       | 32 B | HMAC-SHA256 of bytes 0..48 under the capability key    |
 //!
 //! The capability key is derived from the cluster secret, which the manager and the daemons
-//! share; a token cannot be forged or altered without it. Tokens are not revoked one by one:
-//! they expire (minutes), and renewal asks the manager again, which re-checks permissions.
+//! share; a token cannot be forged or altered without it. Tokens expire (minutes), and renewal
+//! asks the manager again, which re-checks permissions. They are also revoked: a `chmod`,
+//! `chown`, unlink or shrinking truncate of a region makes the manager tell the daemons holding
+//! it to refuse that region's tokens issued before the change (an epoch on the `issued` clock,
+//! see [`Revocation`]).
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -25,15 +30,17 @@ use sha2::Sha256;
 use crate::auth::Secret;
 
 /// Encoded size of a token.
-pub const TOKEN_LEN: usize = 64;
+pub const TOKEN_LEN: usize = 80;
 /// The token format this build speaks.
-pub const TOKEN_VERSION: u8 = 1;
+pub const TOKEN_VERSION: u8 = 2;
+/// `len` of a token that reaches every byte of its region, however large it grows.
+pub const WHOLE_REGION: u64 = u64::MAX;
 /// The holder may read the region's memory.
 pub const RIGHT_READ: u8 = 1;
 /// The holder may write the region's memory (write, vector write, CAS, fetch-add).
 pub const RIGHT_WRITE: u8 = 2;
 /// Bytes covered by the MAC.
-const BODY_LEN: usize = 32;
+const BODY_LEN: usize = 48;
 /// Domain separation of the key derivation.
 const KEY_LABEL: &[u8] = b"regions transport capability key v1";
 
@@ -70,8 +77,13 @@ pub struct Capability {
     pub rights: u8,
     /// Expiry, Unix time in milliseconds.
     pub expires_ms: u64,
-    /// Random tag of this token.
-    pub nonce: u64,
+    /// The manager's capability clock when the token was minted: unique per token, and
+    /// compared with revocation epochs.
+    pub issued: u64,
+    /// First region byte the token reaches.
+    pub offset: u64,
+    /// Bytes it reaches from `offset` ([`WHOLE_REGION`]: every byte).
+    pub len: u64,
 }
 
 impl Capability {
@@ -96,13 +108,26 @@ impl Capability {
         Ok(())
     }
 
+    /// Whether the region bytes `[offset, offset + len)` lie within the token's range.
+    pub fn covers(&self, offset: u64, len: u64) -> bool {
+        if self.len == WHOLE_REGION {
+            return offset >= self.offset;
+        }
+        let Some(end) = offset.checked_add(len) else {
+            return false;
+        };
+        offset >= self.offset && end <= self.offset.saturating_add(self.len)
+    }
+
     fn body(&self) -> [u8; BODY_LEN] {
         let mut b = [0u8; BODY_LEN];
         b[0] = TOKEN_VERSION;
         b[1] = self.rights;
         b[8..16].copy_from_slice(&self.ino.to_le_bytes());
         b[16..24].copy_from_slice(&self.expires_ms.to_le_bytes());
-        b[24..32].copy_from_slice(&self.nonce.to_le_bytes());
+        b[24..32].copy_from_slice(&self.issued.to_le_bytes());
+        b[32..40].copy_from_slice(&self.offset.to_le_bytes());
+        b[40..48].copy_from_slice(&self.len.to_le_bytes());
         b
     }
 
@@ -141,9 +166,33 @@ impl Capability {
             ino: word(8),
             rights,
             expires_ms: word(16),
-            nonce: word(24),
+            issued: word(24),
+            offset: word(32),
+            len: word(40),
         })
     }
+}
+
+/// A revocation: tokens of region `ino` issued before `before` (on the manager's capability
+/// clock) are refused. Tokens live at most until `until_ms`, after which the revocation
+/// has nothing left to refuse and may be forgotten.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Revocation {
+    /// The region (0: every region, as after a manager restart).
+    pub ino: u64,
+    /// Tokens issued before this are revoked.
+    pub before: u64,
+    /// Unix ms after which no revoked token is still unexpired.
+    pub until_ms: u64,
+}
+
+/// Why a token is refused although genuine: revoked by a change to its region.
+pub fn revoked_message(cap: &Capability) -> String {
+    format!(
+        "the capability for region {} was revoked (its mode, owner, names or size changed): \
+         renew it through the host agent, which checks permission again",
+        cap.ino
+    )
 }
 
 /// The key that mints and verifies tokens (derived from the cluster secret).
@@ -219,7 +268,9 @@ mod tests {
             ino: 42,
             rights: RIGHT_READ | RIGHT_WRITE,
             expires_ms: 1_000_000,
-            nonce: 7,
+            issued: 7,
+            offset: 0,
+            len: WHOLE_REGION,
         }
     }
 
@@ -238,8 +289,8 @@ mod tests {
         let k = key("secret");
         let token = k.mint(&cap());
         assert_eq!(key("other").verify(&token), Err(CapabilityError::BadMac));
-        // Flip each body and MAC byte in turn (rights, ino, expiry, nonce, tag).
-        for i in [1usize, 8, 16, 23, 24, 32, 63] {
+        // Flip each body and MAC byte in turn (rights, ino, expiry, issued, range, tag).
+        for i in [1usize, 8, 16, 23, 24, 32, 40, 47, 48, 79] {
             let mut bad = token.clone();
             bad[i] ^= 1;
             assert!(k.verify(&bad).is_err(), "byte {i}");
@@ -270,6 +321,25 @@ mod tests {
         let mut t = k.mint(&cap());
         t[1] = 0x80;
         assert!(matches!(k.verify(&t), Err(CapabilityError::Malformed(_))));
+    }
+
+    #[test]
+    fn ranges() {
+        let whole = cap();
+        assert!(whole.covers(0, 1) && whole.covers(u64::MAX - 8, 8));
+        let word = Capability {
+            offset: 64,
+            len: 8,
+            ..cap()
+        };
+        assert!(word.covers(64, 8) && word.covers(68, 4));
+        assert!(!word.covers(60, 8) && !word.covers(64, 9) && !word.covers(72, 1));
+        assert!(!word.covers(u64::MAX, 2));
+        // The range is part of what the MAC covers.
+        let k = key("secret");
+        let mut t = k.mint(&word);
+        t[40] = 0xff;
+        assert_eq!(k.verify(&t), Err(CapabilityError::BadMac));
     }
 
     #[test]

@@ -117,7 +117,7 @@ fn send_signal(pid: u32, signal: libc::c_int) -> anyhow::Result<()> {
 }
 
 /// Polls `child` until it exits or `timeout` passes; `None` on timeout.
-fn wait_timeout(child: &mut Child, timeout: Duration) -> anyhow::Result<Option<ExitStatus>> {
+pub fn wait_timeout(child: &mut Child, timeout: Duration) -> anyhow::Result<Option<ExitStatus>> {
     let deadline = Instant::now() + timeout;
     loop {
         if let Some(status) = child.try_wait().context("waitpid failed")? {

@@ -302,5 +302,130 @@ fn sync_objects_have_owners_and_modes() {
     sync.mutex_lock("private-lock")
         .expect("root locks its mutex");
     sync.mutex_unlock("private-lock").expect("and unlocks it");
+    // A capability for the shared mutex's word reaches that slot only: not the private
+    // mutex's word beside it, nor the lock region as a whole.
+    let out = s.attack(&["sync-slot", "shared-lock"]);
+    allowed(&out, "own-word");
+    refused(&out, "previous-slot", &[libc::EACCES]);
+    refused(&out, "next-slot", &[libc::EACCES]);
+    refused(&out, "whole-region-segment", &[libc::EACCES]);
+    refused(&out, "whole-region-open", &[libc::EACCES]);
     sync.delete("shared-lock").expect("the owner deletes");
+}
+
+/// Runs `regions-attack revoked INO` as nobody: it reads region `ino` with a capability, then
+/// `change` runs (as root, through the mount) and it reads again. Returns its outcomes.
+fn across_a_change(s: &Setup, ino: u64, change: impl FnOnce()) -> HashMap<String, String> {
+    use std::io::{BufRead, BufReader, Write};
+    let mut cmd = Command::new(&s.attack);
+    cmd.arg(&s.socket)
+        .args(["revoked", &ino.to_string()])
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .env("RUST_LOG", "off")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped());
+    let mut child = cmd.spawn().expect("start the attack");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut outcomes = HashMap::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let mut changed = false;
+    let mut change = Some(change);
+    while let Ok(line) =
+        rx.recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
+    {
+        if line == "ready" {
+            if let Some(change) = change.take() {
+                change();
+            }
+            changed = true;
+            let stdin = child.stdin.as_mut().expect("piped stdin");
+            stdin.write_all(b"go\n").expect("tell the attack to go on");
+            continue;
+        }
+        if let Some((k, v)) = line.split_once(": ") {
+            outcomes.insert(k.to_owned(), v.to_owned());
+        }
+    }
+    let status = regions_tests::wait_timeout(&mut child, Duration::from_secs(20)).expect("wait");
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    assert!(changed, "the attack never got ready: {outcomes:?}");
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "the attack failed: {outcomes:?}"
+    );
+    outcomes
+}
+
+#[test]
+fn capabilities_are_revoked_by_chmod_chown_unlink_and_truncate() {
+    use std::os::unix::fs::chown;
+    let s = setup();
+    let content = vec![b'r'; 8192];
+    // chmod: nobody could read (0644), then cannot (0600). The token it held is refused by
+    // the daemon, on its old connection and on a new one, and renewing it is refused too.
+    let chmod = s.region("chmod", &content, 0o644);
+    let out = across_a_change(&s, chmod, || {
+        std::fs::set_permissions(s.mount.path("chmod"), PermissionsExt::from_mode(0o600))
+            .expect("chmod 0600");
+    });
+    allowed(&out, "library-read-before");
+    allowed(&out, "old-token-before");
+    refused(&out, "old-token", &[libc::EKEYREVOKED]);
+    refused(&out, "old-token-new-connection", &[libc::EKEYREVOKED]);
+    refused(&out, "library-read", &[libc::EACCES]);
+
+    // chown: nobody read through its group, and the group changes.
+    let group = s.region("chown", &content, 0o640);
+    chown(s.mount.path("chown"), Some(0), Some(NOBODY)).expect("chgrp nobody");
+    let out = across_a_change(&s, group, || {
+        chown(s.mount.path("chown"), Some(0), Some(0)).expect("chgrp root");
+    });
+    allowed(&out, "old-token-before");
+    refused(&out, "old-token", &[libc::EKEYREVOKED]);
+    refused(&out, "library-read", &[libc::EACCES]);
+
+    // A shrinking truncate and an unlink end the tokens too; a holder that may still read
+    // (mode 0644; an unlinked region stays readable through its open handle, as a descriptor
+    // does) renews without noticing.
+    let truncated = s.region("truncate", &content, 0o644);
+    let out = across_a_change(&s, truncated, || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(s.mount.path("truncate"))
+            .and_then(|f| f.set_len(4096))
+            .expect("truncate to 4 KiB");
+    });
+    refused(&out, "old-token", &[libc::EKEYREVOKED]);
+    allowed(&out, "library-read");
+    assert_eq!(out.get("content").map(String::as_str), Some("rrrr"));
+    let unlinked = s.region("unlink", &content, 0o644);
+    let out = across_a_change(&s, unlinked, || {
+        std::fs::remove_file(s.mount.path("unlink")).expect("unlink");
+    });
+    refused(&out, "old-token", &[libc::EKEYREVOKED]);
+    allowed(&out, "library-read");
+    assert_eq!(out.get("content").map(String::as_str), Some("rrrr"));
+
+    // Control: a change that ends nothing (a timestamp) leaves the token working.
+    let touched = s.region("touch", &content, 0o644);
+    let out = across_a_change(&s, touched, || {
+        let f = std::fs::File::options()
+            .write(true)
+            .open(s.mount.path("touch"))
+            .expect("open");
+        f.set_modified(std::time::SystemTime::now())
+            .expect("set mtime");
+    });
+    allowed(&out, "old-token");
+    allowed(&out, "library-read");
 }

@@ -312,6 +312,54 @@ fn unknown_existing_and_invalid_objects() -> anyhow::Result<()> {
 }
 
 #[test]
+fn a_deleted_objects_slot_is_reused_clear_after_its_tokens_expire() -> anyhow::Result<()> {
+    // Capabilities live 2 s here, so a freed slot is due 3 s after its object's deletion.
+    let c = Cluster::start_with(2, "64M", &["--capability-ttl-secs", "2"])?;
+    let a = SyncClient::connect(&socket(&c, 1));
+    let b = SyncClient::connect(&socket(&c, 2));
+    a.mutex_init("old")?;
+    a.barrier_init("old-barrier", 1)?;
+    let old = a.mutex_locate("old")?.region_offset;
+    // Deleted while held, and with arrivals counted: the words are not 0.
+    a.mutex_lock("old")?;
+    assert_eq!(a.barrier_wait("old-barrier")?, 1);
+    let deleted = std::time::Instant::now();
+    a.delete("old")?;
+    a.delete("old-barrier")?;
+    // Right away, a new object gets a new slot: tokens for the old one may still live.
+    b.mutex_init("early")?;
+    let early = b.mutex_locate("early")?.region_offset;
+    assert_ne!(early, old);
+    std::thread::sleep(Duration::from_secs(4).saturating_sub(deleted.elapsed()));
+    // Due now: the new objects get the old slots (first freed, first reused), cleared.
+    b.mutex_init("new")?;
+    b.barrier_init("new-barrier", 1)?;
+    assert_eq!(
+        b.mutex_locate("new")?.region_offset,
+        old,
+        "the freed mutex slot is reused"
+    );
+    // Were the word not cleared, these would wait for the deleted mutex's holder: bounded.
+    for host in [2, 1] {
+        let sock = socket(&c, host);
+        let done = on_thread(move || {
+            let client = SyncClient::connect(&sock);
+            client.mutex_lock("new")?;
+            client.mutex_unlock("new")?;
+            client.barrier_wait("new-barrier")
+        });
+        let arrivals = done
+            .recv_timeout(Duration::from_secs(30))
+            .context("locking the new mutex on a reused slot hangs")??;
+        assert!(
+            arrivals == 1 || arrivals == 2,
+            "a new barrier counts from 0: {arrivals}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
 fn regionfs_sync_cli_on_three_mounts() -> anyhow::Result<()> {
     let c = Cluster::start(3, "64M")?;
     let mounts: Vec<_> = (1..=3).map(|h| c.mount(h)).collect::<anyhow::Result<_>>()?;

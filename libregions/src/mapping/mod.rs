@@ -684,10 +684,8 @@ impl Mapping {
         let fetched = self.spans_across(runs).and_then(|(addr, spans)| {
             let t = self.region.transport(&addr)?;
             match t.read(&spans, buf) {
-                Err(RegionsError::Daemon { errno, .. })
-                    if errno == libc::EFAULT || errno == libc::ESTALE =>
-                {
-                    // A stale map: fetch it again and retry once.
+                Err(e) if e.calls_for_refresh() => {
+                    // A stale map or a revoked capability: fetch both again and retry once.
                     self.region.refresh()?;
                     let (addr, spans) = self.spans_across(runs)?;
                     self.region.transport(&addr)?.read(&spans, buf)
@@ -974,9 +972,15 @@ impl Mapping {
                 at += n;
             }
             let c0 = (a) / CHUNK_PAGES;
-            let written = self
-                .spans_of(c0, &runs)
-                .and_then(|(addr, spans)| self.region.transport(&addr)?.write(&spans, &buf));
+            let write = || {
+                self.spans_of(c0, &runs)
+                    .and_then(|(addr, spans)| self.region.transport(&addr)?.write(&spans, &buf))
+            };
+            let written = match write() {
+                // A stale map or a revoked capability: fetch both again and retry once.
+                Err(e) if e.calls_for_refresh() => self.region.refresh().and_then(|()| write()),
+                other => other,
+            };
             for &(a, b) in &runs {
                 for s in &pages[a..b] {
                     let to = if written.is_ok() { CLEAN } else { DIRTY };

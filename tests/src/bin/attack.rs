@@ -11,6 +11,9 @@
 //! regions-attack SOCKET sync NAME          (lock, ring and delete another user's sync object)
 //! regions-attack SOCKET fuzz SEED CASES INO,INO…  (random and malformed agent messages)
 //! regions-attack SOCKET flood N             (N connections at once; holds them until stdin ends)
+//! regions-attack SOCKET sync-slot NAME      (the capability of one mutex against the others)
+//! regions-attack SOCKET revoked INO         (reads with a capability, waits for a line on
+//!                                            stdin while root changes the region, reads again)
 //! ```
 //!
 //! Each attempt prints `NAME: refused ERRNO`, or `NAME: ALLOWED` when the attack worked. Set-up
@@ -383,6 +386,100 @@ mod fuzz {
     }
 }
 
+/// Locates mutex `name` (which the user may use) and turns its capability against the rest of
+/// the lock region: the slots either side (other objects' words), and the whole region
+/// through the host agent. `own-word` is the control.
+fn sync_slot(agent: &mut AgentClient, socket: &Path, name: &str) -> anyhow::Result<()> {
+    use regions::transport::tcp::{RetryPolicy, TcpTransport};
+    use regions::transport::{Span, Transport};
+    let sync = regions::sync::SyncClient::connect(socket);
+    let loc = match sync.mutex_locate(name) {
+        Ok(l) => l,
+        Err(e) => {
+            println!("locate: failed {}", e.errno());
+            bail!("cannot locate {name}: {e}");
+        }
+    };
+    let t = TcpTransport::with_capability(
+        &loc.transport_addr,
+        3,
+        &loc.capability,
+        RetryPolicy::default(),
+        Default::default(),
+    );
+    let word = |delta: i64| Span {
+        ino: loc.ino,
+        region_offset: loc.region_offset.wrapping_add_signed(delta),
+        pool: loc.pool,
+        pool_offset: loc.pool_offset.wrapping_add_signed(delta),
+        len: 8,
+    };
+    report_call("own-word", t.fetch_add(&word(0), 0));
+    report_call("next-slot", t.compare_and_swap(&word(64), 0, 1));
+    if loc.region_offset >= 64 {
+        report_call("previous-slot", t.compare_and_swap(&word(-64), 0, 1));
+    }
+    report_call("whole-region-segment", agent.segment(loc.ino, true));
+    report_call("whole-region-open", agent.open(loc.ino, true));
+    Ok(())
+}
+
+/// Opens region `ino` for reading through the library and, separately, takes a capability
+/// token for it and reads with it on a raw transport connection; prints `ready`, waits for a
+/// line on stdin (root changes the region meanwhile), then reads both ways again:
+/// `old-token` with the token taken before the change, `library-read` through the library,
+/// which renews its capability when the daemon says it was revoked.
+fn revoked(agent: &mut AgentClient, socket: &Path, ino: u64) -> anyhow::Result<()> {
+    use regions::transport::tcp::{RetryPolicy, TcpTransport};
+    use regions::transport::{Span, Transport};
+    let region = match regions::app::AppRegion::open_ino(socket, ino, false) {
+        Ok(r) => r,
+        Err(e) => {
+            println!("open: failed {}", e.errno());
+            bail!("cannot open region {ino}: {e}");
+        }
+    };
+    let mut buf = [0u8; 4];
+    report_call("library-read-before", region.read_at(0, &mut buf));
+    let loc = region.chunk(0).context("where chunk 0 is")?;
+    let info = agent
+        .open(ino, false)
+        .context("a second open for its token")?;
+    let raw = TcpTransport::with_capability(
+        &loc.addr,
+        9,
+        &info.capability,
+        RetryPolicy::default(),
+        Default::default(),
+    );
+    let span = Span {
+        ino,
+        region_offset: 0,
+        pool: loc.pool,
+        pool_offset: loc.pool_offset,
+        len: 4,
+    };
+    report_call("old-token-before", raw.read(&[span], &mut buf));
+    println!("ready");
+    let mut line = String::new();
+    std::io::stdin()
+        .read_line(&mut line)
+        .context("waiting for the change")?;
+    // A new connection, as a client would make after the old one broke.
+    let fresh = TcpTransport::with_capability(
+        &loc.addr,
+        9,
+        &info.capability,
+        RetryPolicy::default(),
+        Default::default(),
+    );
+    report_call("old-token", raw.read(&[span], &mut buf));
+    report_call("old-token-new-connection", fresh.read(&[span], &mut buf));
+    report_call("library-read", region.read_at(0, &mut buf));
+    println!("content: {}", String::from_utf8_lossy(&buf));
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (Some(socket), Some(command), Some(first)) = (args.first(), args.get(1), args.get(2))
@@ -438,6 +535,8 @@ fn main() -> anyhow::Result<()> {
             println!("answered: {answered}");
             println!("fuzz: done");
         }
+        "sync-slot" => sync_slot(&mut agent, Path::new(socket), first)?,
+        "revoked" => revoked(&mut agent, Path::new(socket), number()?)?,
         "flood" => {
             drop(agent);
             let (answered, held) = fuzz::flood(Path::new(socket), number()? as usize);

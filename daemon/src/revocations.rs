@@ -1,0 +1,182 @@
+//! Capability revocations this daemon enforces (docs/SECURITY.md, "Capabilities"): per region,
+//! the epoch before which its tokens are refused, and one epoch for every region (the start
+//! of the manager's run). The manager sends them as `Revoked` events after a `chmod`, `chown`,
+//! the loss of a name or a shrinking truncate, and in its registration reply; it waits for the
+//! daemon to apply them before the change returns.
+//!
+//! An entry is kept until every token it revokes has expired (`until_ms`), so the table holds
+//! at most the regions changed within one token lifetime.
+
+use std::collections::HashMap;
+use std::sync::RwLock;
+
+use regions_proto::capability::{Capability, now_ms};
+
+/// Most entries kept; past it, expired ones are dropped first, then the oldest revocations
+/// widen to a revocation of every region (stricter, never looser).
+const MAX_ENTRIES: usize = 1 << 20;
+
+#[derive(Clone, Copy, Debug)]
+struct Epoch {
+    before: u64,
+    until_ms: u64,
+}
+
+#[derive(Debug, Default)]
+struct Table {
+    per_region: HashMap<u64, Epoch>,
+    all: Option<Epoch>,
+}
+
+/// The revocations in force.
+#[derive(Debug, Default)]
+pub struct Revocations {
+    table: RwLock<Table>,
+}
+
+impl Revocations {
+    /// No revocation yet.
+    pub fn new() -> Revocations {
+        Revocations::default()
+    }
+
+    /// Refuses tokens of `ino` (0: of every region) issued before `before`, until `until_ms`.
+    /// Epochs only move forward.
+    pub fn revoke(&self, ino: u64, before: u64, until_ms: u64) {
+        let mut t = self
+            .table
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let new = Epoch { before, until_ms };
+        let slot = if ino == 0 {
+            &mut t.all
+        } else {
+            if t.per_region.len() >= MAX_ENTRIES && !t.per_region.contains_key(&ino) {
+                Self::make_room(&mut t);
+            }
+            let e = t.per_region.entry(ino).or_insert(new);
+            *e = merge(*e, new);
+            return;
+        };
+        *slot = Some(slot.map_or(new, |old| merge(old, new)));
+    }
+
+    /// Drops expired entries, and if that is not enough, folds every entry into the
+    /// all-regions epoch.
+    fn make_room(t: &mut Table) {
+        let now = now_ms();
+        t.per_region.retain(|_, e| e.until_ms > now);
+        if t.per_region.len() < MAX_ENTRIES {
+            return;
+        }
+        tracing::warn!(
+            entries = t.per_region.len(),
+            "too many capability revocations at once: revoking every region's tokens"
+        );
+        let folded = t.per_region.drain().map(|(_, e)| e).reduce(merge);
+        if let Some(e) = folded {
+            t.all = Some(t.all.map_or(e, |old| merge(old, e)));
+        }
+    }
+
+    /// Whether `cap` was revoked (and has not expired since; the caller checks expiry).
+    pub fn revoked(&self, cap: &Capability) -> bool {
+        let t = self
+            .table
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let before = |e: Option<&Epoch>| e.is_some_and(|e| cap.issued < e.before);
+        before(t.all.as_ref()) || before(t.per_region.get(&cap.ino))
+    }
+
+    /// Revocations held for single regions.
+    pub fn len(&self) -> usize {
+        self.table
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .per_region
+            .len()
+    }
+
+    /// Whether no single region has a revocation.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+fn merge(a: Epoch, b: Epoch) -> Epoch {
+    Epoch {
+        before: a.before.max(b.before),
+        until_ms: a.until_ms.max(b.until_ms),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use regions_proto::capability::{RIGHT_READ, WHOLE_REGION};
+
+    fn cap(ino: u64, issued: u64) -> Capability {
+        Capability {
+            ino,
+            rights: RIGHT_READ,
+            expires_ms: u64::MAX,
+            issued,
+            offset: 0,
+            len: WHOLE_REGION,
+        }
+    }
+
+    #[test]
+    fn tokens_issued_before_the_epoch_are_refused() {
+        let r = Revocations::new();
+        assert!(!r.revoked(&cap(5, 10)));
+        r.revoke(5, 20, u64::MAX);
+        assert!(r.revoked(&cap(5, 10)) && r.revoked(&cap(5, 19)));
+        assert!(!r.revoked(&cap(5, 20)) && !r.revoked(&cap(6, 10)));
+        // Epochs never move back.
+        r.revoke(5, 15, u64::MAX);
+        assert!(r.revoked(&cap(5, 19)));
+        // Every region.
+        r.revoke(0, 12, u64::MAX);
+        assert!(r.revoked(&cap(6, 11)) && !r.revoked(&cap(6, 12)));
+        assert_eq!(r.len(), 1);
+    }
+
+    #[test]
+    fn a_full_table_drops_expired_entries_then_widens() {
+        let r = Revocations::new();
+        {
+            let mut t = r.table.write().unwrap();
+            for ino in 1..=MAX_ENTRIES as u64 {
+                t.per_region.insert(
+                    ino,
+                    Epoch {
+                        before: 100,
+                        until_ms: if ino % 2 == 0 { 0 } else { u64::MAX },
+                    },
+                );
+            }
+        }
+        r.revoke(u64::MAX, 50, u64::MAX);
+        // The expired half went; the rest stayed exact.
+        assert_eq!(r.len(), MAX_ENTRIES / 2 + 1);
+        assert!(r.revoked(&cap(1, 99)) && !r.revoked(&cap(2, 99)));
+        {
+            let mut t = r.table.write().unwrap();
+            for ino in 1..=MAX_ENTRIES as u64 {
+                t.per_region.insert(
+                    ino,
+                    Epoch {
+                        before: 100,
+                        until_ms: u64::MAX,
+                    },
+                );
+            }
+        }
+        r.revoke(u64::MAX - 1, 50, u64::MAX);
+        // Nothing expired: folded into one epoch for all, which refuses at least as much.
+        assert!(r.len() <= 1);
+        assert!(r.revoked(&cap(2, 99)) && r.revoked(&cap(777, 99)));
+    }
+}
