@@ -245,6 +245,10 @@ impl Registration {
                 .await
                 .map_err(manager_err)?
                 .into_inner();
+            // Revocations whose events this daemon may have missed while away.
+            for r in &reply.revoked {
+                self.pools.revocations().revoke(r.ino, r.before, r.until_ms);
+            }
             let list: Vec<(u64, u64, u64, u64)> = reply
                 .chunks
                 .iter()

@@ -4,8 +4,9 @@
 //! the loss of a name or a shrinking truncate, and in its registration reply; it waits for the
 //! daemon to apply them before the change returns.
 //!
-//! An entry is kept until every token it revokes has expired (`until_ms`), so the table holds
-//! at most the regions changed within one token lifetime.
+//! An entry is dropped once every token it revokes has expired (`until_ms`; expired entries go
+//! whenever the table has doubled since the last sweep), so the table holds about the regions
+//! changed within one token lifetime.
 
 use std::collections::HashMap;
 use std::sync::RwLock;
@@ -26,7 +27,12 @@ struct Epoch {
 struct Table {
     per_region: HashMap<u64, Epoch>,
     all: Option<Epoch>,
+    /// Size at which expired entries are dropped next (amortised: doubles).
+    prune_at: usize,
 }
+
+/// Least `Table::prune_at`.
+const PRUNE_MIN: usize = 1024;
 
 /// The revocations in force.
 #[derive(Debug, Default)]
@@ -51,6 +57,11 @@ impl Revocations {
         let slot = if ino == 0 {
             &mut t.all
         } else {
+            if t.per_region.len() >= t.prune_at.max(PRUNE_MIN) {
+                let now = now_ms();
+                t.per_region.retain(|_, e| e.until_ms > now);
+                t.prune_at = (2 * t.per_region.len()).max(PRUNE_MIN);
+            }
             if t.per_region.len() >= MAX_ENTRIES && !t.per_region.contains_key(&ino) {
                 Self::make_room(&mut t);
             }

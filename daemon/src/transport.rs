@@ -901,6 +901,10 @@ impl Conn {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     drop(pinned);
                     wait_ready(&self.stream, Ready::Write, shared.config.io_timeout)?;
+                    if !reach.still_valid(shared.pools.revocations()) {
+                        tracing::info!(peer = %self.peer, "capability revoked during a read reply; closing the connection");
+                        return Err(Close::Logged);
+                    }
                     pinned = self.repin(&resolved, &fingerprint)?;
                 }
                 Err(e) => return Err(e.into()),
@@ -995,6 +999,17 @@ impl Conn {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     drop(pinned);
                     wait_ready(&self.stream, Ready::Read, shared.config.io_timeout)?;
+                    if !reach.still_valid(shared.pools.revocations()) {
+                        // The rest of the payload is dropped; what arrived is written.
+                        self.discard(len - done as u64)?;
+                        let e = DaemonError::Revoked(
+                            "the capability was revoked while the write's payload arrived: \
+                             renew it and write again"
+                                .into(),
+                        );
+                        self.reply_error(h, &e);
+                        return Ok(());
+                    }
                     pinned = match resolved.pin(Instant::now()) {
                         Ok(p) if p.fingerprint() == fingerprint => p,
                         _ => return self.write_lost(h, len, done),

@@ -57,6 +57,15 @@ impl Reach {
         }
     }
 
+    /// Whether a request authorised as `self` may go on: false once its capability was
+    /// revoked (checked again when a long transfer resumes after waiting for the socket).
+    pub fn still_valid(self, revocations: &Revocations) -> bool {
+        match self {
+            Reach::Capability(cap) => !revocations.revoked(&cap),
+            Reach::Any | Reach::Named(_) => true,
+        }
+    }
+
     /// The error for a request whose chunks are out of reach: `EACCES` for a capability,
     /// `ESTALE` for a named region (refresh the map and retry).
     pub fn refusal(self) -> DaemonError {
@@ -72,7 +81,8 @@ impl Reach {
 
 /// Text of refusals for ranges outside a capability.
 pub const OUT_OF_REACH: &str = "the range lies outside the region or the byte range of the \
-     presented capability: open that region first";
+     presented capability (a mutex's or barrier's reaches its own 64-byte slot only): open the \
+     region you mean first";
 
 fn writes(op: Op) -> bool {
     matches!(op, Op::Write | Op::WriteV | Op::Cas | Op::FetchAdd)

@@ -402,8 +402,13 @@ impl AppRegion {
         if offset >= size || buf.is_empty() {
             return Ok(0);
         }
-        let n = (size - offset).min(buf.len() as u64) as usize;
         self.with_fresh_capability(|| {
+            // Again on a retry: the refresh may have brought a smaller size (a truncate).
+            let size = self.size();
+            if offset >= size {
+                return Ok(0);
+            }
+            let n = (size - offset).min(buf.len() as u64) as usize;
             let mut done = 0usize;
             for (addr, span) in self.spans(offset, n as u64)? {
                 let len = span.len as usize;
@@ -437,6 +442,10 @@ impl AppRegion {
         }
         // Writing the same bytes again is harmless, so a retry may cover spans already done.
         self.with_fresh_capability(|| {
+            // Again on a retry: the refresh may have brought a smaller size (a truncate).
+            if end > self.size() {
+                self.extend(end)?;
+            }
             let mut done = 0usize;
             for (addr, span) in self.spans(offset, data.len() as u64)? {
                 let len = span.len as usize;

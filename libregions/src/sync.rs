@@ -322,7 +322,8 @@ impl SyncClient {
     /// Waits until `n` callers reached the barrier in this round; returns the round's
     /// generation (1 for the first round).
     pub fn barrier_wait(&self, name: &str) -> Result<u64> {
-        // A second try only after finding the cached word deleted (the name may be new).
+        // A second try only after finding the cached word deleted (the name may be new) or its
+        // capability revoked.
         for _ in 0..2 {
             let Some(word) = self.barrier_word(name)? else {
                 return self
@@ -335,10 +336,18 @@ impl SyncClient {
                     .map(|r| r.value as u64);
             };
             let n = u64::from(word.location.n.max(1));
-            let old = t.fetch_add(&word.span, 1).inspect_err(|_| {
-                // Whether the arrival counted is unknown: do not arrive again elsewhere.
-                self.forget_barrier(name);
-            })?;
+            let old = match t.fetch_add(&word.span, 1) {
+                // Refused before the word was touched (the capability was revoked, as after a
+                // manager restart): locate the word again and arrive with a new one.
+                Err(e) if e.errno() == libc::EKEYREVOKED => {
+                    self.forget_barrier(name);
+                    continue;
+                }
+                other => other.inspect_err(|_| {
+                    // Whether the arrival counted is unknown: do not arrive again elsewhere.
+                    self.forget_barrier(name);
+                })?,
+            };
             if old & DELETED != 0 {
                 self.forget_barrier(name);
                 continue;

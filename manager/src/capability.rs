@@ -11,6 +11,7 @@
 //! they refuse the region's tokens issued before it, and the holders renew, which checks
 //! permission again.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -27,6 +28,8 @@ use crate::state::State;
 /// Default lifetime of a token (the manager's `--capability-ttl-secs`); holders renew at half
 /// of it.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(600);
+/// The longest lifetime accepted (a day).
+pub const MAX_TTL: Duration = Duration::from_secs(86_400);
 
 /// The capability clock: the wall clock in nanoseconds, made strictly increasing.
 pub fn tick() -> u64 {
@@ -56,6 +59,55 @@ pub fn revoke_all(before: u64, ttl: Duration) -> v1::RegionRevoked {
     }
 }
 
+/// The newest revocation of each region in this manager run, kept until its tokens have
+/// expired.
+#[derive(Clone, Debug, Default)]
+pub struct RevokedRegions {
+    by_region: HashMap<u64, v1::RegionRevoked>,
+    /// Size at which expired entries are dropped next (amortised: doubles).
+    prune_at: usize,
+}
+
+impl RevokedRegions {
+    /// Least `prune_at`.
+    const PRUNE_MIN: usize = 1024;
+
+    /// The revocation in force for `ino`, if any.
+    pub fn get(&self, ino: u64) -> Option<&v1::RegionRevoked> {
+        self.by_region.get(&ino).filter(|r| r.until_ms > now_ms())
+    }
+
+    /// Records `r`, dropping expired entries now and then.
+    pub fn insert(&mut self, r: v1::RegionRevoked) {
+        if self.by_region.len() >= self.prune_at.max(Self::PRUNE_MIN) {
+            let now = now_ms();
+            self.by_region.retain(|_, e| e.until_ms > now);
+            self.prune_at = (2 * self.by_region.len()).max(Self::PRUNE_MIN);
+        }
+        self.by_region.insert(r.ino, r);
+    }
+
+    /// Every revocation still in force.
+    pub fn current(&self) -> Vec<v1::RegionRevoked> {
+        let now = now_ms();
+        self.by_region
+            .values()
+            .filter(|r| r.until_ms > now)
+            .copied()
+            .collect()
+    }
+
+    /// Entries held (expired ones included until the next prune).
+    pub fn len(&self) -> usize {
+        self.by_region.len()
+    }
+
+    /// Whether no entry is held.
+    pub fn is_empty(&self) -> bool {
+        self.by_region.is_empty()
+    }
+}
+
 impl State {
     /// Ends access granted to region `ino` before now: the daemons holding its chunks (and
     /// any that receive chunks later in this run) refuse its tokens issued before this call.
@@ -67,9 +119,9 @@ impl State {
         let revoked = v1::RegionRevoked {
             ino,
             before: tick(),
-            until_ms: now_ms() + self.capability_ttl.as_millis() as u64,
+            until_ms: now_ms().saturating_add(self.capability_ttl.as_millis() as u64),
         };
-        self.revoked.insert(ino, revoked);
+        self.revoked.insert(revoked);
         for host in self.region_hosts(ino) {
             self.events.push((host, Event::Revoked(revoked)));
         }
@@ -88,18 +140,29 @@ impl Minter {
     pub fn new(secret: &Secret, ttl: Duration) -> Minter {
         Minter {
             key: CapabilityKey::from_secret(secret),
-            ttl: ttl.max(Duration::from_secs(1)),
+            ttl: ttl.clamp(Duration::from_secs(1), MAX_TTL),
         }
     }
 
-    /// A token for every byte of region `ino`, writable when `write`.
-    pub fn mint(&self, ino: u64, write: bool) -> (Vec<u8>, u64) {
-        self.mint_range(ino, write, 0, WHOLE_REGION)
+    /// A token for every byte of region `ino`, writable when `write`, issued at `issued`: a
+    /// [`tick`] taken *before* the permission check it rests on, so that a change that
+    /// revokes (its epoch taken under the state lock) either precedes the check, which then
+    /// sees it, or revokes this token.
+    pub fn mint(&self, ino: u64, write: bool, issued: u64) -> (Vec<u8>, u64) {
+        self.mint_range(ino, write, 0, WHOLE_REGION, issued)
     }
 
-    /// A token for region `ino`'s bytes `[offset, offset + len)`, writable when `write`.
-    pub fn mint_range(&self, ino: u64, write: bool, offset: u64, len: u64) -> (Vec<u8>, u64) {
-        let expires_ms = now_ms() + self.ttl.as_millis() as u64;
+    /// A token for region `ino`'s bytes `[offset, offset + len)`, writable when `write`,
+    /// issued at `issued` (see [`Minter::mint`]).
+    pub fn mint_range(
+        &self,
+        ino: u64,
+        write: bool,
+        offset: u64,
+        len: u64,
+        issued: u64,
+    ) -> (Vec<u8>, u64) {
+        let expires_ms = now_ms().saturating_add(self.ttl.as_millis() as u64);
         let cap = Capability {
             ino,
             rights: if write {
@@ -108,7 +171,7 @@ impl Minter {
                 RIGHT_READ
             },
             expires_ms,
-            issued: tick(),
+            issued,
             offset,
             len,
         };
@@ -117,12 +180,13 @@ impl Minter {
         (token, expires_ms)
     }
 
-    /// Puts a fresh token for the region of `info` into it.
-    pub fn stamp(&self, info: &mut v1::RegionInfo, write: bool) {
+    /// Puts a fresh token for the region of `info` into it, issued at `issued` (a [`tick`]
+    /// taken before the permission check).
+    pub fn stamp(&self, info: &mut v1::RegionInfo, write: bool, issued: u64) {
         let Some(ino) = info.attr.as_ref().map(|a| a.ino) else {
             return;
         };
-        let (token, expires) = self.mint(ino, write);
+        let (token, expires) = self.mint(ino, write, issued);
         info.capability = token;
         info.capability_expires_ms = expires;
     }
@@ -143,7 +207,7 @@ mod tests {
             }),
             ..Default::default()
         };
-        minter.stamp(&mut info, false);
+        minter.stamp(&mut info, false, tick());
         let cap = CapabilityKey::from_secret(&secret)
             .verify(&info.capability)
             .unwrap();
@@ -152,7 +216,7 @@ mod tests {
         assert_eq!(cap.expires_ms, info.capability_expires_ms);
         assert!(cap.check_time(now_ms()).is_ok());
         assert!(cap.check_time(now_ms() + 61_000).is_err());
-        minter.stamp(&mut info, true);
+        minter.stamp(&mut info, true, tick());
         let cap = CapabilityKey::from_secret(&secret)
             .verify(&info.capability)
             .unwrap();
@@ -162,9 +226,29 @@ mod tests {
         let other = CapabilityKey::from_secret(&Secret::new("other").unwrap());
         assert!(other.verify(&info.capability).is_err());
         // A range token reaches its range only.
-        let (token, _) = minter.mint_range(9, true, 128, 64);
+        let (token, _) = minter.mint_range(9, true, 128, 64, tick());
         let cap = CapabilityKey::from_secret(&secret).verify(&token).unwrap();
         assert!(cap.covers(128, 64) && !cap.covers(120, 16) && !cap.covers(190, 8));
+    }
+
+    #[test]
+    fn revocations_are_kept_until_their_tokens_expire() {
+        let mut r = RevokedRegions::default();
+        let live = |ino, until_ms| v1::RegionRevoked {
+            ino,
+            before: tick(),
+            until_ms,
+        };
+        r.insert(live(1, now_ms() + 60_000));
+        r.insert(live(2, 1));
+        assert!(r.get(1).is_some() && r.get(2).is_none());
+        assert_eq!(r.current().len(), 1);
+        for ino in 10..10 + RevokedRegions::PRUNE_MIN as u64 {
+            r.insert(live(ino, 1));
+        }
+        // The expired ones went at the prune; the live one stayed.
+        assert!(r.len() < RevokedRegions::PRUNE_MIN);
+        assert!(r.get(1).is_some());
     }
 
     #[test]

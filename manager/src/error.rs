@@ -32,6 +32,9 @@ pub enum ManagerError {
     Invalid(String),
     #[error("out of memory in the cluster: {0}")]
     NoSpace(String),
+    /// The manager's own disk is full: changes are refused (`ENOSPC`).
+    #[error("{0}")]
+    StoreFull(String),
     #[error("region too large: {0}")]
     TooBig(String),
     #[error("region {0} is already open for writing elsewhere and has ONEWRITER set")]
@@ -68,7 +71,9 @@ impl ManagerError {
             ManagerError::InvalidName(_) | ManagerError::Invalid(_) => libc::EINVAL,
             ManagerError::NameTooLong(_) | ManagerError::TargetTooLong(_) => libc::ENAMETOOLONG,
             ManagerError::TooManyLinks(_) => libc::EMLINK,
-            ManagerError::NoSpace(_) | ManagerError::NeedPool { .. } => libc::ENOSPC,
+            ManagerError::NoSpace(_)
+            | ManagerError::StoreFull(_)
+            | ManagerError::NeedPool { .. } => libc::ENOSPC,
             ManagerError::TooBig(_) => libc::EFBIG,
             ManagerError::WriterBusy(_) => libc::ETXTBSY,
             ManagerError::NoAttr(_) => libc::ENODATA,

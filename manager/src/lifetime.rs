@@ -173,7 +173,9 @@ impl Manager {
                 "release of owner pid {pid} on host {host}: both must be non-zero"
             )));
         }
-        let deleted = self.write(|s| Ok(s.release_owner(host, Some(pid)))).await?;
+        let deleted = self
+            .write_for_liveness(|s| Ok(s.release_owner(host, Some(pid))))
+            .await?;
         if !deleted.is_empty() {
             tracing::info!(host, pid, regions = ?deleted, "owner exited: deleted its non-persistent regions");
         }
@@ -184,7 +186,14 @@ impl Manager {
     /// and drops the handles its processes held open; returns (host, regions) for those that
     /// had any regions to delete.
     pub async fn expire_leases(&self, grace_over: bool) -> Result<Vec<(u32, Vec<u64>)>> {
-        self.write(|s| {
+        // Most checks find nothing to do: no write then (which a stalled store may refuse).
+        if self
+            .read(|s| Ok(s.expired_hosts(grace_over).is_empty()))
+            .await?
+        {
+            return Ok(Vec::new());
+        }
+        self.write_for_liveness(|s| {
             let mut out = Vec::new();
             for host in s.expired_hosts(grace_over) {
                 let deleted = s.release_owner(host, None);

@@ -40,6 +40,10 @@ struct Args {
     /// slot has expired by then).
     #[arg(long, env = "REGIONS_CAPABILITY_TTL_SECS", default_value_t = 600)]
     capability_ttl_secs: u64,
+    /// Bytes of the write-ahead log, written out in full when created: changes are durable
+    /// there first, and it keeps them while the data directory is full.
+    #[arg(long, env = "REGIONS_WAL_SIZE", default_value_t = regions_manager::wal::WAL_SIZE)]
+    wal_size: u64,
     /// Write the bound address to this file once serving (for scripts and tests).
     #[arg(long, env = "REGIONS_READY_FILE")]
     ready_file: Option<PathBuf>,
@@ -86,7 +90,11 @@ async fn main() -> anyhow::Result<()> {
     }
     let config = Config {
         lease: Duration::from_millis(args.lease_ms.max(100)),
-        capability_ttl: Duration::from_secs(args.capability_ttl_secs.max(1)),
+        capability_ttl: Duration::from_secs(
+            args.capability_ttl_secs
+                .clamp(1, regions_manager::capability::MAX_TTL.as_secs()),
+        ),
+        wal_size: args.wal_size,
         ..Config::default()
     };
     let manager = Manager::open(&args.data_dir, config)?;

@@ -47,6 +47,8 @@ pub struct Config {
     pub grow_timeout: Duration,
     /// Daemon events kept per host for streams that reconnect.
     pub event_backlog: usize,
+    /// Bytes of the write-ahead log (`--wal-size`).
+    pub wal_size: u64,
     /// Lifetime of transport capabilities; holders renew at half of it.
     pub capability_ttl: Duration,
 }
@@ -58,6 +60,7 @@ impl Default for Config {
             root_mode: 0o1777,
             grow_timeout: Duration::from_secs(3),
             event_backlog: 1 << 16,
+            wal_size: crate::wal::WAL_SIZE,
             capability_ttl: crate::capability::DEFAULT_TTL,
         }
     }
@@ -87,6 +90,24 @@ struct Batch {
 pub struct Durable {
     pub seq: u64,
     pub failed: Option<String>,
+    /// Set while the store cannot take changes (a full file system): changes are refused with
+    /// `ENOSPC`, reads and heartbeats go on (see `store::Store::stalled`).
+    pub stalled: Option<String>,
+    /// While stalled: the write-ahead log is nearly full, so even the changes that liveness
+    /// needs (registrations, lease expiry, handles) are refused.
+    pub log_nearly_full: bool,
+}
+
+/// How often a stalled store tries to resume.
+const RESUME_EVERY: Duration = Duration::from_millis(500);
+
+/// Which changes a stalled store still takes (see [`Manager::refuse_if_stalled`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Need {
+    /// A change of the namespace or a region: refused while stalled.
+    Change,
+    /// What keeps hosts, leases and open files going: taken while the log has room.
+    Liveness,
 }
 
 /// The queue between operations and the committer thread.
@@ -134,6 +155,8 @@ pub struct Manager {
     file_requests: std::sync::atomic::AtomicU64,
     /// The capability clock when this run began: earlier tokens are revoked.
     run_began: u64,
+    /// The data directory (named in errors).
+    data_dir: std::path::PathBuf,
     config: Config,
 }
 
@@ -141,8 +164,11 @@ impl Manager {
     /// Opens the store in `data_dir`, loads the state and starts the
     /// committer thread.
     pub fn open(data_dir: &Path, config: Config) -> Result<Arc<Manager>, StoreError> {
-        let (mut store, mut state) = Store::open(data_dir, config.lease, config.root_mode)?;
-        state.capability_ttl = config.capability_ttl.max(Duration::from_secs(1));
+        let (mut store, mut state) =
+            Store::open_with_log(data_dir, config.lease, config.root_mode, config.wal_size)?;
+        state.capability_ttl = config
+            .capability_ttl
+            .clamp(Duration::from_secs(1), crate::capability::MAX_TTL);
         // Handle numbers handed out by an earlier run may not all have been
         // stored (see `write_handles`): never hand them out again.
         state.counters.next_handle = state.counters.next_handle.saturating_add(HANDLE_ID_GAP);
@@ -200,6 +226,7 @@ impl Manager {
             closing: watch::channel(false).0,
             file_requests: Default::default(),
             run_began: crate::capability::tick(),
+            data_dir: data_dir.to_path_buf(),
             config,
         }))
     }
@@ -291,9 +318,42 @@ impl Manager {
         }
     }
 
+    /// `ENOSPC` when the store is stalled (its file system is full) and `need` is not taken
+    /// now (see [`Need`]), before anything is changed.
+    fn refuse_if_stalled(&self, need: Need) -> Result<()> {
+        let d = self.durable.borrow();
+        let Some(reason) = &d.stalled else {
+            return Ok(());
+        };
+        if need == Need::Liveness && !d.log_nearly_full {
+            return Ok(());
+        }
+        Err(ManagerError::StoreFull(format!(
+            "the manager cannot store changes in its data directory {} ({reason}): free space \
+             there; changes are refused until then, reads go on",
+            self.data_dir.display()
+        )))
+    }
+
     /// Runs an operation that may change state; returns once its change
-    /// (and everything it observed) is durable.
+    /// (and everything it observed) is durable. Refused with `ENOSPC` while
+    /// the store is stalled.
     pub async fn write<T>(&self, f: impl FnOnce(&mut State) -> Result<T>) -> Result<T> {
+        self.refuse_if_stalled(Need::Change)?;
+        self.write_unchecked(f).await
+    }
+
+    /// [`Manager::write`] for changes that keep hosts and leases going (registration, lease
+    /// expiry, owner exit): taken while the store is stalled, as long as its log has room.
+    pub async fn write_for_liveness<T>(
+        &self,
+        f: impl FnOnce(&mut State) -> Result<T>,
+    ) -> Result<T> {
+        self.refuse_if_stalled(Need::Liveness)?;
+        self.write_unchecked(f).await
+    }
+
+    async fn write_unchecked<T>(&self, f: impl FnOnce(&mut State) -> Result<T>) -> Result<T> {
         let (result, seq) = self.apply(f)?;
         self.settle(seq).await?;
         result
@@ -307,6 +367,7 @@ impl Manager {
     /// crash before that loses only a handle no stored change depends on.
     /// A change to anything else is waited for as by [`Manager::write`].
     pub async fn write_handles<T>(&self, f: impl FnOnce(&mut State) -> Result<T>) -> Result<T> {
+        self.refuse_if_stalled(Need::Liveness)?;
         let (result, _, observable) = self.apply_marking(f)?;
         self.settle(observable).await?;
         result
@@ -494,10 +555,24 @@ fn commit_loop(
                 return;
             };
             while q.0.is_empty() && !q.1 {
-                q = match queue.wake.wait(q) {
-                    Ok(q) => q,
+                if store.stalled().is_none() {
+                    q = match queue.wake.wait(q) {
+                        Ok(q) => q,
+                        Err(_) => return,
+                    };
+                    continue;
+                }
+                // Stalled: try to resume now and then (space may have come back).
+                q = match queue.wake.wait_timeout(q, RESUME_EVERY) {
+                    Ok((q, _)) => q,
                     Err(_) => return,
                 };
+                if q.0.is_empty() && store.try_resume() {
+                    durable.send_modify(|d| {
+                        d.stalled = None;
+                        d.log_nearly_full = false;
+                    });
+                }
             }
             if q.0.is_empty() {
                 return; // closing and drained
@@ -525,8 +600,21 @@ fn commit_loop(
             publish(events, event_seq, evs);
         }
         durable.send_modify(|d| d.seq = last);
-        if logged && let Err(e) = store.apply_logged(&records) {
-            return fail(e);
+        if logged {
+            // A failure is not fatal: the store stalls, the log has the records, and redb gets
+            // them when it resumes.
+            let _ = store.apply_logged(&records);
+        }
+        if let Some(reason) = store.stalled() {
+            let nearly_full = store.log_room_below(1);
+            let reason = reason.to_owned();
+            durable.send_if_modified(|d| {
+                let changed = d.stalled.as_deref() != Some(reason.as_str())
+                    || d.log_nearly_full != nearly_full;
+                d.stalled = Some(reason);
+                d.log_nearly_full = nearly_full;
+                changed
+            });
         }
     }
 }
@@ -938,7 +1026,7 @@ impl Manager {
         // A new incarnation lost its memory: its regions are marked lost in the same change,
         // before its daemon can ask which chunks to back (crate::lifetime).
         let (restarted, lost) = self
-            .write(|s| {
+            .write_for_liveness(|s| {
                 let restarted = s.register_host(r)?;
                 let lost = match restarted {
                     Some(previous) => s.mark_lost_on(
@@ -974,8 +1062,9 @@ impl Manager {
     }
 
     pub async fn heartbeat(&self, host: u32, incarnation: u64) -> Result<u64> {
-        // Leases are not stored: no commit needed, but use write for the lock.
-        self.write(|s| {
+        // Leases are not stored: no commit needed (so also while the store is stalled), but
+        // use a write for the lock.
+        self.write_unchecked(|s| {
             s.heartbeat(host, incarnation)
                 .map(|()| s.lease.as_millis() as u64)
         })
@@ -984,7 +1073,7 @@ impl Manager {
 
     pub async fn register_pool(&self, host: u32, gid: u32, size: u64) -> Result<v1::PoolRecord> {
         let record = self
-            .write(|s| {
+            .write_for_liveness(|s| {
                 let pool = s.register_pool(host, gid, size)?;
                 s.pool_record(pool.gid)
                     .ok_or_else(|| ManagerError::NotFound(format!("pool {}", pool.gid)))
@@ -1023,6 +1112,7 @@ impl Manager {
             Ok(v1::PoolChunksReply {
                 chunks: s.pool_chunks(gid)?,
                 sequence: self.current_sequence(),
+                revoked: s.revoked.current(),
             })
         })
         .await

@@ -298,11 +298,12 @@ impl Regions for Services {
     async fn open(&self, r: Request<v1::OpenRequest>) -> Result<Response<v1::RegionInfo>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
+        let issued = crate::capability::tick();
         let opened = self.manager.open_region(&c, r.ino, r.write).await;
         self.reply(
             "open",
             opened.map(|mut info| {
-                self.minter.stamp(&mut info, r.write);
+                self.minter.stamp(&mut info, r.write, issued);
                 info
             }),
         )
@@ -315,6 +316,7 @@ impl Regions for Services {
         let r = r.into_inner();
         let create = r.create.unwrap_or_default();
         let c = caller(create.caller.as_ref())?;
+        let issued = crate::capability::tick();
         let created = self
             .manager
             .create_open(
@@ -330,7 +332,7 @@ impl Regions for Services {
         self.reply(
             "create_open",
             created.map(|mut info| {
-                self.minter.stamp(&mut info, r.write);
+                self.minter.stamp(&mut info, r.write, issued);
                 info
             }),
         )
@@ -365,6 +367,7 @@ impl Regions for Services {
     ) -> Result<Response<v1::RegionInfo>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
+        let issued = crate::capability::tick();
         let mut result = self.manager.get_map(&c, r.ino, r.known_version).await;
         if r.want_capability && result.is_ok() {
             // A writable token needs write permission now (the map needs only read).
@@ -376,7 +379,7 @@ impl Regions for Services {
             };
             result = match (result, allowed) {
                 (Ok(mut info), Ok(())) => {
-                    self.minter.stamp(&mut info, r.write);
+                    self.minter.stamp(&mut info, r.write, issued);
                     Ok(info)
                 }
                 (_, Err(e)) | (Err(e), _) => Err(e),

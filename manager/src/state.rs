@@ -98,7 +98,7 @@ pub struct State {
     /// The newest capability revocation of each region in this run (not stored: a new run
     /// revokes every earlier token, see `capability::revoke_all`); daemons that receive a
     /// region's chunks later get it too.
-    pub revoked: HashMap<u64, v1::RegionRevoked>,
+    pub revoked: crate::capability::RevokedRegions,
     /// Lifetime of the capabilities the manager mints (its configuration; not stored).
     pub capability_ttl: Duration,
 }
@@ -159,7 +159,7 @@ impl State {
             events: Vec::new(),
             sync: crate::sync::SyncState::default(),
             reserved: Default::default(),
-            revoked: HashMap::new(),
+            revoked: Default::default(),
             capability_ttl: crate::capability::DEFAULT_TTL,
         }
     }
@@ -426,7 +426,7 @@ impl State {
             let Some(host) = self.pool_host(piece.gid) else {
                 continue;
             };
-            if assigned && let Some(revoked) = self.revoked.get(&ino) {
+            if assigned && let Some(revoked) = self.revoked.get(ino) {
                 // Before the daemon can serve the new chunk, it knows which tokens are revoked.
                 self.events.push((host, Event::Revoked(*revoked)));
             }

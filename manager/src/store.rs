@@ -1,7 +1,15 @@
 //! Durable state in redb: every acknowledged change is committed (fsync)
 //! before the reply, and loading rebuilds the in-memory [`State`].
+//!
+//! A change is durable once it is in the write-ahead log ([`crate::wal`]),
+//! whose file is written out in full when created, so appends never need
+//! space. Applying it to redb can fail when the file system is full: the
+//! store then *stalls* ([`Store::stalled`]): redb is left alone, the log
+//! keeps what it missed, and [`Store::try_resume`] reopens redb and replays
+//! the log once there is space again. The manager refuses changes while the
+//! store is stalled (`ENOSPC`), so that the log does not run full.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
@@ -10,6 +18,9 @@ use serde::{Deserialize, Serialize};
 use crate::model::{Dirent, Handle, Host, Inode, Pool, ROOT_INO, decode, encode};
 use crate::state::{Counters, State};
 use crate::wal::{WAL_SIZE, Wal};
+
+/// The redb file of a data directory.
+const DB_FILE: &str = "manager.redb";
 
 const INODES: TableDefinition<u64, &[u8]> = TableDefinition::new("inodes");
 /// (parent, name) → (inode, cookie).
@@ -34,6 +45,9 @@ pub enum StoreError {
     Db(#[from] redb::Error),
     #[error("a stored record is corrupt ({0}); restore the data directory from a backup")]
     Corrupt(String),
+    /// redb is closed after a failure (the store is stalled).
+    #[error("the store is stalled after a failure: {0}")]
+    Stalled(String),
 }
 
 impl From<redb::TransactionError> for StoreError {
@@ -64,10 +78,15 @@ impl From<postcard::Error> for StoreError {
 
 /// The embedded transactional store: redb behind a write-ahead log.
 pub struct Store {
-    db: Database,
+    /// `None` while stalled (closed after a failure, reopened to resume).
+    db: Option<Database>,
+    /// The redb file.
+    path: PathBuf,
     wal: Wal,
     /// Epoch of the log's current entries (stored in redb at checkpoints).
     epoch: u64,
+    /// Why redb stopped taking the logged changes, if it did.
+    stalled: Option<String>,
 }
 
 /// Counter holding the write-ahead log's epoch.
@@ -76,7 +95,17 @@ const WAL_EPOCH: &str = "wal_epoch";
 impl Store {
     /// Opens (or creates) the store in `dir` and loads the state.
     pub fn open(dir: &Path, lease: Duration, root_mode: u32) -> Result<(Store, State), StoreError> {
-        let path = dir.join("manager.redb");
+        Store::open_with_log(dir, lease, root_mode, WAL_SIZE)
+    }
+
+    /// [`Store::open`] with a write-ahead log of `wal_size` bytes.
+    pub fn open_with_log(
+        dir: &Path,
+        lease: Duration,
+        root_mode: u32,
+        wal_size: u64,
+    ) -> Result<(Store, State), StoreError> {
+        let path = dir.join(DB_FILE);
         let open_err = |source: redb::Error| StoreError::Open {
             path: path.display().to_string(),
             source,
@@ -84,11 +113,17 @@ impl Store {
         std::fs::create_dir_all(dir).map_err(|e| open_err(redb::Error::Io(e)))?;
         let db = Database::create(&path).map_err(|e| open_err(e.into()))?;
         let wal_path = dir.join("manager.wal");
-        let wal = Wal::open(&wal_path).map_err(|e| StoreError::Open {
+        let wal = Wal::open_sized(&wal_path, wal_size).map_err(|e| StoreError::Open {
             path: wal_path.display().to_string(),
             source: redb::Error::Io(e),
         })?;
-        let mut store = Store { db, wal, epoch: 0 };
+        let mut store = Store {
+            db: Some(db),
+            path,
+            wal,
+            epoch: 0,
+            stalled: None,
+        };
         store.create_tables()?;
         store.recover()?;
         let mut state = store.load(lease)?;
@@ -102,12 +137,18 @@ impl Store {
     /// Applies the log's entries of the stored epoch to redb, then
     /// checkpoints so the log starts empty.
     fn recover(&mut self) -> Result<(), StoreError> {
-        let txn = self.db.begin_read()?;
-        self.epoch = txn
+        let txn = self.db()?.begin_read()?;
+        let stored = txn
             .open_table(COUNTERS)?
             .get(WAL_EPOCH)?
             .map_or(0, |v| v.value());
         drop(txn);
+        self.replay(stored)
+    }
+
+    /// Applies the log's entries of `epoch` to redb, then checkpoints.
+    fn replay(&mut self, epoch: u64) -> Result<(), StoreError> {
+        self.epoch = epoch;
         let entries = self
             .wal
             .replay(self.epoch)
@@ -120,6 +161,70 @@ impl Store {
             self.apply(&records, Durability::None)?;
         }
         self.checkpoint()
+    }
+
+    fn db(&self) -> Result<&Database, StoreError> {
+        self.db.as_ref().ok_or_else(|| {
+            StoreError::Stalled(
+                self.stalled
+                    .clone()
+                    .unwrap_or_else(|| "the database is closed".into()),
+            )
+        })
+    }
+
+    /// Why the store stopped applying changes to redb (`None`: it did not).
+    pub fn stalled(&self) -> Option<&str> {
+        self.stalled.as_deref()
+    }
+
+    /// Stalls after `e`: redb is closed (it may hold a half-done
+    /// transaction), the log keeps every change since the last checkpoint.
+    fn stall(&mut self, e: &StoreError) {
+        let reason = e.to_string();
+        tracing::error!(
+            error = %reason,
+            dir = %self.path.parent().unwrap_or(&self.path).display(),
+            "the manager's store cannot take changes (is its file system full?); \
+             changes are refused until it can"
+        );
+        self.db = None;
+        self.stalled = Some(reason);
+    }
+
+    /// Whether less than `eighths`/8 of the log is free.
+    pub fn log_room_below(&self, eighths: u64) -> bool {
+        self.wal.used() > self.wal.size() / 8 * (8 - eighths)
+    }
+
+    /// Leaves the stalled state if redb can be reopened and the log
+    /// replayed into it and checkpointed (there is space again). Returns
+    /// whether the store is running.
+    pub fn try_resume(&mut self) -> bool {
+        if self.stalled.is_none() {
+            return true;
+        }
+        self.db = None;
+        // The entries since the last checkpoint carry this run's epoch, whatever redb kept of
+        // a commit that failed.
+        let epoch = self.epoch;
+        let attempt = (|| {
+            self.db = Some(Database::create(&self.path).map_err(redb::Error::from)?);
+            self.create_tables()?;
+            self.replay(epoch)
+        })();
+        match attempt {
+            Ok(()) => {
+                tracing::info!("the manager's store takes changes again");
+                self.stalled = None;
+                true
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "the store cannot resume yet");
+                self.db = None;
+                false
+            }
+        }
     }
 
     /// Makes everything applied to redb durable there and starts the log
@@ -137,7 +242,7 @@ impl Store {
 
     /// Makes sure every table exists (a new store has none).
     fn create_tables(&self) -> Result<(), StoreError> {
-        let txn = self.db.begin_write()?;
+        let txn = self.db()?.begin_write()?;
         txn.open_table(INODES)?;
         txn.open_table(DIRENTS)?;
         txn.open_table(CHUNKS)?;
@@ -152,7 +257,7 @@ impl Store {
 
     fn load(&self, lease: Duration) -> Result<State, StoreError> {
         let mut state = State::empty(lease);
-        let txn = self.db.begin_read()?;
+        let txn = self.db()?.begin_read()?;
         let Ok(counters) = txn.open_table(COUNTERS) else {
             return Ok(state); // a new store
         };
@@ -256,6 +361,13 @@ impl Store {
             return Ok(false);
         }
         let payload = encode(&records.to_vec())?;
+        if !self.wal.fits(payload.len()) && !self.try_resume() {
+            // Stalled with a full log: the change cannot be made durable.
+            return Err(StoreError::Stalled(format!(
+                "the write-ahead log is full and the store cannot take its changes ({})",
+                self.stalled.as_deref().unwrap_or("stalled")
+            )));
+        }
         if !self.wal.fits(payload.len()) {
             self.checkpoint()?;
         }
@@ -272,17 +384,28 @@ impl Store {
 
     /// Applies logged records to redb (not waiting for the disk: the log
     /// has them), checkpointing when the log runs full.
+    /// A failure stalls the store (the log has the records) and is
+    /// returned; while stalled, records are left to the replay at resume.
     pub fn apply_logged(&mut self, records: &[Record]) -> Result<(), StoreError> {
-        self.apply(records, Durability::None)?;
-        if self.wal.used() > WAL_SIZE / 4 * 3 {
-            self.checkpoint()?;
+        if self.stalled.is_some() {
+            return Ok(());
         }
-        Ok(())
+        let applied = self.apply(records, Durability::None).and_then(|()| {
+            if self.wal.used() > self.wal.size() / 4 * 3 {
+                self.checkpoint()
+            } else {
+                Ok(())
+            }
+        });
+        if let Err(e) = &applied {
+            self.stall(e);
+        }
+        applied
     }
 
     /// Writes records to redb in one transaction.
     fn apply(&self, records: &[Record], durability: Durability) -> Result<(), StoreError> {
-        let mut txn = self.db.begin_write()?;
+        let mut txn = self.db()?.begin_write()?;
         txn.set_durability(durability)
             .map_err(|e| StoreError::Corrupt(format!("cannot set durability: {e}")))?;
         // One pass per table, each opened only when a record needs it;
@@ -457,6 +580,12 @@ pub fn collect(state: &mut State) -> Result<Vec<Record>, StoreError> {
 
 impl Drop for Store {
     fn drop(&mut self) {
+        if !self.try_resume() {
+            tracing::warn!(
+                "the store is stalled at close; the log will be replayed at the next start"
+            );
+            return;
+        }
         if let Err(e) = self.checkpoint() {
             tracing::warn!(error = %e, "checkpoint at close failed; the log will be replayed at the next start");
         }

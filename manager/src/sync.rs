@@ -14,7 +14,8 @@
 //! - **Doorbell**: a ring count. `BellWait` returns once the count is above what this caller
 //!   (host id, pid) saw at its previous wait (0 before its first), and returns the count.
 //! - **Mutex**: an 8-byte lock word in a hidden region the manager allocates (one persistent
-//!   region with no name, slots 64 bytes apart). The word is 0 when free, else the holding
+//!   region with no name, root's, mode 0600, slots 64 bytes apart; a client's capability
+//!   reaches its object's slot only). The word is 0 when free, else the holding
 //!   thread's tag (host id, pid, tid: `regions::sync::tag`), with [`WAITERS`] set while
 //!   callers queue here. Clients lock
 //!   with a transport compare-and-swap `0 -> tag` and unlock with `tag -> 0`; only when that
@@ -24,8 +25,10 @@
 //!   lock when its process exits (its host agent watches it and calls `ReleaseDead`) or when
 //!   its host's lease ends.
 //!
-//! Slots are never reused: deleting a mutex or barrier sets [`DELETED`] in its word, so a
-//! client still holding the old location finds out instead of touching another object.
+//! Deleting a mutex or barrier sets [`DELETED`] in its word, so a client still holding the old
+//! location finds out instead of touching another object. The slot is reused only after one
+//! capability lifetime and a margin ([`SLOT_REUSE_MARGIN_SECS`]): every token for it has
+//! expired and every client has located its words again by then; its word is cleared first.
 //!
 //! Waiting calls end when the caller goes away: tonic drops the call's future and the guards
 //! here take the waiter out of its queue.
@@ -189,6 +192,9 @@ pub struct SyncState {
     pub owners: BTreeMap<String, SyncOwner>,
     pub lock_region: Option<LockRegion>,
 }
+
+/// Seconds past a capability lifetime before a deleted object's slot is reused.
+pub const SLOT_REUSE_MARGIN_SECS: u32 = 30;
 
 /// Mode of the lock region: root's alone. Other users reach their objects' words through
 /// the manager or with a capability for one slot, never by mapping the region.
@@ -404,8 +410,13 @@ impl State {
         self.dirty.sync.insert(name.to_owned());
         if let Some(offset) = def.word_offset() {
             // Tokens for the slot live at most one capability lifetime (and cached locations
-            // are located again by then): after that, nobody but a new object reaches it.
-            let after = unix_secs().saturating_add(self.capability_ttl.as_secs() as u32 + 1);
+            // are located again by then): after that, nobody but a new object reaches it. The
+            // margin covers a locate that read the definition just before the delete and
+            // mints its token a little later, and daemon clocks a little behind.
+            let ttl = u32::try_from(self.capability_ttl.as_secs()).unwrap_or(u32::MAX);
+            let after = unix_secs()
+                .saturating_add(ttl)
+                .saturating_add(SLOT_REUSE_MARGIN_SECS);
             self.free_lock_slot(offset, after);
         }
         Ok(def)
@@ -681,7 +692,14 @@ impl SyncService {
     ) -> Result<SyncDef> {
         let caller = caller.clone();
         let name = name.to_owned();
-        let slot = if def.has_word() {
+        let exists = {
+            let name = name.clone();
+            self.manager()
+                .read(move |s| Ok(s.sync.defs.contains_key(&name)))
+                .await?
+        };
+        // An init of an existing object (the common, idempotent case) needs no slot.
+        let slot = if def.has_word() && !exists {
             self.reusable_slot().await
         } else {
             None
@@ -1181,10 +1199,13 @@ impl SyncService {
     fn location(&self, caller: &Caller, place: WordPlace) -> Result<v1::MutexLocation> {
         // The token reaches this object's slot only, not the other words of the lock region.
         let slot = place.region_offset - place.region_offset % SLOT_STRIDE;
-        let (capability, capability_expires_ms) =
-            self.inner
-                .minter
-                .mint_range(place.ino, true, slot, SLOT_STRIDE);
+        let (capability, capability_expires_ms) = self.inner.minter.mint_range(
+            place.ino,
+            true,
+            slot,
+            SLOT_STRIDE,
+            crate::capability::tick(),
+        );
         Ok(v1::MutexLocation {
             ino: place.ino,
             region_offset: place.region_offset,

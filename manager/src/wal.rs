@@ -14,21 +14,34 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-/// Bytes of the log file, written with zeros once when created.
+/// Default bytes of the log file, written with zeros once when created (so
+/// that appends never need new blocks: the log keeps working on a full disk).
 pub const WAL_SIZE: u64 = 16 << 20;
+/// The smallest log the manager accepts (`--wal-size`).
+pub const MIN_WAL_SIZE: u64 = 64 << 10;
 const ENTRY_HEADER: usize = 16;
 
 /// The log.
 pub struct Wal {
     file: File,
+    /// Bytes of the file.
+    size: u64,
     epoch: u64,
     /// Where the next entry goes.
     end: u64,
 }
 
 impl Wal {
-    /// Opens (creating and pre-writing if needed) the log at `path`.
+    /// Opens (creating and pre-writing if needed) the log at `path`, of
+    /// [`WAL_SIZE`] bytes.
     pub fn open(path: &Path) -> std::io::Result<Wal> {
+        Wal::open_sized(path, WAL_SIZE)
+    }
+
+    /// [`Wal::open`] with a log of `size` bytes (at least [`MIN_WAL_SIZE`];
+    /// an existing larger file keeps its size).
+    pub fn open_sized(path: &Path, size: u64) -> std::io::Result<Wal> {
+        let size = size.max(MIN_WAL_SIZE);
         let mut file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -36,12 +49,13 @@ impl Wal {
             .truncate(false)
             .open(path)?;
         let len = file.metadata()?.len();
-        if len < WAL_SIZE {
+        let size = size.max(len);
+        if len < size {
             // Write real zeros (not a hole or fallocate's unwritten extents)
             // so later overwrites change no file metadata.
             file.seek(SeekFrom::Start(len))?;
             let zeros = vec![0u8; 1 << 20];
-            let mut left = WAL_SIZE - len;
+            let mut left = size - len;
             while left > 0 {
                 let n = left.min(zeros.len() as u64) as usize;
                 file.write_all(&zeros[..n])?;
@@ -51,6 +65,7 @@ impl Wal {
         }
         Ok(Wal {
             file,
+            size,
             epoch: 0,
             end: 0,
         })
@@ -61,7 +76,7 @@ impl Wal {
     pub fn replay(&mut self, epoch: u64) -> std::io::Result<Vec<Vec<u8>>> {
         let mut data = Vec::new();
         self.file.seek(SeekFrom::Start(0))?;
-        (&self.file).take(WAL_SIZE).read_to_end(&mut data)?;
+        (&self.file).take(self.size).read_to_end(&mut data)?;
         let mut entries = Vec::new();
         let mut at = 0usize;
         while at + ENTRY_HEADER <= data.len() {
@@ -86,7 +101,12 @@ impl Wal {
 
     /// Whether an entry of `len` payload bytes fits after the current end.
     pub fn fits(&self, len: usize) -> bool {
-        self.end + (ENTRY_HEADER + len) as u64 <= WAL_SIZE
+        self.end + (ENTRY_HEADER + len) as u64 <= self.size
+    }
+
+    /// Bytes of the log file.
+    pub fn size(&self) -> u64 {
+        self.size
     }
 
     /// Bytes used by entries of the current epoch.

@@ -21,8 +21,8 @@
 //! share; a token cannot be forged or altered without it. Tokens expire (minutes), and renewal
 //! asks the manager again, which re-checks permissions. They are also revoked: a `chmod`,
 //! `chown`, unlink or shrinking truncate of a region makes the manager tell the daemons holding
-//! it to refuse that region's tokens issued before the change (an epoch on the `issued` clock,
-//! see [`Revocation`]).
+//! it to refuse that region's tokens issued before the change (an epoch on the `issued` clock;
+//! `RegionRevoked` events in `cluster.proto`).
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -173,24 +173,12 @@ impl Capability {
     }
 }
 
-/// A revocation: tokens of region `ino` issued before `before` (on the manager's capability
-/// clock) are refused. Tokens live at most until `until_ms`, after which the revocation
-/// has nothing left to refuse and may be forgotten.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Revocation {
-    /// The region (0: every region, as after a manager restart).
-    pub ino: u64,
-    /// Tokens issued before this are revoked.
-    pub before: u64,
-    /// Unix ms after which no revoked token is still unexpired.
-    pub until_ms: u64,
-}
-
 /// Why a token is refused although genuine: revoked by a change to its region.
 pub fn revoked_message(cap: &Capability) -> String {
     format!(
-        "the capability for region {} was revoked (its mode, owner, names or size changed): \
-         renew it through the host agent, which checks permission again",
+        "the capability for region {} was revoked (its mode, owner, names or size changed, or \
+         the manager restarted): open the region again (the regions library renews it by \
+         itself), which checks permission again",
         cap.ino
     )
 }
