@@ -1,7 +1,7 @@
 //! Capability revocations this daemon enforces (docs/SECURITY.md, "Capabilities"): per region,
 //! the epoch before which its tokens are refused, and one epoch for every region (the start
 //! of the manager's run). The manager sends them as `Revoked` events after a `chmod`, `chown`,
-//! the loss of a name or a shrinking truncate, and in its registration reply; it waits for the
+//! the loss of an open region's last name or a shrinking truncate, and in its registration reply; it waits for the
 //! daemon to apply them before the change returns.
 //!
 //! An entry is dropped once every token it revokes has expired (`until_ms`; expired entries go

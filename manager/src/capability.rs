@@ -6,7 +6,7 @@
 //! Every token carries its `issued` time on one clock ([`tick`]): strictly increasing within a
 //! manager run and starting past the wall clock in nanoseconds, so a later run's tokens are
 //! issued after an earlier run's. A change that must end access already granted (`chmod`,
-//! `chown`, the loss of a name, a shrinking truncate) takes a new tick as the region's
+//! `chown`, the loss of an open region's last name, a shrinking truncate) takes a new tick as the region's
 //! revocation epoch and sends it to the daemons holding the region ([`State::revoke_capabilities`]):
 //! they refuse the region's tokens issued before it, and the holders renew, which checks
 //! permission again.
@@ -122,6 +122,7 @@ impl State {
             until_ms: now_ms().saturating_add(self.capability_ttl.as_millis() as u64),
         };
         self.revoked.insert(revoked);
+        self.revocation_queued = true;
         for host in self.region_hosts(ino) {
             self.events.push((host, Event::Revoked(revoked)));
         }

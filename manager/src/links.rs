@@ -172,8 +172,6 @@ impl State {
     /// close; otherwise `parent` of the inode moves to a directory that still
     /// holds a name.
     pub(crate) fn drop_name(&mut self, ino: u64, parent: u64, now: Time) -> Result<()> {
-        // Access granted through the name ends with it; holders of open handles renew.
-        self.revoke_capabilities(ino);
         let inode = self.inode_mut(ino)?;
         inode.nlink = inode.nlink.saturating_sub(1);
         inode.ctime = now;
@@ -186,7 +184,12 @@ impl State {
             return Ok(());
         }
         inode.parent = 0;
-        if !self.open.contains_key(&ino) {
+        if self.open.contains_key(&ino) {
+            // Access granted through the name ends with it; holders of open handles renew.
+            // (A region freed now needs no revocation: its chunks are released before they
+            // can back anything else.)
+            self.revoke_capabilities(ino);
+        } else {
             self.free_region(ino);
         }
         Ok(())

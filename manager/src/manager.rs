@@ -728,8 +728,16 @@ impl Manager {
     /// Unlinks a name. Returns once the daemons no longer serve tokens granted through it
     /// (like every change that revokes capabilities, see `State::revoke_capabilities`).
     pub async fn unlink(&self, caller: &Caller, parent: u64, name: &str) -> Result<()> {
-        self.write(|s| s.unlink(caller, parent, name)).await?;
-        self.settle_destructive().await;
+        let revoked = self
+            .write(|s| {
+                s.revocation_queued = false;
+                s.unlink(caller, parent, name)?;
+                Ok(std::mem::take(&mut s.revocation_queued))
+            })
+            .await?;
+        if revoked {
+            self.settle_destructive().await;
+        }
         Ok(())
     }
 
@@ -742,10 +750,17 @@ impl Manager {
         new_name: &str,
         flags: u32,
     ) -> Result<()> {
-        self.write(|s| s.rename(caller, parent, name, new_parent, new_name, flags))
+        let revoked = self
+            .write(|s| {
+                s.revocation_queued = false;
+                s.rename(caller, parent, name, new_parent, new_name, flags)?;
+                Ok(std::mem::take(&mut s.revocation_queued))
+            })
             .await?;
-        // A name replaced may have ended a region's last name (and its tokens).
-        self.settle_destructive().await;
+        // A name replaced may have ended an open region's last name (and its tokens).
+        if revoked {
+            self.settle_destructive().await;
+        }
         Ok(())
     }
 
@@ -826,6 +841,7 @@ impl Manager {
     ) -> Result<v1::Attr> {
         let attr = self
             .write_allocating(move |s| {
+                s.revocation_queued = false;
                 if size.is_some() {
                     let inode = s.inode(ino)?;
                     if inode.kind == Kind::Directory {
@@ -854,12 +870,16 @@ impl Manager {
                     return Err(e);
                 }
                 let _ = after;
-                s.inode(ino).map(|i| s.attr(i))
+                let revoked = std::mem::take(&mut s.revocation_queued);
+                s.inode(ino).map(|i| (s.attr(i), revoked || size.is_some()))
             })
             .await?;
-        // Chunks released, a tail zeroed, or tokens revoked (mode, owner, size): the daemons
-        // apply it before the caller hears of it.
-        self.settle_destructive().await;
+        let (attr, destructive) = attr;
+        if destructive {
+            // Chunks released, a tail zeroed, or tokens revoked (mode, owner, size): the
+            // daemons apply it before the caller hears of it.
+            self.settle_destructive().await;
+        }
         Ok(attr)
     }
 

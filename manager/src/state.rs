@@ -99,6 +99,9 @@ pub struct State {
     /// revokes every earlier token, see `capability::revoke_all`); daemons that receive a
     /// region's chunks later get it too.
     pub revoked: crate::capability::RevokedRegions,
+    /// Set when a change queued a revocation; the operation that made it takes it (`std::mem::
+    /// take`) to know whether to wait for the daemons.
+    pub revocation_queued: bool,
     /// Lifetime of the capabilities the manager mints (its configuration; not stored).
     pub capability_ttl: Duration,
 }
@@ -160,6 +163,7 @@ impl State {
             sync: crate::sync::SyncState::default(),
             reserved: Default::default(),
             revoked: Default::default(),
+            revocation_queued: false,
             capability_ttl: crate::capability::DEFAULT_TTL,
         }
     }

@@ -193,7 +193,8 @@ pub struct SyncState {
     pub lock_region: Option<LockRegion>,
 }
 
-/// Seconds past a capability lifetime before a deleted object's slot is reused.
+/// Seconds past a capability lifetime before a deleted object's slot is reused (at most one
+/// more lifetime).
 pub const SLOT_REUSE_MARGIN_SECS: u32 = 30;
 
 /// Mode of the lock region: root's alone. Other users reach their objects' words through
@@ -416,7 +417,7 @@ impl State {
             let ttl = u32::try_from(self.capability_ttl.as_secs()).unwrap_or(u32::MAX);
             let after = unix_secs()
                 .saturating_add(ttl)
-                .saturating_add(SLOT_REUSE_MARGIN_SECS);
+                .saturating_add(SLOT_REUSE_MARGIN_SECS.min(ttl));
             self.free_lock_slot(offset, after);
         }
         Ok(def)

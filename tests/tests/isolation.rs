@@ -65,6 +65,32 @@ impl Setup {
             .collect()
     }
 
+    /// Starts `regions-attack SOCKET args…` as nobody with piped stdin, for attacks that
+    /// run while the test acts; its stdout lines arrive on the channel.
+    fn spawn_attack(
+        &self,
+        args: &[&str],
+    ) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
+        use std::io::{BufRead, BufReader};
+        let mut cmd = Command::new(&self.attack);
+        cmd.arg(&self.socket)
+            .args(args)
+            .uid(NOBODY)
+            .gid(NOBODY)
+            .env("RUST_LOG", "off")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped());
+        let mut child = cmd.spawn().expect("start the attack");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        (child, rx)
+    }
+
     /// Creates a region of `bytes` through the mount (as root) with `mode`; returns its inode.
     fn region(&self, rel: &str, bytes: &[u8], mode: u32) -> u64 {
         let path = self.mount.path(rel);
@@ -214,25 +240,9 @@ fn a_handle_can_be_closed_only_by_the_process_that_opened_it() {
 /// and other users are still served while it holds them.
 #[test]
 fn one_user_cannot_hold_every_host_agent_connection() {
-    use std::io::{BufRead, BufReader};
     let s = setup();
     let flood = 3 * regions_daemon::agent::MAX_CONNECTIONS_PER_USER;
-    let mut cmd = Command::new(&s.attack);
-    cmd.arg(&s.socket)
-        .args(["flood", &flood.to_string()])
-        .uid(NOBODY)
-        .gid(NOBODY)
-        .env("RUST_LOG", "off")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped());
-    let mut child = cmd.spawn().expect("start the flood");
-    let stdout = child.stdout.take().expect("piped stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
+    let (mut child, rx) = s.spawn_attack(&["flood", &flood.to_string()]);
     let mut answered = None;
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while let Ok(line) =
@@ -316,23 +326,8 @@ fn sync_objects_have_owners_and_modes() {
 /// Runs `regions-attack revoked INO` as nobody: it reads region `ino` with a capability, then
 /// `change` runs (as root, through the mount) and it reads again. Returns its outcomes.
 fn across_a_change(s: &Setup, ino: u64, change: impl FnOnce()) -> HashMap<String, String> {
-    use std::io::{BufRead, BufReader, Write};
-    let mut cmd = Command::new(&s.attack);
-    cmd.arg(&s.socket)
-        .args(["revoked", &ino.to_string()])
-        .uid(NOBODY)
-        .gid(NOBODY)
-        .env("RUST_LOG", "off")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped());
-    let mut child = cmd.spawn().expect("start the attack");
-    let stdout = child.stdout.take().expect("piped stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
+    use std::io::Write;
+    let (mut child, rx) = s.spawn_attack(&["revoked", &ino.to_string()]);
     let mut outcomes = HashMap::new();
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     let mut changed = false;

@@ -140,6 +140,12 @@ fn namespace_operations() {
     e.fs.rename(&root(), (ROOT_INO, os("a")), (ROOT_INO, os("b")), 0)
         .unwrap();
     assert_eq!(e.fs.lookup(&root(), ROOT_INO, os("b")).unwrap().ino, a.ino);
+    // The old b is freed once its handle's close (in the background, as FUSE releases are)
+    // reaches the manager.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while e.fs.getattr(&root(), b.ino).is_ok() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
     assert_eq!(errno(e.fs.getattr(&root(), b.ino)), libc::ENOENT);
     let (_, fh) = e.create(ROOT_INO, "c");
     e.fs.release(fh).unwrap();
