@@ -157,34 +157,26 @@ mod tests {
     #[test]
     fn a_full_table_drops_expired_entries_then_widens() {
         let r = Revocations::new();
-        {
+        // Fills the table to the cap with epoch 100, each entry expiring as `until` says.
+        let fill = |until: fn(u64) -> u64| {
             let mut t = r.table.write().unwrap();
             for ino in 1..=MAX_ENTRIES as u64 {
+                let until_ms = until(ino);
                 t.per_region.insert(
                     ino,
                     Epoch {
                         before: 100,
-                        until_ms: if ino % 2 == 0 { 0 } else { u64::MAX },
+                        until_ms,
                     },
                 );
             }
-        }
+        };
+        fill(|ino| if ino % 2 == 0 { 0 } else { u64::MAX });
         r.revoke(u64::MAX, 50, u64::MAX);
         // The expired half went; the rest stayed exact.
         assert_eq!(r.len(), MAX_ENTRIES / 2 + 1);
         assert!(r.revoked(&cap(1, 99)) && !r.revoked(&cap(2, 99)));
-        {
-            let mut t = r.table.write().unwrap();
-            for ino in 1..=MAX_ENTRIES as u64 {
-                t.per_region.insert(
-                    ino,
-                    Epoch {
-                        before: 100,
-                        until_ms: u64::MAX,
-                    },
-                );
-            }
-        }
+        fill(|_| u64::MAX);
         r.revoke(u64::MAX - 1, 50, u64::MAX);
         // Nothing expired: folded into one epoch for all, which refuses at least as much.
         assert!(r.len() <= 1);
