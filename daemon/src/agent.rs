@@ -603,6 +603,7 @@ mod tests {
                     pool: 1,
                     offset: CHUNK_SIZE + 5,
                     len: 5,
+                    delta: None,
                 }])
                 .unwrap();
             let pinned = resolved
@@ -640,6 +641,7 @@ mod tests {
                 pool: 1,
                 offset: CHUNK_SIZE + 5,
                 len: 5,
+                delta: None,
             }])
             .unwrap();
         let mut seen = [0u8; 5];

@@ -39,7 +39,7 @@ pub fn refresh(
     reply(
         handler
             .authority
-            .get_map(caller, r.ino, r.known_version, true, r.write)
+            .get_map(caller, r.ino, r.known_version, true, r.write, r.handle)
             .map(|info| Some(Body::Region(info))),
     )
 }

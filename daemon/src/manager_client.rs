@@ -106,7 +106,8 @@ pub trait Authority: Send + Sync {
         ))
     }
     /// The region's map (left out when `known_version` is current), with a fresh transport
-    /// capability when `want_capability` (`Regions.GetMap`).
+    /// capability when `want_capability` (`Regions.GetMap`); with a `handle`, only while that
+    /// handle is still open (a renewal for it).
     fn get_map(
         &self,
         _caller: &Caller,
@@ -114,6 +115,7 @@ pub trait Authority: Send + Sync {
         _known_version: u64,
         _want_capability: bool,
         _write: bool,
+        _handle: u64,
     ) -> Result<v1::RegionInfo> {
         Err(DaemonError::Invalid(
             "this authority serves no region maps".into(),
@@ -185,6 +187,7 @@ impl Authority for ManagerAuthority {
         known_version: u64,
         want_capability: bool,
         write: bool,
+        handle: u64,
     ) -> Result<v1::RegionInfo> {
         let mut client = self.clients.regions.clone();
         let req = v1::GetMapRequest {
@@ -193,6 +196,7 @@ impl Authority for ManagerAuthority {
             known_version,
             want_capability,
             write,
+            handle,
         };
         self.runtime
             .block_on(client.get_map(request(req)))

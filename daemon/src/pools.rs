@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use regions_proto::capability::{Capability, WHOLE_REGION};
 use regions_proto::frame::Range;
-use regions_proto::layout::CHUNK_SIZE;
+use regions_proto::layout::{CHUNK_SIZE, chunk_delta};
 use regions_proto::word_wait;
 
 use crate::error::{DaemonError, Result};
@@ -612,7 +612,7 @@ impl Pools {
                     size: pool.size(),
                 });
             }
-            spans.push((index, r.offset, r.len));
+            spans.push((index, r.offset, r.len, r.delta));
             if r.len > 0 {
                 let first = r.offset / CHUNK_SIZE;
                 let last = (r.offset + r.len - 1) / CHUNK_SIZE;
@@ -637,8 +637,8 @@ impl Pools {
 pub struct Resolved<'a> {
     changes: &'a Changes,
     pools: Vec<Arc<Pool>>,
-    /// Per range: (index in `pools`, offset, len).
-    spans: Vec<(usize, u64, u64)>,
+    /// Per range: (index in `pools`, offset, len, the chunk delta the request states).
+    spans: Vec<(usize, u64, u64, Option<u32>)>,
     /// (index in `pools`, chunk), in lock order.
     chunks: Vec<(usize, usize)>,
 }
@@ -711,6 +711,34 @@ impl Pinned<'_> {
         self._guards.iter().all(|g| g.is_some_and(|b| b.ino == ino))
     }
 
+    /// Whether every range that states where in its region it lies (its chunk delta) lies
+    /// there: false when a chunk was given to another region offset since the client read its
+    /// map (a stale map, `ESTALE`). The pins keep the answer true until they are dropped.
+    pub fn deltas_match(&self) -> bool {
+        self.resolved
+            .spans
+            .iter()
+            .all(|&(index, offset, len, delta)| {
+                let Some(delta) = delta else { return true };
+                let end = offset + len;
+                let mut chunk = offset / CHUNK_SIZE;
+                while chunk * CHUNK_SIZE < end {
+                    let backing = self
+                        .resolved
+                        .chunks
+                        .iter()
+                        .position(|&c| c == (index, chunk as usize))
+                        .and_then(|at| *self._guards[at]);
+                    match backing {
+                        Some(b) if chunk_delta(b.region_offset, chunk * CHUNK_SIZE) == delta => {}
+                        _ => return false,
+                    }
+                    chunk += 1;
+                }
+                true
+            })
+    }
+
     /// Whether every pinned byte is a byte of region `ino` that `cap` covers (its offset
     /// range); the pins keep the answer true until they are dropped.
     pub fn all_covered_by(&self, cap: &Capability) -> bool {
@@ -728,7 +756,7 @@ impl Pinned<'_> {
                 .position(|&c| c == (index, chunk))
                 .and_then(|at| *self._guards[at])
         };
-        self.resolved.spans.iter().all(|&(index, offset, len)| {
+        self.resolved.spans.iter().all(|&(index, offset, len, _)| {
             let end = offset + len;
             let mut at = offset;
             while at < end {
@@ -753,7 +781,7 @@ impl Pinned<'_> {
             .spans
             .iter()
             .filter(|s| s.2 > 0)
-            .filter_map(|&(index, offset, len)| {
+            .filter_map(|&(index, offset, len, _)| {
                 let ptr = self.resolved.pools[index].window.addr(offset)?;
                 Some(RawSpan {
                     ptr,
@@ -767,7 +795,7 @@ impl Pinned<'_> {
     /// the ranges' end are ignored.
     pub fn copy_in_at(&self, at: u64, mut src: &[u8]) {
         let mut skip = at;
-        for &(index, offset, len) in &self.resolved.spans {
+        for &(index, offset, len, _) in &self.resolved.spans {
             if src.is_empty() {
                 return;
             }
@@ -790,7 +818,7 @@ impl Pinned<'_> {
 
     /// Copies the ranges (concatenated) into `dst`, up to `dst.len()` bytes.
     pub fn copy_out(&self, mut dst: &mut [u8]) {
-        for &(index, offset, len) in &self.resolved.spans {
+        for &(index, offset, len, _) in &self.resolved.spans {
             if dst.is_empty() {
                 return;
             }
@@ -803,7 +831,7 @@ impl Pinned<'_> {
     }
 
     fn with_word<T>(&self, f: impl FnOnce(&AtomicU64) -> T) -> Result<T> {
-        let Some(&(index, offset, _)) = self.resolved.spans.first() else {
+        let Some(&(index, offset, _, _)) = self.resolved.spans.first() else {
             return Err(DaemonError::Invalid(
                 "atomic operation without a range".into(),
             ));
@@ -891,7 +919,12 @@ mod tests {
     const C: u64 = CHUNK_SIZE;
 
     fn rg(pool: u32, offset: u64, len: u64) -> Range {
-        Range { pool, offset, len }
+        Range {
+            pool,
+            offset,
+            len,
+            delta: None,
+        }
     }
 
     fn soon() -> Instant {

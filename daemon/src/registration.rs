@@ -247,7 +247,7 @@ impl Registration {
                 .into_inner();
             // Revocations whose events this daemon may have missed while away.
             for r in &reply.revoked {
-                self.pools.revocations().revoke(r.ino, r.before, r.until_ms);
+                self.pools.revocations().apply(r);
             }
             let list: Vec<(u64, u64, u64, u64)> = reply
                 .chunks
@@ -475,7 +475,7 @@ impl Registration {
             }
             Some(Event::Truncated(t)) => self.pools.truncate(t.ino, t.size),
             Some(Event::Revoked(r)) => {
-                self.pools.revocations().revoke(r.ino, r.before, r.until_ms);
+                self.pools.revocations().apply(&r);
                 Ok(())
             }
             Some(Event::GrowPool(bytes)) => self.grow(bytes).await,

@@ -27,6 +27,9 @@ struct Epoch {
 struct Table {
     per_region: HashMap<u64, Epoch>,
     all: Option<Epoch>,
+    /// Fences: per host whose lease ended, the epoch before which tokens minted for callers on
+    /// it are refused (a handful of entries: one per host).
+    per_host: HashMap<u32, Epoch>,
     /// Size at which expired entries are dropped next (amortised: doubles).
     prune_at: usize,
 }
@@ -44,6 +47,30 @@ impl Revocations {
     /// No revocation yet.
     pub fn new() -> Revocations {
         Revocations::default()
+    }
+
+    /// Applies a `RegionRevoked` from the manager: a host's fence when it names a host, else
+    /// a region's revocation (of every region for region 0).
+    pub fn apply(&self, r: &regions_proto::v1::RegionRevoked) {
+        if r.host != 0 {
+            self.fence_host(r.host, r.before, r.until_ms);
+        } else {
+            self.revoke(r.ino, r.before, r.until_ms);
+        }
+    }
+
+    /// Refuses tokens minted for callers on `host` (of any region) issued before `before`,
+    /// until `until_ms`: the host's lease ended, and its processes are fenced.
+    pub fn fence_host(&self, host: u32, before: u64, until_ms: u64) {
+        let mut t = self
+            .table
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let new = Epoch { before, until_ms };
+        let now = now_ms();
+        t.per_host.retain(|_, e| e.until_ms > now);
+        let e = t.per_host.entry(host).or_insert(new);
+        *e = merge(*e, new);
     }
 
     /// Refuses tokens of `ino` (0: of every region) issued before `before`, until `until_ms`.
@@ -97,7 +124,21 @@ impl Revocations {
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let before = |e: Option<&Epoch>| e.is_some_and(|e| cap.issued < e.before);
-        before(t.all.as_ref()) || before(t.per_region.get(&cap.ino))
+        before(t.all.as_ref())
+            || before(t.per_region.get(&cap.ino))
+            || (cap.host != 0 && before(t.per_host.get(&cap.host)))
+    }
+
+    /// Whether `cap` was refused by its host's fence (rather than by a change to its region).
+    pub fn fenced(&self, cap: &Capability) -> bool {
+        let t = self
+            .table
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        cap.host != 0
+            && t.per_host
+                .get(&cap.host)
+                .is_some_and(|e| cap.issued < e.before)
     }
 
     /// Revocations held for single regions.
@@ -135,7 +176,36 @@ mod tests {
             issued,
             offset: 0,
             len: WHOLE_REGION,
+            host: 0,
         }
+    }
+
+    #[test]
+    fn a_fenced_host_loses_the_tokens_minted_for_it_before_the_fence() {
+        let r = Revocations::new();
+        let on = |host, issued| Capability {
+            host,
+            ..cap(5, issued)
+        };
+        r.apply(&regions_proto::v1::RegionRevoked {
+            ino: 0,
+            before: 100,
+            until_ms: u64::MAX,
+            host: 3,
+        });
+        assert!(r.revoked(&on(3, 99)) && r.fenced(&on(3, 99)));
+        // Tokens minted after the fence (the host registered again), for other hosts, or for
+        // no host stay good; the fence is no region's revocation.
+        assert!(!r.revoked(&on(3, 100)) && !r.fenced(&on(3, 100)));
+        assert!(!r.revoked(&on(2, 99)) && !r.revoked(&on(0, 99)));
+        assert!(r.is_empty());
+        // Fences only move forward.
+        r.fence_host(3, 50, u64::MAX);
+        assert!(r.revoked(&on(3, 99)));
+        // An expired fence goes at the next one.
+        r.fence_host(4, 10, 1);
+        r.fence_host(5, 10, u64::MAX);
+        assert!(!r.revoked(&on(4, 5)) || now_ms() < 1);
     }
 
     #[test]

@@ -654,7 +654,17 @@ impl Conn {
         match request {
             Request::Ping => self.reply_ok(&h, Bytes::new()),
             Request::Read { pool, offset, len } => {
-                self.send_ranges(&h, &[Range { pool, offset, len }], reach)?;
+                let delta = h.stated_delta();
+                self.send_ranges(
+                    &h,
+                    &[Range {
+                        pool,
+                        offset,
+                        len,
+                        delta,
+                    }],
+                    reach,
+                )?;
             }
             Request::ReadV { ranges } => self.send_ranges(&h, &ranges, reach)?,
             Request::WriteV { ranges, data } => self.write_vector(&h, &ranges, &data, reach),
@@ -684,6 +694,7 @@ impl Conn {
                         pool,
                         offset,
                         len: 8,
+                        delta: h.stated_delta(),
                     },
                     reach,
                     expected,
@@ -761,12 +772,11 @@ impl Conn {
                 pool,
                 offset,
                 len: 8,
+                delta: h.stated_delta(),
             }])
             .and_then(|resolved| {
                 let pinned = resolved.pin(self.deadline())?;
-                if !reach.allows(&pinned) {
-                    return Err(reach.refusal());
-                }
+                reach.check(&pinned)?;
                 op(&pinned)
             });
         match result {
@@ -793,9 +803,7 @@ impl Conn {
             let left = deadline.saturating_duration_since(Instant::now());
             let seen = shared.pools.resolve(&[at]).and_then(|resolved| {
                 let pinned = resolved.pin(self.deadline())?;
-                if !reach.allows(&pinned) {
-                    return Err(reach.refusal());
-                }
+                reach.check(&pinned)?;
                 pinned.wait_change(expected, left.min(WAIT_SLICE))
             });
             match seen {
@@ -816,9 +824,7 @@ impl Conn {
         let shared = Arc::clone(&self.shared);
         let result = shared.pools.resolve(ranges).and_then(|resolved| {
             let pinned = resolved.pin(self.deadline())?;
-            if !reach.allows(&pinned) {
-                return Err(reach.refusal());
-            }
+            reach.check(&pinned)?;
             pinned.copy_in_at(0, data);
             Ok(())
         });
@@ -855,9 +861,9 @@ impl Conn {
                 return Ok(());
             }
         };
-        if !reach.allows(&pinned) {
+        if let Err(e) = reach.check(&pinned) {
             drop(pinned);
-            self.reply_error(h, &reach.refusal());
+            self.reply_error(h, &e);
             return Ok(());
         }
         let reply = Header {
@@ -964,6 +970,7 @@ impl Conn {
             pool: h.pool,
             offset: h.offset,
             len,
+            delta: h.stated_delta(),
         };
         let resolved = match shared.pools.resolve(&[range]) {
             Ok(r) => r,
@@ -981,10 +988,10 @@ impl Conn {
                 return Ok(());
             }
         };
-        if !reach.allows(&pinned) {
+        if let Err(e) = reach.check(&pinned) {
             drop(pinned);
             self.discard(len)?;
-            self.reply_error(h, &reach.refusal());
+            self.reply_error(h, &e);
             return Ok(());
         }
         let fingerprint = pinned.fingerprint().to_vec();

@@ -48,6 +48,23 @@ pub enum Reach {
 }
 
 impl Reach {
+    /// `Ok` when the pinned bytes are within reach and where the request believes them in
+    /// their region; else the refusal: `ESTALE` for a map from before a chunk moved (refresh
+    /// it and retry), [`Reach::refusal`] for bytes out of reach.
+    pub fn check(self, pinned: &Pinned<'_>) -> Result<(), DaemonError> {
+        if !self.allows(pinned) {
+            return Err(self.refusal());
+        }
+        if !pinned.deltas_match() {
+            return Err(DaemonError::Stale(
+                "a chunk of the range backs another offset of its region now (the region \
+                 shrank and grew again since the map was read): refresh the map and retry"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Whether the pinned bytes are within reach.
     pub fn allows(self, pinned: &Pinned<'_>) -> bool {
         match self {
@@ -200,6 +217,7 @@ mod tests {
             issued,
             offset: 0,
             len: WHOLE_REGION,
+            host: 0,
         }
     }
 

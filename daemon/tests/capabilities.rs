@@ -50,6 +50,7 @@ fn ranged(
         issued,
         offset: range.0,
         len: range.1,
+        host: 0,
     }))
 }
 
@@ -97,6 +98,7 @@ fn a_capability_reaches_its_region_with_its_rights() {
                 pool: 1,
                 offset: 0,
                 len: 8,
+                delta: None,
             }],
             data: Bytes::from_static(b"12345678"),
         },
@@ -127,11 +129,13 @@ fn a_capability_reaches_its_region_with_its_rights() {
                 pool: 1,
                 offset: 0,
                 len: 8,
+                delta: None,
             },
             Range {
                 pool: 1,
                 offset: 4 * C,
                 len: 8,
+                delta: None,
             },
         ],
     };

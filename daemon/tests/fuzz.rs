@@ -64,6 +64,7 @@ fn arb_request() -> impl Strategy<Value = Request> {
                 pool: pool & MAX_POOL,
                 offset: offset.min(u64::MAX - len),
                 len,
+                delta: None,
             }),
             0..6,
         )

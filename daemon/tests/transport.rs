@@ -42,7 +42,12 @@ fn write(pool: u32, offset: u64, data: &[u8]) -> Request {
 }
 
 fn rg(pool: u32, offset: u64, len: u64) -> Range {
-    Range { pool, offset, len }
+    Range {
+        pool,
+        offset,
+        len,
+        delta: None,
+    }
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {

@@ -216,11 +216,13 @@ impl AgentClient {
         ino: u64,
         known_version: u64,
         write: bool,
+        handle: u64,
     ) -> Result<v1::RegionInfo> {
         let (reply, _) = self.call(Request::MapRefresh(v1::MapRefresh {
             ino,
             known_version,
             write,
+            handle,
         }))?;
         match reply.body {
             Some(Body::Region(info)) => Ok(info),

@@ -300,7 +300,11 @@ impl AppRegion {
     /// Fetches the map again (if changed) and renews the capability.
     pub fn refresh(&self) -> Result<()> {
         let known = self.state.read().map_or(0, |s| s.version);
-        let info = self.agent()?.map_refresh(self.ino, known, self.write)?;
+        // Renewal names this open's handle: once the manager closed it (this host's lease
+        // ended), nothing is renewed and the region answers EIO (the process is fenced).
+        let info = self
+            .agent()?
+            .map_refresh(self.ino, known, self.write, self.handle)?;
         self.take_capability(&info);
         self.state
             .write()

@@ -299,6 +299,17 @@ impl ManagerClient {
         }))
     }
 
+    /// The handles among `handles` that the manager no longer holds for the caller's host
+    /// (closed for it when the host's lease ended).
+    pub fn check_handles(&self, caller: &v1::Caller, handles: &[u64]) -> Result<Vec<u64>> {
+        let mut c = self.regions.clone();
+        self.call(c.check_handles(v1::CheckHandlesRequest {
+            caller: Some(caller.clone()),
+            handles: handles.to_vec(),
+        }))
+        .map(|r| r.gone)
+    }
+
     pub fn close(&self, caller: &v1::Caller, handle: u64) -> Result<bool> {
         let mut c = self.regions.clone();
         self.call(c.close(v1::CloseRequest {

@@ -56,6 +56,7 @@ pub fn revoke_all(before: u64, ttl: Duration) -> v1::RegionRevoked {
         ino: 0,
         before,
         until_ms: now_ms() + ttl.as_millis() as u64,
+        host: 0,
     }
 }
 
@@ -63,7 +64,8 @@ pub fn revoke_all(before: u64, ttl: Duration) -> v1::RegionRevoked {
 /// expired.
 #[derive(Clone, Debug, Default)]
 pub struct RevokedRegions {
-    by_region: HashMap<u64, v1::RegionRevoked>,
+    /// By (region, host): a region's revocations name no host (0), a host's fence no region.
+    by_region: HashMap<(u64, u32), v1::RegionRevoked>,
     /// Size at which expired entries are dropped next (amortised: doubles).
     prune_at: usize,
 }
@@ -74,7 +76,9 @@ impl RevokedRegions {
 
     /// The revocation in force for `ino`, if any.
     pub fn get(&self, ino: u64) -> Option<&v1::RegionRevoked> {
-        self.by_region.get(&ino).filter(|r| r.until_ms > now_ms())
+        self.by_region
+            .get(&(ino, 0))
+            .filter(|r| r.until_ms > now_ms())
     }
 
     /// Records `r`, dropping expired entries now and then.
@@ -84,7 +88,7 @@ impl RevokedRegions {
             self.by_region.retain(|_, e| e.until_ms > now);
             self.prune_at = (2 * self.by_region.len()).max(Self::PRUNE_MIN);
         }
-        self.by_region.insert(r.ino, r);
+        self.by_region.insert((r.ino, r.host), r);
     }
 
     /// Every revocation still in force.
@@ -120,11 +124,31 @@ impl State {
             ino,
             before: tick(),
             until_ms: now_ms().saturating_add(self.capability_ttl.as_millis() as u64),
+            host: 0,
         };
         self.revoked.insert(revoked);
         self.revocation_queued = true;
         for host in self.region_hosts(ino) {
             self.events.push((host, Event::Revoked(revoked)));
+        }
+    }
+
+    /// Fences `host`, whose lease ended: every daemon refuses the tokens minted for callers on
+    /// it before this call, so its processes cannot act on the cluster's memory any more (a
+    /// mutex holder behind a partition included). Sent to every registered host; daemons that
+    /// register later get it with their resync.
+    pub fn fence_host(&mut self, host: u32) {
+        let fence = v1::RegionRevoked {
+            ino: 0,
+            before: tick(),
+            until_ms: now_ms().saturating_add(self.capability_ttl.as_millis() as u64),
+            host,
+        };
+        self.revoked.insert(fence);
+        self.revocation_queued = true;
+        let hosts: Vec<u32> = self.hosts.keys().copied().collect();
+        for h in hosts {
+            self.events.push((h, Event::Revoked(fence)));
         }
     }
 }
@@ -149,12 +173,12 @@ impl Minter {
     /// [`tick`] taken *before* the permission check it rests on, so that a change that
     /// revokes (its epoch taken under the state lock) either precedes the check, which then
     /// sees it, or revokes this token.
-    pub fn mint(&self, ino: u64, write: bool, issued: u64) -> (Vec<u8>, u64) {
-        self.mint_range(ino, write, 0, WHOLE_REGION, issued)
+    pub fn mint(&self, ino: u64, write: bool, issued: u64, host: u32) -> (Vec<u8>, u64) {
+        self.mint_range(ino, write, 0, WHOLE_REGION, issued, host)
     }
 
     /// A token for region `ino`'s bytes `[offset, offset + len)`, writable when `write`,
-    /// issued at `issued` (see [`Minter::mint`]).
+    /// issued at `issued` for a caller on `host` (see [`Minter::mint`]).
     pub fn mint_range(
         &self,
         ino: u64,
@@ -162,6 +186,7 @@ impl Minter {
         offset: u64,
         len: u64,
         issued: u64,
+        host: u32,
     ) -> (Vec<u8>, u64) {
         let expires_ms = now_ms().saturating_add(self.ttl.as_millis() as u64);
         let cap = Capability {
@@ -175,6 +200,7 @@ impl Minter {
             issued,
             offset,
             len,
+            host,
         };
         let token = self.key.mint(&cap);
         debug_assert_eq!(token.len(), TOKEN_LEN);
@@ -182,12 +208,12 @@ impl Minter {
     }
 
     /// Puts a fresh token for the region of `info` into it, issued at `issued` (a [`tick`]
-    /// taken before the permission check).
-    pub fn stamp(&self, info: &mut v1::RegionInfo, write: bool, issued: u64) {
+    /// taken before the permission check) for a caller on `host`.
+    pub fn stamp(&self, info: &mut v1::RegionInfo, write: bool, issued: u64, host: u32) {
         let Some(ino) = info.attr.as_ref().map(|a| a.ino) else {
             return;
         };
-        let (token, expires) = self.mint(ino, write, issued);
+        let (token, expires) = self.mint(ino, write, issued, host);
         info.capability = token;
         info.capability_expires_ms = expires;
     }
@@ -208,7 +234,7 @@ mod tests {
             }),
             ..Default::default()
         };
-        minter.stamp(&mut info, false, tick());
+        minter.stamp(&mut info, false, tick(), 2);
         let cap = CapabilityKey::from_secret(&secret)
             .verify(&info.capability)
             .unwrap();
@@ -217,7 +243,7 @@ mod tests {
         assert_eq!(cap.expires_ms, info.capability_expires_ms);
         assert!(cap.check_time(now_ms()).is_ok());
         assert!(cap.check_time(now_ms() + 61_000).is_err());
-        minter.stamp(&mut info, true, tick());
+        minter.stamp(&mut info, true, tick(), 2);
         let cap = CapabilityKey::from_secret(&secret)
             .verify(&info.capability)
             .unwrap();
@@ -227,7 +253,7 @@ mod tests {
         let other = CapabilityKey::from_secret(&Secret::new("other").unwrap());
         assert!(other.verify(&info.capability).is_err());
         // A range token reaches its range only.
-        let (token, _) = minter.mint_range(9, true, 128, 64, tick());
+        let (token, _) = minter.mint_range(9, true, 128, 64, tick(), 2);
         let cap = CapabilityKey::from_secret(&secret).verify(&token).unwrap();
         assert!(cap.covers(128, 64) && !cap.covers(120, 16) && !cap.covers(190, 8));
     }
@@ -239,6 +265,7 @@ mod tests {
             ino,
             before: tick(),
             until_ms,
+            host: 0,
         };
         r.insert(live(1, now_ms() + 60_000));
         r.insert(live(2, 1));

@@ -47,6 +47,10 @@ impl State {
             self.dirty.hosts.insert(r.host_id);
         }
         self.leases.insert(r.host_id, Instant::now() + self.lease);
+        // A host that lost its lease earns a new one here; its fence stays for the tokens
+        // minted before it.
+        self.lease_lost.remove(&r.host_id);
+        self.fence_settled.remove(&r.host_id);
         Ok(previous.filter(|p| *p != r.incarnation))
     }
 
@@ -61,6 +65,13 @@ impl State {
             return Err(ManagerError::Invalid(format!(
                 "host {host_id} heartbeat from incarnation {incarnation}, registered as {}; register again",
                 host.incarnation
+            )));
+        }
+        if self.lease_lost.contains(&host_id) {
+            return Err(ManagerError::Invalid(format!(
+                "host {host_id}'s lease ended (no heartbeat within {:?}): its processes' \
+                 handles were closed and their capabilities fenced; register again",
+                self.lease
             )));
         }
         self.leases.insert(host_id, Instant::now() + self.lease);

@@ -55,6 +55,9 @@ pub enum ManagerError {
     Lost { ino: u64, reason: String },
     #[error("unavailable: {0}")]
     Unavailable(String),
+    /// The caller's host lost its lease (or the handle it names was closed for that): `EIO`.
+    #[error("{0}")]
+    Fenced(String),
 }
 
 impl ManagerError {
@@ -81,7 +84,7 @@ impl ManagerError {
             ManagerError::AttrTooBig(..) => libc::E2BIG,
             ManagerError::NotSupported(_) => libc::ENOTSUP,
             ManagerError::Store(_) | ManagerError::Lost { .. } => libc::EIO,
-            ManagerError::Unavailable(_) => libc::EIO,
+            ManagerError::Unavailable(_) | ManagerError::Fenced(_) => libc::EIO,
         }
     }
 }

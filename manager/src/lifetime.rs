@@ -19,6 +19,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::access::Caller;
 use crate::error::{ManagerError, Result};
 use crate::manager::Manager;
 use crate::model::Time;
@@ -154,6 +155,41 @@ impl State {
         ids.len()
     }
 
+    /// `Err(Fenced)` while `host` has lost its lease and not registered again: nothing is
+    /// handed to its processes (maps with capabilities, opens) until its daemon is back.
+    pub fn check_lease(&self, host: u32) -> Result<()> {
+        if self.lease_lost.contains(&host) {
+            return Err(ManagerError::Fenced(format!(
+                "host {host}'s lease ended, so its processes' handles were closed and their \
+                 capabilities fenced; its daemon registers again by itself once it reaches the \
+                 manager, then open the region again"
+            )));
+        }
+        Ok(())
+    }
+
+    /// `Err(Fenced)` unless `handle` is an open handle of region `ino` opened from the
+    /// caller's host (a renewal names the handle it renews for: a handle closed when its
+    /// host's lease ended renews nothing).
+    pub fn check_open_handle(&self, caller: &Caller, ino: u64, handle: u64) -> Result<()> {
+        match self.handles.get(&handle) {
+            Some(h) if h.ino == ino && h.host_id == caller.host_id => Ok(()),
+            _ => Err(ManagerError::Fenced(format!(
+                "handle {handle} of region {ino} is no longer open (it was closed when host \
+                 {}'s lease ended, or by its opener): open the region again",
+                caller.host_id
+            ))),
+        }
+    }
+
+    /// The handles among `ids` that are not open from `host`.
+    pub fn gone_handles(&self, host: u32, ids: &[u64]) -> Vec<u64> {
+        ids.iter()
+            .copied()
+            .filter(|id| self.handles.get(id).is_none_or(|h| h.host_id != host))
+            .collect()
+    }
+
     /// Hosts whose lease ended. A host not heard from since this manager started has no
     /// lease to end; it counts only once `grace_over` (one lease after the start).
     pub fn expired_hosts(&self, grace_over: bool) -> Vec<u32> {
@@ -193,25 +229,50 @@ impl Manager {
         {
             return Ok(Vec::new());
         }
-        self.write_for_liveness(|s| {
-            let mut out = Vec::new();
-            for host in s.expired_hosts(grace_over) {
-                let deleted = s.release_owner(host, None);
-                let closed = s.release_host_handles(host);
-                if closed > 0 {
-                    tracing::warn!(
-                        host,
-                        handles = closed,
-                        "host lease expired: closed the handles its processes held open"
-                    );
+        let (out, fenced) = self
+            .write_for_liveness(|s| {
+                let mut out = Vec::new();
+                let mut fenced = Vec::new();
+                for host in s.expired_hosts(grace_over) {
+                    if s.lease_lost.insert(host) {
+                        s.fence_host(host);
+                        fenced.push(host);
+                    }
+                    let deleted = s.release_owner(host, None);
+                    let closed = s.release_host_handles(host);
+                    if closed > 0 {
+                        tracing::warn!(
+                            host,
+                            handles = closed,
+                            "host lease expired: closed the handles its processes held open"
+                        );
+                    }
+                    if !deleted.is_empty() {
+                        out.push((host, deleted));
+                    }
                 }
-                if !deleted.is_empty() {
-                    out.push((host, deleted));
+                Ok((out, fenced))
+            })
+            .await?;
+        if !fenced.is_empty() {
+            tracing::warn!(
+                hosts = ?fenced,
+                "host lease expired: fencing its processes' capabilities at every daemon"
+            );
+            // The fence is in force at the live daemons before anything the host held (its
+            // mutexes) goes to someone else.
+            self.settle_destructive().await;
+            self.write_for_liveness(|s| {
+                for host in &fenced {
+                    if s.lease_lost.contains(host) {
+                        s.fence_settled.insert(*host);
+                    }
                 }
-            }
-            Ok(out)
-        })
-        .await
+                Ok(())
+            })
+            .await?;
+        }
+        Ok(out)
     }
 }
 

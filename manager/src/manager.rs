@@ -485,7 +485,7 @@ impl Manager {
     /// their change: a write the reply authorises must never land before a punch or a zeroing
     /// that an earlier change decided, which would destroy it (a truncate then a write, a
     /// region's tail zeroed after another host already wrote there).
-    async fn settle_destructive(&self) {
+    pub(crate) async fn settle_destructive(&self) {
         let mut applied = self.events_applied.subscribe();
         let deadline = tokio::time::Instant::now() + SETTLE_TIMEOUT;
         loop {

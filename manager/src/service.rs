@@ -299,11 +299,14 @@ impl Regions for Services {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
         let issued = crate::capability::tick();
-        let opened = self.manager.open_region(&c, r.ino, r.write).await;
+        let opened = match self.manager.read(|s| s.check_lease(c.host_id)).await {
+            Ok(()) => self.manager.open_region(&c, r.ino, r.write).await,
+            Err(e) => Err(e),
+        };
         self.reply(
             "open",
             opened.map(|mut info| {
-                self.minter.stamp(&mut info, r.write, issued);
+                self.minter.stamp(&mut info, r.write, issued, c.host_id);
                 info
             }),
         )
@@ -316,6 +319,10 @@ impl Regions for Services {
         let r = r.into_inner();
         let create = r.create.unwrap_or_default();
         let c = caller(create.caller.as_ref())?;
+        let host = c.host_id;
+        if let Err(e) = self.manager.read(|s| s.check_lease(host)).await {
+            return self.reply("create_open", Err(e));
+        }
         let issued = crate::capability::tick();
         let created = self
             .manager
@@ -332,7 +339,7 @@ impl Regions for Services {
         self.reply(
             "create_open",
             created.map(|mut info| {
-                self.minter.stamp(&mut info, r.write, issued);
+                self.minter.stamp(&mut info, r.write, issued, host);
                 info
             }),
         )
@@ -368,6 +375,22 @@ impl Regions for Services {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
         let issued = crate::capability::tick();
+        // A renewal for a handle needs the handle still open, and a host with its lease.
+        let fenced = self
+            .manager
+            .read(|s| {
+                if r.handle != 0 {
+                    s.check_open_handle(&c, r.ino, r.handle)?;
+                }
+                if r.want_capability {
+                    s.check_lease(c.host_id)?;
+                }
+                Ok(())
+            })
+            .await;
+        if let Err(e) = fenced {
+            return self.reply("getmap", Err(e));
+        }
         let mut result = self.manager.get_map(&c, r.ino, r.known_version).await;
         if r.want_capability && result.is_ok() {
             // A writable token needs write permission now (the map needs only read).
@@ -379,13 +402,29 @@ impl Regions for Services {
             };
             result = match (result, allowed) {
                 (Ok(mut info), Ok(())) => {
-                    self.minter.stamp(&mut info, r.write, issued);
+                    self.minter.stamp(&mut info, r.write, issued, c.host_id);
                     Ok(info)
                 }
                 (_, Err(e)) | (Err(e), _) => Err(e),
             };
         }
         self.reply("getmap", result)
+    }
+
+    async fn check_handles(
+        &self,
+        r: Request<v1::CheckHandlesRequest>,
+    ) -> Result<Response<v1::CheckHandlesReply>, Status> {
+        let r = r.into_inner();
+        let c = caller(r.caller.as_ref())?;
+        // A liveness question, not a file request (not counted as one).
+        reply(
+            "check_handles",
+            self.manager
+                .read(|s| Ok(s.gone_handles(c.host_id, &r.handles)))
+                .await
+                .map(|gone| v1::CheckHandlesReply { gone }),
+        )
     }
 
     async fn close(

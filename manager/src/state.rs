@@ -104,6 +104,13 @@ pub struct State {
     pub revocation_queued: bool,
     /// Lifetime of the capabilities the manager mints (its configuration; not stored).
     pub capability_ttl: Duration,
+    /// Hosts whose lease ended and that were fenced for it (`State::fence_host`); they must
+    /// register again, and their heartbeats are refused until then (not stored: after a
+    /// restart every host earns its lease anew).
+    pub lease_lost: std::collections::HashSet<u32>,
+    /// Hosts of `lease_lost` whose fence the live daemons have applied: their mutexes may go
+    /// to other callers now.
+    pub fence_settled: std::collections::HashSet<u32>,
 }
 
 impl State {
@@ -165,6 +172,8 @@ impl State {
             revoked: Default::default(),
             revocation_queued: false,
             capability_ttl: crate::capability::DEFAULT_TTL,
+            lease_lost: Default::default(),
+            fence_settled: Default::default(),
         }
     }
 

@@ -908,6 +908,9 @@ impl SyncService {
 
     /// Where barrier `name`'s arrival word is, with a capability for its region.
     pub async fn barrier_locate(&self, caller: &Caller, name: &str) -> Result<v1::MutexLocation> {
+        self.manager()
+            .read(|s| s.check_lease(caller.host_id))
+            .await?;
         let (n, _, place) = self.word_barrier(name).await?;
         let mut location = self.location(caller, place)?;
         location.n = n;
@@ -1192,6 +1195,10 @@ impl SyncService {
 
     /// Where the lock word of `name` is, with a capability for its region.
     pub async fn mutex_locate(&self, caller: &Caller, name: &str) -> Result<v1::MutexLocation> {
+        // A host that lost its lease gets no new capability for a word (it is fenced).
+        self.manager()
+            .read(|s| s.check_lease(caller.host_id))
+            .await?;
         let (_, place) = self.mutex(name).await?;
         self.location(caller, place)
     }
@@ -1206,6 +1213,7 @@ impl SyncService {
             slot,
             SLOT_STRIDE,
             crate::capability::tick(),
+            caller.host_id,
         );
         Ok(v1::MutexLocation {
             ino: place.ino,
@@ -1225,6 +1233,9 @@ impl SyncService {
     /// Locks `name` for thread `tid` of `caller`, queueing in FIFO order behind other
     /// waiters.
     pub async fn mutex_lock(&self, caller: &Caller, tid: u32, name: &str) -> Result<u64> {
+        self.manager()
+            .read(|s| s.check_lease(caller.host_id))
+            .await?;
         let (rt, place) = self.mutex(name).await?;
         let me = tag(caller.host_id, caller.pid, tid)?;
         let lease = self.manager().config().lease.as_millis() as u64;
@@ -1483,9 +1494,16 @@ impl SyncService {
                 _ = closing.wait_for(|c| *c) => return,
             }
             let grace_over = started.elapsed() >= lease;
+            // Only once the host is fenced at the live daemons: its holders cannot touch the
+            // words (or any memory) with their old capabilities any more.
             let expired = match self
                 .manager()
-                .read(|s| Ok(s.expired_hosts(grace_over)))
+                .read(|s| {
+                    Ok(s.expired_hosts(grace_over)
+                        .into_iter()
+                        .filter(|h| s.fence_settled.contains(h))
+                        .collect::<Vec<u32>>())
+                })
                 .await
             {
                 Ok(e) => e,

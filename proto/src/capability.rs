@@ -9,7 +9,8 @@
 //! |-----|-----------|------|-------------------------------------------------------|
 //! | 0   | version   | u8   | [`TOKEN_VERSION`]                                     |
 //! | 1   | rights    | u8   | [`RIGHT_READ`] \| [`RIGHT_WRITE`]                     |
-//! | 2   | reserved  | 6 B  | must be 0                                             |
+//! | 2   | reserved  | 2 B  | must be 0                                             |
+//! | 4   | host      | u32  | the caller's host (0: none); fences revoke per host   |
 //! | 8   | ino       | u64  | the region                                            |
 //! | 16  | expires   | u64  | Unix time in milliseconds                             |
 //! | 24  | issued    | u64  | the manager's capability clock when minted (unique)   |
@@ -22,7 +23,10 @@
 //! asks the manager again, which re-checks permissions. They are also revoked: a `chmod`,
 //! `chown`, unlink or shrinking truncate of a region makes the manager tell the daemons holding
 //! it to refuse that region's tokens issued before the change (an epoch on the `issued` clock;
-//! `RegionRevoked` events in `cluster.proto`).
+//! `RegionRevoked` events in `cluster.proto`). When a host's lease ends, the manager fences it
+//! the same way: every token minted for a caller on that host before the lease ended is refused
+//! (a `RegionRevoked` naming the host), so a process behind a partition cannot act on the
+//! cluster's memory any more (docs/SEMANTICS.md, "Partitions and fencing").
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -31,8 +35,8 @@ use crate::auth::Secret;
 
 /// Encoded size of a token.
 pub const TOKEN_LEN: usize = 80;
-/// The token format this build speaks.
-pub const TOKEN_VERSION: u8 = 2;
+/// The token format this build speaks (3: with the caller's host).
+pub const TOKEN_VERSION: u8 = 3;
 /// `len` of a token that reaches every byte of its region, however large it grows.
 pub const WHOLE_REGION: u64 = u64::MAX;
 /// The holder may read the region's memory.
@@ -84,6 +88,8 @@ pub struct Capability {
     pub offset: u64,
     /// Bytes it reaches from `offset` ([`WHOLE_REGION`]: every byte).
     pub len: u64,
+    /// The host of the caller it was minted for (0: none, e.g. the manager's own).
+    pub host: u32,
 }
 
 impl Capability {
@@ -123,6 +129,7 @@ impl Capability {
         let mut b = [0u8; BODY_LEN];
         b[0] = TOKEN_VERSION;
         b[1] = self.rights;
+        b[4..8].copy_from_slice(&self.host.to_le_bytes());
         b[8..16].copy_from_slice(&self.ino.to_le_bytes());
         b[16..24].copy_from_slice(&self.expires_ms.to_le_bytes());
         b[24..32].copy_from_slice(&self.issued.to_le_bytes());
@@ -146,7 +153,7 @@ impl Capability {
                 token[0]
             )));
         }
-        if token[2..8].iter().any(|&b| b != 0) {
+        if token[2..4].iter().any(|&b| b != 0) {
             return Err(CapabilityError::Malformed(
                 "reserved bytes are not 0".into(),
             ));
@@ -169,6 +176,7 @@ impl Capability {
             issued: word(24),
             offset: word(32),
             len: word(40),
+            host: u32::from_le_bytes([token[4], token[5], token[6], token[7]]),
         })
     }
 }
@@ -176,10 +184,10 @@ impl Capability {
 /// Why a token is refused although genuine: revoked by a change to its region.
 pub fn revoked_message(cap: &Capability) -> String {
     format!(
-        "the capability for region {} was revoked (its mode, owner, names or size changed, or \
-         the manager restarted): open the region again (the regions library renews it by \
-         itself), which checks permission again",
-        cap.ino
+        "the capability for region {} was revoked (its mode, owner, names or size changed, \
+         the manager restarted, or the lease of host {} ended): open the region again (the \
+         regions library renews it by itself), which checks permission again",
+        cap.ino, cap.host
     )
 }
 
@@ -259,6 +267,7 @@ mod tests {
             issued: 7,
             offset: 0,
             len: WHOLE_REGION,
+            host: 3,
         }
     }
 
@@ -277,8 +286,8 @@ mod tests {
         let k = key("secret");
         let token = k.mint(&cap());
         assert_eq!(key("other").verify(&token), Err(CapabilityError::BadMac));
-        // Flip each body and MAC byte in turn (rights, ino, expiry, issued, range, tag).
-        for i in [1usize, 8, 16, 23, 24, 32, 40, 47, 48, 79] {
+        // Flip each body and MAC byte in turn (rights, host, ino, expiry, issued, range, tag).
+        for i in [1usize, 4, 7, 8, 16, 23, 24, 32, 40, 47, 48, 79] {
             let mut bad = token.clone();
             bad[i] ^= 1;
             assert!(k.verify(&bad).is_err(), "byte {i}");

@@ -12,7 +12,7 @@
 //! | 0   | magic        | u16  | [`MAGIC`]                                     |
 //! | 2   | version      | u8   | [`VERSION`]                                   |
 //! | 3   | op           | u8   | [`Op`]                                        |
-//! | 4   | flags        | u16  | [`FLAG_REPLY`]                                |
+//! | 4   | flags        | u16  | [`FLAG_REPLY`], [`FLAG_DELTAS`]               |
 //! | 6   | reserved     | u16  | must be 0                                     |
 //! | 8   | request_id   | u64  |                                               |
 //! | 16  | capability   | u64  | token id; 0 = connection-authenticated        |
@@ -22,7 +22,14 @@
 //! | 40  | length       | u64  |                                               |
 //! | 48  | object_id    | u64  |                                               |
 //! | 56  | payload_len  | u32  |                                               |
-//! | 60  | reserved     | u32  | must be 0                                     |
+//! | 60  | delta        | u32  | with [`FLAG_DELTAS`]: see below, else 0       |
+//!
+//! A client that names the region it means (`object_id`) also says where in the region it
+//! believes the bytes are, with [`FLAG_DELTAS`]: `delta` (and, in vector ops, the second
+//! field of each range, otherwise reserved) is [`crate::layout::chunk_delta`] of the region
+//! offset and the pool offset of its first byte. The daemon refuses (`ESTALE`) a range whose
+//! chunks back other region offsets now: a chunk given back to the same region at another
+//! offset since the client read its map.
 //!
 //! Decoding never panics: a bad frame yields a [`FrameError`] whose message says what was
 //! wrong, so the daemon can close the connection with a logged reason.
@@ -40,8 +47,10 @@ pub const MAGIC: u16 = 0x5247;
 pub const VERSION: u8 = 2;
 /// Flag bit marking a reply frame.
 pub const FLAG_REPLY: u16 = 1;
+/// Flag bit of a request whose `delta` fields say where in its region each range lies.
+pub const FLAG_DELTAS: u16 = 2;
 /// All flag bits this version knows.
-const KNOWN_FLAGS: u16 = FLAG_REPLY;
+const KNOWN_FLAGS: u16 = FLAG_REPLY | FLAG_DELTAS;
 /// Largest pool global id (17 bits).
 pub const MAX_POOL: u32 = 0x1FFFF;
 /// Encoded size of one [`Range`] in a vector payload.
@@ -76,8 +85,8 @@ pub enum FrameError {
     /// The op byte names no known [`Op`].
     #[error("unknown frame op {0} (known ops are 1..=8)")]
     UnknownOp(u8),
-    /// Flag bits other than [`FLAG_REPLY`] are set.
-    #[error("unknown frame flags {0:#06x} (only 0x0001 = reply is defined)")]
+    /// Flag bits other than [`FLAG_REPLY`] and [`FLAG_DELTAS`] are set.
+    #[error("unknown frame flags {0:#06x} (only 0x0001 = reply and 0x0002 = deltas are defined)")]
     UnknownFlags(u16),
     /// A payload (or the reply a read would need) is larger than the configured limit.
     #[error("frame payload of {len} bytes exceeds the limit of {max} bytes")]
@@ -244,6 +253,8 @@ pub struct Header {
     pub object_id: u64,
     /// Length of the payload that follows the header.
     pub payload_len: u32,
+    /// With [`FLAG_DELTAS`]: the chunk delta of the range of a single-range op.
+    pub delta: u32,
 }
 
 impl Header {
@@ -260,7 +271,13 @@ impl Header {
             length: 0,
             object_id: 0,
             payload_len: 0,
+            delta: 0,
         }
+    }
+
+    /// The chunk delta this request states for its single range, if it states one.
+    pub fn stated_delta(&self) -> Option<u32> {
+        (self.flags & FLAG_DELTAS != 0).then_some(self.delta)
     }
 
     /// Appends the 64-byte encoding of this header to `dst`, `payload_len` as stored.
@@ -279,7 +296,7 @@ impl Header {
         dst.put_u64_le(self.length);
         dst.put_u64_le(self.object_id);
         dst.put_u32_le(self.payload_len);
-        dst.put_u32_le(0);
+        dst.put_u32_le(self.delta);
     }
 
     /// Decodes and validates the header at the start of `src` (magic, version, op, flags,
@@ -314,8 +331,9 @@ impl Header {
             length: b.get_u64_le(),
             object_id: b.get_u64_le(),
             payload_len: b.get_u32_le(),
+            delta: b.get_u32_le(),
         };
-        if reserved16 != 0 || b.get_u32_le() != 0 {
+        if reserved16 != 0 || (header.flags & FLAG_DELTAS == 0 && header.delta != 0) {
             return Err(FrameError::NonZeroReserved);
         }
         header.validate()?;
@@ -433,18 +451,21 @@ pub struct Range {
     pub offset: u64,
     /// Length in bytes.
     pub len: u64,
+    /// The chunk delta of its first byte ([`FLAG_DELTAS`]); `None`: not stated.
+    pub delta: Option<u32>,
 }
 
 impl Range {
     fn encode(&self, dst: &mut BytesMut) {
         dst.put_u32_le(self.pool);
-        dst.put_u32_le(0);
+        dst.put_u32_le(self.delta.unwrap_or(0));
         dst.put_u64_le(self.offset);
         dst.put_u64_le(self.len);
     }
 
-    /// Decodes and validates one range; `src` must be exactly [`RANGE_LEN`] bytes.
-    fn decode(mut src: &[u8]) -> Result<Range, FrameError> {
+    /// Decodes and validates one range; `src` must be exactly [`RANGE_LEN`] bytes. With
+    /// `deltas`, the second field is the range's chunk delta, else reserved.
+    fn decode(mut src: &[u8], deltas: bool) -> Result<Range, FrameError> {
         if src.len() != RANGE_LEN {
             return Err(FrameError::Short {
                 needed: RANGE_LEN,
@@ -452,13 +473,15 @@ impl Range {
             });
         }
         let pool = src.get_u32_le();
-        if src.get_u32_le() != 0 {
+        let second = src.get_u32_le();
+        if !deltas && second != 0 {
             return Err(FrameError::NonZeroReserved);
         }
         let range = Range {
             pool,
             offset: src.get_u64_le(),
             len: src.get_u64_le(),
+            delta: deltas.then_some(second),
         };
         check_pool(range.pool)?;
         check_span(range.offset, range.len)?;
@@ -608,7 +631,7 @@ impl Request {
                 let rem = plen % RANGE_LEN as u64;
                 expect_len(op, "payload length modulo 24 (the range size)", 0, rem)?;
                 check_count(plen / RANGE_LEN as u64, limits)?;
-                let ranges = parse_ranges(payload)?;
+                let ranges = parse_ranges(payload, h.flags & FLAG_DELTAS != 0)?;
                 let total = check_total(&ranges, limits)?;
                 expect_len(op, "length field (sum of range lengths)", total, h.length)?;
                 Request::ReadV { ranges }
@@ -636,7 +659,7 @@ impl Request {
                     let actual = rest.len() as u64;
                     return Err(bad_length(op, "range table length", table, actual));
                 };
-                let ranges = parse_ranges(table)?;
+                let ranges = parse_ranges(table, h.flags & FLAG_DELTAS != 0)?;
                 let total = check_total(&ranges, limits)?;
                 let what = "data length (sum of range lengths)";
                 expect_len(op, what, total, data.len() as u64)?;
@@ -811,8 +834,11 @@ fn check_count(count: u64, limits: &Limits) -> Result<(), FrameError> {
 }
 
 /// Parses a table of ranges (a whole number of [`RANGE_LEN`]-byte entries).
-fn parse_ranges(table: &[u8]) -> Result<Vec<Range>, FrameError> {
-    table.chunks_exact(RANGE_LEN).map(Range::decode).collect()
+fn parse_ranges(table: &[u8], deltas: bool) -> Result<Vec<Range>, FrameError> {
+    table
+        .chunks_exact(RANGE_LEN)
+        .map(|r| Range::decode(r, deltas))
+        .collect()
 }
 
 /// Sum of range lengths, saturating (a saturated sum is rejected as oversized anyway).
@@ -833,7 +859,12 @@ mod tests {
     use proptest::prelude::*;
 
     fn rg(pool: u32, offset: u64, len: u64) -> Range {
-        Range { pool, offset, len }
+        Range {
+            pool,
+            offset,
+            len,
+            delta: None,
+        }
     }
 
     fn read(pool: u32, offset: u64, len: u64) -> Request {
@@ -996,6 +1027,48 @@ mod tests {
     }
 
     #[test]
+    fn stated_deltas_travel_only_with_their_flag() {
+        // A single-range op states its delta in the header.
+        let mut frame = read(1, 3 * 131_072, 8).to_frame(1, 0);
+        frame.header.flags |= FLAG_DELTAS;
+        frame.header.delta = crate::layout::chunk_delta(131_072, 3 * 131_072);
+        let buf = encode(&frame);
+        assert_eq!(&buf[60..64], &u32::MAX.wrapping_sub(1).to_le_bytes());
+        let back = decode_one(buf, &Limits::default()).unwrap();
+        assert_eq!(back.header.stated_delta(), Some(u32::MAX - 1));
+        // Without the flag the field is reserved.
+        let mut bare = read(1, 0, 8).to_frame(1, 0);
+        bare.header.delta = 7;
+        assert_eq!(
+            decode_one(encode(&bare), &Limits::default()),
+            Err(FrameError::NonZeroReserved)
+        );
+        // A vector's ranges carry their own.
+        let ranges = vec![
+            Range {
+                delta: Some(5),
+                ..rg(1, 0, 8)
+            },
+            Range {
+                delta: Some(9),
+                ..rg(1, 131_072, 8)
+            },
+        ];
+        let mut v = Request::ReadV {
+            ranges: ranges.clone(),
+        }
+        .to_frame(2, 0);
+        v.header.flags |= FLAG_DELTAS;
+        let parsed = Request::parse(&v, &Limits::default()).unwrap();
+        assert_eq!(parsed, Request::ReadV { ranges });
+        v.header.flags &= !FLAG_DELTAS;
+        assert_eq!(
+            Request::parse(&v, &Limits::default()),
+            Err(FrameError::NonZeroReserved)
+        );
+    }
+
+    #[test]
     fn header_layout_is_fixed() {
         let buf = encode(&read(0x1_2345, 0x10, 0x20).to_frame(7, 8));
         assert_eq!(buf.len(), HEADER_LEN);
@@ -1108,8 +1181,8 @@ mod tests {
             Err(FrameError::NonZeroReserved)
         );
         assert_eq!(
-            with_bytes(&ping, |b| b[4] = 2),
-            Err(FrameError::UnknownFlags(2))
+            with_bytes(&ping, |b| b[4] = 4),
+            Err(FrameError::UnknownFlags(4))
         );
         assert_eq!(
             with_bytes(&ping, |b| b[26] = 2),

@@ -5,6 +5,14 @@
 pub const CHUNK_SHIFT: u32 = 17;
 /// The grain of the region map and of large-region allocation: 128 KiB.
 pub const CHUNK_SIZE: u64 = 1 << CHUNK_SHIFT;
+
+/// Where a pool byte lies in its region, as a transport request states it (`FLAG_DELTAS`):
+/// the low 32 bits of (region offset − pool offset) in chunks. Equal for every byte of a run
+/// that is contiguous in both; a chunk given to another region offset since has another delta
+/// (unless the offsets differ by a multiple of 2^49 bytes).
+pub fn chunk_delta(region_offset: u64, pool_offset: u64) -> u32 {
+    (region_offset.wrapping_sub(pool_offset) >> CHUNK_SHIFT) as u32
+}
 /// `ALLOC_SIZE`: consecutive chunks handed out round robin for MULTIHOSTED regions.
 pub const EXTENT_SIZE: u64 = 2 << 20;
 /// Chunks in one extent.

@@ -42,6 +42,10 @@ pub enum FsError {
     /// Bad arguments.
     #[error("invalid argument: {0}")]
     Invalid(String),
+    /// The open's handle was closed at the manager when this host's lease ended (the host was
+    /// fenced): the open answers `EIO` until it is closed.
+    #[error("{0}")]
+    Fenced(String),
     /// A file handle the kernel gave is unknown, or not open for this.
     #[error("bad file handle: {0}")]
     BadHandle(String),
@@ -92,6 +96,7 @@ impl FsError {
             FsError::Exists(_) => libc::EEXIST,
             FsError::Invalid(_) => libc::EINVAL,
             FsError::BadHandle(_) => libc::EBADF,
+            FsError::Fenced(_) => libc::EIO,
             FsError::Range { .. } => libc::ERANGE,
             FsError::UnknownIoctl(_) => libc::ENOTTY,
             FsError::Busy(_) => libc::ETXTBSY,

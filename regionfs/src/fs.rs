@@ -16,7 +16,7 @@
 //! copies at their next open. With [`CacheMode::Passthrough`] a read-only
 //! open of a region held wholly on this host reads its memory directly.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
 use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
@@ -199,6 +199,9 @@ struct RegionHandle {
     caller: v1::Caller,
     write: bool,
     io: Mutex<IoMode>,
+    /// The manager closed this open's handle for it: this host's lease ended (see
+    /// [`RegionFs::check_handles`]). Every use answers `EIO` from then on.
+    fenced: AtomicBool,
 }
 
 enum Body {
@@ -217,6 +220,12 @@ struct Handle {
 impl Handle {
     fn region(&self) -> FsResult<&RegionHandle> {
         match &self.body {
+            Body::Region(r) if r.fenced.load(Ordering::Relaxed) => Err(FsError::Fenced(format!(
+                "region {:#x} was open here when this host's lease ended, so the manager \
+                 closed the open (the region may have been deleted since): close the file and \
+                 open it again",
+                self.ino
+            ))),
             Body::Region(r) => Ok(r),
             Body::Pseudo(_) => Err(FsError::BadHandle(format!(
                 "inode {:#x} is a metadata file",
@@ -478,6 +487,82 @@ impl RegionFs {
             metrics::gauge!("regions_fuse_open_handles").set(h.len() as f64);
         }
         fh
+    }
+
+    /// Asks the manager which of this mount's open region handles it still holds, and fences
+    /// the opens whose handles it closed (this host's lease ended while they were open, behind
+    /// a partition or a stalled daemon): they answer `EIO` from now on, and their cached pages
+    /// are dropped so that no read is served from the page cache either. Returns how many
+    /// opens were fenced now.
+    pub fn check_handles(&self) -> FsResult<usize> {
+        let open: Vec<(u64, Arc<Handle>)> = self
+            .handles
+            .read()
+            .map(|h| {
+                h.values()
+                    .filter_map(|x| match &x.body {
+                        Body::Region(r) if !r.fenced.load(Ordering::Relaxed) => {
+                            Some((r.region.handle(), Arc::clone(x)))
+                        }
+                        _ => None,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        if open.is_empty() {
+            return Ok(0);
+        }
+        let ids: Vec<u64> = open.iter().map(|(id, _)| *id).collect();
+        let gone: HashSet<u64> = self
+            .client
+            .manager()
+            .check_handles(self.client.caller(), &ids)?
+            .into_iter()
+            .collect();
+        let mut fenced = 0;
+        for (id, handle) in open {
+            if !gone.contains(&id) {
+                continue;
+            }
+            let Body::Region(r) = &handle.body else {
+                continue;
+            };
+            if r.fenced.swap(true, Ordering::Relaxed) {
+                continue;
+            }
+            fenced += 1;
+            tracing::warn!(
+                ino = handle.ino,
+                handle = id,
+                pid = handle.pid,
+                "the manager closed this open when the host's lease ended: it answers EIO now"
+            );
+            if let Some(kernel) = self.kernel.get()
+                && let Err(e) = kernel.invalidate(handle.ino, 0, 0)
+            {
+                tracing::debug!(ino = handle.ino, error = %e, "cannot drop the cached pages of a fenced open");
+            }
+        }
+        Ok(fenced)
+    }
+
+    /// Checks the open handles with the manager every `every` (see
+    /// [`RegionFs::check_handles`]) on a thread of its own, until the file system is dropped.
+    pub fn start_handle_watch(self: &Arc<Self>, every: Duration) -> std::io::Result<()> {
+        let fs = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("regionfs-handle-watch".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(every);
+                    let Some(fs) = fs.upgrade() else { return };
+                    if let Err(e) = fs.check_handles() {
+                        // The manager is out of reach (a partition, a restart): try again.
+                        tracing::debug!(error = %e, "cannot check open handles with the manager");
+                    }
+                }
+            })
+            .map(drop)
     }
 
     /// Open region handles of `ino`.
@@ -1036,6 +1121,7 @@ impl RegionFs {
                 caller,
                 write,
                 io: Mutex::new(IoMode::Cached),
+                fenced: AtomicBool::new(false),
             })),
         });
         Ok((
@@ -1541,6 +1627,7 @@ impl RegionFs {
                 caller,
                 write,
                 io: Mutex::new(io),
+                fenced: AtomicBool::new(false),
             })),
         });
         tracing::trace!(ino, fh, write, keep, io = io.name(), "open");
@@ -1717,7 +1804,8 @@ impl RegionFs {
                 let end = start.saturating_add(size as usize).min(data.len());
                 Ok(reply(&data[start..end]))
             }
-            Body::Region(r) => {
+            Body::Region(_) => {
+                let r = h.region()?;
                 let end = offset.saturating_add(u64::from(size));
                 let kernel_size = self
                     .lock_inodes()
@@ -1854,8 +1942,9 @@ impl RegionFs {
     /// any writable handle of the inode, so the growth may sit on another
     /// handle of this mount than the one flushed.
     fn publish(&self, h: &Handle) -> FsResult<()> {
-        let Body::Region(r) = &h.body else {
-            return Ok(());
+        let r = match &h.body {
+            Body::Region(_) => h.region()?,
+            Body::Pseudo(_) => return Ok(()),
         };
         if !r.write {
             return Ok(());

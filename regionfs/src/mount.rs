@@ -23,6 +23,9 @@ pub const FUSE_SUPER_MAGIC: u64 = 0x6573_5546;
 const STAT_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long the new mount has to answer.
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the mount asks the manager whether it still holds the handles of its opens (a
+/// host whose lease ended has them closed, and its opens answer `EIO`).
+const HANDLE_CHECK_EVERY: Duration = Duration::from_secs(1);
 
 /// Why mounting or unmounting failed; every message says what to do.
 #[derive(Debug, thiserror::Error)]
@@ -287,6 +290,8 @@ impl Mounted {
                 },
             })?;
         core.set_kernel(Arc::new(Kernel(session.notifier())));
+        core.start_handle_watch(HANDLE_CHECK_EVERY)
+            .map_err(io_err("cannot start the handle watch thread"))?;
         let unmounter = session.unmount_callable();
         let (tx, done) = mpsc::channel();
         let thread = std::thread::Builder::new()

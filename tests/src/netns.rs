@@ -2,9 +2,9 @@
 //!
 //! [`Topology::create`] makes a hub namespace holding a bridge, and one namespace per host
 //! joined to the bridge by a veth pair, all on a private /24 that exists only inside these
-//! namespaces (nothing is added to the caller's namespace). Names carry this process's pid, so
-//! concurrent runs do not collide, and dropping the value deletes every namespace (their veth
-//! ends and the bridge go with them). Processes are started in a namespace with
+//! namespaces (nothing is added to the caller's namespace). Names carry this process's pid and
+//! a count, so concurrent runs and tests do not collide, and dropping the value deletes every
+//! namespace (their veth ends and the bridge go with them). Processes are started in a namespace with
 //! `nsenter --net=/run/netns/NAME` ([`Topology::wrapper`]): only the network namespace changes,
 //! so FUSE mounts made there are visible to everyone.
 
@@ -45,7 +45,10 @@ pub struct Topology {
 impl Topology {
     /// Creates the namespaces, the bridge and the veth pairs, and brings them up.
     pub fn create(hosts: u32) -> anyhow::Result<Topology> {
-        let tag = format!("rg{}", std::process::id());
+        // Unique per topology: tests of one binary run at once, in one process.
+        static MADE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tag = format!("rg{}n{n}", std::process::id());
         let mut t = Topology {
             hub: format!("{tag}hub"),
             hosts: (1..=hosts).map(|h| format!("{tag}h{h}")).collect(),
@@ -118,6 +121,22 @@ impl Topology {
     /// The prefix for host `h`.
     pub fn host_wrapper(&self, h: u32) -> Vec<OsString> {
         Topology::wrapper(&self.hosts[h as usize - 1])
+    }
+
+    /// Cuts (`cut`) or restores the path between host `h` and the hub (where the manager
+    /// runs) alone: the hub drops what it would send to the host, so the host's requests
+    /// and heartbeats go unanswered, while the hosts still reach each other across the
+    /// bridge. No RST reaches either side.
+    pub fn cut_from_hub(&self, h: u32, cut: bool) -> anyhow::Result<()> {
+        let to = format!("{}/32", self.addr(h));
+        ip(&[
+            "-n",
+            &self.hub,
+            "route",
+            if cut { "add" } else { "del" },
+            "blackhole",
+            &to,
+        ])
     }
 
     /// Cuts (`up == false`) or restores host `h`'s link to the bridge. A cut drops packets

@@ -12,6 +12,8 @@ use regions_proto::v1;
 use regions_tests::Cluster;
 
 const MIB: usize = 1 << 20;
+/// A region chunk (the grain of the map).
+const CHUNK: usize = regions_proto::layout::CHUNK_SIZE as usize;
 
 /// A client acting for host `host`; with `agent`, it may map regions held
 /// on its own host.
@@ -357,4 +359,68 @@ fn an_old_map_never_reaches_the_chunks_of_another_region() {
         back.iter().all(|&c| c == b'B'),
         "a stale map wrote into another region"
     );
+}
+
+#[test]
+fn an_old_map_never_reaches_a_chunk_that_moved_within_its_region() {
+    const CHUNKS: usize = 4;
+    const LEN: usize = CHUNKS * CHUNK;
+    let cluster = Cluster::start(2, "64M").unwrap();
+    let host2 = client(&cluster, 2, false);
+    let host1 = client(&cluster, 1, false);
+    let a = host2
+        .create_path("a", 0o644, on_hosts("1", false), 0)
+        .unwrap();
+    let pattern = |base: u8| -> Vec<u8> { (0..LEN).map(|i| base + (i / CHUNK) as u8).collect() };
+    let old = host2.open(a.ino, true).unwrap();
+    old.write_at(0, &pattern(b'0')).unwrap();
+    let stale = old.map();
+    // A second old open, for the write (a refused access refreshes the map of its open).
+    let old_writer = host2.open(a.ino, true).unwrap();
+    assert_eq!(old_writer.map(), stale);
+
+    // Host 1 truncates `a`, lets `pad` take a freed chunk, and grows `a` again: its chunks
+    // come back at other offsets of the same region.
+    host1.open(a.ino, true).unwrap().set_len(0).unwrap();
+    let pad = host1
+        .create_path("pad", 0o644, on_hosts("1", false), 0)
+        .unwrap();
+    host1
+        .open(pad.ino, true)
+        .unwrap()
+        .write_at(0, b"pad")
+        .unwrap();
+    let ra = host1.open(a.ino, true).unwrap();
+    ra.write_at(0, &pattern(b'a')).unwrap();
+    let moved = ra
+        .map()
+        .iter()
+        .enumerate()
+        .any(|(i, e)| stale.iter().position(|s| s == e).is_some_and(|j| j != i));
+    assert!(
+        moved,
+        "no chunk of a came back at another offset, so this test would prove nothing: {:?} vs \
+         {stale:?}",
+        ra.map()
+    );
+
+    // Host 2's old opens, one chunk at a time from the last (a chunk that went to `pad`
+    // would refresh the whole map first): each read gets its own offset's bytes (after
+    // refreshing the map), never another offset's, and each write lands where it means.
+    let mut buf = vec![0u8; CHUNK];
+    for i in (0..CHUNKS).rev() {
+        if let Ok(n) = old.read_at((i * CHUNK) as u64, &mut buf) {
+            assert!(
+                buf[..n].iter().all(|&c| c == b'a' + i as u8),
+                "a stale map read chunk {i} of a from another offset"
+            );
+        }
+    }
+    let last = CHUNKS - 1;
+    let _ = old_writer.write_at((last * CHUNK) as u64, &vec![b'X'; CHUNK]);
+    let fresh = client(&cluster, 1, false).open(a.ino, false).unwrap();
+    let back = read_all(&fresh, LEN, 64 << 10);
+    for (i, &c) in back.iter().enumerate().take(last * CHUNK) {
+        assert_eq!(c, b'a' + (i / CHUNK) as u8, "a stale map wrote offset {i}");
+    }
 }

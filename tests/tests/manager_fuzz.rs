@@ -427,6 +427,11 @@ async fn one(c: &mut Clients, g: &mut Gen) -> (&'static str, Result<(), Status>)
                 },
                 want_capability: g.rng.random(),
                 write: g.rng.random(),
+                handle: if g.rng.random_bool(0.5) {
+                    0
+                } else {
+                    g.rng.random_range(0..64)
+                },
             }),
             |_r| ()
         ),

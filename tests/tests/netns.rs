@@ -4,10 +4,18 @@
 //! retry bound while the other regions keep working; restoring the link brings the same
 //! region back, bytes intact, since its daemon kept its memory.
 //!
+//! A host cut off from the manager alone (it still reaches the other hosts) past its lease is
+//! fenced: a mutex it held goes to a waiter only once the daemons refuse the holder's
+//! capabilities, the holder can neither write through them nor unlock, and when the host
+//! comes back its daemon registers again and its mount answers `EIO` for the opens the
+//! manager closed (a region deleted meanwhile included).
+//!
 //! Needs root, `ip` (iproute2) and `nsenter` (util-linux).
 
+use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::{Child, ChildStdin, Command, Output, Stdio};
+use std::sync::mpsc::{Receiver, channel};
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng, rngs::StdRng};
@@ -60,6 +68,11 @@ struct Net {
 }
 
 fn start() -> Net {
+    start_with(&[])
+}
+
+/// [`start`] with extra manager arguments.
+fn start_with(manager_args: &[&str]) -> Net {
     let topology = Topology::create(3).unwrap();
     let dir = tempfile::Builder::new()
         .prefix("regions-netns")
@@ -74,7 +87,7 @@ fn start() -> Net {
         &format!("{}:0", topology.hub_addr()),
         &data,
         &secret_file,
-        &[],
+        manager_args,
     )
     .unwrap();
     let mut daemons = Vec::new();
@@ -175,4 +188,216 @@ fn a_cut_link_gives_bounded_eio_and_recovers_when_restored() {
     let newer = random_bytes(200_000, 84);
     std::fs::write(m[2].path("after"), &newer).unwrap();
     assert_eq!(std::fs::read(m[0].path("after")).unwrap(), newer);
+}
+
+/// A helper process in a host's namespace, driven line by line; killed (by pid) on drop.
+struct Driven {
+    child: Child,
+    stdin: ChildStdin,
+    lines: Receiver<String>,
+}
+
+impl Driven {
+    fn start(wrapper: &[std::ffi::OsString], args: &[String]) -> Driven {
+        let helper = env!("CARGO_BIN_EXE_regions-sync-helper");
+        let mut child = Command::new(&wrapper[0])
+            .args(&wrapper[1..])
+            .arg(helper)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Driven {
+            child,
+            stdin,
+            lines,
+        }
+    }
+
+    /// The next line within `timeout` (`None`: none came).
+    fn line(&self, timeout: Duration) -> Option<String> {
+        self.lines.recv_timeout(timeout).ok()
+    }
+
+    /// Sends `command` and returns its answer (at most 60 s).
+    fn ask(&mut self, command: &str) -> String {
+        writeln!(self.stdin, "{command}").unwrap();
+        self.stdin.flush().unwrap();
+        self.line(Duration::from_secs(60))
+            .unwrap_or_else(|| panic!("no answer to {command} within 60 s"))
+    }
+}
+
+impl Drop for Driven {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `f` every 100 ms until it returns `Some` (at most `within`).
+fn wait_for<T>(what: &str, within: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            eprintln!("{what} after {:?}", start.elapsed());
+            return v;
+        }
+        assert!(start.elapsed() < within, "{what}: not within {within:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_host_cut_from_the_manager_past_its_lease_is_fenced_and_told_what_it_lost() {
+    let net = start_with(&["--lease-ms", "1500"]);
+    let m = &net.mounts;
+    let socket = |h: usize| net.daemons[h - 1].socket.display().to_string();
+    // The mutex's lock word lives on host 1 (its first object was made there).
+    let sync = regions::sync::SyncClient::connect(&net.daemons[0].socket);
+    sync.mutex_init("m").unwrap();
+    // `shared` on host 1; `kept` on host 3; new files of `tmp` belong to their creator.
+    std::fs::write(m[0].path("shared"), [0u8; 4096]).unwrap();
+    std::fs::write(m[2].path("kept"), b"kept").unwrap();
+    std::fs::create_dir(m[2].path("tmp")).unwrap();
+    xattr_set(&m[2].path("tmp"), "user.regions.persistent", b"0");
+
+    // On host 3: hold the mutex, write `shared` with a capability, keep `tmp/gone` (its own)
+    // and `kept` open.
+    let mut holder = Driven::start(
+        &net.topology.host_wrapper(3),
+        &[
+            "fenced".into(),
+            socket(3),
+            "m".into(),
+            m[2].path("shared").display().to_string(),
+            m[2].path("tmp/gone").display().to_string(),
+            m[2].path("kept").display().to_string(),
+        ],
+    );
+    assert_eq!(
+        holder.line(Duration::from_secs(60)).as_deref(),
+        Some("ready")
+    );
+    assert_eq!(&direct_read(&m[0].path("shared"))[..8], b"holder-1");
+    assert_eq!(holder.ask("read-gone"), "ok");
+    // A waiter on host 1 queues behind the holder (and keeps the mutex once it has it).
+    let waiter = Driven::start(
+        &net.topology.host_wrapper(1),
+        &["hold".into(), socket(1), "m".into()],
+    );
+    assert_eq!(
+        waiter.line(Duration::from_millis(500)),
+        None,
+        "the waiter got a held mutex"
+    );
+
+    // Host 3 loses the manager, not the other hosts. Past its lease it is fenced, and only
+    // then does the mutex go to the waiter.
+    net.topology.cut_from_hub(3, true).unwrap();
+    let cut = Instant::now();
+    assert_eq!(
+        waiter.line(Duration::from_secs(30)).as_deref(),
+        Some("locked"),
+        "the waiter never got the mutex of the partitioned holder"
+    );
+    eprintln!("the waiter got the mutex {:?} after the cut", cut.elapsed());
+    // The holder still runs and still reaches host 1's daemon, but cannot act as holder:
+    // its capability is refused and cannot be renewed, and its unlock (posted, so it answers
+    // at once) frees nothing: a third party still finds the mutex taken.
+    assert!(
+        holder.ask("write").starts_with("err "),
+        "a fenced holder wrote"
+    );
+    holder.ask("unlock");
+    let mutex_still_taken = || {
+        let prober = Driven::start(
+            &net.topology.host_wrapper(2),
+            &["lock-once".into(), socket(2), "m".into()],
+        );
+        prober.line(Duration::from_millis(1500)).is_none()
+    };
+    assert!(
+        mutex_still_taken(),
+        "the fenced holder's unlock freed the new holder's mutex"
+    );
+    assert_eq!(&direct_read(&m[0].path("shared"))[..8], b"holder-1");
+    // Its non-persistent region went with its host's lease.
+    wait_for("tmp/gone deleted", Duration::from_secs(10), || {
+        (!m[0].path("tmp/gone").exists()).then_some(())
+    });
+
+    // Back: the daemon registers again, the mount learns that the manager closed its opens.
+    net.topology.cut_from_hub(3, false).unwrap();
+    let gone = wait_for(
+        "EIO from the open of a deleted region",
+        Duration::from_secs(30),
+        || {
+            let a = holder.ask("read-gone");
+            (a != "ok").then_some(a)
+        },
+    );
+    assert_eq!(gone, format!("err {}", libc::EIO));
+    assert_eq!(holder.ask("read-kept"), format!("err {}", libc::EIO));
+    // Still fenced: the old opens renew nothing, and the lock is not the holder's.
+    assert_eq!(holder.ask("write"), format!("err {}", libc::EIO));
+    holder.ask("unlock");
+    assert!(
+        mutex_still_taken(),
+        "the fenced holder's unlock freed the new holder's mutex"
+    );
+    assert_eq!(&direct_read(&m[0].path("shared"))[..8], b"holder-1");
+    // New opens on host 3 work: the host is back.
+    wait_for("a new open on host 3", Duration::from_secs(30), || {
+        std::fs::read(m[2].path("kept"))
+            .ok()
+            .filter(|b| b == b"kept")
+    });
+    assert!(!m[2].path("tmp/gone").exists());
+    std::fs::write(m[2].path("after"), b"after").unwrap();
+    assert_eq!(std::fs::read(m[0].path("after")).unwrap(), b"after");
+}
+
+/// The first 4 KiB of `path` read with `O_DIRECT` (past the page cache: library writes do not
+/// tell other mounts' caches).
+fn direct_read(path: &Path) -> Vec<u8> {
+    let out = Command::new("dd")
+        .args(["status=none", "bs=4096", "count=1", "iflag=direct"])
+        .arg(format!("if={}", path.display()))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "dd: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
+
+fn xattr_set(path: &Path, name: &str, value: &[u8]) {
+    let out = Command::new("setfattr")
+        .arg("-n")
+        .arg(name)
+        .arg("-v")
+        .arg(String::from_utf8_lossy(value).as_ref())
+        .arg(path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "setfattr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use metrics::counter;
 use regions_proto::auth::Secret;
-use regions_proto::frame::{FLAG_REPLY, HEADER_LEN, Header, Op, RANGE_LEN};
+use regions_proto::frame::{FLAG_DELTAS, FLAG_REPLY, HEADER_LEN, Header, Op, RANGE_LEN};
 use regions_proto::handshake::{CHALLENGE_REPLY_LEN, ClientHello};
+use regions_proto::layout::chunk_delta;
 use std::borrow::Cow;
 
 use super::{Completion, Span, Transport, TransportStats};
@@ -497,7 +498,7 @@ fn plan_requests<'a>(spans: &[Span], write: Option<&'a [u8]>) -> Vec<IoRequest<'
             let len = (span.len - done).min(MAX_IO);
             let at = cursor + done as usize;
             let mut header = Header::new(if write.is_some() { Op::Write } else { Op::Read }, 0);
-            header.object_id = span.ino;
+            name_region(&mut header, span);
             header.pool = span.pool;
             header.offset = span.pool_offset + done;
             header.length = len;
@@ -531,7 +532,7 @@ fn vector_request<'a>(batch: &[(Span, usize)], write: Option<&'a [u8]>) -> IoReq
     }
     for (s, _) in batch {
         table.extend_from_slice(&s.pool.to_le_bytes());
-        table.extend_from_slice(&0u32.to_le_bytes());
+        table.extend_from_slice(&stated_delta(s).unwrap_or(0).to_le_bytes());
         table.extend_from_slice(&s.pool_offset.to_le_bytes());
         table.extend_from_slice(&s.len.to_le_bytes());
     }
@@ -545,7 +546,9 @@ fn vector_request<'a>(batch: &[(Span, usize)], write: Option<&'a [u8]>) -> IoReq
     );
     header.length = total;
     // The spans of one call belong to one region.
-    header.object_id = batch.first().map_or(0, |(s, _)| s.ino);
+    if let Some((s, _)) = batch.first() {
+        name_region(&mut header, s);
+    }
     let first = batch.first().map_or(0, |(_, at)| *at);
     // Spans of a batch are consecutive in the caller's buffer.
     let contiguous = batch
@@ -662,12 +665,28 @@ fn daemon_error(addr: &str, status: u32, message: &str) -> RegionsError {
     }
 }
 
+/// Where `span` lies in its region as a request states it (none for a span of no region).
+fn stated_delta(span: &Span) -> Option<u32> {
+    (span.ino != 0).then(|| chunk_delta(span.region_offset, span.pool_offset))
+}
+
+/// Names `span`'s region in `header` and, for single-range ops and vectors alike, says where
+/// in the region the range lies, so that a daemon refuses (`ESTALE`) a map older than a move
+/// of its chunks (`FLAG_DELTAS`; a vector's ranges carry their own deltas).
+fn name_region(header: &mut Header, span: &Span) {
+    header.object_id = span.ino;
+    if let Some(delta) = stated_delta(span) {
+        header.flags |= FLAG_DELTAS;
+        header.delta = delta;
+    }
+}
+
 /// The request of an 8-byte atomic on `at`, with a fresh id, and its payload.
 fn atomic_header(t: &TcpTransport, op: Op, at: &Span, operands: &[u64]) -> (Header, Vec<u8>) {
     let payload: Vec<u8> = operands.iter().flat_map(|w| w.to_le_bytes()).collect();
     let mut header = Header::new(op, t.id());
     header.capability = t.cap_id;
-    header.object_id = at.ino;
+    name_region(&mut header, at);
     header.pool = at.pool;
     header.offset = at.pool_offset;
     header.length = 8;

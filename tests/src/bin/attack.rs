@@ -207,7 +207,7 @@ fn by_inode(agent: &mut AgentClient, ino: u64) {
     report_call("open", agent.open(ino, false));
     report_call("open-write", agent.open(ino, true));
     report_call("segment", agent.segment(ino, false));
-    report_call("map-refresh", agent.map_refresh(ino, 0, false));
+    report_call("map-refresh", agent.map_refresh(ino, 0, false, 0));
     report_call("map-extend", agent.map_extend(ino, 1 << 20));
 }
 
@@ -259,6 +259,11 @@ mod fuzz {
                 ino,
                 known_version: rng.random(),
                 write: rng.random(),
+                handle: if rng.random() {
+                    0
+                } else {
+                    rng.random_range(0..64)
+                },
             }),
             4 => Request::MapExtend(v1::MapExtend { ino, size }),
             5 => Request::MapClose(v1::MapClose {

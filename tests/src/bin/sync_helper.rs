@@ -5,7 +5,14 @@
 //! regions-sync-helper counter SOCKET NAME TIMES MANAGER SECRET_FILE HOST REGION [THREADS]
 //! regions-sync-helper hold SOCKET NAME          (locks, prints "locked", sleeps)
 //! regions-sync-helper lock-once SOCKET NAME     (locks, prints "locked", unlocks)
+//! regions-sync-helper fenced SOCKET NAME REGION GONE KEPT
 //! ```
+//!
+//! `fenced` plays a mutex holder whose host gets partitioned: it locks NAME, opens the region
+//! file REGION through the host agent (a capability, as applications do) and writes
+//! `holder-1` at 0, creates GONE through the mount and keeps it open, opens KEPT, prints
+//! "ready", then answers one line per command read from stdin ("ok" or "err ERRNO"): `write`
+//! (`holder-2` at 0 of REGION), `unlock`, `read-gone`, `read-kept`; `exit` ends it.
 //!
 //! `barrier`: every round adds 1 to the 8-byte word at offset 0 of REGION (fetch-add), waits
 //! at the barrier, then checks that all parties of the round had arrived (the word is at least
@@ -98,7 +105,54 @@ fn main() -> anyhow::Result<()> {
             out.flush()?;
             sync.mutex_unlock(name)?;
         }
+        "fenced" => fenced(&sync, name, &args[3..])?,
         other => bail!("unknown command {other}"),
+    }
+    Ok(())
+}
+
+/// The `fenced` command (see the module docs).
+fn fenced(sync: &SyncClient, name: &str, paths: &[String]) -> anyhow::Result<()> {
+    use std::io::BufRead;
+    use std::os::unix::fs::FileExt;
+
+    let [region, gone, kept] = paths else {
+        bail!("fenced needs REGION GONE KEPT");
+    };
+    sync.mutex_lock(name)?;
+    let region = regions::app::AppRegion::open_path(Path::new(region), true)?;
+    region.write_at(0, b"holder-1")?;
+    let gone = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(gone)
+        .with_context(|| format!("cannot create {gone}"))?;
+    gone.write_all_at(b"gone", 0)?;
+    // Flushed: the kernel holds no dirty page of it (those stay cached until written back).
+    gone.sync_data()?;
+    let kept = std::fs::File::open(kept).with_context(|| format!("cannot open {kept}"))?;
+    let mut out = std::io::stdout();
+    writeln!(out, "ready")?;
+    out.flush()?;
+    let answer = |r: Result<(), i32>| match r {
+        Ok(()) => "ok".to_owned(),
+        Err(errno) => format!("err {errno}"),
+    };
+    let io = |r: std::io::Result<usize>| r.map(drop).map_err(|e| e.raw_os_error().unwrap_or(0));
+    for line in std::io::stdin().lock().lines() {
+        let mut buf = [0u8; 4];
+        let reply = match line?.trim() {
+            "write" => answer(region.write_at(0, b"holder-2").map_err(|e| e.errno())),
+            "unlock" => answer(sync.mutex_unlock(name).map_err(|e| e.errno())),
+            "read-gone" => answer(io(gone.read_at(&mut buf, 0))),
+            "read-kept" => answer(io(kept.read_at(&mut buf, 0))),
+            "exit" => return Ok(()),
+            other => format!("unknown {other}"),
+        };
+        writeln!(out, "{reply}")?;
+        out.flush()?;
     }
     Ok(())
 }
