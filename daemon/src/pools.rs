@@ -720,6 +720,9 @@ impl Pinned<'_> {
             .iter()
             .all(|&(index, offset, len, delta)| {
                 let Some(delta) = delta else { return true };
+                if len == 0 {
+                    return true;
+                }
                 let end = offset + len;
                 let mut chunk = offset / CHUNK_SIZE;
                 while chunk * CHUNK_SIZE < end {

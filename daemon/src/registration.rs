@@ -16,7 +16,7 @@ use tokio::sync::watch;
 use tonic::{Code, Status, Streaming};
 
 use crate::error::{DaemonError, Result};
-use crate::manager_client::{ManagerClients, request};
+use crate::manager_client::{CALL_TIMEOUT, ManagerClients, request};
 use crate::pools::Pools;
 
 /// First pause before registering again.
@@ -61,6 +61,36 @@ pub struct Registration {
     status: Arc<RegistrationStatus>,
     /// Tests only: a pause before applying each chunk release or tail zeroing.
     destructive_event_delay: Duration,
+    /// When the manager last answered, and the lease (for the self-fence watchdog).
+    contact: Arc<Contact>,
+}
+
+/// When the manager last answered a heartbeat or a registration, and its lease.
+#[derive(Debug)]
+struct Contact {
+    since: Instant,
+    /// Milliseconds after `since` of the last answer.
+    last_ms: AtomicU64,
+    /// The lease of the last registration, in ms (0: not registered yet).
+    lease_ms: AtomicU64,
+}
+
+impl Contact {
+    fn touch(&self) {
+        self.last_ms
+            .store(self.since.elapsed().as_millis() as u64, Ordering::Release);
+    }
+
+    /// How long the manager has been silent, and the lease (`None` before registering).
+    fn silence(&self) -> Option<(Duration, Duration)> {
+        let lease = self.lease_ms.load(Ordering::Acquire);
+        if lease == 0 {
+            return None;
+        }
+        let now = self.since.elapsed().as_millis() as u64;
+        let silent = now.saturating_sub(self.last_ms.load(Ordering::Acquire));
+        Some((Duration::from_millis(silent), Duration::from_millis(lease)))
+    }
 }
 
 /// Whether a failed manager call is worth retrying (the manager is down or restarting).
@@ -113,6 +143,11 @@ impl Registration {
             pools,
             status,
             destructive_event_delay: Duration::ZERO,
+            contact: Arc::new(Contact {
+                since: Instant::now(),
+                last_ms: AtomicU64::new(0),
+                lease_ms: AtomicU64::new(0),
+            }),
         }
     }
 
@@ -168,6 +203,18 @@ impl Registration {
             self.known_pools().await?;
         }
         let sequence = self.resync_all().await?;
+        // Registered with the manager's fences applied: they refuse the old tokens now.
+        self.contact
+            .lease_ms
+            .store(lease.as_millis() as u64, Ordering::Release);
+        self.contact.touch();
+        if self.pools.revocations().self_fenced() {
+            tracing::info!(
+                host = self.host_id,
+                "registered again: this host's own fence ends"
+            );
+            self.pools.revocations().unfence_self();
+        }
         self.status.registrations.fetch_add(1, Ordering::Relaxed);
         tracing::info!(
             host = self.host_id,
@@ -324,6 +371,12 @@ impl Registration {
     /// Serves `first`, then registers again whenever the session ends, until `shutdown` turns
     /// true (or its sender goes away).
     pub async fn run(mut self, first: Session, mut shutdown: watch::Receiver<bool>) {
+        tokio::spawn(Self::watch_silence(
+            Arc::clone(&self.contact),
+            Arc::clone(&self.pools),
+            self.host_id,
+            shutdown.clone(),
+        ));
         let mut next = Some(first);
         let mut backoff = MIN_BACKOFF;
         loop {
@@ -440,8 +493,16 @@ impl Registration {
             host_id: self.host_id,
             incarnation: self.incarnation,
         };
-        match self.clients.cluster.heartbeat(request(req)).await {
-            Ok(_) => Ok(()),
+        let mut req = request(req);
+        if let Some((_, lease)) = self.contact.silence() {
+            // A heartbeat answered later than the next is due is no use: do not wait longer.
+            req.set_timeout((lease / 3).clamp(Duration::from_millis(100), CALL_TIMEOUT));
+        }
+        match self.clients.cluster.heartbeat(req).await {
+            Ok(_) => {
+                self.contact.touch();
+                Ok(())
+            }
             Err(s) if matches!(s.code(), Code::NotFound | Code::InvalidArgument) => {
                 metrics::counter!("regions_daemon_heartbeat_failures_total").increment(1);
                 Err(manager_err(s))
@@ -450,6 +511,39 @@ impl Registration {
                 metrics::counter!("regions_daemon_heartbeat_failures_total").increment(1);
                 tracing::warn!(error = %s.message(), code = ?s.code(), "heartbeat failed; is the manager up?");
                 Ok(())
+            }
+        }
+    }
+
+    /// Watches the manager's silence until shutdown: once it has not answered for half a
+    /// lease, this host's own tokens are refused here (see [`Revocations::fence_self`]), so
+    /// that by the time the lease ends at the manager (which then hands this host's mutexes to
+    /// others) this daemon no longer serves its processes' old capabilities either.
+    async fn watch_silence(
+        contact: Arc<Contact>,
+        pools: Arc<Pools>,
+        host: u32,
+        mut shutdown: watch::Receiver<bool>,
+    ) {
+        loop {
+            let step = contact
+                .silence()
+                .map_or(MIN_HEARTBEAT * 5, |(_, lease)| lease / 8)
+                .max(MIN_HEARTBEAT);
+            if sleep_or_stop(step, &mut shutdown).await {
+                return;
+            }
+            let Some((silent, lease)) = contact.silence() else {
+                continue;
+            };
+            if silent >= lease / 2 && !pools.revocations().self_fenced() {
+                tracing::warn!(
+                    host,
+                    silent_ms = silent.as_millis() as u64,
+                    "the manager has not answered for half a lease: refusing this host's \
+                     capabilities until the daemon registers again"
+                );
+                pools.revocations().fence_self(host);
             }
         }
     }

@@ -41,12 +41,35 @@ const PRUNE_MIN: usize = 1024;
 #[derive(Debug, Default)]
 pub struct Revocations {
     table: RwLock<Table>,
+    /// This daemon's own host while it has gone a lease without reaching the manager (0: not
+    /// fenced): the manager may have fenced it by now, so the tokens minted for it are refused
+    /// here too until it has registered again and applied the manager's fences.
+    fenced_self: std::sync::atomic::AtomicU32,
 }
 
 impl Revocations {
     /// No revocation yet.
     pub fn new() -> Revocations {
         Revocations::default()
+    }
+
+    /// Refuses every token minted for `host` (this daemon's own) until [`Self::unfence_self`]:
+    /// the daemon has not reached the manager for most of a lease.
+    pub fn fence_self(&self, host: u32) {
+        self.fenced_self
+            .store(host, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Ends [`Self::fence_self`]: the daemon registered again (and applied the manager's
+    /// fences, which now refuse the old tokens).
+    pub fn unfence_self(&self) {
+        self.fenced_self
+            .store(0, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Whether [`Self::fence_self`] is in force.
+    pub fn self_fenced(&self) -> bool {
+        self.fenced_self.load(std::sync::atomic::Ordering::Acquire) != 0
     }
 
     /// Applies a `RegionRevoked` from the manager: a host's fence when it names a host, else
@@ -127,10 +150,16 @@ impl Revocations {
         before(t.all.as_ref())
             || before(t.per_region.get(&cap.ino))
             || (cap.host != 0 && before(t.per_host.get(&cap.host)))
+            || (cap.host != 0
+                && cap.host == self.fenced_self.load(std::sync::atomic::Ordering::Acquire))
     }
 
     /// Whether `cap` was refused by its host's fence (rather than by a change to its region).
     pub fn fenced(&self, cap: &Capability) -> bool {
+        if cap.host != 0 && cap.host == self.fenced_self.load(std::sync::atomic::Ordering::Acquire)
+        {
+            return true;
+        }
         let t = self
             .table
             .read()
@@ -202,6 +231,13 @@ mod tests {
         // Fences only move forward.
         r.fence_host(3, 50, u64::MAX);
         assert!(r.revoked(&on(3, 99)));
+        // A daemon out of touch with the manager refuses its own host's tokens until it
+        // registers again.
+        r.fence_self(2);
+        assert!(r.revoked(&on(2, u64::MAX)) && r.fenced(&on(2, u64::MAX)) && r.self_fenced());
+        assert!(!r.revoked(&on(4, 1)) && !r.revoked(&on(0, 1)));
+        r.unfence_self();
+        assert!(!r.revoked(&on(2, 1)) && !r.self_fenced());
         // An expired fence goes at the next one.
         r.fence_host(4, 10, 1);
         r.fence_host(5, 10, u64::MAX);

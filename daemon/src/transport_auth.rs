@@ -20,7 +20,7 @@ use regions_proto::frame::{Header, Op};
 use crate::error::DaemonError;
 use crate::pools::Pinned;
 use crate::revocations::Revocations;
-use regions_proto::capability::revoked_message;
+use regions_proto::capability::{fenced_message, revoked_message};
 use regions_proto::handshake::ServerHello;
 
 /// Most capabilities one connection may hold.
@@ -145,7 +145,7 @@ impl ConnAuth {
         let cap = key.verify(token).map_err(|e| denied(&e))?;
         cap.check_time(now_ms()).map_err(|e| denied(&e))?;
         if revocations.revoked(&cap) {
-            return Err(DaemonError::Revoked(revoked_message(&cap)));
+            return Err(DaemonError::Revoked(refused_message(revocations, &cap)));
         }
         if !self.caps.contains_key(&id) && self.caps.len() >= MAX_CAPABILITIES {
             return Err(DaemonError::Denied(format!(
@@ -178,7 +178,7 @@ impl ConnAuth {
         cap.check_time(now_ms())
             .map_err(|e| DaemonError::Denied(e.to_string()))?;
         if revocations.revoked(cap) {
-            return Err(DaemonError::Revoked(revoked_message(cap)));
+            return Err(DaemonError::Revoked(refused_message(revocations, cap)));
         }
         if writes(h.op) && !cap.can_write() {
             return Err(DaemonError::Denied(format!(
@@ -194,6 +194,15 @@ impl ConnAuth {
             )));
         }
         Ok(Reach::Capability(*cap))
+    }
+}
+
+/// Why a genuine token is refused: its host's fence, or a change to its region.
+fn refused_message(revocations: &Revocations, cap: &Capability) -> String {
+    if revocations.fenced(cap) {
+        fenced_message(cap)
+    } else {
+        revoked_message(cap)
     }
 }
 

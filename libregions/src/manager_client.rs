@@ -299,15 +299,18 @@ impl ManagerClient {
         }))
     }
 
-    /// The handles among `handles` that the manager no longer holds for the caller's host
-    /// (closed for it when the host's lease ended).
-    pub fn check_handles(&self, caller: &v1::Caller, handles: &[u64]) -> Result<Vec<u64>> {
+    /// Which of `handles` the manager closed for the caller's host when its lease ended, and
+    /// the manager's lease.
+    pub fn check_handles(
+        &self,
+        caller: &v1::Caller,
+        handles: &[u64],
+    ) -> Result<v1::CheckHandlesReply> {
         let mut c = self.regions.clone();
         self.call(c.check_handles(v1::CheckHandlesRequest {
             caller: Some(caller.clone()),
             handles: handles.to_vec(),
         }))
-        .map(|r| r.gone)
     }
 
     pub fn close(&self, caller: &v1::Caller, handle: u64) -> Result<bool> {

@@ -262,6 +262,13 @@ impl Manager {
     /// Runs `f` on the state; queues what it changed for the committer.
     /// Returns its result and the sequence number that must be durable
     /// before anyone hears of it.
+    /// Changes state that is never stored (leases, fences) under the state lock: no commit,
+    /// no event, nothing a stalled store could refuse.
+    pub(crate) fn with_state<T>(&self, f: impl FnOnce(&mut State) -> T) -> Result<T> {
+        let mut inner = self.lock()?;
+        Ok(f(&mut inner.state))
+    }
+
     fn apply<T>(&self, f: impl FnOnce(&mut State) -> Result<T>) -> Result<(Result<T>, u64)> {
         self.apply_marking(f).map(|(result, seq, _)| (result, seq))
     }

@@ -320,10 +320,11 @@ impl Regions for Services {
         let create = r.create.unwrap_or_default();
         let c = caller(create.caller.as_ref())?;
         let host = c.host_id;
+        // Issued before the lease check: a fence that comes after the check revokes it.
+        let issued = crate::capability::tick();
         if let Err(e) = self.manager.read(|s| s.check_lease(host)).await {
             return self.reply("create_open", Err(e));
         }
-        let issued = crate::capability::tick();
         let created = self
             .manager
             .create_open(
@@ -421,9 +422,13 @@ impl Regions for Services {
         reply(
             "check_handles",
             self.manager
-                .read(|s| Ok(s.gone_handles(c.host_id, &r.handles)))
-                .await
-                .map(|gone| v1::CheckHandlesReply { gone }),
+                .read(|s| {
+                    Ok(v1::CheckHandlesReply {
+                        gone: s.gone_handles(c.host_id, &r.handles),
+                        lease_ms: s.lease.as_millis() as u64,
+                    })
+                })
+                .await,
         )
     }
 

@@ -111,6 +111,11 @@ pub struct State {
     /// Hosts of `lease_lost` whose fence the live daemons have applied: their mutexes may go
     /// to other callers now.
     pub fence_settled: std::collections::HashSet<u32>,
+    /// Handles closed because their host's lease ended (not stored: a restarted manager
+    /// forgets them): a renewal or `CheckHandles` naming one learns that its open was fenced,
+    /// while a handle that is merely unknown (lost with a manager crash before its commit)
+    /// is not held against its opener.
+    pub fenced_handles: std::collections::HashSet<u64>,
 }
 
 impl State {
@@ -174,6 +179,7 @@ impl State {
             capability_ttl: crate::capability::DEFAULT_TTL,
             lease_lost: Default::default(),
             fence_settled: Default::default(),
+            fenced_handles: Default::default(),
         }
     }
 

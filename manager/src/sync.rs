@@ -908,11 +908,13 @@ impl SyncService {
 
     /// Where barrier `name`'s arrival word is, with a capability for its region.
     pub async fn barrier_locate(&self, caller: &Caller, name: &str) -> Result<v1::MutexLocation> {
+        // Issued before the lease check: a fence that comes after the check revokes it.
+        let issued = crate::capability::tick();
         self.manager()
             .read(|s| s.check_lease(caller.host_id))
             .await?;
         let (n, _, place) = self.word_barrier(name).await?;
-        let mut location = self.location(caller, place)?;
+        let mut location = self.location(caller, place, issued)?;
         location.n = n;
         Ok(location)
     }
@@ -1195,16 +1197,23 @@ impl SyncService {
 
     /// Where the lock word of `name` is, with a capability for its region.
     pub async fn mutex_locate(&self, caller: &Caller, name: &str) -> Result<v1::MutexLocation> {
-        // A host that lost its lease gets no new capability for a word (it is fenced).
+        // A host that lost its lease gets no new capability for a word (it is fenced); the
+        // token's issue time comes first, so a fence after the check revokes it.
+        let issued = crate::capability::tick();
         self.manager()
             .read(|s| s.check_lease(caller.host_id))
             .await?;
         let (_, place) = self.mutex(name).await?;
-        self.location(caller, place)
+        self.location(caller, place, issued)
     }
 
     /// The location of a word for `caller` (its tag names the process: tid 0).
-    fn location(&self, caller: &Caller, place: WordPlace) -> Result<v1::MutexLocation> {
+    fn location(
+        &self,
+        caller: &Caller,
+        place: WordPlace,
+        issued: u64,
+    ) -> Result<v1::MutexLocation> {
         // The token reaches this object's slot only, not the other words of the lock region.
         let slot = place.region_offset - place.region_offset % SLOT_STRIDE;
         let (capability, capability_expires_ms) = self.inner.minter.mint_range(
@@ -1212,7 +1221,7 @@ impl SyncService {
             true,
             slot,
             SLOT_STRIDE,
-            crate::capability::tick(),
+            issued,
             caller.host_id,
         );
         Ok(v1::MutexLocation {

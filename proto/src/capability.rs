@@ -184,9 +184,19 @@ impl Capability {
 /// Why a token is refused although genuine: revoked by a change to its region.
 pub fn revoked_message(cap: &Capability) -> String {
     format!(
-        "the capability for region {} was revoked (its mode, owner, names or size changed, \
-         the manager restarted, or the lease of host {} ended): open the region again (the \
-         regions library renews it by itself), which checks permission again",
+        "the capability for region {} was revoked (its mode, owner, names or size changed, or \
+         the manager restarted): open the region again (the regions library renews it by \
+         itself), which checks permission again",
+        cap.ino
+    )
+}
+
+/// Why a token is refused although genuine: its host's lease ended (the host is fenced).
+pub fn fenced_message(cap: &Capability) -> String {
+    format!(
+        "the capability for region {} is refused: the lease of host {}, which it was minted \
+         for, ended (the host lost the manager), so the manager may have given this host's \
+         locks and handles to others; open the region again once the host is back",
         cap.ino, cap.host
     )
 }

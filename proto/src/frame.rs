@@ -42,9 +42,11 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 pub const HEADER_LEN: usize = 64;
 /// Magic number at the start of every frame ("RG" little-endian).
 pub const MAGIC: u16 = 0x5247;
-/// The protocol version this codec speaks. Version 2: HELLO with the cluster secret is a
-/// challenge–response ([`crate::handshake`]); version 1 sent the secret itself.
-pub const VERSION: u8 = 2;
+/// The protocol version this codec speaks. Version 3: requests may state where in their
+/// region their ranges lie ([`FLAG_DELTAS`]); version 2: HELLO with the cluster secret is a
+/// challenge–response ([`crate::handshake`]); version 1 sent the secret itself. Both ends must
+/// speak the same version (upgrade a cluster's components together).
+pub const VERSION: u8 = 3;
 /// Flag bit marking a reply frame.
 pub const FLAG_REPLY: u16 = 1;
 /// Flag bit of a request whose `delta` fields say where in its region each range lies.
@@ -725,12 +727,14 @@ impl Request {
             }
             Request::ReadV { ranges } => {
                 h.length = sum_lengths(ranges);
+                h.flags |= deltas_flag(ranges);
                 buf.reserve(ranges.len() * RANGE_LEN);
                 ranges.iter().for_each(|r| r.encode(&mut buf));
                 buf.freeze()
             }
             Request::WriteV { ranges, data } => {
                 h.length = sum_lengths(ranges);
+                h.flags |= deltas_flag(ranges);
                 buf.reserve(WRITEV_PREFIX_LEN + ranges.len() * RANGE_LEN + data.len());
                 buf.put_u32_le(u32::try_from(ranges.len()).unwrap_or(u32::MAX));
                 buf.put_u32_le(0);
@@ -839,6 +843,16 @@ fn parse_ranges(table: &[u8], deltas: bool) -> Result<Vec<Range>, FrameError> {
         .chunks_exact(RANGE_LEN)
         .map(|r| Range::decode(r, deltas))
         .collect()
+}
+
+/// [`FLAG_DELTAS`] when any of `ranges` states its chunk delta (then all are encoded with
+/// theirs, 0 for those that state none), else 0.
+fn deltas_flag(ranges: &[Range]) -> u16 {
+    if ranges.iter().any(|r| r.delta.is_some()) {
+        FLAG_DELTAS
+    } else {
+        0
+    }
 }
 
 /// Sum of range lengths, saturating (a saturated sum is rejected as oversized anyway).
@@ -1058,7 +1072,7 @@ mod tests {
             ranges: ranges.clone(),
         }
         .to_frame(2, 0);
-        v.header.flags |= FLAG_DELTAS;
+        assert_ne!(v.header.flags & FLAG_DELTAS, 0, "to_frame sets the flag");
         let parsed = Request::parse(&v, &Limits::default()).unwrap();
         assert_eq!(parsed, Request::ReadV { ranges });
         v.header.flags &= !FLAG_DELTAS;
@@ -1072,7 +1086,7 @@ mod tests {
     fn header_layout_is_fixed() {
         let buf = encode(&read(0x1_2345, 0x10, 0x20).to_frame(7, 8));
         assert_eq!(buf.len(), HEADER_LEN);
-        assert_eq!(&buf[0..4], &[0x47, 0x52, 2, 2]);
+        assert_eq!(&buf[0..4], &[0x47, 0x52, 3, 2]);
         assert_eq!((buf[8], buf[16], buf[32], buf[40]), (7, 8, 0x10, 0x20));
         assert_eq!(&buf[24..28], &0x1_2345u32.to_le_bytes());
     }

@@ -338,6 +338,63 @@ pub struct RegionFs {
     /// Closes released handles at the manager off the kernel's release
     /// path (the written size is already published at flush).
     closer: Closer,
+    /// When the manager last answered [`RegionFs::check_handles`], and its lease.
+    contact: Contact,
+}
+
+/// When the manager last answered this mount's handle check, and its lease: after half a lease
+/// of silence the host may be fenced soon, and writes are refused.
+#[derive(Debug)]
+struct Contact {
+    since: Instant,
+    /// Milliseconds after `since` of the last answer.
+    last_ms: AtomicU64,
+    /// The manager's lease in ms (0: not heard yet).
+    lease_ms: AtomicU64,
+}
+
+impl Contact {
+    fn new() -> Contact {
+        Contact {
+            since: Instant::now(),
+            last_ms: AtomicU64::new(0),
+            lease_ms: AtomicU64::new(0),
+        }
+    }
+
+    fn heard(&self, lease_ms: u64) {
+        self.last_ms
+            .store(self.since.elapsed().as_millis() as u64, Ordering::Release);
+        self.lease_ms.store(lease_ms, Ordering::Release);
+    }
+
+    /// The lease, once the manager has answered.
+    fn lease(&self) -> Option<Duration> {
+        match self.lease_ms.load(Ordering::Acquire) {
+            0 => None,
+            ms => Some(Duration::from_millis(ms)),
+        }
+    }
+
+    /// `Err(Fenced)` once the manager has been silent for half a lease.
+    fn check(&self) -> FsResult<()> {
+        let Some(lease) = self.lease() else {
+            return Ok(());
+        };
+        let now = self.since.elapsed().as_millis() as u64;
+        let silent =
+            Duration::from_millis(now.saturating_sub(self.last_ms.load(Ordering::Acquire)));
+        if silent >= lease / 2 {
+            return Err(FsError::Fenced(format!(
+                "the manager has not answered this mount for {} ms (its lease is {} ms): \
+                 writes are refused until it does, since it may give this host's locks and \
+                 handles to others",
+                silent.as_millis(),
+                lease.as_millis()
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// A thread that drops released handles (closing them at the manager), so
@@ -433,6 +490,7 @@ impl RegionFs {
             thread_defaults: Default::default(),
             generations: Mutex::new(HashMap::new()),
             closer: Closer::start(),
+            contact: Contact::new(),
         })
     }
 
@@ -495,38 +553,49 @@ impl RegionFs {
     /// are dropped so that no read is served from the page cache either. Returns how many
     /// opens were fenced now.
     pub fn check_handles(&self) -> FsResult<usize> {
-        let open: Vec<(u64, Arc<Handle>)> = self
+        // Ids only: holding the handles across the call would hold up their close.
+        let ids: Vec<u64> = self
             .handles
             .read()
             .map(|h| {
                 h.values()
                     .filter_map(|x| match &x.body {
                         Body::Region(r) if !r.fenced.load(Ordering::Relaxed) => {
-                            Some((r.region.handle(), Arc::clone(x)))
+                            Some(r.region.handle())
                         }
                         _ => None,
                     })
                     .collect()
             })
             .unwrap_or_default();
-        if open.is_empty() {
-            return Ok(0);
-        }
-        let ids: Vec<u64> = open.iter().map(|(id, _)| *id).collect();
-        let gone: HashSet<u64> = self
+        // Asked even with nothing open: the answer is also this mount's sign of life.
+        let reply = self
             .client
             .manager()
-            .check_handles(self.client.caller(), &ids)?
-            .into_iter()
-            .collect();
+            .check_handles(self.client.caller(), &ids)?;
+        self.contact.heard(reply.lease_ms);
+        if reply.gone.is_empty() {
+            return Ok(0);
+        }
+        let gone: HashSet<u64> = reply.gone.into_iter().collect();
+        let open: Vec<Arc<Handle>> = self
+            .handles
+            .read()
+            .map(|h| {
+                h.values()
+                    .filter(
+                        |x| matches!(&x.body, Body::Region(r) if gone.contains(&r.region.handle())),
+                    )
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default();
         let mut fenced = 0;
-        for (id, handle) in open {
-            if !gone.contains(&id) {
-                continue;
-            }
+        for handle in open {
             let Body::Region(r) = &handle.body else {
                 continue;
             };
+            let id = r.region.handle();
             if r.fenced.swap(true, Ordering::Relaxed) {
                 continue;
             }
@@ -547,15 +616,20 @@ impl RegionFs {
     }
 
     /// Checks the open handles with the manager every `every` (see
-    /// [`RegionFs::check_handles`]) on a thread of its own, until the file system is dropped.
+    /// [`RegionFs::check_handles`]), or every quarter lease when that is shorter, on a thread
+    /// of its own, until the file system is dropped.
     pub fn start_handle_watch(self: &Arc<Self>, every: Duration) -> std::io::Result<()> {
         let fs = Arc::downgrade(self);
         std::thread::Builder::new()
             .name("regionfs-handle-watch".into())
             .spawn(move || {
+                let mut step = every;
                 loop {
-                    std::thread::sleep(every);
+                    std::thread::sleep(step);
                     let Some(fs) = fs.upgrade() else { return };
+                    if let Some(lease) = fs.contact.lease() {
+                        step = every.min(lease / 4).max(Duration::from_millis(20));
+                    }
                     if let Err(e) = fs.check_handles() {
                         // The manager is out of reach (a partition, a restart): try again.
                         tracing::debug!(error = %e, "cannot check open handles with the manager");
@@ -1848,6 +1922,8 @@ impl RegionFs {
     pub fn write(&self, fh: u64, offset: u64, data: &[u8]) -> FsResult<u32> {
         let h = self.handle(fh)?;
         let r = h.region()?;
+        // A host out of touch with the manager for half a lease may be fenced by now.
+        self.contact.check()?;
         if !r.write {
             return Err(FsError::BadHandle(format!(
                 "file handle {fh} of inode {} is not open for writing",

@@ -334,6 +334,8 @@ fn a_host_cut_from_the_manager_past_its_lease_is_fenced_and_told_what_it_lost() 
         "the fenced holder's unlock freed the new holder's mutex"
     );
     assert_eq!(&direct_read(&m[0].path("shared"))[..8], b"holder-1");
+    // Its mount, out of touch with the manager, refuses writes too.
+    assert_eq!(holder.ask("write-kept"), format!("err {}", libc::EIO));
     // Its non-persistent region went with its host's lease.
     wait_for("tmp/gone deleted", Duration::from_secs(10), || {
         (!m[0].path("tmp/gone").exists()).then_some(())

@@ -12,7 +12,8 @@
 //! file REGION through the host agent (a capability, as applications do) and writes
 //! `holder-1` at 0, creates GONE through the mount and keeps it open, opens KEPT, prints
 //! "ready", then answers one line per command read from stdin ("ok" or "err ERRNO"): `write`
-//! (`holder-2` at 0 of REGION), `unlock`, `read-gone`, `read-kept`; `exit` ends it.
+//! (`holder-2` at 0 of REGION), `unlock`, `read-gone`, `read-kept`, `write-kept` (a page at 0
+//! of KEPT through the mount, `O_DIRECT`, so the mount answers at once); `exit` ends it.
 //!
 //! `barrier`: every round adds 1 to the 8-byte word at offset 0 of REGION (fetch-add), waits
 //! at the barrier, then checks that all parties of the round had arrived (the word is at least
@@ -132,7 +133,19 @@ fn fenced(sync: &SyncClient, name: &str, paths: &[String]) -> anyhow::Result<()>
     gone.write_all_at(b"gone", 0)?;
     // Flushed: the kernel holds no dirty page of it (those stay cached until written back).
     gone.sync_data()?;
+    let kept_direct = {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(kept)
+            .with_context(|| format!("cannot open {kept} for direct writes"))?
+    };
     let kept = std::fs::File::open(kept).with_context(|| format!("cannot open {kept}"))?;
+    /// One page, aligned for `O_DIRECT`.
+    #[repr(C, align(4096))]
+    struct Page([u8; 4096]);
+    let page = Page([b'L'; 4096]);
     let mut out = std::io::stdout();
     writeln!(out, "ready")?;
     out.flush()?;
@@ -148,6 +161,7 @@ fn fenced(sync: &SyncClient, name: &str, paths: &[String]) -> anyhow::Result<()>
             "unlock" => answer(sync.mutex_unlock(name).map_err(|e| e.errno())),
             "read-gone" => answer(io(gone.read_at(&mut buf, 0))),
             "read-kept" => answer(io(kept.read_at(&mut buf, 0))),
+            "write-kept" => answer(io(kept_direct.write_at(&page.0, 0))),
             "exit" => return Ok(()),
             other => format!("unknown {other}"),
         };
