@@ -501,6 +501,15 @@ impl Registration {
         match self.clients.cluster.heartbeat(req).await {
             Ok(_) => {
                 self.contact.touch();
+                // The manager still holds this host's lease (else it refuses the heartbeat):
+                // a fence this daemon put on itself while the manager was slow ends.
+                if self.pools.revocations().self_fenced() {
+                    tracing::info!(
+                        host = self.host_id,
+                        "the manager answers again: this host's own fence ends"
+                    );
+                    self.pools.revocations().unfence_self();
+                }
                 Ok(())
             }
             Err(s) if matches!(s.code(), Code::NotFound | Code::InvalidArgument) => {
@@ -515,8 +524,9 @@ impl Registration {
         }
     }
 
-    /// Watches the manager's silence until shutdown: once it has not answered for half a
-    /// lease, this host's own tokens are refused here (see [`Revocations::fence_self`]), so
+    /// Watches the manager's silence until shutdown: once it has not answered for three
+    /// quarters of a lease (two heartbeats in a row unanswered), this host's own tokens are
+    /// refused here (see [`Revocations::fence_self`]), so
     /// that by the time the lease ends at the manager (which then hands this host's mutexes to
     /// others) this daemon no longer serves its processes' old capabilities either.
     async fn watch_silence(
@@ -536,12 +546,12 @@ impl Registration {
             let Some((silent, lease)) = contact.silence() else {
                 continue;
             };
-            if silent >= lease / 2 && !pools.revocations().self_fenced() {
+            if silent >= lease * 3 / 4 && !pools.revocations().self_fenced() {
                 tracing::warn!(
                     host,
                     silent_ms = silent.as_millis() as u64,
-                    "the manager has not answered for half a lease: refusing this host's \
-                     capabilities until the daemon registers again"
+                    "the manager has not answered for most of a lease: refusing this host's \
+                     capabilities until it answers again"
                 );
                 pools.revocations().fence_self(host);
             }

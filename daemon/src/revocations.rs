@@ -61,7 +61,8 @@ impl Revocations {
     }
 
     /// Ends [`Self::fence_self`]: the daemon registered again (and applied the manager's
-    /// fences, which now refuse the old tokens).
+    /// fences, which now refuse the old tokens), or the manager answered a heartbeat (so it
+    /// never took the lease).
     pub fn unfence_self(&self) {
         self.fenced_self
             .store(0, std::sync::atomic::Ordering::Release);

@@ -342,8 +342,8 @@ pub struct RegionFs {
     contact: Contact,
 }
 
-/// When the manager last answered this mount's handle check, and its lease: after half a lease
-/// of silence the host may be fenced soon, and writes are refused.
+/// When the manager last answered this mount's handle check, and its lease: after three
+/// quarters of a lease of silence the host may be fenced soon, and writes are refused.
 #[derive(Debug)]
 struct Contact {
     since: Instant,
@@ -376,7 +376,7 @@ impl Contact {
         }
     }
 
-    /// `Err(Fenced)` once the manager has been silent for half a lease.
+    /// `Err(Fenced)` once the manager has been silent for three quarters of a lease.
     fn check(&self) -> FsResult<()> {
         let Some(lease) = self.lease() else {
             return Ok(());
@@ -384,7 +384,7 @@ impl Contact {
         let now = self.since.elapsed().as_millis() as u64;
         let silent =
             Duration::from_millis(now.saturating_sub(self.last_ms.load(Ordering::Acquire)));
-        if silent >= lease / 2 {
+        if silent >= lease * 3 / 4 {
             return Err(FsError::Fenced(format!(
                 "the manager has not answered this mount for {} ms (its lease is {} ms): \
                  writes are refused until it does, since it may give this host's locks and \
@@ -1922,7 +1922,7 @@ impl RegionFs {
     pub fn write(&self, fh: u64, offset: u64, data: &[u8]) -> FsResult<u32> {
         let h = self.handle(fh)?;
         let r = h.region()?;
-        // A host out of touch with the manager for half a lease may be fenced by now.
+        // A host out of touch with the manager for most of a lease may be fenced soon.
         self.contact.check()?;
         if !r.write {
             return Err(FsError::BadHandle(format!(
