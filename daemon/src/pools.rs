@@ -723,23 +723,25 @@ impl Pinned<'_> {
                 if len == 0 {
                     return true;
                 }
-                let end = offset + len;
-                let mut chunk = offset / CHUNK_SIZE;
-                while chunk * CHUNK_SIZE < end {
-                    let backing = self
-                        .resolved
-                        .chunks
-                        .iter()
-                        .position(|&c| c == (index, chunk as usize))
-                        .and_then(|at| *self._guards[at]);
-                    match backing {
-                        Some(b) if chunk_delta(b.region_offset, chunk * CHUNK_SIZE) == delta => {}
-                        _ => return false,
-                    }
-                    chunk += 1;
-                }
-                true
+                let first = offset / CHUNK_SIZE;
+                let last = (offset + len - 1) / CHUNK_SIZE;
+                (first..=last).all(|chunk| {
+                    self.backing_of(index, chunk as usize)
+                        .is_some_and(|b| chunk_delta(b.region_offset, chunk * CHUNK_SIZE) == delta)
+                })
             })
+    }
+
+    /// The backing of pinned chunk `chunk` of pool `index` (the chunks are in lock order:
+    /// ascending pool id, then chunk, so a binary search finds it).
+    fn backing_of(&self, index: usize, chunk: usize) -> Option<Backing> {
+        let gid = |i: usize| self.resolved.pools[i].gid;
+        let key = (gid(index), chunk);
+        self.resolved
+            .chunks
+            .binary_search_by_key(&key, |&(i, c)| (gid(i), c))
+            .ok()
+            .and_then(|at| *self._guards[at])
     }
 
     /// Whether every pinned byte is a byte of region `ino` that `cap` covers (its offset
@@ -751,14 +753,7 @@ impl Pinned<'_> {
         if cap.len == WHOLE_REGION && cap.offset == 0 {
             return true;
         }
-        // The backing of each pinned chunk, by (pool index, chunk).
-        let backing = |index: usize, chunk: usize| {
-            self.resolved
-                .chunks
-                .iter()
-                .position(|&c| c == (index, chunk))
-                .and_then(|at| *self._guards[at])
-        };
+        let backing = |index: usize, chunk: usize| self.backing_of(index, chunk);
         self.resolved.spans.iter().all(|&(index, offset, len, _)| {
             let end = offset + len;
             let mut at = offset;
