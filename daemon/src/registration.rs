@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use regions_proto::layout::CHUNK_SIZE;
+use regions_proto::lease_contact::LeaseContact;
 use regions_proto::v1::{self, host_event::Event};
 use tokio::sync::watch;
 use tonic::{Code, Status, Streaming};
@@ -62,35 +63,7 @@ pub struct Registration {
     /// Tests only: a pause before applying each chunk release or tail zeroing.
     destructive_event_delay: Duration,
     /// When the manager last answered, and the lease (for the self-fence watchdog).
-    contact: Arc<Contact>,
-}
-
-/// When the manager last answered a heartbeat or a registration, and its lease.
-#[derive(Debug)]
-struct Contact {
-    since: Instant,
-    /// Milliseconds after `since` of the last answer.
-    last_ms: AtomicU64,
-    /// The lease of the last registration, in ms (0: not registered yet).
-    lease_ms: AtomicU64,
-}
-
-impl Contact {
-    fn touch(&self) {
-        self.last_ms
-            .store(self.since.elapsed().as_millis() as u64, Ordering::Release);
-    }
-
-    /// How long the manager has been silent, and the lease (`None` before registering).
-    fn silence(&self) -> Option<(Duration, Duration)> {
-        let lease = self.lease_ms.load(Ordering::Acquire);
-        if lease == 0 {
-            return None;
-        }
-        let now = self.since.elapsed().as_millis() as u64;
-        let silent = now.saturating_sub(self.last_ms.load(Ordering::Acquire));
-        Some((Duration::from_millis(silent), Duration::from_millis(lease)))
-    }
+    contact: Arc<LeaseContact>,
 }
 
 /// Whether a failed manager call is worth retrying (the manager is down or restarting).
@@ -143,11 +116,7 @@ impl Registration {
             pools,
             status,
             destructive_event_delay: Duration::ZERO,
-            contact: Arc::new(Contact {
-                since: Instant::now(),
-                last_ms: AtomicU64::new(0),
-                lease_ms: AtomicU64::new(0),
-            }),
+            contact: Arc::new(LeaseContact::new()),
         }
     }
 
@@ -204,10 +173,7 @@ impl Registration {
         }
         let sequence = self.resync_all().await?;
         // Registered with the manager's fences applied: they refuse the old tokens now.
-        self.contact
-            .lease_ms
-            .store(lease.as_millis() as u64, Ordering::Release);
-        self.contact.touch();
+        self.contact.heard(lease);
         if self.pools.revocations().self_fenced() {
             tracing::info!(
                 host = self.host_id,
@@ -500,7 +466,9 @@ impl Registration {
         }
         match self.clients.cluster.heartbeat(req).await {
             Ok(_) => {
-                self.contact.touch();
+                if let Some(lease) = self.contact.lease() {
+                    self.contact.heard(lease);
+                }
                 // The manager still holds this host's lease (else it refuses the heartbeat):
                 // a fence this daemon put on itself while the manager was slow ends.
                 if self.pools.revocations().self_fenced() {
@@ -530,7 +498,7 @@ impl Registration {
     /// that by the time the lease ends at the manager (which then hands this host's mutexes to
     /// others) this daemon no longer serves its processes' old capabilities either.
     async fn watch_silence(
-        contact: Arc<Contact>,
+        contact: Arc<LeaseContact>,
         pools: Arc<Pools>,
         host: u32,
         mut shutdown: watch::Receiver<bool>,
@@ -543,10 +511,10 @@ impl Registration {
             if sleep_or_stop(step, &mut shutdown).await {
                 return;
             }
-            let Some((silent, lease)) = contact.silence() else {
+            let Some((silent, _)) = contact.out_of_touch() else {
                 continue;
             };
-            if silent >= lease * 3 / 4 && !pools.revocations().self_fenced() {
+            if !pools.revocations().self_fenced() {
                 tracing::warn!(
                     host,
                     silent_ms = silent.as_millis() as u64,

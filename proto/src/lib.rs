@@ -8,6 +8,7 @@
 //! - [`frame`]: the binary frame codec of the tcp data transport.
 //! - [`word_wait`]: how processes sharing region memory wait for a word to change.
 //! - [`pid_watch`]: watching processes for their exit with pidfds.
+//! - [`lease_contact`]: how long the manager has been silent (a host's self-fence).
 //! - [`metrics`]: the Prometheus endpoint every binary serves with `--metrics-listen`.
 //! - [`tls`]: optional TLS for the manager's gRPC endpoint.
 //! - [`config`]: settings from a TOML file beneath flags and environment variables.
@@ -19,6 +20,7 @@ pub mod errno;
 pub mod frame;
 pub mod handshake;
 pub mod layout;
+pub mod lease_contact;
 #[cfg(feature = "exporter")]
 pub mod metrics;
 pub mod pid_watch;

@@ -27,6 +27,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use regions::{Client, ROOT_INO, Region, SizePolicy};
 use regions_proto::layout::CHUNK_SIZE;
+use regions_proto::lease_contact::LeaseContact;
 use regions_proto::v1::{self, FileKind};
 
 use crate::error::{FsError, FsResult};
@@ -339,61 +340,21 @@ pub struct RegionFs {
     /// path (the written size is already published at flush).
     closer: Closer,
     /// When the manager last answered [`RegionFs::check_handles`], and its lease.
-    contact: Contact,
+    contact: LeaseContact,
 }
 
-/// When the manager last answered this mount's handle check, and its lease: after three
-/// quarters of a lease of silence the host may be fenced soon, and writes are refused.
-#[derive(Debug)]
-struct Contact {
-    since: Instant,
-    /// Milliseconds after `since` of the last answer.
-    last_ms: AtomicU64,
-    /// The manager's lease in ms (0: not heard yet).
-    lease_ms: AtomicU64,
-}
-
-impl Contact {
-    fn new() -> Contact {
-        Contact {
-            since: Instant::now(),
-            last_ms: AtomicU64::new(0),
-            lease_ms: AtomicU64::new(0),
-        }
-    }
-
-    fn heard(&self, lease_ms: u64) {
-        self.last_ms
-            .store(self.since.elapsed().as_millis() as u64, Ordering::Release);
-        self.lease_ms.store(lease_ms, Ordering::Release);
-    }
-
-    /// The lease, once the manager has answered.
-    fn lease(&self) -> Option<Duration> {
-        match self.lease_ms.load(Ordering::Acquire) {
-            0 => None,
-            ms => Some(Duration::from_millis(ms)),
-        }
-    }
-
-    /// `Err(Fenced)` once the manager has been silent for three quarters of a lease.
-    fn check(&self) -> FsResult<()> {
-        let Some(lease) = self.lease() else {
-            return Ok(());
-        };
-        let now = self.since.elapsed().as_millis() as u64;
-        let silent =
-            Duration::from_millis(now.saturating_sub(self.last_ms.load(Ordering::Acquire)));
-        if silent >= lease * 3 / 4 {
-            return Err(FsError::Fenced(format!(
-                "the manager has not answered this mount for {} ms (its lease is {} ms): \
-                 writes are refused until it does, since it may give this host's locks and \
-                 handles to others",
-                silent.as_millis(),
-                lease.as_millis()
-            )));
-        }
-        Ok(())
+/// `Err(Fenced)` once the manager has not answered this mount's handle checks for most of a
+/// lease (see [`regions_proto::lease_contact`]): writes are refused then.
+fn check_contact(contact: &LeaseContact) -> FsResult<()> {
+    match contact.out_of_touch() {
+        None => Ok(()),
+        Some((silent, lease)) => Err(FsError::Fenced(format!(
+            "the manager has not answered this mount for {} ms (its lease is {} ms): writes \
+             are refused until it does, since it may give this host's locks and handles to \
+             others",
+            silent.as_millis(),
+            lease.as_millis()
+        ))),
     }
 }
 
@@ -490,7 +451,7 @@ impl RegionFs {
             thread_defaults: Default::default(),
             generations: Mutex::new(HashMap::new()),
             closer: Closer::start(),
-            contact: Contact::new(),
+            contact: LeaseContact::new(),
         })
     }
 
@@ -573,7 +534,7 @@ impl RegionFs {
             .client
             .manager()
             .check_handles(self.client.caller(), &ids)?;
-        self.contact.heard(reply.lease_ms);
+        self.contact.heard(Duration::from_millis(reply.lease_ms));
         if reply.gone.is_empty() {
             return Ok(0);
         }
@@ -1923,7 +1884,7 @@ impl RegionFs {
         let h = self.handle(fh)?;
         let r = h.region()?;
         // A host out of touch with the manager for most of a lease may be fenced soon.
-        self.contact.check()?;
+        check_contact(&self.contact)?;
         if !r.write {
             return Err(FsError::BadHandle(format!(
                 "file handle {fh} of inode {} is not open for writing",
