@@ -173,14 +173,7 @@ impl Registration {
         }
         let sequence = self.resync_all().await?;
         // Registered with the manager's fences applied: they refuse the old tokens now.
-        self.contact.heard(lease);
-        if self.pools.revocations().self_fenced() {
-            tracing::info!(
-                host = self.host_id,
-                "registered again: this host's own fence ends"
-            );
-            self.pools.revocations().unfence_self();
-        }
+        self.manager_answered(lease);
         self.status.registrations.fetch_add(1, Ordering::Relaxed);
         tracing::info!(
             host = self.host_id,
@@ -466,17 +459,9 @@ impl Registration {
         }
         match self.clients.cluster.heartbeat(req).await {
             Ok(_) => {
+                // The manager still holds this host's lease (else it refuses the heartbeat).
                 if let Some(lease) = self.contact.lease() {
-                    self.contact.heard(lease);
-                }
-                // The manager still holds this host's lease (else it refuses the heartbeat):
-                // a fence this daemon put on itself while the manager was slow ends.
-                if self.pools.revocations().self_fenced() {
-                    tracing::info!(
-                        host = self.host_id,
-                        "the manager answers again: this host's own fence ends"
-                    );
-                    self.pools.revocations().unfence_self();
+                    self.manager_answered(lease);
                 }
                 Ok(())
             }
@@ -489,6 +474,19 @@ impl Registration {
                 tracing::warn!(error = %s.message(), code = ?s.code(), "heartbeat failed; is the manager up?");
                 Ok(())
             }
+        }
+    }
+
+    /// The manager answered a registration or a heartbeat, so this host holds its `lease`: a
+    /// fence this daemon put on itself while the manager was silent ends.
+    fn manager_answered(&self, lease: Duration) {
+        self.contact.heard(lease);
+        if self.pools.revocations().self_fenced() {
+            tracing::info!(
+                host = self.host_id,
+                "the manager answers again: this host's own fence ends"
+            );
+            self.pools.revocations().unfence_self();
         }
     }
 

@@ -273,15 +273,19 @@ impl Manager {
         // The fence is in force at the live daemons before anything the host held (its
         // mutexes) goes to someone else. Hosts fenced on an earlier tick whose settling did
         // not finish are taken up again here.
-        let unsettled = self
-            .read(|s| Ok(s.lease_lost.difference(&s.fence_settled).count()))
+        let unsettled: Vec<u32> = self
+            .read(|s| Ok(s.lease_lost.difference(&s.fence_settled).copied().collect()))
             .await?;
-        if unsettled > 0 {
+        if !unsettled.is_empty() {
             self.settle_destructive().await;
             // In memory only, like `lease_lost`: no store write that a stalled store refuses.
+            // A host that registered again meanwhile is no longer lost.
             self.with_state(|s| {
-                let lost: Vec<u32> = s.lease_lost.iter().copied().collect();
-                s.fence_settled.extend(lost);
+                for host in unsettled {
+                    if s.lease_lost.contains(&host) {
+                        s.fence_settled.insert(host);
+                    }
+                }
             })?;
         }
         Ok(out)

@@ -539,41 +539,38 @@ impl RegionFs {
             return Ok(0);
         }
         let gone: HashSet<u64> = reply.gone.into_iter().collect();
-        let open: Vec<Arc<Handle>> = self
+        // (inode, handle, opener) of the opens fenced now.
+        let fenced: Vec<(u64, u64, u32)> = self
             .handles
             .read()
             .map(|h| {
                 h.values()
-                    .filter(
-                        |x| matches!(&x.body, Body::Region(r) if gone.contains(&r.region.handle())),
-                    )
-                    .cloned()
+                    .filter_map(|x| match &x.body {
+                        Body::Region(r)
+                            if gone.contains(&r.region.handle())
+                                && !r.fenced.swap(true, Ordering::Relaxed) =>
+                        {
+                            Some((x.ino, r.region.handle(), x.pid))
+                        }
+                        _ => None,
+                    })
                     .collect()
             })
             .unwrap_or_default();
-        let mut fenced = 0;
-        for handle in open {
-            let Body::Region(r) = &handle.body else {
-                continue;
-            };
-            let id = r.region.handle();
-            if r.fenced.swap(true, Ordering::Relaxed) {
-                continue;
-            }
-            fenced += 1;
+        for &(ino, handle, pid) in &fenced {
             tracing::warn!(
-                ino = handle.ino,
-                handle = id,
-                pid = handle.pid,
+                ino,
+                handle,
+                pid,
                 "the manager closed this open when the host's lease ended: it answers EIO now"
             );
             if let Some(kernel) = self.kernel.get()
-                && let Err(e) = kernel.invalidate(handle.ino, 0, 0)
+                && let Err(e) = kernel.invalidate(ino, 0, 0)
             {
-                tracing::debug!(ino = handle.ino, error = %e, "cannot drop the cached pages of a fenced open");
+                tracing::debug!(ino, error = %e, "cannot drop the cached pages of a fenced open");
             }
         }
-        Ok(fenced)
+        Ok(fenced.len())
     }
 
     /// Checks the open handles with the manager every `every` (see
