@@ -161,6 +161,28 @@ pub fn attack_binary(dir: &Path) -> anyhow::Result<PathBuf> {
     Ok(copy)
 }
 
+/// Sets extended attribute `name` of `path` to `value` (`setxattr(2)`, no flags).
+pub fn set_xattr(path: &Path, name: &str, value: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let p = std::ffi::CString::new(path.as_os_str().as_bytes())?;
+    let n = std::ffi::CString::new(name)?;
+    // SAFETY: valid NUL-terminated strings and a buffer of the given length.
+    let r = unsafe {
+        libc::setxattr(
+            p.as_ptr(),
+            n.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// Runs `cmd` to completion with its output captured, killing it if it has not exited after
 /// `timeout` (so a hung child fails the test instead of hanging it).
 pub fn output_within(cmd: &mut Command, timeout: Duration) -> anyhow::Result<std::process::Output> {

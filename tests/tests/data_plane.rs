@@ -316,17 +316,24 @@ fn an_unreachable_daemon_gives_eio_within_the_retry_bound() {
     assert!(err.to_string().contains("unreachable"), "{err}");
 }
 
-/// A map from before a truncate never reaches the chunks another region got since: the
-/// transport names the region, the daemon answers `ESTALE`, and the client refreshes its map.
-#[test]
-fn an_old_map_never_reaches_the_chunks_of_another_region() {
-    const LEN: usize = 512 << 10;
+/// A two-host cluster, a client on each host (host 2's first), and region `a`, created by host
+/// 2 and held by host 1: the set-up of the stale-map tests.
+fn two_hosts_and_a_region_on_host_1() -> (Cluster, Client, Client, v1::Attr) {
     let cluster = Cluster::start(2, "64M").unwrap();
     let host2 = client(&cluster, 2, false);
     let host1 = client(&cluster, 1, false);
     let a = host2
         .create_path("a", 0o644, on_hosts("1", false), 0)
         .unwrap();
+    (cluster, host2, host1, a)
+}
+
+/// A map from before a truncate never reaches the chunks another region got since: the
+/// transport names the region, the daemon answers `ESTALE`, and the client refreshes its map.
+#[test]
+fn an_old_map_never_reaches_the_chunks_of_another_region() {
+    const LEN: usize = 512 << 10;
+    let (cluster, host2, host1, a) = two_hosts_and_a_region_on_host_1();
     let old = host2.open(a.ino, true).unwrap();
     old.write_at(0, &vec![b'A'; LEN]).unwrap();
     let stale: std::collections::HashSet<u64> = old.map().into_iter().collect();
@@ -365,12 +372,7 @@ fn an_old_map_never_reaches_the_chunks_of_another_region() {
 fn an_old_map_never_reaches_a_chunk_that_moved_within_its_region() {
     const CHUNKS: usize = 4;
     const LEN: usize = CHUNKS * CHUNK;
-    let cluster = Cluster::start(2, "64M").unwrap();
-    let host2 = client(&cluster, 2, false);
-    let host1 = client(&cluster, 1, false);
-    let a = host2
-        .create_path("a", 0o644, on_hosts("1", false), 0)
-        .unwrap();
+    let (cluster, host2, host1, a) = two_hosts_and_a_region_on_host_1();
     let pattern = |base: u8| -> Vec<u8> { (0..LEN).map(|i| base + (i / CHUNK) as u8).collect() };
     let old = host2.open(a.ino, true).unwrap();
     old.write_at(0, &pattern(b'0')).unwrap();

@@ -57,22 +57,6 @@ fn create(path: &Path, data: &[u8]) {
     f.sync_all().expect("sync region");
 }
 
-fn setxattr(p: &Path, name: &str, value: &[u8]) {
-    let c = CString::new(p.as_os_str().as_bytes()).unwrap();
-    let n = CString::new(name).unwrap();
-    // SAFETY: valid NUL-terminated strings and a buffer of the given length.
-    let r = unsafe {
-        libc::setxattr(
-            c.as_ptr(),
-            n.as_ptr(),
-            value.as_ptr().cast(),
-            value.len(),
-            0,
-        )
-    };
-    assert_eq!(r, 0, "setxattr {name}: {}", std::io::Error::last_os_error());
-}
-
 fn getxattr(p: &Path, name: &str) -> String {
     let c = CString::new(p.as_os_str().as_bytes()).unwrap();
     let n = CString::new(name).unwrap();
@@ -184,7 +168,7 @@ fn remote_region_maps_at_its_fixed_address_on_both_hosts() {
     let s = setup();
     let dir = s.m2.path("fix");
     std::fs::create_dir(&dir).unwrap();
-    setxattr(&dir, "user.regions.fixvaddr", b"1");
+    regions_tests::set_xattr(&dir, "user.regions.fixvaddr", b"1").expect("setxattr fixvaddr");
     let len = 1 << 20;
     let data = pattern(len);
     create(&s.m2.path("fix/data"), &data);

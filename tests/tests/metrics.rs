@@ -78,29 +78,6 @@ fn wait_for(what: &str, addr: &str, ok: impl Fn(&str) -> bool) -> String {
     }
 }
 
-fn setxattr(path: &Path, name: &str, value: &[u8]) {
-    use std::os::unix::ffi::OsStrExt;
-    let p = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
-    let n = std::ffi::CString::new(name).unwrap();
-    // SAFETY: valid C strings and a buffer of the given length.
-    let r = unsafe {
-        libc::setxattr(
-            p.as_ptr(),
-            n.as_ptr(),
-            value.as_ptr().cast(),
-            value.len(),
-            0,
-        )
-    };
-    assert_eq!(
-        r,
-        0,
-        "setxattr {name} on {}: {}",
-        path.display(),
-        std::io::Error::last_os_error()
-    );
-}
-
 /// Reads `path` through the mount, not from the page cache (whose pages the write left).
 fn read_uncached(path: &Path) -> Vec<u8> {
     let mut file = std::fs::File::open(path).unwrap();
@@ -163,7 +140,8 @@ fn every_process_serves_the_counters_of_its_work() {
     // (tcp transport to daemon 2).
     let block: Vec<u8> = (0..1 << 20).map(|i: u32| (i % 251) as u8).collect();
     std::fs::create_dir(mount.path("far")).unwrap();
-    setxattr(&mount.path("far"), "user.regions.hostalloc", b"2");
+    regions_tests::set_xattr(&mount.path("far"), "user.regions.hostalloc", b"2")
+        .expect("setxattr hostalloc");
     for name in ["near", "far/blob"] {
         let mut f = std::fs::File::create(mount.path(name)).unwrap();
         f.write_all(&block).unwrap();

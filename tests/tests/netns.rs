@@ -272,7 +272,7 @@ fn a_host_cut_from_the_manager_past_its_lease_is_fenced_and_told_what_it_lost() 
     std::fs::write(m[0].path("shared"), [0u8; 4096]).unwrap();
     std::fs::write(m[2].path("kept"), b"kept").unwrap();
     std::fs::create_dir(m[2].path("tmp")).unwrap();
-    xattr_set(&m[2].path("tmp"), "user.regions.persistent", b"0");
+    regions_tests::set_xattr(&m[2].path("tmp"), "user.regions.persistent", b"0").unwrap();
 
     // On host 3: hold the mutex, write `shared` with a capability, keep `tmp/gone` (its own)
     // and `kept` open.
@@ -386,20 +386,4 @@ fn direct_read(path: &Path) -> Vec<u8> {
         String::from_utf8_lossy(&out.stderr)
     );
     out.stdout
-}
-
-fn xattr_set(path: &Path, name: &str, value: &[u8]) {
-    let out = Command::new("setfattr")
-        .arg("-n")
-        .arg(name)
-        .arg("-v")
-        .arg(String::from_utf8_lossy(value).as_ref())
-        .arg(path)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "setfattr: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }

@@ -57,22 +57,11 @@ fn cpath(p: &Path) -> CString {
     CString::new(p.as_os_str().as_bytes()).unwrap()
 }
 
+/// `setxattr(2)`: 0, or the errno.
 fn setxattr(p: &Path, name: &str, value: &[u8]) -> i32 {
-    let n = CString::new(name).unwrap();
-    // SAFETY: valid C strings and a buffer of the given length.
-    let r = unsafe {
-        libc::setxattr(
-            cpath(p).as_ptr(),
-            n.as_ptr(),
-            value.as_ptr().cast(),
-            value.len(),
-            0,
-        )
-    };
-    if r == 0 {
-        0
-    } else {
-        std::io::Error::last_os_error().raw_os_error().unwrap_or(-1)
+    match regions_tests::set_xattr(p, name, value) {
+        Ok(()) => 0,
+        Err(e) => e.raw_os_error().unwrap_or(-1),
     }
 }
 
