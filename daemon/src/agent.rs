@@ -123,6 +123,36 @@ pub struct AgentHandler {
     pub handles: Arc<crate::open_handles::OpenHandles>,
     /// Forwarding of barrier, mutex and doorbell calls ([`crate::agent_sync`]).
     pub sync: Option<Arc<crate::agent_sync::SyncAgent>>,
+    /// Who may receive a writable segment descriptor ([`SegmentWriters`]).
+    pub segment_writers: SegmentWriters,
+}
+
+/// Who receives a writable descriptor of a segment (the region's memfd on this host).
+///
+/// A writable memfd can be grown with `ftruncate`, `fallocate` or a write past its end, and
+/// its holes (offsets whose chunks live on other hosts, or past the region's end) can be
+/// filled through a shared mapping: memory the manager never allocated, which stays until
+/// the daemon frees the region. No seal stops that and still lets the daemon grow the file,
+/// so only callers trusted with the daemon's memory get one; everyone else who may write
+/// gets a read-only descriptor (reads at memory speed) and writes over the transport, where
+/// the daemon checks every byte against the region's chunks (docs/SECURITY.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SegmentWriters {
+    /// Root and the daemon's own user (the default).
+    #[default]
+    Trusted,
+    /// Every caller allowed to write the region (`--share-writable-segments`: for hosts whose
+    /// local users are trusted with the daemon's memory).
+    Anyone,
+}
+
+impl SegmentWriters {
+    /// Whether `caller` may receive a writable descriptor (given it may write the region).
+    pub fn admits(self, caller: &Caller) -> bool {
+        self == SegmentWriters::Anyone
+            || caller.uid == 0
+            || caller.uid == nix::unistd::geteuid().as_raw()
+    }
 }
 
 impl std::fmt::Debug for AgentHandler {
@@ -171,7 +201,7 @@ impl AgentHandler {
                 match self.authority.open(&caller, open.ino, open.write) {
                     Ok(info) => {
                         // Closed for it if it exits without closing.
-                        self.handles.opened(&caller, info.handle);
+                        self.handles.opened(&caller, cred.start_time, info.handle);
                         if let Some(owners) = &self.owners {
                             owners.watch(caller.pid);
                         }
@@ -192,7 +222,9 @@ impl AgentHandler {
             Some(agent_request::Request::MapExtend(r)) => {
                 crate::agent_map::extend(self, &caller, &r)
             }
-            Some(agent_request::Request::MapClose(r)) => crate::agent_map::close(self, &caller, &r),
+            Some(agent_request::Request::MapClose(r)) => {
+                crate::agent_map::close(self, &caller, cred.start_time, &r)
+            }
             Some(agent_request::Request::OwnerCreate(r)) => crate::owners::create(self, &caller, r),
             Some(agent_request::Request::Sync(call)) => {
                 (crate::agent_sync::handle(self, &caller, call, None), None)
@@ -237,7 +269,8 @@ impl AgentHandler {
                 None,
             ));
         };
-        let fd = if write {
+        let writable = write && self.segment_writers.admits(caller);
+        let fd = if writable {
             segment.reopen_read_write()?
         } else {
             segment.reopen_read_only()?
@@ -246,7 +279,7 @@ impl AgentHandler {
             SegmentReply {
                 size: segment.size(),
                 has_fd: true,
-                writable: write,
+                writable,
             },
             Some(fd),
         ))
@@ -563,13 +596,16 @@ mod tests {
         }
 
         fn access(&self, caller: &Caller, _ino: u64, mask: u32) -> Result<()> {
-            if caller.uid == 0 || mask & libc::W_OK as u32 == 0 {
+            if caller.uid == 0 || caller.uid == WRITER || mask & libc::W_OK as u32 == 0 {
                 Ok(())
             } else {
                 Err(DaemonError::Denied("read only".into()))
             }
         }
     }
+
+    /// An unprivileged user the fake authority lets write.
+    const WRITER: u32 = 1000;
 
     fn handler(pools: Arc<Pools>) -> AgentHandler {
         AgentHandler {
@@ -581,6 +617,7 @@ mod tests {
             owners: None,
             handles: Arc::default(),
             sync: None,
+            segment_writers: SegmentWriters::default(),
         }
     }
 
@@ -729,6 +766,7 @@ mod tests {
             uid: 65534,
             gid: 65534,
             groups: vec![],
+            start_time: 0,
         };
         let (reply, fd) = h.handle(&nobody, segment_request(1, true));
         assert_eq!((reply.errno, fd.is_none()), (libc::EACCES, true));
@@ -742,6 +780,54 @@ mod tests {
             "closed"
         );
         server.shutdown();
+    }
+
+    #[test]
+    fn only_trusted_writers_get_a_writable_segment_unless_shared() {
+        let pools = Arc::new(Pools::new());
+        pools.add_pool(1, 4 * CHUNK_SIZE).unwrap();
+        pools.assign(1, 0, 77, 0, CHUNK_SIZE).unwrap();
+        let writer = PeerCred {
+            pid: 1,
+            uid: WRITER,
+            gid: WRITER,
+            groups: vec![],
+            start_time: 0,
+        };
+        let root = PeerCred {
+            uid: 0,
+            gid: 0,
+            ..writer.clone()
+        };
+        let access_mode = |fd: &Option<OwnedFd>| {
+            nix::fcntl::fcntl(fd.as_ref().unwrap(), nix::fcntl::FcntlArg::F_GETFL).unwrap()
+                & libc::O_ACCMODE
+        };
+        let writable = |reply: &AgentReply| match &reply.body {
+            Some(Body::Segment(seg)) => seg.has_fd && seg.writable,
+            other => panic!("no segment: {other:?} {}", reply.message),
+        };
+        let mut h = handler(Arc::clone(&pools));
+        // The default: a writer that is not root gets the memory to read only.
+        let (reply, fd) = h.handle(&writer, segment_request(77, true));
+        assert!(!writable(&reply));
+        assert_eq!(access_mode(&fd), libc::O_RDONLY);
+        let (reply, fd) = h.handle(&root, segment_request(77, true));
+        assert!(writable(&reply));
+        assert_eq!(access_mode(&fd), libc::O_RDWR);
+        // --share-writable-segments: every writer.
+        h.segment_writers = SegmentWriters::Anyone;
+        let (reply, fd) = h.handle(&writer, segment_request(77, true));
+        assert!(writable(&reply));
+        assert_eq!(access_mode(&fd), libc::O_RDWR);
+        // Never to someone who may not write.
+        let reader = PeerCred {
+            uid: 65534,
+            gid: 65534,
+            ..writer
+        };
+        let (reply, fd) = h.handle(&reader, segment_request(77, true));
+        assert_eq!((reply.errno, fd.is_none()), (libc::EACCES, true));
     }
 
     #[test]

@@ -62,13 +62,17 @@ pub fn extend(
 pub fn close(
     handler: &AgentHandler,
     caller: &Caller,
+    start_time: u64,
     r: &MapClose,
 ) -> (AgentReply, Option<OwnedFd>) {
     // A handle is its opener's, like a descriptor: another local process (even one of the
     // same user) may not close it and so free an unlinked region or a ONEWRITER slot under it.
     // Handles this agent does not know (the daemon restarted since) go to the manager, which
     // checks the opener's pid.
-    if handler.handles.opened_by_other(caller, r.handle) {
+    if handler
+        .handles
+        .opened_by_other(caller, start_time, r.handle)
+    {
         return reply(Err(DaemonError::BadHandle(format!(
             "handle {} was not opened through this host agent by process {}; close only \
              handles your process opened",

@@ -92,6 +92,12 @@ pub struct Args {
     /// Serve Prometheus metrics over HTTP on this address (`GET /metrics`); off by default.
     #[arg(long, env = "REGIONS_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Hand every local process that may write a region a writable descriptor of its memory
+    /// (shared-memory speed for its writes and mappings), not only root and the daemon's
+    /// user. Such a process can then grow that memory past what the manager allocated
+    /// (docs/SECURITY.md): use it only where local users are trusted with this host's memory.
+    #[arg(long, env = "REGIONS_SHARE_WRITABLE_SEGMENTS")]
+    pub share_writable_segments: bool,
     #[command(flatten)]
     pub config: regions_proto::config::ConfigArgs,
 }
@@ -154,6 +160,8 @@ pub struct Config {
     pub metrics_listen: Option<SocketAddr>,
     /// Tests only: a pause before applying each chunk release or tail zeroing.
     pub destructive_event_delay: Duration,
+    /// Who receives writable segment descriptors from the host agent.
+    pub segment_writers: crate::agent::SegmentWriters,
 }
 
 impl Config {
@@ -180,6 +188,7 @@ impl Config {
             transport: TransportConfig::default(),
             metrics_listen: None,
             destructive_event_delay: Duration::ZERO,
+            segment_writers: crate::agent::SegmentWriters::default(),
         }
     }
 
@@ -210,6 +219,11 @@ impl Config {
             },
             metrics_listen: args.metrics_listen,
             destructive_event_delay: Duration::from_millis(args.test_destructive_event_delay_ms),
+            segment_writers: if args.share_writable_segments {
+                crate::agent::SegmentWriters::Anyone
+            } else {
+                crate::agent::SegmentWriters::Trusted
+            },
         };
         config.validate()?;
         Ok(config)

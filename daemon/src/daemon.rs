@@ -92,6 +92,7 @@ impl Daemon {
             authority,
             owners: Some(Arc::new(owners)),
             handles,
+            segment_writers: config.segment_writers,
             sync: Some(Arc::new(
                 crate::agent_sync::SyncAgent::start(
                     &clients,

@@ -22,6 +22,9 @@ pub struct PeerCred {
     pub gid: u32,
     /// Supplementary groups (from `/proc/PID/status`; empty when the process is gone).
     pub groups: Vec<u32>,
+    /// When the process started ([`regions_proto::pid_watch::start_time`]; 0 when it is
+    /// gone): with the pid, it names the process even after the pid is reused.
+    pub start_time: u64,
 }
 
 /// Identifies the peer of `stream` with `SO_PEERCRED`.
@@ -33,6 +36,7 @@ pub fn peer_cred(stream: &UnixStream) -> io::Result<PeerCred> {
         uid: cred.uid(),
         gid: cred.gid(),
         groups: supplementary_groups(pid),
+        start_time: regions_proto::pid_watch::start_time(pid).unwrap_or(0),
     })
 }
 

@@ -14,19 +14,31 @@ use crate::manager_client::Authority;
 /// The handles of each local process, by pid.
 #[derive(Debug, Default)]
 pub struct OpenHandles {
-    by_pid: Mutex<HashMap<u32, Vec<(u64, Caller)>>>,
+    by_pid: Mutex<HashMap<u32, Vec<Held>>>,
+}
+
+/// A handle and the process that opened it.
+#[derive(Debug, Clone)]
+struct Held {
+    handle: u64,
+    opener: Caller,
+    /// The opener's start time ([`regions_proto::pid_watch::start_time`]): a later process
+    /// that got the same pid is not the opener.
+    start_time: u64,
 }
 
 impl OpenHandles {
-    /// `caller` got `handle` through the agent.
-    pub fn opened(&self, caller: &Caller, handle: u64) {
+    /// `caller`, which started at `start_time`, got `handle` through the agent.
+    pub fn opened(&self, caller: &Caller, start_time: u64, handle: u64) {
         if handle == 0 {
             return;
         }
         if let Ok(mut m) = self.by_pid.lock() {
-            m.entry(caller.pid)
-                .or_default()
-                .push((handle, caller.clone()));
+            m.entry(caller.pid).or_default().push(Held {
+                handle,
+                opener: caller.clone(),
+                start_time,
+            });
         }
     }
 
@@ -35,7 +47,7 @@ impl OpenHandles {
         if let Ok(mut m) = self.by_pid.lock()
             && let Some(handles) = m.get_mut(&pid)
         {
-            handles.retain(|(h, _)| *h != handle);
+            handles.retain(|h| h.handle != handle);
             if handles.is_empty() {
                 m.remove(&pid);
             }
@@ -43,13 +55,17 @@ impl OpenHandles {
     }
 
     /// Whether `handle` was opened through this agent by another process or user than
-    /// `caller`. A handle the agent does not know (opened before the daemon restarted) is
-    /// left to the manager, which checks the opener's pid.
-    pub fn opened_by_other(&self, caller: &Caller, handle: u64) -> bool {
+    /// `caller` (which started at `start_time`): another pid, another uid, or the same pid
+    /// reused by a later process. A handle the agent does not know (opened before the daemon
+    /// restarted) is left to the manager, which checks the opener's pid.
+    pub fn opened_by_other(&self, caller: &Caller, start_time: u64, handle: u64) -> bool {
         self.by_pid.lock().is_ok_and(|m| {
             m.iter().any(|(pid, hs)| {
-                hs.iter().any(|(h, opener)| {
-                    *h == handle && (*pid != caller.pid || opener.uid != caller.uid)
+                hs.iter().any(|h| {
+                    h.handle == handle
+                        && (*pid != caller.pid
+                            || h.opener.uid != caller.uid
+                            || h.start_time != start_time)
                 })
             })
         })
@@ -73,14 +89,15 @@ impl OpenHandles {
             .and_then(|mut m| m.remove(&pid))
             .unwrap_or_default();
         let mut retry = Vec::new();
-        for (handle, caller) in handles {
-            match authority.close(&caller, handle) {
+        for held in handles {
+            let handle = held.handle;
+            match authority.close(&held.opener, handle) {
                 Ok(()) => tracing::debug!(pid, handle, "closed a handle its process left open"),
                 Err(e)
                     if [libc::EIO, libc::ETIMEDOUT, libc::EAGAIN, libc::ECONNREFUSED]
                         .contains(&e.errno()) =>
                 {
-                    retry.push((handle, caller));
+                    retry.push(held);
                 }
                 // Already closed (or the region is gone): nothing to do.
                 Err(e) => tracing::debug!(pid, handle, error = %e, "handle of an exited process"),
@@ -142,10 +159,10 @@ mod tests {
     #[test]
     fn handles_left_open_are_closed_when_their_process_exits() {
         let h = OpenHandles::default();
-        h.opened(&caller(10), 1);
-        h.opened(&caller(10), 2);
-        h.opened(&caller(10), 3);
-        h.opened(&caller(11), 4);
+        h.opened(&caller(10), 5, 1);
+        h.opened(&caller(10), 5, 2);
+        h.opened(&caller(10), 5, 3);
+        h.opened(&caller(11), 5, 4);
         h.closed(10, 2);
         assert_eq!(h.count(10), 2);
         let a = Closer {
@@ -166,11 +183,11 @@ mod tests {
     #[test]
     fn a_handle_belongs_to_the_process_and_user_that_opened_it() {
         let h = OpenHandles::default();
-        h.opened(&caller(10), 7);
-        assert!(!h.opened_by_other(&caller(10), 7), "its opener");
-        assert!(h.opened_by_other(&caller(11), 7), "another process");
+        h.opened(&caller(10), 5, 7);
+        assert!(!h.opened_by_other(&caller(10), 5, 7), "its opener");
+        assert!(h.opened_by_other(&caller(11), 5, 7), "another process");
         assert!(
-            !h.opened_by_other(&caller(11), 8),
+            !h.opened_by_other(&caller(11), 5, 8),
             "unknown here: the manager decides"
         );
         let other_user = Caller {
@@ -178,10 +195,14 @@ mod tests {
             ..caller(10)
         };
         assert!(
-            h.opened_by_other(&other_user, 7),
+            h.opened_by_other(&other_user, 5, 7),
             "a reused pid of another user"
         );
+        assert!(
+            h.opened_by_other(&caller(10), 9, 7),
+            "a reused pid of the same user: a later process"
+        );
         h.closed(10, 7);
-        assert!(!h.opened_by_other(&caller(11), 7));
+        assert!(!h.opened_by_other(&caller(11), 5, 7));
     }
 }

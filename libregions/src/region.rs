@@ -329,8 +329,16 @@ impl Region {
         }
     }
 
-    /// Splits `[offset, offset + len)` into runs of spans per target.
-    fn locate<'s>(&self, state: &'s MapState, offset: u64, len: u64) -> Result<Vec<Run<'s>>> {
+    /// Splits `[offset, offset + len)` into runs of spans per target. This host's chunks go
+    /// through the mapped segment, unless the access writes and the agent handed the segment
+    /// read-only (then through this host's transport).
+    fn locate<'s>(
+        &self,
+        state: &'s MapState,
+        offset: u64,
+        len: u64,
+        write: bool,
+    ) -> Result<Vec<Run<'s>>> {
         let mut runs: Vec<Run> = Vec::new();
         let mut at = offset;
         let end = offset + len;
@@ -361,7 +369,11 @@ impl Region {
                 len: n,
             };
             let target = match &state.local {
-                Some(l) if pool.host_id == self.shared.caller.host_id && l.covers(at, n) => {
+                Some(l)
+                    if pool.host_id == self.shared.caller.host_id
+                        && l.covers(at, n)
+                        && (l.writable() || !write) =>
+                {
                     Target::Local
                 }
                 _ => Target::Remote(&pool.transport_addr),
@@ -488,7 +500,7 @@ impl Region {
         let cell = std::sync::Mutex::new(buf);
         self.with_fresh_map(|| {
             let state = self.state.read().map_err(|_| Self::poisoned())?;
-            let runs = self.locate(&state, offset, n as u64)?;
+            let runs = self.locate(&state, offset, n as u64, false)?;
             let mut guard = cell.lock().map_err(|_| Self::poisoned())?;
             self.each_run(
                 &state,
@@ -519,7 +531,7 @@ impl Region {
             }
             self.ensure_local(end);
             let state = self.state.read().map_err(|_| Self::poisoned())?;
-            let runs = self.locate(&state, offset, data.len() as u64)?;
+            let runs = self.locate(&state, offset, data.len() as u64, true)?;
             self.each_run(&state, runs, data, |t, spans, piece: &[u8]| {
                 t.write(spans, piece)
             })
@@ -628,7 +640,7 @@ impl Region {
         }
         self.ensure_local(offset + 8);
         let state = self.state.read().map_err(|_| Self::poisoned())?;
-        let mut runs = self.locate(&state, offset, 8)?;
+        let mut runs = self.locate(&state, offset, 8, true)?;
         let run = runs
             .pop()
             .ok_or_else(|| RegionsError::Invalid("empty atomic range".into()))?;

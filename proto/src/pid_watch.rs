@@ -15,6 +15,22 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+/// When process (or thread) `pid` started, in clock ticks after boot (`/proc/PID/stat` field
+/// 22); `None` when it does not exist. A pid and its start time name one process for good: a
+/// pid reused by a later process has a later start time.
+pub fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    start_time_of_stat(&stat)
+}
+
+/// Field 22 of a `/proc/PID/stat` text. The command name (field 2) may hold spaces and
+/// parentheses, so fields are counted from behind its last `)`.
+fn start_time_of_stat(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    // `rest` starts at field 3.
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
 /// Opens a pidfd for `pid`. A pid that cannot exist (0, or beyond `pid_t`) is `ESRCH`, like
 /// one that exited and was reaped.
 pub fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
@@ -213,6 +229,21 @@ mod tests {
     use std::time::Instant;
 
     use super::*;
+
+    #[test]
+    fn start_times_name_processes() {
+        let mine = start_time(std::process::id()).expect("this process has a start time");
+        assert_eq!(start_time(std::process::id()), Some(mine));
+        assert!(start_time(u32::MAX - 1).is_none());
+        // A later process started no earlier.
+        let mut child = Command::new("sleep").arg("5").spawn().unwrap();
+        assert!(start_time(child.id()).is_some_and(|t| t >= mine));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        // A command name with spaces and parentheses.
+        let stat = "42 (a) b (c)) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 777 20";
+        assert_eq!(start_time_of_stat(stat), Some(777));
+    }
 
     #[derive(Default)]
     struct Recorder {

@@ -137,6 +137,10 @@ struct UpArgs {
     /// Address of the daemon's data transport (port 0 picks a free one).
     #[arg(long, env = "REGIONS_DAEMON_LISTEN", default_value = "127.0.0.1:7171")]
     transport_listen: SocketAddr,
+    /// Hand every local process that may write a region a writable descriptor of its memory,
+    /// not only root (see the daemon's flag of the same name and docs/SECURITY.md).
+    #[arg(long, env = "REGIONS_SHARE_WRITABLE_SEGMENTS")]
+    share_writable_segments: bool,
     #[command(flatten)]
     fs: FsArgs,
     #[command(flatten)]
@@ -241,6 +245,7 @@ fn run_up(args: UpArgs) -> anyhow::Result<()> {
         memory: args.memory,
         listen: args.listen,
         transport_listen: args.transport_listen,
+        share_writable_segments: args.share_writable_segments,
     })?;
     let signals = Signals::install(cluster.runtime())?;
     let client = Client::connect(cluster.client_config()).with_context(|| {

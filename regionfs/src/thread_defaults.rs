@@ -46,12 +46,7 @@ pub struct ThreadDefaults {
 
 /// Start time of thread `tid`, None if it does not exist.
 fn thread_start(tid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{tid}/stat")).ok()?;
-    // The command name (field 2) may hold spaces and parentheses: fields
-    // after it start behind the last ')'.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    // rest starts at field 3; starttime is field 22.
-    rest.split_whitespace().nth(19)?.parse().ok()
+    regions_proto::pid_watch::start_time(tid)
 }
 
 fn is_empty(a: &v1::RegionAttrOverrides) -> bool {

@@ -75,6 +75,8 @@ pub struct UpConfig {
     pub listen: SocketAddr,
     /// The daemon's transport address.
     pub transport_listen: SocketAddr,
+    /// Writable segment descriptors for every local writer, not only root.
+    pub share_writable_segments: bool,
 }
 
 /// Reads the secret at `path`, generating a random one (mode 0600) when
@@ -184,6 +186,9 @@ impl Cluster {
             secret.clone(),
         );
         dconfig.listen = config.transport_listen;
+        if config.share_writable_segments {
+            dconfig.segment_writers = regions_daemon::agent::SegmentWriters::Anyone;
+        }
         dconfig.startup_timeout = Duration::from_secs(15);
         let mut cluster = Cluster {
             runtime,

@@ -163,25 +163,101 @@ fn a_reader_of_a_local_segment_cannot_write_or_seal_it_by_any_route() {
 }
 
 #[test]
-fn a_writer_of_a_local_segment_cannot_seal_or_shrink_it() {
+fn a_writer_of_a_local_region_cannot_grow_seal_or_shrink_its_memory() {
     let s = setup();
-    let ino = s.region("shared", &vec![7u8; 256 << 10], 0o666);
-    let out = s.attack(&["write-segment", &ino.to_string()]);
+    let size = 256 << 10;
+    let ino = s.region("shared", &vec![7u8; size], 0o666);
+    let path = s.mount.path("shared");
+    let out = s.attack(&[
+        "write-segment",
+        &ino.to_string(),
+        path.to_str().expect("utf-8 mount path"),
+    ]);
     assert_eq!(
         out.get("segment").map(String::as_str),
         Some("ok"),
         "{out:?}"
     );
+    // The writer gets the region's memory to read, not a descriptor that can change the memfd.
+    assert_eq!(
+        out.get("writable").map(String::as_str),
+        Some("false"),
+        "{out:?}"
+    );
+    refused(&out, "reopen-read-write", &[libc::EACCES]);
+    refused(&out, "ftruncate-grow", &[libc::EINVAL, libc::EBADF]);
+    refused(&out, "fallocate-past-end", &[libc::EBADF]);
+    refused(&out, "pwrite-past-end", &[libc::EBADF]);
+    refused(&out, "mmap-writable", &[libc::EACCES]);
     for seal in ["seal-grow", "seal-write", "seal-future-write", "seal-seal"] {
         refused(&out, seal, &[libc::EPERM]);
     }
-    refused(&out, "ftruncate-shrink", &[libc::EPERM]);
-    // The daemon still serves the region, and root can still write it.
-    std::fs::write(s.mount.path("shared"), b"still writable").unwrap();
-    let _ = std::fs::write("/proc/sys/vm/drop_caches", "3");
+    refused(&out, "ftruncate-shrink", &[libc::EINVAL, libc::EBADF]);
     assert_eq!(
-        &std::fs::read(s.mount.path("shared")).unwrap()[..],
-        b"still writable"
+        out.get("size-after").map(String::as_str),
+        Some(size.to_string().as_str()),
+        "the memfd keeps the size the daemon gave it: {out:?}"
+    );
+    // The controls: the writer wrote through the library and through a mapping, and root
+    // reads both through the mount (page cache dropped); the rest of the region is untouched.
+    allowed(&out, "library-write");
+    allowed(&out, "mapping-write");
+    let _ = std::fs::write("/proc/sys/vm/drop_caches", "3");
+    let now = std::fs::read(&path).expect("read the region back");
+    assert_eq!(now.len(), size);
+    assert_eq!(&now[..8], b"library!");
+    assert_eq!(&now[128 << 10..(128 << 10) + 8], b"mapped!!");
+    assert!(now[8..128 << 10].iter().all(|&b| b == 7));
+    assert!(now[(128 << 10) + 8..].iter().all(|&b| b == 7));
+    // The daemon still serves the region, and root can still write it.
+    std::fs::write(&path, b"still writable").unwrap();
+    let _ = std::fs::write("/proc/sys/vm/drop_caches", "3");
+    assert_eq!(&std::fs::read(&path).unwrap()[..], b"still writable");
+}
+
+#[test]
+fn a_segment_kept_after_its_region_shrank_never_shows_the_next_owners_bytes() {
+    const LEN: usize = 512 << 10;
+    let s = setup();
+    let a = s.region("a", &vec![b'a'; LEN], 0o644);
+    let mut agent = AgentClient::connect(&s.socket).expect("root connects");
+    let a_chunks: std::collections::HashSet<u64> = agent
+        .open(a, false)
+        .expect("open a")
+        .map
+        .into_iter()
+        .collect();
+    let mut b_chunks = Vec::new();
+    // nobody keeps a's segment while root shrinks a to nothing and writes a private region
+    // into the memory it gave back.
+    let out = attack_across_a_change(&s, &["hold-segment", &a.to_string(), "83"], || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(s.mount.path("a"))
+            .and_then(|f| f.set_len(0))
+            .expect("truncate a");
+        let b = s.region("b", &vec![b'S'; LEN], 0o600);
+        b_chunks = agent.open(b, false).expect("open b").map;
+    });
+    assert!(
+        b_chunks.iter().any(|c| a_chunks.contains(c)),
+        "b did not reuse a's memory, so this test would prove nothing: {b_chunks:?} vs {a_chunks:?}"
+    );
+    assert_eq!(
+        out.get("segment").map(String::as_str),
+        Some("ok"),
+        "{out:?}"
+    );
+    assert!(
+        out.get("size")
+            .and_then(|v| v.parse::<u64>().ok())
+            .is_some_and(|n| n >= LEN as u64),
+        "the whole old extent was read: {out:?}"
+    );
+    assert_eq!(
+        out.get("marker-bytes").map(String::as_str),
+        Some("0"),
+        "a's old segment showed b's bytes: {out:?}"
     );
 }
 
@@ -326,8 +402,18 @@ fn sync_objects_have_owners_and_modes() {
 /// Runs `regions-attack revoked INO` as nobody: it reads region `ino` with a capability, then
 /// `change` runs (as root, through the mount) and it reads again. Returns its outcomes.
 fn across_a_change(s: &Setup, ino: u64, change: impl FnOnce()) -> HashMap<String, String> {
+    attack_across_a_change(s, &["revoked", &ino.to_string()], change)
+}
+
+/// Runs `regions-attack args…` as nobody; when it prints `ready`, runs `change` and tells it
+/// to go on. Returns its outcomes.
+fn attack_across_a_change(
+    s: &Setup,
+    args: &[&str],
+    change: impl FnOnce(),
+) -> HashMap<String, String> {
     use std::io::Write;
-    let (mut child, rx) = s.spawn_attack(&["revoked", &ino.to_string()]);
+    let (mut child, rx) = s.spawn_attack(args);
     let mut outcomes = HashMap::new();
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     let mut changed = false;

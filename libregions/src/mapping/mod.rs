@@ -5,7 +5,10 @@
 //! there; other regions anywhere else.
 //!
 //! - Chunks held on this host map the region's segment memfd `MAP_SHARED` (zero copy, no
-//!   cache): processes on one host see each other's writes at once.
+//!   cache): processes on one host see each other's writes at once. A writable mapping does so
+//!   only when the host agent hands a writable segment (root, the daemon's user, or every
+//!   writer on a daemon run with `--share-writable-segments`); otherwise the host's chunks are
+//!   served like remote ones, over the transport of this host's daemon.
 //! - Remote chunks are anonymous memory registered with userfaultfd ([`uffd`]): a missing fault
 //!   fetches the page and up to [`prefetch_pages`]` - 1` following missing pages of the chunk in
 //!   one transport request; pages are installed write-protected, and the first write to one marks
@@ -81,7 +84,7 @@ pub fn set_prefetch_pages(n: usize) {
 /// How one chunk of a mapping is backed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Backing {
-    /// This host's segment memfd.
+    /// This host's segment memfd (and whether it was handed writable).
     Local,
     /// Fetched through the transport.
     Remote,
@@ -101,7 +104,7 @@ pub struct Mapping {
     chunks: RwLock<Vec<Backing>>,
     /// Remote page states, by page index.
     pages: RwLock<Vec<AtomicU8>>,
-    segment: Mutex<Option<OwnedFd>>,
+    segment: Mutex<Option<(OwnedFd, bool)>>,
     /// Page after the last missing fault's window: a fault there means sequential access,
     /// which starts read-ahead of the next windows.
     next_sequential: AtomicUsize,
@@ -488,8 +491,13 @@ impl Mapping {
                 Backing::Remote
             });
         }
-        if any_local {
-            self.ensure_segment()?;
+        if any_local && !self.ensure_segment()? {
+            // A writable mapping over a read-only segment: the host's chunks go through the
+            // transport like remote ones (the agent keeps writable memfds from untrusted
+            // writers, docs/SECURITY.md).
+            for kind in kinds.iter_mut() {
+                *kind = Backing::Remote;
+            }
         }
         // Page table first, so faults on new pages find their state.
         {
@@ -511,7 +519,7 @@ impl Mapping {
             match kind {
                 Backing::Local => {
                     let seg = self.segment.lock().map_err(|_| poisoned())?;
-                    let fd = seg.as_ref().ok_or_else(|| {
+                    let (fd, _) = seg.as_ref().ok_or_else(|| {
                         map_err(libc::EIO, "the host agent gave no segment".into())
                     })?;
                     sys::map_fd_fixed(addr, end - at, fd.as_fd(), at as u64, self.write)
@@ -533,13 +541,14 @@ impl Mapping {
         Ok(())
     }
 
-    fn ensure_segment(&self) -> Result<()> {
+    /// Asks the host agent for the segment unless it was given; returns whether this mapping
+    /// may map it (a writable mapping needs a writable segment).
+    fn ensure_segment(&self) -> Result<bool> {
         let mut seg = self.segment.lock().map_err(|_| poisoned())?;
-        // Ask again every time: a grown region's segment may be larger now (the fd is the same
-        // memfd, so an old one would do; asking keeps the check with the agent).
+        // The fd is the same memfd however large the region grows, so one answer serves.
         if seg.is_none() {
             match self.region.segment()? {
-                Some(s) => *seg = Some(s.fd),
+                Some(s) => *seg = Some((s.fd, s.writable)),
                 None => {
                     return Err(map_err(
                         libc::EIO,
@@ -552,7 +561,9 @@ impl Mapping {
                 }
             }
         }
-        Ok(())
+        Ok(seg
+            .as_ref()
+            .is_some_and(|(_, writable)| *writable || !self.write))
     }
 
     /// Unmaps everything and gives the address range back.

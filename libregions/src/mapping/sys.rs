@@ -177,6 +177,42 @@ pub fn empty_memfd() -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// `UFFD_USER_MODE_ONLY` (linux/userfaultfd.h): faults from user space only, which the kernel
+/// lets any process ask for whatever `vm.unprivileged_userfaultfd` says.
+const UFFD_USER_MODE_ONLY: libc::c_int = 1;
+
+/// A userfaultfd from the `userfaultfd(2)` system call, user-mode faults only, with the API
+/// handshake done for `features`: for processes that may not open `/dev/userfaultfd` (mode
+/// 0600, root's), which the `userfaultfd` crate tries first and does not fall back from.
+pub fn userfaultfd_user_mode(features: u64) -> io::Result<OwnedFd> {
+    // SAFETY: a system call with flags only; it returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | UFFD_USER_MODE_ONLY) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let fd = i32::try_from(fd).map_err(|_| io::Error::other("userfaultfd returned a bad fd"))?;
+    // SAFETY: `fd` was just returned by the kernel and nothing else owns it.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut api = userfaultfd_sys::uffdio_api {
+        api: userfaultfd_sys::UFFD_API,
+        features,
+        ioctls: 0,
+    };
+    // SAFETY: UFFDIO_API on the userfaultfd above, with a valid, exclusively borrowed
+    // `uffdio_api` that the kernel fills in.
+    let r = unsafe {
+        libc::ioctl(
+            fd.as_raw_fd(),
+            userfaultfd_sys::UFFDIO_API as _,
+            &mut api as *mut userfaultfd_sys::uffdio_api,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
 /// Copies `len` bytes of mapped memory at `src` into `dst`.
 ///
 /// # Safety
@@ -190,6 +226,26 @@ pub unsafe fn copy_out(src: *const u8, dst: &mut [u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_user_mode_userfaultfd_from_the_system_call() {
+        let fd = userfaultfd_user_mode(0).unwrap();
+        // The handshake is done once: a second UFFDIO_API is refused.
+        let mut api = userfaultfd_sys::uffdio_api {
+            api: userfaultfd_sys::UFFD_API,
+            features: 0,
+            ioctls: 0,
+        };
+        // SAFETY: as in `userfaultfd_user_mode`.
+        let r = unsafe {
+            libc::ioctl(
+                fd.as_raw_fd(),
+                userfaultfd_sys::UFFDIO_API as _,
+                &mut api as *mut userfaultfd_sys::uffdio_api,
+            )
+        };
+        assert_eq!(r, -1);
+    }
 
     #[test]
     fn reserve_map_drop_release() {

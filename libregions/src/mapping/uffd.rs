@@ -10,7 +10,7 @@
 //! past the end of that file).
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -61,13 +61,25 @@ pub(crate) fn faults() -> io::Result<Arc<Faults>> {
 }
 
 fn start() -> io::Result<Arc<Faults>> {
-    let uffd = UffdBuilder::new()
+    let uffd = match UffdBuilder::new()
         .close_on_exec(true)
         .non_blocking(false)
         .user_mode_only(true)
         .require_features(FeatureFlags::PAGEFAULT_FLAG_WP)
         .create()
-        .map_err(|e| io::Error::other(format!("creating the userfaultfd: {e}")))?;
+    {
+        Ok(uffd) => uffd,
+        // /dev/userfaultfd is root's: an unprivileged process makes one with the system call.
+        Err(dev) => match sys::userfaultfd_user_mode(FeatureFlags::PAGEFAULT_FLAG_WP.bits()) {
+            // SAFETY: a userfaultfd this process just made and owns alone.
+            Ok(fd) => unsafe { Uffd::from_raw_fd(fd.into_raw_fd()) },
+            Err(call) => {
+                return Err(io::Error::other(format!(
+                    "creating the userfaultfd: {dev}; and by the system call: {call}"
+                )));
+            }
+        },
+    };
     let lost = sys::empty_memfd()?;
     let (tx, rx) = sync_channel::<Job>(QUEUE);
     let faults = Arc::new(Faults {

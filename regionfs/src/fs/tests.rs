@@ -64,6 +64,7 @@ fn env_with(options: FsOptions) -> Env {
         memory: 64 << 20,
         listen: "127.0.0.1:0".parse().unwrap(),
         transport_listen: "127.0.0.1:0".parse().unwrap(),
+        share_writable_segments: false,
     })
     .unwrap();
     let client = Client::connect(cluster.client_config()).unwrap();

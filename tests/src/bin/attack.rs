@@ -4,7 +4,12 @@
 //!
 //! ```text
 //! regions-attack SOCKET read-segment INO    (a read-only segment: every way to write it)
-//! regions-attack SOCKET write-segment INO   (a writable segment: seals and shrinking)
+//! regions-attack SOCKET write-segment INO PATH  (a writer's segment: every way to grow, seal
+//!                                            or shrink it; then writes through the library
+//!                                            and through a mapping of PATH, the mounted file)
+//! regions-attack SOCKET hold-segment INO BYTE  (keeps a read-only segment while root frees
+//!                                            the region's memory to another region, then
+//!                                            looks for that region's BYTE through it)
 //! regions-attack SOCKET by-inode INO        (agent calls that name an inode by number)
 //! regions-attack SOCKET create-in PARENT NAME
 //! regions-attack SOCKET close HANDLE        (another process's handle)
@@ -86,9 +91,9 @@ mod raw {
         result
     }
 
-    pub fn fallocate(fd: RawFd, len: i64) -> Result<(), i32> {
+    pub fn fallocate(fd: RawFd, offset: i64, len: i64) -> Result<(), i32> {
         // SAFETY: plain system call on a descriptor we own.
-        match unsafe { libc::fallocate(fd, 0, 0, len) } {
+        match unsafe { libc::fallocate(fd, 0, offset, len) } {
             0 => Ok(()),
             _ => Err(last_errno()),
         }
@@ -168,7 +173,7 @@ fn read_segment(agent: &mut AgentClient, ino: u64) -> anyhow::Result<()> {
         raw::map_shared(raw, len, libc::PROT_READ | libc::PROT_WRITE),
     );
     report("mprotect-writable", raw::mprotect_writable(raw, len));
-    report("fallocate", raw::fallocate(raw, 1 << 20));
+    report("fallocate", raw::fallocate(raw, 0, 1 << 20));
     report(
         "ftruncate-grow",
         raw::ftruncate(raw, (size as i64).max(4096) * 4),
@@ -189,9 +194,52 @@ fn read_segment(agent: &mut AgentClient, ino: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn write_segment(agent: &mut AgentClient, ino: u64) -> anyhow::Result<()> {
-    let (fd, size) = segment(agent, ino, true)?;
-    let raw = fd.as_raw_fd();
+/// Asks for a writable segment of `ino` and tries every way to grow, fill, seal or shrink
+/// it; then, as the controls, writes the region the ways a writer may: `library-write` (bytes
+/// 0..8 through the library) and `mapping-write` (bytes at 128 KiB, the second chunk, through
+/// a mapping of `path`, published with msync). Ends with `size-after: N`, the memfd's size.
+fn write_segment(
+    agent: &mut AgentClient,
+    socket: &Path,
+    ino: u64,
+    path: &Path,
+) -> anyhow::Result<()> {
+    let seg = match agent.segment(ino, true) {
+        Ok(Some(seg)) => seg,
+        other => {
+            println!(
+                "segment: failed {}",
+                other.map_or_else(|e| e.errno(), |_| 0)
+            );
+            bail!("no segment of region {ino}");
+        }
+    };
+    println!("segment: ok");
+    println!("writable: {}", seg.writable);
+    let raw = seg.fd.as_raw_fd();
+    let size = seg.size as i64;
+    let file = File::from(seg.fd.try_clone().context("dup of the segment")?);
+    let errno = |e: std::io::Error| e.raw_os_error().unwrap_or(libc::EIO);
+    report(
+        "reopen-read-write",
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(format!("/proc/self/fd/{raw}"))
+            .map(drop)
+            .map_err(errno),
+    );
+    report("ftruncate-grow", raw::ftruncate(raw, size + (64 << 20)));
+    report("fallocate-past-end", raw::fallocate(raw, size, 64 << 20));
+    report(
+        "pwrite-past-end",
+        file.write_all_at(b"X", size as u64 + (1 << 20))
+            .map_err(errno),
+    );
+    report(
+        "mmap-writable",
+        raw::map_shared(raw, size as usize, libc::PROT_READ | libc::PROT_WRITE),
+    );
     report("seal-grow", raw::add_seals(raw, libc::F_SEAL_GROW));
     report("seal-write", raw::add_seals(raw, libc::F_SEAL_WRITE));
     report(
@@ -199,7 +247,74 @@ fn write_segment(agent: &mut AgentClient, ino: u64) -> anyhow::Result<()> {
         raw::add_seals(raw, libc::F_SEAL_FUTURE_WRITE),
     );
     report("seal-seal", raw::add_seals(raw, libc::F_SEAL_SEAL));
-    report("ftruncate-shrink", raw::ftruncate(raw, (size as i64) / 2));
+    report("ftruncate-shrink", raw::ftruncate(raw, size / 2));
+
+    // The controls: a writer still writes, through the library and through a mapping.
+    report_call(
+        "library-write",
+        regions::app::AppRegion::open_ino(socket, ino, true)
+            .and_then(|r| r.write_at(0, b"library!")),
+    );
+    let mapped = write_through_mapping(path);
+    if let Err(e) = &mapped {
+        println!("mapping-write-error: {e}");
+    }
+    report_call("mapping-write", mapped);
+    let after = file.metadata().context("fstat of the segment")?.len();
+    println!("size-after: {after}");
+    Ok(())
+}
+
+/// Maps the mounted file `path` for writing, stores `mapped!` at 128 KiB and publishes it.
+fn write_through_mapping(path: &Path) -> regions::Result<()> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|source| RegionsError::Io {
+            what: format!("cannot open {}", path.display()),
+            source,
+        })?;
+    let m = regions::mapping::map_fd(std::os::fd::AsFd::as_fd(&file))?;
+    let at = 128 << 10;
+    if m.len() < at + 8 {
+        return Err(RegionsError::Invalid(format!(
+            "the mapping is {} bytes, too short for the test",
+            m.len()
+        )));
+    }
+    // SAFETY: `at + 8` bytes lie inside the writable mapping (checked above), which lives
+    // until `m` drops.
+    unsafe { std::ptr::copy_nonoverlapping(b"mapped!!".as_ptr(), m.base().add(at), 8) };
+    m.msync(m.base(), m.len())
+}
+
+/// Takes a read-only segment of `ino`, prints `ready`, waits for a line on stdin (root
+/// truncates the region and hands its memory to another region meanwhile), then reads the
+/// whole memfd and counts the bytes equal to `marker` (the other region's contents):
+/// `size: N`, `marker-bytes: N`.
+fn hold_segment(agent: &mut AgentClient, ino: u64, marker: u8) -> anyhow::Result<()> {
+    let (fd, _) = segment(agent, ino, false)?;
+    println!("ready");
+    let mut line = String::new();
+    std::io::stdin()
+        .read_line(&mut line)
+        .context("waiting for the change")?;
+    let file = File::from(fd);
+    let size = file.metadata().context("fstat of the segment")?.len();
+    let mut found = 0u64;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut at = 0u64;
+    while at < size {
+        let n = file.read_at(&mut buf, at).context("reading the segment")?;
+        if n == 0 {
+            break;
+        }
+        found += buf[..n].iter().filter(|&&b| b == marker).count() as u64;
+        at += n as u64;
+    }
+    println!("size: {size}");
+    println!("marker-bytes: {found}");
     Ok(())
 }
 
@@ -502,8 +617,15 @@ fn main() -> anyhow::Result<()> {
         .with_context(|| format!("cannot connect to the host agent at {socket}"))?;
     match command.as_str() {
         "read-segment" => read_segment(&mut agent, number()?)?,
-        "write-segment" => write_segment(&mut agent, number()?)?,
+        "write-segment" => {
+            let path = args.get(3).context("write-segment needs INO PATH")?;
+            write_segment(&mut agent, Path::new(socket), number()?, Path::new(path))?
+        }
         "by-inode" => by_inode(&mut agent, number()?),
+        "hold-segment" => {
+            let marker = args.get(3).context("hold-segment needs INO BYTE")?;
+            hold_segment(&mut agent, number()?, marker.parse()?)?
+        }
         "create-in" => {
             let name = args.get(3).context("create-in needs PARENT NAME")?;
             report_call(
