@@ -596,7 +596,7 @@ mod tests {
         }
 
         fn access(&self, caller: &Caller, _ino: u64, mask: u32) -> Result<()> {
-            if caller.uid == 0 || caller.uid == WRITER || mask & libc::W_OK as u32 == 0 {
+            if caller.uid == 0 || caller.uid == writer_uid() || mask & libc::W_OK as u32 == 0 {
                 Ok(())
             } else {
                 Err(DaemonError::Denied("read only".into()))
@@ -604,8 +604,12 @@ mod tests {
         }
     }
 
-    /// An unprivileged user the fake authority lets write.
-    const WRITER: u32 = 1000;
+    /// An unprivileged user the fake authority lets write: not the user running the tests
+    /// (whom the agent trusts as the daemon's own).
+    fn writer_uid() -> u32 {
+        let me = nix::unistd::geteuid().as_raw();
+        if me == 4242 { 4243 } else { 4242 }
+    }
 
     fn handler(pools: Arc<Pools>) -> AgentHandler {
         AgentHandler {
@@ -789,8 +793,8 @@ mod tests {
         pools.assign(1, 0, 77, 0, CHUNK_SIZE).unwrap();
         let writer = PeerCred {
             pid: 1,
-            uid: WRITER,
-            gid: WRITER,
+            uid: writer_uid(),
+            gid: writer_uid(),
             groups: vec![],
             start_time: 0,
         };

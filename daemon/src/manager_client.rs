@@ -14,8 +14,7 @@ use tonic::transport::{Channel, Endpoint};
 
 use crate::error::{DaemonError, Result};
 
-/// Largest gRPC message accepted from the manager (region maps can be large).
-pub const MAX_MESSAGE: usize = 256 << 20;
+use regions_proto::MAX_GRPC_MESSAGE as MAX_MESSAGE;
 /// Deadline of each unary call to the manager.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// Deadline of a TCP connection to the manager.

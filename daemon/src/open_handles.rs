@@ -80,13 +80,28 @@ impl OpenHandles {
 
     /// Process `pid` exited: closes its handles at the manager. Handles whose close failed in
     /// a way that may pass (manager unreachable) are kept for the next try; returns whether
-    /// none is left.
+    /// none is left. Handles of a later process that got the same pid (the one running now)
+    /// are its own and stay.
     pub fn close_all(&self, pid: u32, authority: &dyn Authority) -> bool {
+        self.close_all_but(pid, regions_proto::pid_watch::start_time(pid), authority)
+    }
+
+    /// [`OpenHandles::close_all`], keeping the handles of the process of `pid` that started
+    /// at `running` (if any).
+    fn close_all_but(&self, pid: u32, running: Option<u64>, authority: &dyn Authority) -> bool {
         let handles = self
             .by_pid
             .lock()
             .ok()
-            .and_then(|mut m| m.remove(&pid))
+            .and_then(|mut m| {
+                let all = m.remove(&pid)?;
+                let (live, gone): (Vec<Held>, Vec<Held>) =
+                    all.into_iter().partition(|h| Some(h.start_time) == running);
+                if !live.is_empty() {
+                    m.insert(pid, live);
+                }
+                Some(gone)
+            })
             .unwrap_or_default();
         let mut retry = Vec::new();
         for held in handles {
@@ -170,9 +185,10 @@ mod tests {
             ..Default::default()
         };
         // The first close fails for a while: that handle is kept and closed on the retry.
-        assert!(!h.close_all(10, &a));
+        // (Pid 10 of this test is no process; a real pid 10 may be running.)
+        assert!(!h.close_all_but(10, None, &a));
         assert_eq!(h.count(10), 1);
-        assert!(h.close_all(10, &a));
+        assert!(h.close_all_but(10, None, &a));
         let mut closed = a.closed.lock().unwrap().clone();
         closed.sort_unstable();
         assert_eq!(closed, vec![1, 3]);
@@ -204,5 +220,19 @@ mod tests {
         );
         h.closed(10, 7);
         assert!(!h.opened_by_other(&caller(11), 5, 7));
+    }
+
+    #[test]
+    fn an_exit_closes_the_exited_process_handles_not_those_of_its_pids_next_owner() {
+        let h = OpenHandles::default();
+        h.opened(&caller(10), 5, 1);
+        // Pid 10 exited and a later process (started at 9) got it and opened a handle
+        // before the exit was handled.
+        h.opened(&caller(10), 9, 2);
+        let a = Closer::default();
+        assert!(h.close_all_but(10, Some(9), &a));
+        assert_eq!(*a.closed.lock().unwrap(), vec![1]);
+        assert_eq!(h.count(10), 1);
+        assert!(!h.opened_by_other(&caller(10), 9, 2));
     }
 }

@@ -14,8 +14,7 @@ use crate::region::Region;
 use crate::transport::tcp::{RetryPolicy, TcpTransport};
 use crate::transport::{StatsSnapshot, TransportStats};
 
-/// Inode number of the root directory.
-pub const ROOT_INO: u64 = 1;
+pub use regions_proto::ROOT_INO;
 
 /// How a node component (regionfs, a test, a benchmark) reaches a cluster.
 #[derive(Clone, Debug)]

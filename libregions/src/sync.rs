@@ -574,7 +574,8 @@ impl SyncClient {
             let segment = AgentClient::connect(&self.socket)
                 .and_then(|mut agent| agent.segment(location.ino, true));
             match segment {
-                Ok(Some(seg)) if seg.size >= location.region_offset + 8 => {
+                // Atomics need a writable mapping: a read-only segment goes to tcp below.
+                Ok(Some(seg)) if seg.writable && seg.size >= location.region_offset + 8 => {
                     match LocalSegment::map(seg.fd, seg.size, true, Arc::clone(&self.stats)) {
                         Ok(local) => return Some(Box::new(local)),
                         Err(e) => tracing::debug!(error = %e, "cannot map the lock region"),

@@ -6,8 +6,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use regions_proto::v1;
 use serde::{Deserialize, Serialize};
 
-/// Inode number of the mount root.
-pub const ROOT_INO: u64 = 1;
+pub use regions_proto::ROOT_INO;
 /// Longest name of a directory entry, in bytes.
 pub const MAX_NAME_LEN: usize = 255;
 

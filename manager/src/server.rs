@@ -59,8 +59,7 @@ where
     }
 }
 
-/// Largest gRPC message (a region map of 1 TiB is 64 MiB of entries).
-pub const MAX_MESSAGE: usize = 256 << 20;
+pub use regions_proto::MAX_GRPC_MESSAGE as MAX_MESSAGE;
 
 /// How long open calls may take to finish once shutdown begins.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);

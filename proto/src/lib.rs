@@ -27,6 +27,13 @@ pub mod pid_watch;
 pub mod tls;
 pub mod word_wait;
 
+/// Inode number of the namespace's root directory.
+pub const ROOT_INO: u64 = 1;
+
+/// Largest gRPC message either side of the manager's services accepts (a region map of
+/// 1 TiB is 64 MiB of entries).
+pub const MAX_GRPC_MESSAGE: usize = 256 << 20;
+
 /// Generated messages, clients and servers of the manager's services.
 pub mod v1 {
     #![allow(clippy::all, missing_docs)]

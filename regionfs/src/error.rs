@@ -6,26 +6,10 @@ use regions::RegionsError;
 /// Everything a file-system operation can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum FsError {
-    /// The client core failed (manager refusal, unreachable daemon, ...).
+    /// The client core failed: a manager refusal (with the manager's errno), an
+    /// unreachable manager or daemon, ...
     #[error(transparent)]
     Regions(#[from] RegionsError),
-    /// A namespace or cluster call of regionfs's own manager connection
-    /// failed with this errno.
-    #[error("manager: {message}")]
-    Manager {
-        /// The errno the manager sent.
-        errno: i32,
-        /// What the manager said.
-        message: String,
-    },
-    /// The manager could not be reached.
-    #[error("cannot reach the manager at {addr}: {reason}; is the manager running?")]
-    ManagerUnreachable {
-        /// The manager's address.
-        addr: String,
-        /// Why the call failed.
-        reason: String,
-    },
     /// An operation regions does not offer (symlinks, hard links, device
     /// nodes).
     #[error("not supported by regions: {0}")]
@@ -69,6 +53,12 @@ pub enum FsError {
     /// The operation needs a file.
     #[error("is a directory: {0}")]
     IsDir(String),
+    /// No such extended attribute (or per-thread default).
+    #[error("no such attribute: {0}")]
+    NoData(String),
+    /// A table of this mount is full.
+    #[error("no room: {0}")]
+    Full(String),
     /// The kernel's inode is out of date (the region shrank on another
     /// host); the kernel looks the path up again and retries the open.
     #[error("stale inode: {0}")]
@@ -88,8 +78,6 @@ impl FsError {
     pub fn errno(&self) -> i32 {
         match self {
             FsError::Regions(e) => e.errno(),
-            FsError::Manager { errno, .. } => *errno,
-            FsError::ManagerUnreachable { .. } => libc::EIO,
             FsError::NotSupported(_) => libc::EPERM,
             FsError::Denied(_) => libc::EACCES,
             FsError::NotFound(_) => libc::ENOENT,
@@ -103,25 +91,9 @@ impl FsError {
             FsError::NotDir(_) => libc::ENOTDIR,
             FsError::IsDir(_) => libc::EISDIR,
             FsError::Stale(_) => libc::ESTALE,
+            FsError::NoData(_) => libc::ENODATA,
+            FsError::Full(_) => libc::ENOSPC,
             FsError::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
-        }
-    }
-
-    /// A failure of a gRPC call of regionfs's own manager connection.
-    pub(crate) fn from_status(addr: &str, status: tonic::Status) -> FsError {
-        let has_errno = status
-            .metadata()
-            .get(regions_proto::errno::ERRNO_KEY)
-            .is_some();
-        if status.code() == tonic::Code::Unavailable && !has_errno {
-            return FsError::ManagerUnreachable {
-                addr: addr.to_owned(),
-                reason: status.message().to_owned(),
-            };
-        }
-        FsError::Manager {
-            errno: regions_proto::errno::errno_of(&status),
-            message: status.message().to_owned(),
         }
     }
 
@@ -164,12 +136,17 @@ mod tests {
             FsError::Regions(RegionsError::Invalid("x".into())).errno(),
             libc::EINVAL
         );
-        let status = regions_proto::errno::status(libc::ENOTEMPTY, "dir not empty");
-        assert_eq!(FsError::from_status("m", status).errno(), libc::ENOTEMPTY);
-        let down = tonic::Status::unavailable("connection refused");
-        let e = FsError::from_status("127.0.0.1:1", down);
-        assert_eq!(e.errno(), libc::EIO);
-        assert!(e.to_string().contains("127.0.0.1:1"));
+        let refused = FsError::from(RegionsError::Manager {
+            errno: libc::ENOTEMPTY,
+            message: "dir not empty".into(),
+        });
+        assert_eq!(refused.errno(), libc::ENOTEMPTY);
+        let down = FsError::from(RegionsError::ManagerUnreachable {
+            addr: "127.0.0.1:1".into(),
+            reason: "connection refused".into(),
+        });
+        assert_eq!(down.errno(), libc::EIO);
+        assert!(down.to_string().contains("127.0.0.1:1"));
         assert!(FsError::NotFound("x".into()).is_routine());
         assert!(!FsError::Denied("x".into()).is_routine());
     }

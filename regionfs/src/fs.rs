@@ -36,7 +36,7 @@ use crate::ioctl;
 use crate::names;
 use crate::owners::{Owned, OwnerWatch};
 use crate::pseudo::{self, Node};
-use crate::rpc::{Rpc, SetAttrIn, SetTime};
+use regions::manager_client::{ManagerClient, SetAttrIn, SetTime};
 
 /// Page size of the kernel page cache.
 const PAGE: u64 = 4096;
@@ -314,7 +314,6 @@ fn now_ts() -> v1::Timespec {
 /// The regions file system.
 pub struct RegionFs {
     client: Client,
-    rpc: Arc<Rpc>,
     identity: Arc<Identity>,
     options: FsOptions,
     handles: RwLock<HashMap<u64, Arc<Handle>>>,
@@ -414,18 +413,11 @@ impl RegionFs {
     /// A file system over `client` (whose configuration names the manager,
     /// the secret, this host and its agent socket).
     pub fn new(client: Client, options: FsOptions) -> FsResult<RegionFs> {
-        let config = client.config();
-        let rpc = Arc::new(Rpc::connect(
-            &config.manager,
-            &config.secret,
-            config.tls_ca.as_deref(),
-            config.connect_timeout,
-        )?);
-        let identity = Arc::new(Identity::new(config.host_id));
+        let identity = Arc::new(Identity::new(client.config().host_id));
         let owners = if options.watch_owners {
-            let rpc = Arc::clone(&rpc);
+            let client = client.clone();
             let identity = Arc::clone(&identity);
-            let reaper = Arc::new(move |o: &Owned| reap(&rpc, &identity, o));
+            let reaper = Arc::new(move |o: &Owned| reap(client.manager(), &identity, o));
             Some(OwnerWatch::start(reaper).map_err(|source| FsError::Io {
                 what: "cannot start the owner watcher thread".into(),
                 source,
@@ -435,7 +427,6 @@ impl RegionFs {
         };
         Ok(RegionFs {
             client,
-            rpc,
             identity,
             options,
             handles: RwLock::new(HashMap::new()),
@@ -475,6 +466,11 @@ impl RegionFs {
     /// Tells the core whether the kernel accepted FUSE passthrough.
     pub fn set_passthrough(&self, enabled: bool) {
         self.passthrough.store(enabled, Ordering::Relaxed);
+    }
+
+    /// The manager's services (the client's one connection).
+    fn manager(&self) -> &ManagerClient {
+        self.client.manager()
     }
 
     fn caller(&self, ctx: &RequestCtx) -> v1::Caller {
@@ -708,7 +704,7 @@ impl RegionFs {
         let (dir, times) = match node {
             Node::Root => (true, self.started),
             Node::Files(ino) => {
-                let a = self.rpc.getattr(&self.identity.internal(), ino)?;
+                let a = self.manager().getattr(&self.identity.internal(), ino)?;
                 (is_dir(&a), a.mtime.unwrap_or(self.started))
             }
             _ => (false, now_ts()),
@@ -757,7 +753,7 @@ impl RegionFs {
         }
         let name = wire(name)?;
         let name: &str = &name;
-        let attr = self.with_local_size(self.rpc.lookup(&self.caller(ctx), parent, name)?);
+        let attr = self.with_local_size(self.manager().lookup(&self.caller(ctx), parent, name)?);
         if is_dir(&attr) {
             self.note_dir(&attr, Some(parent));
         } else {
@@ -775,7 +771,7 @@ impl RegionFs {
         if let Some(attr) = self.recent_attr_while_writing(ino) {
             return Ok(attr);
         }
-        let attr = match self.rpc.getattr(&self.caller(ctx), ino) {
+        let attr = match self.manager().getattr(&self.caller(ctx), ino) {
             Ok(a) => self.with_local_size(a),
             Err(e) if e.errno() == libc::ENOENT => {
                 // fstat of a directory removed while open: st_nlink 0.
@@ -784,9 +780,9 @@ impl RegionFs {
                     .lock()
                     .ok()
                     .and_then(|r| r.get(&ino).cloned())
-                    .ok_or(e);
+                    .ok_or(e.into());
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         };
         if is_dir(&attr) {
             self.note_dir(&attr, None);
@@ -911,14 +907,14 @@ impl RegionFs {
             let st = inodes.entry(ino).or_default();
             st.kernel_size = size;
         }
-        let attr = match self.rpc.setattr(&caller, ino, &change) {
+        let attr = match self.manager().setattr(&caller, ino, &change) {
             Ok(a) => a,
             Err(e) if bookkeeping && only_times && fh.is_some() && e.errno() != libc::EIO => {
                 // The kernel flushing its mtime must not fail a close.
                 tracing::debug!(ino, error = %e, "mtime update refused; keeping the manager's");
-                return self.rpc.getattr(&caller, ino);
+                return Ok(self.manager().getattr(&caller, ino)?);
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         };
         if !is_dir(&attr)
             && let Some(st) = self.lock_inodes().get_mut(&ino)
@@ -959,14 +955,14 @@ impl RegionFs {
         let Some(kernel) = self.kernel.get().cloned() else {
             return;
         };
-        let rpc = Arc::clone(&self.rpc);
+        let client = self.client.clone();
         let caller = self.identity.internal();
         let spawned = std::thread::Builder::new()
             .name("regionfs-inval".into())
             .spawn(move || {
                 let mut offset = 0;
                 loop {
-                    let reply = match rpc.readdir(&caller, dir, offset, READDIR_BATCH) {
+                    let reply = match client.manager().readdir(&caller, dir, offset, READDIR_BATCH) {
                         Ok(r) => r,
                         Err(e) => {
                             tracing::debug!(dir, error = %e, "cannot list a directory to drop its cached entries");
@@ -998,7 +994,7 @@ impl RegionFs {
         umask: u32,
     ) -> FsResult<v1::Attr> {
         self.check_creatable(ctx, parent, name)?;
-        let attr = self.rpc.mkdir(
+        let attr = self.manager().mkdir(
             &self.caller(ctx),
             parent,
             &wire(name)?,
@@ -1042,9 +1038,14 @@ impl RegionFs {
         let name: &str = &name;
         let bits = mode & !umask & 0o7777;
         if let Some(kind) = node_kind(mode) {
-            return self
-                .rpc
-                .make_node(&caller, parent, name, kind, bits, u64::from(rdev));
+            return Ok(self.manager().make_node(
+                &caller,
+                parent,
+                name,
+                kind,
+                bits,
+                u64::from(rdev),
+            )?);
         }
         if mode & libc::S_IFMT != libc::S_IFREG && mode & libc::S_IFMT != 0 {
             return Err(FsError::Invalid(format!(
@@ -1053,9 +1054,14 @@ impl RegionFs {
             )));
         }
         let defaults = self.thread_defaults.overrides(ctx.pid);
-        let attr = self
-            .rpc
-            .create_with(&caller, parent, name, bits, defaults)?;
+        let attr = self.manager().create(v1::CreateRequest {
+            caller: Some(caller.clone()),
+            parent,
+            name: name.to_owned(),
+            mode: bits,
+            attrs: defaults,
+            preallocate: 0,
+        })?;
         self.created(&caller, parent, name, &attr);
         Ok(attr)
     }
@@ -1133,7 +1139,7 @@ impl RegionFs {
                 mode: Some(mode),
                 ..SetAttrIn::default()
             };
-            match self.rpc.setattr(&caller, attr.ino, &change) {
+            match self.manager().setattr(&caller, attr.ino, &change) {
                 Ok(a) => attr = a,
                 Err(e) => {
                     tracing::warn!(ino = attr.ino, error = %e, "cannot set the mode of a new region")
@@ -1193,10 +1199,12 @@ impl RegionFs {
         // last name; one that has other names stays watched, by inode: its
         // lifetime is the region's, not this name's.
         let watched = match &self.owners {
-            Some(w) if w.watches_name(parent, name) => self.rpc.lookup(&caller, parent, name).ok(),
+            Some(w) if w.watches_name(parent, name) => {
+                self.manager().lookup(&caller, parent, name).ok()
+            }
             _ => None,
         };
-        self.rpc.unlink(&caller, parent, name)?;
+        self.manager().unlink(&caller, parent, name)?;
         self.forget_cached_attrs();
         if let (Some(w), Some(a)) = (&self.owners, watched)
             && a.nlink <= 1
@@ -1229,8 +1237,8 @@ impl RegionFs {
         self.check_removable(ctx, parent, name)?;
         let caller = self.caller(ctx);
         let name = wire(name)?;
-        let before = self.rpc.lookup(&caller, parent, &name).ok();
-        self.rpc.rmdir(&caller, parent, &name)?;
+        let before = self.manager().lookup(&caller, parent, &name).ok();
+        self.manager().rmdir(&caller, parent, &name)?;
         if let Some(mut a) = before
             && let Ok(mut r) = self.removed_dirs.lock()
         {
@@ -1260,16 +1268,16 @@ impl RegionFs {
         let (name, new_name) = (wire(name)?, wire(new_name)?);
         let (name, new_name) = (&*name, &*new_name);
         let moved = if self.owners.is_some() {
-            self.rpc.lookup(&caller, parent, name).ok()
+            self.manager().lookup(&caller, parent, name).ok()
         } else {
             None
         };
         let replaced = if self.owners.is_some() {
-            self.rpc.lookup(&caller, new_parent, new_name).ok()
+            self.manager().lookup(&caller, new_parent, new_name).ok()
         } else {
             None
         };
-        self.rpc
+        self.manager()
             .rename(&caller, (parent, name), (new_parent, new_name), flags)?;
         self.forget_cached_attrs();
         if let Some(w) = &self.owners {
@@ -1302,8 +1310,9 @@ impl RegionFs {
         self.check_creatable(ctx, parent, name)?;
         let caller = self.caller(ctx);
         let name = wire(name)?;
-        self.rpc
-            .symlink(&caller, parent, &name, target.as_os_str().as_bytes())
+        Ok(self
+            .manager()
+            .symlink(&caller, parent, &name, target.as_os_str().as_bytes())?)
     }
 
     /// The target of symbolic link `ino`.
@@ -1313,7 +1322,7 @@ impl RegionFs {
                 "inode {ino} is region metadata, not a symbolic link"
             )));
         }
-        self.rpc.readlink(&self.caller(ctx), ino)
+        Ok(self.manager().readlink(&self.caller(ctx), ino)?)
     }
 
     /// Gives `ino` the further name `new_name` in `new_parent`.
@@ -1333,7 +1342,7 @@ impl RegionFs {
         self.check_creatable(ctx, new_parent, new_name)?;
         let caller = self.caller(ctx);
         let new_name = wire(new_name)?;
-        let attr = self.rpc.link(&caller, ino, new_parent, &new_name)?;
+        let attr = self.manager().link(&caller, ino, new_parent, &new_name)?;
         // The link count changed: answers kept for the kernel are stale.
         self.forget_cached_attrs();
         Ok(self.with_local_size(attr))
@@ -1367,7 +1376,7 @@ impl RegionFs {
             .and_then(|d| d.get(&ino).and_then(|i| i.parent))
             .unwrap_or(ino);
         let mut out = self.dots(ino, parent, offset);
-        let reply = self.rpc.readdir(
+        let reply = self.manager().readdir(
             &self.caller(ctx),
             ino,
             if offset < 3 { 0 } else { offset },
@@ -1414,7 +1423,7 @@ impl RegionFs {
 
     /// File-system statistics (cluster capacity and free memory).
     pub fn statfs(&self, ctx: &RequestCtx) -> FsResult<StatFs> {
-        let r = self.rpc.statfs(&self.caller(ctx))?;
+        let r = self.manager().statfs(&self.caller(ctx))?;
         let bsize = r.block_size.max(512);
         Ok(StatFs {
             blocks: r.total_bytes / u64::from(bsize),
@@ -1436,7 +1445,7 @@ impl RegionFs {
             }
             return Ok(());
         }
-        self.rpc.access(&self.caller(ctx), ino, mask)
+        Ok(self.manager().access(&self.caller(ctx), ino, mask)?)
     }
 
     /// The kernel forgot `ino`.
@@ -1483,10 +1492,9 @@ impl RegionFs {
         size: u32,
     ) -> FsResult<XattrOut> {
         if pseudo::is_pseudo(ino) {
-            return Err(FsError::Manager {
-                errno: libc::ENODATA,
-                message: "metadata files have no extended attributes".into(),
-            });
+            return Err(FsError::NoData(
+                "metadata files have no extended attributes".into(),
+            ));
         }
         if let Some(value) = self.mount_xattr(name) {
             return Self::xattr_out(value?, size);
@@ -1497,12 +1505,13 @@ impl RegionFs {
         if name == SECURITY_CAPABILITY && self.created_here_recently(ino) {
             // The kernel asks before the first write to every file; a
             // region this mount just created has no extended attributes.
-            return Err(FsError::Manager {
-                errno: libc::ENODATA,
-                message: format!("region {ino} has no {SECURITY_CAPABILITY}"),
-            });
+            return Err(FsError::NoData(format!(
+                "region {ino} has no {SECURITY_CAPABILITY}"
+            )));
         }
-        let value = self.rpc.getxattr(&self.caller(ctx), ino, utf8(name)?)?;
+        let value = self
+            .manager()
+            .getxattr(&self.caller(ctx), ino, utf8(name)?)?;
         Self::xattr_out(value, size)
     }
 
@@ -1523,10 +1532,9 @@ impl RegionFs {
         if name == MOUNT_XATTR_AGENT {
             return Some(match &config.agent_socket {
                 Some(path) => Ok(path.as_os_str().as_bytes().to_vec()),
-                None => Err(FsError::Manager {
-                    errno: libc::ENODATA,
-                    message: "this mount has no host agent (start it with --agent-socket)".into(),
-                }),
+                None => Err(FsError::NoData(
+                    "this mount has no host agent (start it with --agent-socket)".into(),
+                )),
             });
         }
         if name == MOUNT_XATTR_HOSTID {
@@ -1552,8 +1560,9 @@ impl RegionFs {
             return r;
         }
         self.not_created_here(ino);
-        self.rpc
-            .setxattr(&self.caller(ctx), ino, utf8(name)?, value, flags as u32)
+        Ok(self
+            .manager()
+            .setxattr(&self.caller(ctx), ino, utf8(name)?, value, flags as u32)?)
     }
 
     /// Forgets that this mount just created `ino` (its attributes changed).
@@ -1568,7 +1577,7 @@ impl RegionFs {
         if pseudo::is_pseudo(ino) {
             return Self::xattr_out(Vec::new(), size);
         }
-        let names = self.rpc.listxattr(&self.caller(ctx), ino)?;
+        let names = self.manager().listxattr(&self.caller(ctx), ino)?;
         let mut list = Vec::new();
         // Region attributes are read and set by name but not listed (like
         // ceph.* attributes): tools that copy every listed attribute would
@@ -1593,7 +1602,9 @@ impl RegionFs {
             return r;
         }
         self.not_created_here(ino);
-        self.rpc.removexattr(&self.caller(ctx), ino, utf8(name)?)
+        Ok(self
+            .manager()
+            .removexattr(&self.caller(ctx), ino, utf8(name)?)?)
     }
 
     // ---- data ----
@@ -1607,7 +1618,7 @@ impl RegionFs {
         let write = flags & libc::O_ACCMODE != libc::O_RDONLY;
         if flags & FMODE_EXEC != 0 {
             // execve: the kernel checks only that some execute bit is set.
-            self.rpc.access(&caller, ino, libc::X_OK as u32)?;
+            self.manager().access(&caller, ino, libc::X_OK as u32)?;
         }
         if write {
             self.wait_for_passthrough_readers(ino)?;
@@ -1907,7 +1918,7 @@ impl RegionFs {
     pub fn kill_suidgid(&self, ctx: &RequestCtx, ino: u64) {
         let writer = self.caller(ctx);
         let internal = self.identity.internal();
-        let Ok(attr) = self.rpc.getattr(&internal, ino) else {
+        let Ok(attr) = self.manager().getattr(&internal, ino) else {
             return;
         };
         let in_group = writer.gid == attr.gid || writer.groups.contains(&attr.gid);
@@ -1922,7 +1933,7 @@ impl RegionFs {
             mode: Some(mode & 0o7777),
             ..SetAttrIn::default()
         };
-        match self.rpc.setattr(&internal, ino, &change) {
+        match self.manager().setattr(&internal, ino, &change) {
             Ok(_) => {
                 if let Some(k) = self.kernel.get() {
                     let _ = k.invalidate(ino, -1, 0);
@@ -2079,9 +2090,9 @@ impl RegionFs {
 /// this mount), loses that name; otherwise (hard links, or a rename through
 /// another host) the manager deletes every name of the owner's
 /// non-persistent regions, as the daemon does for owners it watches.
-fn reap(rpc: &Rpc, identity: &Identity, o: &Owned) {
+fn reap(manager: &ManagerClient, identity: &Identity, o: &Owned) {
     let caller = identity.internal();
-    let attr = match rpc.getattr(&caller, o.ino) {
+    let attr = match manager.getattr(&caller, o.ino) {
         Ok(a) if a.nlink > 0 => a,
         Ok(_) | Err(_) => {
             tracing::info!(pid = o.pid, ino = o.ino, name = %o.name, "owner exited; its region is already gone");
@@ -2092,13 +2103,15 @@ fn reap(rpc: &Rpc, identity: &Identity, o: &Owned) {
         tracing::info!(ino = o.ino, name = %o.name, "owner exited but the region was made persistent; keeping it");
         return;
     }
-    let at_its_name = rpc
+    let at_its_name = manager
         .lookup(&caller, o.parent, &o.name)
         .is_ok_and(|a| a.ino == o.ino);
     let outcome = if at_its_name && attr.nlink == 1 {
-        rpc.unlink(&caller, o.parent, &o.name).map(|()| vec![o.ino])
+        manager
+            .unlink(&caller, o.parent, &o.name)
+            .map(|()| vec![o.ino])
     } else {
-        rpc.release_owner(identity.host_id(), o.pid)
+        manager.release_owner(identity.host_id(), o.pid)
     };
     match outcome {
         Ok(deleted) => {

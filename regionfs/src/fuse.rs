@@ -21,7 +21,7 @@ use regions_proto::v1::{self, FileKind};
 use crate::error::FsError;
 use crate::fs::{CacheMode, KernelCache, Opened, RegionFs, XattrOut};
 use crate::identity::RequestCtx;
-use crate::rpc::{SetAttrIn, SetTime};
+use regions::manager_client::{SetAttrIn, SetTime};
 
 /// How long the kernel trusts attributes and names.
 pub const TTL: Duration = Duration::from_secs(1);

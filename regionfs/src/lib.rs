@@ -10,7 +10,6 @@
 //! - [`fuse`]: the thin `fuser::Filesystem` adapter over the core.
 //! - [`mount`]: mounting, stale-mount clean-up, unmounting, the ready file.
 //! - [`up`]: a whole single-host cluster in one process (`regionfs up`).
-//! - [`rpc`]: regionfs's blocking namespace and cluster calls.
 //! - [`identity`]: request identity (uid, gid, pid, groups) → caller.
 //! - [`names`]: file names (any bytes) ↔ manager names (UTF-8).
 //! - [`owners`]: deletes non-persistent regions when their creator exits.
@@ -32,7 +31,6 @@ pub mod mount;
 pub mod names;
 pub mod owners;
 pub mod pseudo;
-pub mod rpc;
 pub mod status;
 pub mod thread_defaults;
 pub mod up;

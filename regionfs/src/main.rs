@@ -138,7 +138,8 @@ struct UpArgs {
     #[arg(long, env = "REGIONS_DAEMON_LISTEN", default_value = "127.0.0.1:7171")]
     transport_listen: SocketAddr,
     /// Hand every local process that may write a region a writable descriptor of its memory,
-    /// not only root (see the daemon's flag of the same name and docs/SECURITY.md).
+    /// not only root and this process's user (see the daemon's flag of the same name and
+    /// docs/SECURITY.md).
     #[arg(long, env = "REGIONS_SHARE_WRITABLE_SEGMENTS")]
     share_writable_segments: bool,
     #[command(flatten)]

@@ -134,9 +134,10 @@ impl ThreadDefaults {
             "hostalloc" => a.hostalloc.map(String::into_bytes),
             other => return Some(Err(Self::unknown(other))),
         };
-        Some(v.ok_or_else(|| FsError::Manager {
-            errno: libc::ENODATA,
-            message: format!("this thread has no default {THREAD_XATTR_PREFIX}{attr}"),
+        Some(v.ok_or_else(|| {
+            FsError::NoData(format!(
+                "this thread has no default {THREAD_XATTR_PREFIX}{attr}"
+            ))
         }))
     }
 
@@ -173,10 +174,9 @@ impl ThreadDefaults {
                 return Ok(());
             }
             if entries.len() >= MAX_ENTRIES {
-                return Err(FsError::Manager {
-                    errno: libc::ENOSPC,
-                    message: format!("{MAX_ENTRIES} threads hold default attributes already"),
-                });
+                return Err(FsError::Full(format!(
+                    "{MAX_ENTRIES} threads hold default attributes already"
+                )));
             }
             entries.insert(
                 tid,

@@ -75,7 +75,8 @@ pub struct UpConfig {
     pub listen: SocketAddr,
     /// The daemon's transport address.
     pub transport_listen: SocketAddr,
-    /// Writable segment descriptors for every local writer, not only root.
+    /// Writable segment descriptors for every local writer, not only root and the daemon's
+    /// user.
     pub share_writable_segments: bool,
 }
 

@@ -32,11 +32,9 @@ use tonic::transport::{Channel, Endpoint};
 
 pub use regions_proto::errno::errno_of;
 
-/// Inode number of the namespace root.
-pub const ROOT_INO: u64 = 1;
+pub use regions_proto::ROOT_INO;
 
-/// Largest gRPC message a client accepts (the manager's limit too).
-pub const MAX_MESSAGE: usize = 256 << 20;
+pub use regions_proto::MAX_GRPC_MESSAGE as MAX_MESSAGE;
 
 /// How long [`ManagerProcess::start`] waits for the ready file.
 pub const START_TIMEOUT: Duration = Duration::from_secs(10);

@@ -25,7 +25,12 @@ struct Setup {
 }
 
 fn setup() -> Setup {
-    let cluster = Cluster::start(1, "256M").expect("cluster");
+    setup_with(&[])
+}
+
+/// [`setup`] with extra arguments for the daemon.
+fn setup_with(daemon_args: &[&str]) -> Setup {
+    let cluster = Cluster::start_with_daemon_args(1, "256M", &[], daemon_args).expect("cluster");
     // nobody must reach the agent socket (and the attack binary) below the cluster directory,
     // but not list it.
     std::fs::set_permissions(cluster.dir.path(), std::fs::Permissions::from_mode(0o711))
@@ -213,6 +218,38 @@ fn a_writer_of_a_local_region_cannot_grow_seal_or_shrink_its_memory() {
     std::fs::write(&path, b"still writable").unwrap();
     let _ = std::fs::write("/proc/sys/vm/drop_caches", "3");
     assert_eq!(&std::fs::read(&path).unwrap()[..], b"still writable");
+}
+
+/// The opt-out: on a daemon run with `--share-writable-segments`, the same writer gets a
+/// writable segment (and with it the growth the test above refuses).
+#[test]
+fn share_writable_segments_hands_local_writers_a_writable_segment() {
+    let s = setup_with(&["--share-writable-segments"]);
+    let size = 256 << 10;
+    let ino = s.region("shared", &vec![7u8; size], 0o666);
+    let path = s.mount.path("shared");
+    let out = s.attack(&[
+        "write-segment",
+        &ino.to_string(),
+        path.to_str().expect("utf-8 mount path"),
+    ]);
+    assert_eq!(
+        out.get("writable").map(String::as_str),
+        Some("true"),
+        "{out:?}"
+    );
+    allowed(&out, "ftruncate-grow");
+    // Seals stay refused whoever writes: the daemon's accesses must not fail.
+    for seal in ["seal-grow", "seal-write", "seal-future-write", "seal-seal"] {
+        refused(&out, seal, &[libc::EPERM]);
+    }
+    refused(&out, "ftruncate-shrink", &[libc::EPERM]);
+    allowed(&out, "library-write");
+    allowed(&out, "mapping-write");
+    let _ = std::fs::write("/proc/sys/vm/drop_caches", "3");
+    let now = std::fs::read(&path).expect("read the region back");
+    assert_eq!(&now[..8], b"library!");
+    assert_eq!(&now[128 << 10..(128 << 10) + 8], b"mapped!!");
 }
 
 #[test]

@@ -222,7 +222,7 @@ fn owner_exit_deletes_its_non_persistent_region_through_a_mount() {
     // persistent=1.
     let dir = c.mkdir_path("owned", 0o777).unwrap();
     c.manager()
-        .setxattr(c.caller(), dir.ino, "user.regions.persistent", b"0")
+        .setxattr(c.caller(), dir.ino, "user.regions.persistent", b"0", 0)
         .unwrap();
     let data = random_bytes(3 << 20, 61);
     let src = cluster.dir.path().join("kept.src");
@@ -263,7 +263,7 @@ fn owner_exit_deletes_every_name_of_its_hard_linked_regions() {
     let c = client(&cluster, 1);
     let dir = c.mkdir_path("owned", 0o777).unwrap();
     c.manager()
-        .setxattr(c.caller(), dir.ino, "user.regions.persistent", b"0")
+        .setxattr(c.caller(), dir.ino, "user.regions.persistent", b"0", 0)
         .unwrap();
     // Two owners, so that the second's only way out is its own watch: one that gives its
     // regions second names, and one whose new region at a reused name is removed while its old

@@ -84,7 +84,7 @@ pub fn set_prefetch_pages(n: usize) {
 /// How one chunk of a mapping is backed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Backing {
-    /// This host's segment memfd (and whether it was handed writable).
+    /// This host's segment memfd.
     Local,
     /// Fetched through the transport.
     Remote,
@@ -104,6 +104,7 @@ pub struct Mapping {
     chunks: RwLock<Vec<Backing>>,
     /// Remote page states, by page index.
     pages: RwLock<Vec<AtomicU8>>,
+    /// This host's segment memfd, and whether the agent handed it writable.
     segment: Mutex<Option<(OwnedFd, bool)>>,
     /// Page after the last missing fault's window: a fault there means sequential access,
     /// which starts read-ahead of the next windows.
@@ -545,7 +546,7 @@ impl Mapping {
     /// may map it (a writable mapping needs a writable segment).
     fn ensure_segment(&self) -> Result<bool> {
         let mut seg = self.segment.lock().map_err(|_| poisoned())?;
-        // The fd is the same memfd however large the region grows, so one answer serves.
+        // Asked once per mapping: a grown region's segment is the same memfd, larger.
         if seg.is_none() {
             match self.region.segment()? {
                 Some(s) => *seg = Some((s.fd, s.writable)),

@@ -210,6 +210,13 @@ pub fn userfaultfd_user_mode(features: u64) -> io::Result<OwnedFd> {
     if r < 0 {
         return Err(io::Error::last_os_error());
     }
+    // Kernels since 6.10 leave out features they do not know instead of refusing them.
+    if api.features & features != features {
+        return Err(io::Error::other(format!(
+            "the kernel's userfaultfd lacks features {:#x}",
+            features & !api.features
+        )));
+    }
     Ok(fd)
 }
 
@@ -245,6 +252,12 @@ mod tests {
             )
         };
         assert_eq!(r, -1);
+        assert_eq!(
+            io::Error::last_os_error().raw_os_error(),
+            Some(libc::EINVAL)
+        );
+        // A feature the kernel has not got is an error, not a silent omission.
+        assert!(userfaultfd_user_mode(1 << 63).is_err());
     }
 
     #[test]

@@ -70,15 +70,18 @@ fn start() -> io::Result<Arc<Faults>> {
     {
         Ok(uffd) => uffd,
         // /dev/userfaultfd is root's: an unprivileged process makes one with the system call.
-        Err(dev) => match sys::userfaultfd_user_mode(FeatureFlags::PAGEFAULT_FLAG_WP.bits()) {
-            // SAFETY: a userfaultfd this process just made and owns alone.
-            Ok(fd) => unsafe { Uffd::from_raw_fd(fd.into_raw_fd()) },
-            Err(call) => {
-                return Err(io::Error::other(format!(
-                    "creating the userfaultfd: {dev}; and by the system call: {call}"
-                )));
+        Err(dev @ userfaultfd::Error::OpenDevUserfaultfd(_)) => {
+            match sys::userfaultfd_user_mode(FeatureFlags::PAGEFAULT_FLAG_WP.bits()) {
+                // SAFETY: a userfaultfd this process just made and owns alone.
+                Ok(fd) => unsafe { Uffd::from_raw_fd(fd.into_raw_fd()) },
+                Err(call) => {
+                    return Err(io::Error::other(format!(
+                        "creating the userfaultfd: {dev}; and by the system call: {call}"
+                    )));
+                }
             }
-        },
+        }
+        Err(e) => return Err(io::Error::other(format!("creating the userfaultfd: {e}"))),
     };
     let lost = sys::empty_memfd()?;
     let (tx, rx) = sync_channel::<Job>(QUEUE);

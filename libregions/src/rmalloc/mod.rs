@@ -47,7 +47,9 @@
 //! Every operation but the thread-cache fast paths holds the lock word in the
 //! header: a futex on the mapped
 //! memory (not `FUTEX_PRIVATE`), so threads and processes of one host that
-//! map the region exclude each other. The word holds the holder's thread id;
+//! map the region's shared memory exclude each other (a process the host agent
+//! gives no writable segment maps a private copy of its host's chunks, and so
+//! allocates like another host). The word holds the holder's thread id;
 //! a waiter that finds the holder's thread gone (same pid namespace) takes the
 //! lock over instead of hanging. Concurrent allocation from *different hosts*
 //! is not supported: each host works on its own cached copy of remote pages.

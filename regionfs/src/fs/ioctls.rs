@@ -49,7 +49,7 @@ impl RegionFs {
             }
             ioctl::RINFO => {
                 r.region.refresh()?;
-                let attr = self.rpc.getattr(&r.caller, h.ino)?;
+                let attr = self.manager().getattr(&r.caller, h.ino)?;
                 let ra = attr.region_attrs.clone().unwrap_or_default();
                 let io = r.io.lock().map(|i| *i).unwrap_or(IoMode::Cached);
                 let mut flags = 0;

@@ -25,7 +25,9 @@ impl RegionFs {
                     .unwrap_or_else(|| Err(FsError::NotFound(format!(".regions/{name}"))))
             }
             Node::Files(dir) => {
-                let a = self.rpc.lookup(&self.identity.internal(), dir, name)?;
+                let a = self
+                    .manager()
+                    .lookup(&self.identity.internal(), dir, name)?;
                 let node = Node::mirror(a.ino).ok_or_else(|| {
                     FsError::Invalid(format!("inode {} is too large to mirror", a.ino))
                 })?;
@@ -78,7 +80,7 @@ impl RegionFs {
                     .ok()
                     .and_then(|p| p.get(&dir).cloned())
                     .unwrap_or_default();
-                let reply = self.rpc.readdir(
+                let reply = self.manager().readdir(
                     &self.identity.internal(),
                     dir,
                     if offset < 3 { 0 } else { offset },
@@ -154,11 +156,11 @@ impl RegionFs {
         let host_id = self.identity.host_id();
         match node {
             Node::Root => Err(FsError::IsDir(".regions".into())),
-            Node::Hosts => Ok(pseudo::render_hosts(&self.rpc.list_hosts()?)),
-            Node::Pools => Ok(pseudo::render_pools(&self.rpc.list_pools(0)?)),
+            Node::Hosts => Ok(pseudo::render_hosts(&self.manager().list_hosts()?)),
+            Node::Pools => Ok(pseudo::render_pools(&self.manager().list_pools(0)?)),
             Node::MemUsage => {
-                let hosts = self.rpc.list_hosts()?;
-                let pools = self.rpc.list_pools(host_id)?;
+                let hosts = self.manager().list_hosts()?;
+                let pools = self.manager().list_pools(host_id)?;
                 let daemon = self.daemon_stats().ok();
                 Ok(pseudo::render_memusage(
                     host_id,
@@ -203,7 +205,7 @@ impl RegionFs {
             }
             Node::Files(ino) => {
                 let internal = self.identity.internal();
-                let attr = self.rpc.getattr(&internal, ino)?;
+                let attr = self.manager().getattr(&internal, ino)?;
                 if is_dir(&attr) {
                     return Err(FsError::IsDir(format!(".regions/files inode {ino}")));
                 }

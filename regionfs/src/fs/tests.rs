@@ -328,7 +328,7 @@ fn close_to_open_keeps_cache_only_when_unchanged() {
     let other = e.fs.client().open(a.ino, true).unwrap();
     other.write_at(0, b"v2").unwrap();
     drop(other);
-    e.fs.rpc
+    e.fs.manager()
         .setattr(
             &e.fs.identity.internal(),
             a.ino,

@@ -1,5 +1,12 @@
 //! The manager's gRPC services as blocking calls, for node components that
-//! hold the cluster secret (regionfs, daemons, tests).
+//! hold the cluster secret (regionfs, daemons, tests): one channel and one runtime
+//! ([`ManagerChannel`]) per client. This module holds the region calls (open, maps,
+//! growth, close); [`namespace`] the file-system calls, [`cluster`] the cluster's.
+
+pub mod cluster;
+pub mod namespace;
+
+pub use namespace::{SetAttrIn, SetTime};
 
 use std::future::Future;
 use std::path::Path;
@@ -18,8 +25,7 @@ use crate::error::{RegionsError, Result};
 /// A gRPC service stack that attaches the cluster secret.
 pub type Authed = InterceptedService<Channel, AttachSecret>;
 
-/// Largest gRPC message accepted (region maps of large regions).
-const MAX_MESSAGE: usize = 256 << 20;
+use regions_proto::MAX_GRPC_MESSAGE as MAX_MESSAGE;
 
 /// Deadline of every call.
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -151,84 +157,8 @@ impl ManagerClient {
         self.namespace.clone()
     }
 
-    pub fn lookup(&self, caller: &v1::Caller, parent: u64, name: &str) -> Result<v1::Attr> {
-        let mut c = self.namespace();
-        self.call(c.lookup(v1::LookupRequest {
-            caller: Some(caller.clone()),
-            parent,
-            name: name.to_owned(),
-        }))
-    }
-
-    /// The target of symbolic link `ino`.
-    pub fn readlink(&self, caller: &v1::Caller, ino: u64) -> Result<Vec<u8>> {
-        let mut c = self.namespace();
-        self.call(c.read_link(v1::GetAttrRequest {
-            caller: Some(caller.clone()),
-            ino,
-        }))
-        .map(|r| r.target)
-    }
-
-    pub fn getattr(&self, caller: &v1::Caller, ino: u64) -> Result<v1::Attr> {
-        let mut c = self.namespace();
-        self.call(c.get_attr(v1::GetAttrRequest {
-            caller: Some(caller.clone()),
-            ino,
-        }))
-    }
-
-    pub fn mkdir(
-        &self,
-        caller: &v1::Caller,
-        parent: u64,
-        name: &str,
-        mode: u32,
-    ) -> Result<v1::Attr> {
-        let mut c = self.namespace();
-        self.call(c.mkdir(v1::MkdirRequest {
-            caller: Some(caller.clone()),
-            parent,
-            name: name.to_owned(),
-            mode,
-        }))
-    }
-
-    pub fn create(&self, request: v1::CreateRequest) -> Result<v1::Attr> {
-        let mut c = self.namespace();
-        self.call(c.create(request))
-    }
-
-    pub fn unlink(&self, caller: &v1::Caller, parent: u64, name: &str) -> Result<()> {
-        let mut c = self.namespace();
-        self.call(c.unlink(v1::RemoveRequest {
-            caller: Some(caller.clone()),
-            parent,
-            name: name.to_owned(),
-        }))
-        .map(|_| ())
-    }
-
-    pub fn setxattr(&self, caller: &v1::Caller, ino: u64, name: &str, value: &[u8]) -> Result<()> {
-        let mut c = self.namespace();
-        self.call(c.set_xattr(v1::SetXattrRequest {
-            caller: Some(caller.clone()),
-            ino,
-            name: name.to_owned(),
-            value: value.to_vec(),
-            flags: 0,
-        }))
-        .map(|_| ())
-    }
-
-    pub fn getxattr(&self, caller: &v1::Caller, ino: u64, name: &str) -> Result<Vec<u8>> {
-        let mut c = self.namespace();
-        self.call(c.get_xattr(v1::GetXattrRequest {
-            caller: Some(caller.clone()),
-            ino,
-            name: name.to_owned(),
-        }))
-        .map(|r| r.value)
+    fn cluster(&self) -> ClusterClient<Authed> {
+        self.cluster.clone()
     }
 
     pub fn open(&self, caller: &v1::Caller, ino: u64, write: bool) -> Result<v1::RegionInfo> {
@@ -320,16 +250,5 @@ impl ManagerClient {
             handle,
         }))
         .map(|r| r.freed)
-    }
-
-    pub fn list_hosts(&self) -> Result<Vec<v1::HostRecord>> {
-        let mut c = self.cluster.clone();
-        self.call(c.list_hosts(v1::ListHostsRequest {}))
-            .map(|r| r.hosts)
-    }
-
-    pub fn stats(&self) -> Result<v1::StatsReply> {
-        let mut c = self.cluster.clone();
-        self.call(c.stats(v1::StatsRequest {}))
     }
 }
