@@ -35,13 +35,13 @@ prefix=$1
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 if [ -z "$lib_dir" ]; then
-    (cd "$root" && cargo build --release -p libregions)
+    (cd "$root" && cargo build --release -p regions)
     target=${CARGO_TARGET_DIR:-$root/target}
     lib_dir=$target/release
 fi
 for f in libregions.so libregions.a; do
     if [ ! -f "$lib_dir/$f" ]; then
-        echo "$0: $lib_dir/$f is missing; build it with: cargo build --release -p libregions" >&2
+        echo "$0: $lib_dir/$f is missing; build it with: cargo build --release -p regions" >&2
         exit 1
     fi
 done

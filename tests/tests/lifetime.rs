@@ -8,8 +8,8 @@
 //!   non-persistent regions of that host's owners are deleted, even though the owner
 //!   processes still run; other hosts' regions and persistent ones stay.
 //!
-//! Owner processes are real children: Python for the mount, and this test binary itself
-//! (re-run as [`agent_owner_helper`]) for the host agent.
+//! Owner processes are real children: Python for the mount, and `regions-owner-helper`
+//! (tests/src/bin/owner_helper.rs) for the host agent.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -17,14 +17,9 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng, rngs::StdRng};
-use regions::agent::AgentClient;
 use regions::{Client, ClientConfig};
 use regions_proto::v1;
-use regions_tests::{Cluster, ROOT_INO};
-
-/// Set in the environment of a child run of [`agent_owner_helper`]: the agent socket and the
-/// regions to create, `SOCKET;NAME=PERSISTENT;...`.
-const HELPER_ENV: &str = "REGIONS_LIFETIME_AGENT_OWNER";
+use regions_tests::Cluster;
 
 /// How long a deletion after an owner's exit may take (the requirement).
 const OWNER_BOUND: Duration = Duration::from_secs(1);
@@ -160,48 +155,15 @@ sys.stdin.read()
     Owner::start(cmd)
 }
 
-/// This test binary, re-run as [`agent_owner_helper`], creating `regions` (name, persistent)
-/// through the agent at `socket`.
+/// A `regions-owner-helper` process creating `regions` (name, persistent) through the agent
+/// at `socket`.
 fn agent_owner(socket: &Path, regions: &[(&str, bool)]) -> Owner {
-    let mut spec = socket.display().to_string();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_regions-owner-helper"));
+    cmd.arg(socket);
     for (name, persistent) in regions {
-        spec.push_str(&format!(";{name}={}", u8::from(*persistent)));
+        cmd.arg(format!("{name}={}", u8::from(*persistent)));
     }
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
-    cmd.args([
-        "--exact",
-        "agent_owner_helper",
-        "--nocapture",
-        "--test-threads=1",
-    ])
-    .env(HELPER_ENV, spec);
     Owner::start(cmd)
-}
-
-/// Not a test of its own: the owner process of [`agent_owner`]. Does nothing unless
-/// [`HELPER_ENV`] is set.
-#[test]
-fn agent_owner_helper() {
-    let Ok(spec) = std::env::var(HELPER_ENV) else {
-        return;
-    };
-    let mut parts = spec.split(';');
-    let socket = parts.next().unwrap();
-    let mut agent = AgentClient::connect(Path::new(socket)).unwrap();
-    for part in parts {
-        let (name, persistent) = part.split_once('=').unwrap();
-        let attrs = v1::RegionAttrOverrides {
-            persistent: Some(persistent == "1"),
-            ..Default::default()
-        };
-        let attr = agent
-            .create_owned(ROOT_INO, name, 0o644, Some(attrs), 1 << 20)
-            .unwrap();
-        println!("created {name} {}", attr.ino);
-    }
-    println!("ready");
-    let mut rest = String::new();
-    let _ = std::io::stdin().read_line(&mut rest);
 }
 
 fn owner_pid_of(c: &Client, path: &str) -> u32 {

@@ -11,7 +11,7 @@
 //! (default 256), e.g. for a long run:
 //!
 //! ```sh
-//! RMALLOC_FUZZ_CASES=100000 cargo test --release -p libregions --lib rmalloc::untrusted_tests
+//! RMALLOC_FUZZ_CASES=100000 cargo test --release -p regions --lib rmalloc::untrusted_tests
 //! ```
 
 use std::mem::offset_of;
