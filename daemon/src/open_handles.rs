@@ -80,10 +80,14 @@ impl OpenHandles {
 
     /// Process `pid` exited: closes its handles at the manager. Handles whose close failed in
     /// a way that may pass (manager unreachable) are kept for the next try; returns whether
-    /// none is left. Handles of a later process that got the same pid (the one running now)
-    /// are its own and stay.
+    /// none is left. Handles of a later process that got the same pid (one running now, not
+    /// the exited one's zombie) are its own and stay.
     pub fn close_all(&self, pid: u32, authority: &dyn Authority) -> bool {
-        self.close_all_but(pid, regions_proto::pid_watch::start_time(pid), authority)
+        self.close_all_but(
+            pid,
+            regions_proto::pid_watch::live_start_time(pid),
+            authority,
+        )
     }
 
     /// [`OpenHandles::close_all`], keeping the handles of the process of `pid` that started

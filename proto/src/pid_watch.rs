@@ -23,6 +23,17 @@ pub fn start_time(pid: u32) -> Option<u64> {
     start_time_of_stat(&stat)
 }
 
+/// [`start_time`] of a process that is running: `None` also for one that exited and was not
+/// reaped yet (a zombie keeps its pid and start time until its parent waits for it).
+pub fn live_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let state = stat[stat.rfind(')')? + 1..].split_whitespace().next()?;
+    if matches!(state, "Z" | "X" | "x") {
+        return None;
+    }
+    start_time_of_stat(&stat)
+}
+
 /// Field 22 of a `/proc/PID/stat` text. The command name (field 2) may hold spaces and
 /// parentheses, so fields are counted from behind its last `)`.
 fn start_time_of_stat(stat: &str) -> Option<u64> {
@@ -237,8 +248,17 @@ mod tests {
         assert!(start_time(u32::MAX - 1).is_none());
         // A later process started no earlier.
         let mut child = Command::new("sleep").arg("5").spawn().unwrap();
-        assert!(start_time(child.id()).is_some_and(|t| t >= mine));
+        let started = start_time(child.id());
+        assert!(started.is_some_and(|t| t >= mine));
+        assert_eq!(live_start_time(child.id()), started);
+        // Killed but not reaped: a zombie, with its start time, but not running.
         child.kill().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while live_start_time(child.id()).is_some() {
+            assert!(Instant::now() < deadline, "the killed child still runs");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(start_time(child.id()), started);
         child.wait().unwrap();
         // A command name with spaces and parentheses.
         let stat = "42 (a) b (c)) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 777 20";
