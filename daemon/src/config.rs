@@ -102,31 +102,7 @@ pub struct Args {
     pub config: regions_proto::config::ConfigArgs,
 }
 
-/// Parses a byte count with an optional K, M, G or T suffix (powers of 1024; `KiB`, `KB` and
-/// `B` spellings are accepted too).
-pub fn parse_size(text: &str) -> std::result::Result<u64, String> {
-    let t = text.trim();
-    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (number, suffix) = t.split_at(digits);
-    let number: u64 = number
-        .parse()
-        .map_err(|_| format!("{text:?} is not a size: write e.g. 4G, 512M or 1048576"))?;
-    let shift = match suffix.trim().to_ascii_uppercase().as_str() {
-        "" | "B" => 0,
-        "K" | "KB" | "KIB" => 10,
-        "M" | "MB" | "MIB" => 20,
-        "G" | "GB" | "GIB" => 30,
-        "T" | "TB" | "TIB" => 40,
-        other => {
-            return Err(format!(
-                "unknown size suffix {other:?} in {text:?}: use K, M, G or T"
-            ));
-        }
-    };
-    number
-        .checked_mul(1u64 << shift)
-        .ok_or_else(|| format!("size {text:?} is too large"))
-}
+pub use regions_proto::config::parse_size;
 
 /// Everything a daemon needs to start.
 #[derive(Debug, Clone)]
@@ -275,20 +251,6 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert_eq!(parse_size("4K"), Ok(4 << 10));
-        assert_eq!(parse_size("512m"), Ok(512 << 20));
-        assert_eq!(parse_size("4G"), Ok(4 << 30));
-        assert_eq!(parse_size("2GiB"), Ok(2 << 30));
-        assert_eq!(parse_size("1T"), Ok(1 << 40));
-        assert!(parse_size("G").is_err());
-        assert!(parse_size("4X").is_err());
-        assert!(parse_size("99999999999T").is_err());
-        assert!(parse_size("-1").is_err());
-    }
 
     #[test]
     fn args_and_validation() {

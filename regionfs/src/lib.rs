@@ -9,7 +9,6 @@
 //!   without FUSE.
 //! - [`fuse`]: the thin `fuser::Filesystem` adapter over the core.
 //! - [`mount`]: mounting, stale-mount clean-up, unmounting, the ready file.
-//! - [`up`]: a whole single-host cluster in one process (`regionfs up`).
 //! - [`identity`]: request identity (uid, gid, pid, groups) → caller.
 //! - [`names`]: file names (any bytes) ↔ manager names (UTF-8).
 //! - [`owners`]: deletes non-persistent regions when their creator exits.
@@ -33,7 +32,6 @@ pub mod owners;
 pub mod pseudo;
 pub mod status;
 pub mod thread_defaults;
-pub mod up;
 
 pub use error::{FsError, FsResult};
 pub use fs::{CacheMode, FsOptions, RegionFs};

@@ -6,7 +6,7 @@ use std::process::Command;
 use std::sync::Mutex;
 
 use super::*;
-use crate::up::{Cluster, UpConfig};
+use regions_embedded::{Cluster, UpConfig};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Call {
@@ -494,7 +494,7 @@ fn ioctls() {
     e.fs.write(fh, 0, &[5u8; 200_000]).unwrap();
     let info = ioctl::Info::parse(&e.fs.ioctl(fh, ioctl::RINFO, &[]).unwrap()).unwrap();
     assert_eq!((info.ino, info.size), (a.ino, 200_000));
-    assert_eq!(info.hosts, vec![crate::up::HOST_ID]);
+    assert_eq!(info.hosts, vec![regions_embedded::HOST_ID]);
     assert_ne!(info.flags & ioctl::INFO_LOCAL, 0);
     assert_ne!(info.flags & ioctl::INFO_WRITABLE, 0);
     assert_ne!(info.flags & ioctl::INFO_PERSISTENT, 0);

@@ -1,9 +1,11 @@
-//! `regionfs up`: a whole single-host cluster in one process, the embedded
-//! default (docs/ARCHITECTURE.md, "Processes"): the manager (its store
-//! under `DATA_DIR/manager`), the daemon (host 1, agent socket
-//! `DATA_DIR/agent.sock`) and, started by the caller, the mount. The
-//! cluster secret is generated into `DATA_DIR/secret` (mode 0600) the
-//! first time.
+//! A whole single-host cluster in one process, the embedded default behind `regionfs up`
+//! (docs/ARCHITECTURE.md, "Processes"): the manager (its store under `DATA_DIR/manager`), the
+//! daemon (host 1, agent socket `DATA_DIR/agent.sock`) and, started by the caller, the mount.
+//! The cluster secret is generated into `DATA_DIR/secret` (mode 0600) the first time.
+//!
+//! A crate of its own above the manager and the daemon, so that the file system
+//! (`regionfs`) depends on neither; the `regionfs` binary (`cli/`) and the file system's own
+//! tests use it.
 
 use std::io::{Read, Write};
 use std::net::SocketAddr;

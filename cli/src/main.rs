@@ -17,8 +17,8 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use regionfs::fs::{CacheMode, FsOptions, RegionFs};
 use regionfs::mount::{MountOptions, Mounted, prepare_mountpoint, write_ready_file};
-use regionfs::up::{Cluster, UpConfig};
 use regions::{Client, ClientConfig};
+use regions_embedded::{Cluster, UpConfig};
 use regions_proto::auth::Secret;
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -129,7 +129,7 @@ struct UpArgs {
     #[arg(long, env = "REGIONS_DATA_DIR", default_value = "/var/lib/regions")]
     data_dir: PathBuf,
     /// Memory this host offers to regions (K, M, G, T suffixes).
-    #[arg(long, env = "REGIONS_MEMORY", default_value = "1G", value_parser = regions_daemon::config::parse_size)]
+    #[arg(long, env = "REGIONS_MEMORY", default_value = "1G", value_parser = regions_proto::config::parse_size)]
     memory: u64,
     /// Address of the manager's gRPC service (port 0 picks a free one).
     #[arg(long, env = "REGIONS_MANAGER_LISTEN", default_value = "127.0.0.1:7070")]

@@ -456,7 +456,7 @@ fn mmap_from_c_and_numpy() {
     let src = u.dir.path().join("mmap.c");
     let prog = u.dir.path().join("mmap");
     std::fs::write(&src, C_MMAP).unwrap();
-    let include = Path::new(env!("CARGO_MANIFEST_DIR")).join("include");
+    let include = Path::new(env!("CARGO_MANIFEST_DIR")).join("../regionfs/include");
     let cc = Command::new("cc")
         .arg("-O1")
         .arg("-I")
