@@ -8,7 +8,7 @@
 //! which memmap2 can make: it maps only accessible memory at an address the kernel picks.
 
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 /// The page size the mapping layer works in.
 pub const PAGE: usize = 4096;
@@ -193,13 +193,27 @@ pub fn userfaultfd_user_mode(features: u64) -> io::Result<OwnedFd> {
     let fd = i32::try_from(fd).map_err(|_| io::Error::other("userfaultfd returned a bad fd"))?;
     // SAFETY: `fd` was just returned by the kernel and nothing else owns it.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let got = uffd_api_handshake(fd.as_fd(), features)?;
+    // Kernels since 6.10 leave out features they do not know instead of refusing them.
+    if got & features != features {
+        return Err(io::Error::other(format!(
+            "the kernel's userfaultfd lacks features {:#x}",
+            features & !got
+        )));
+    }
+    Ok(fd)
+}
+
+/// `UFFDIO_API` on userfaultfd `fd` asking for `features`; returns the features the kernel
+/// granted.
+fn uffd_api_handshake(fd: BorrowedFd<'_>, features: u64) -> io::Result<u64> {
     let mut api = userfaultfd_sys::uffdio_api {
         api: userfaultfd_sys::UFFD_API,
         features,
         ioctls: 0,
     };
-    // SAFETY: UFFDIO_API on the userfaultfd above, with a valid, exclusively borrowed
-    // `uffdio_api` that the kernel fills in.
+    // SAFETY: UFFDIO_API on a userfaultfd the caller holds, with a valid, exclusively
+    // borrowed `uffdio_api` that the kernel fills in.
     let r = unsafe {
         libc::ioctl(
             fd.as_raw_fd(),
@@ -210,14 +224,7 @@ pub fn userfaultfd_user_mode(features: u64) -> io::Result<OwnedFd> {
     if r < 0 {
         return Err(io::Error::last_os_error());
     }
-    // Kernels since 6.10 leave out features they do not know instead of refusing them.
-    if api.features & features != features {
-        return Err(io::Error::other(format!(
-            "the kernel's userfaultfd lacks features {:#x}",
-            features & !api.features
-        )));
-    }
-    Ok(fd)
+    Ok(api.features)
 }
 
 /// Copies `len` bytes of mapped memory at `src` into `dst`.
@@ -238,24 +245,8 @@ mod tests {
     fn a_user_mode_userfaultfd_from_the_system_call() {
         let fd = userfaultfd_user_mode(0).unwrap();
         // The handshake is done once: a second UFFDIO_API is refused.
-        let mut api = userfaultfd_sys::uffdio_api {
-            api: userfaultfd_sys::UFFD_API,
-            features: 0,
-            ioctls: 0,
-        };
-        // SAFETY: as in `userfaultfd_user_mode`.
-        let r = unsafe {
-            libc::ioctl(
-                fd.as_raw_fd(),
-                userfaultfd_sys::UFFDIO_API as _,
-                &mut api as *mut userfaultfd_sys::uffdio_api,
-            )
-        };
-        assert_eq!(r, -1);
-        assert_eq!(
-            io::Error::last_os_error().raw_os_error(),
-            Some(libc::EINVAL)
-        );
+        let again = uffd_api_handshake(fd.as_fd(), 0).unwrap_err();
+        assert_eq!(again.raw_os_error(), Some(libc::EINVAL));
         // A feature the kernel has not got is an error, not a silent omission.
         assert!(userfaultfd_user_mode(1 << 63).is_err());
     }
