@@ -167,6 +167,20 @@ fn a_reader_of_a_local_segment_cannot_write_or_seal_it_by_any_route() {
     drop(s.cluster);
 }
 
+/// Runs the `write-segment` attack as nobody on a new 0666 region `shared` of 256 KiB of 7s;
+/// returns its outcomes, the region's path and its size.
+fn write_segment_attack(s: &Setup) -> (HashMap<String, String>, PathBuf, usize) {
+    let size = 256 << 10;
+    let ino = s.region("shared", &vec![7u8; size], 0o666);
+    let path = s.mount.path("shared");
+    let out = s.attack(&[
+        "write-segment",
+        &ino.to_string(),
+        path.to_str().expect("utf-8 mount path"),
+    ]);
+    (out, path, size)
+}
+
 /// The controls of a `write-segment` attack on region `shared` (`size` bytes of 7): the writer
 /// wrote through the library and through a mapping, and root reads both through the mount
 /// (page cache dropped), the rest of the region untouched.
@@ -185,14 +199,7 @@ fn wrote_through_library_and_mapping(out: &HashMap<String, String>, path: &Path,
 #[test]
 fn a_writer_of_a_local_region_cannot_grow_seal_or_shrink_its_memory() {
     let s = setup();
-    let size = 256 << 10;
-    let ino = s.region("shared", &vec![7u8; size], 0o666);
-    let path = s.mount.path("shared");
-    let out = s.attack(&[
-        "write-segment",
-        &ino.to_string(),
-        path.to_str().expect("utf-8 mount path"),
-    ]);
+    let (out, path, size) = write_segment_attack(&s);
     assert_eq!(
         out.get("segment").map(String::as_str),
         Some("ok"),
@@ -231,14 +238,7 @@ fn a_writer_of_a_local_region_cannot_grow_seal_or_shrink_its_memory() {
 #[test]
 fn share_writable_segments_hands_local_writers_a_writable_segment() {
     let s = setup_with(&["--share-writable-segments"]);
-    let size = 256 << 10;
-    let ino = s.region("shared", &vec![7u8; size], 0o666);
-    let path = s.mount.path("shared");
-    let out = s.attack(&[
-        "write-segment",
-        &ino.to_string(),
-        path.to_str().expect("utf-8 mount path"),
-    ]);
+    let (out, path, size) = write_segment_attack(&s);
     assert_eq!(
         out.get("writable").map(String::as_str),
         Some("true"),
