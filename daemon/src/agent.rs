@@ -179,6 +179,23 @@ fn ok_reply(body: Body) -> AgentReply {
     }
 }
 
+/// A success with nothing to say.
+fn ok_empty() -> AgentReply {
+    AgentReply {
+        errno: 0,
+        message: String::new(),
+        body: None,
+    }
+}
+
+/// The reply to a request answered with `body` or an error; no descriptor goes with it.
+fn reply(result: Result<Body>) -> (AgentReply, Option<OwnedFd>) {
+    match result {
+        Ok(body) => (ok_reply(body), None),
+        Err(e) => (error_reply(&e), None),
+    }
+}
+
 impl AgentHandler {
     /// The caller's identity as the manager expects it.
     pub fn caller(&self, cred: &PeerCred) -> Caller {
@@ -216,19 +233,33 @@ impl AgentHandler {
                     Err(e) => (error_reply(&e), None),
                 }
             }
-            Some(agent_request::Request::MapRefresh(r)) => {
-                crate::agent_map::refresh(self, &caller, &r)
-            }
-            Some(agent_request::Request::MapExtend(r)) => {
-                crate::agent_map::extend(self, &caller, &r)
-            }
+            Some(agent_request::Request::MapRefresh(r)) => reply(
+                crate::agent_map::refresh(self.authority.as_ref(), &caller, &r).map(Body::Region),
+            ),
+            Some(agent_request::Request::MapExtend(r)) => reply(
+                crate::agent_map::extend(self.authority.as_ref(), &caller, &r).map(Body::Region),
+            ),
             Some(agent_request::Request::MapClose(r)) => {
-                crate::agent_map::close(self, &caller, cred.start_time, &r)
+                let closed = crate::agent_map::close(
+                    self.authority.as_ref(),
+                    &self.handles,
+                    &caller,
+                    cred.start_time,
+                    &r,
+                );
+                match closed {
+                    Ok(()) => (ok_empty(), None),
+                    Err(e) => (error_reply(&e), None),
+                }
             }
-            Some(agent_request::Request::OwnerCreate(r)) => crate::owners::create(self, &caller, r),
-            Some(agent_request::Request::Sync(call)) => {
-                (crate::agent_sync::handle(self, &caller, call, None), None)
-            }
+            Some(agent_request::Request::OwnerCreate(r)) => reply(
+                crate::owners::create(self.authority.as_ref(), self.owners.as_deref(), &caller, r)
+                    .map(Body::OwnerCreated),
+            ),
+            Some(agent_request::Request::Sync(call)) => (
+                crate::agent_sync::handle(self.sync.as_deref(), &caller, call, None),
+                None,
+            ),
             Some(agent_request::Request::Stats(_)) => {
                 let stats = self
                     .stats
@@ -538,7 +569,7 @@ fn serve_connection(stream: &UnixStream, cred: fdpass::PeerCred, handler: &Agent
             }) => {
                 let caller = handler.caller(&cred);
                 (
-                    crate::agent_sync::handle(handler, &caller, call, Some(stream)),
+                    crate::agent_sync::handle(handler.sync.as_deref(), &caller, call, Some(stream)),
                     None,
                 )
             }

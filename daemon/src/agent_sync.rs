@@ -23,7 +23,6 @@ use tokio::io::unix::AsyncFd;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
-use crate::agent::AgentHandler;
 use crate::error::DaemonError;
 use crate::manager_client::{ManagerClients, request};
 use crate::owners::OwnerWatch;
@@ -108,12 +107,12 @@ fn reply_of(result: Result<SyncResult, DaemonError>) -> AgentReply {
 /// Answers a sync call of `caller`; `peer` is its connection (watched for hang-ups while the
 /// call waits).
 pub fn handle(
-    handler: &AgentHandler,
+    sync: Option<&SyncAgent>,
     caller: &Caller,
     call: SyncCall,
     peer: Option<&UnixStream>,
 ) -> AgentReply {
-    let Some(agent) = handler.sync.as_deref() else {
+    let Some(agent) = sync else {
         return reply_of(Err(DaemonError::Invalid(
             "this host agent does not forward sync calls (no manager)".into(),
         )));

@@ -12,15 +12,13 @@
 //! The watch list lives in the daemon's memory: regions created before a restart of the
 //! daemon are no longer watched (they are released with the host's lease if the host dies).
 
-use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use regions_proto::pid_watch::{ExitHandler, PidWatch, Watch};
-use regions_proto::v1::{self, AgentReply, Caller, OwnerCreate, agent_reply::Body};
+use regions_proto::v1::{self, Caller, OwnerCreate};
 
-use crate::agent::AgentHandler;
-use crate::error::DaemonError;
+use crate::error::Result;
 use crate::manager_client::Authority;
 
 /// Called on the watcher thread when an owner exited; `true` once the release is done, `false`
@@ -160,12 +158,14 @@ pub fn releaser(authority: Arc<dyn Authority>, host_id: u32) -> OnExit {
     })
 }
 
-/// `OwnerCreate`: creates the region as `caller` through the manager and watches the caller.
+/// `OwnerCreate`: creates the region as `caller` through the manager and has `owners` watch
+/// the caller.
 pub fn create(
-    handler: &AgentHandler,
+    authority: &dyn Authority,
+    owners: Option<&OwnerWatch>,
     caller: &Caller,
     req: OwnerCreate,
-) -> (AgentReply, Option<OwnedFd>) {
+) -> Result<v1::Attr> {
     let request = v1::CreateRequest {
         caller: Some(caller.clone()),
         parent: req.parent,
@@ -174,32 +174,13 @@ pub fn create(
         attrs: req.attrs,
         preallocate: req.preallocate,
     };
-    match handler.authority.create(request) {
-        Ok(attr) => {
-            // Watched whatever the region's attributes: the manager decides at the exit which
-            // of the owner's regions are not persistent.
-            if let Some(owners) = &handler.owners {
-                owners.watch(caller.pid);
-            }
-            (
-                AgentReply {
-                    errno: 0,
-                    message: String::new(),
-                    body: Some(Body::OwnerCreated(attr)),
-                },
-                None,
-            )
-        }
-        Err(e) => (error_reply(&e), None),
+    let attr = authority.create(request)?;
+    // Watched whatever the region's attributes: the manager decides at the exit which of the
+    // owner's regions are not persistent.
+    if let Some(owners) = owners {
+        owners.watch(caller.pid);
     }
-}
-
-fn error_reply(e: &DaemonError) -> AgentReply {
-    AgentReply {
-        errno: e.errno(),
-        message: e.to_string(),
-        body: None,
-    }
+    Ok(attr)
 }
 
 #[cfg(test)]

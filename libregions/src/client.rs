@@ -1,101 +1,17 @@
-//! The client: who it acts for, its manager connection, its transports.
+//! The client of node components: path walks, creation and opening of regions over its
+//! [`Connection`] (who it acts for, its manager connection, its transports).
 
-use std::collections::HashMap;
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::Arc;
 
-use regions_proto::auth::Secret;
 use regions_proto::v1;
 
+use crate::connection::{ClientConfig, Connection};
 use crate::error::{RegionsError, Result};
 use crate::manager_client::ManagerClient;
 use crate::region::Region;
-use crate::transport::tcp::{RetryPolicy, TcpTransport};
-use crate::transport::{StatsSnapshot, TransportStats};
+use crate::transport::StatsSnapshot;
 
 pub use regions_proto::ROOT_INO;
-
-/// How a node component (regionfs, a test, a benchmark) reaches a cluster.
-#[derive(Clone, Debug)]
-pub struct ClientConfig {
-    /// Manager address, e.g. `http://127.0.0.1:7070` (`https://` when it serves TLS).
-    pub manager: String,
-    pub secret: Secret,
-    /// CA certificate (PEM) trusted for an `https://` manager (default: `REGIONS_TLS_CA`;
-    /// without one the system's roots are trusted).
-    pub tls_ca: Option<PathBuf>,
-    /// This host's id.
-    pub host_id: u32,
-    /// Identity requests are made for (defaults to this process).
-    pub uid: u32,
-    pub gid: u32,
-    pub groups: Vec<u32>,
-    pub pid: u32,
-    /// This host's agent socket, for zero-copy access to regions held here.
-    pub agent_socket: Option<PathBuf>,
-    /// Bound on retrying an unreachable daemon before `EIO`.
-    pub retry: RetryPolicy,
-    pub connect_timeout: Duration,
-}
-
-/// Environment variable naming the CA certificate of an `https://` manager.
-pub const TLS_CA_ENV: &str = "REGIONS_TLS_CA";
-
-impl ClientConfig {
-    /// A configuration acting as the current process.
-    pub fn new(manager: &str, secret: Secret, host_id: u32) -> ClientConfig {
-        // SAFETY: getuid/getgid/getpid cannot fail and touch no memory.
-        let (uid, gid, pid) = unsafe { (libc::getuid(), libc::getgid(), libc::getpid()) };
-        ClientConfig {
-            manager: manager.to_owned(),
-            secret,
-            tls_ca: std::env::var_os(TLS_CA_ENV)
-                .filter(|v| !v.is_empty())
-                .map(PathBuf::from),
-            host_id,
-            uid,
-            gid,
-            groups: Vec::new(),
-            pid: pid as u32,
-            agent_socket: None,
-            retry: RetryPolicy::default(),
-            connect_timeout: Duration::from_secs(5),
-        }
-    }
-}
-
-/// What regions and the client share.
-pub(crate) struct Shared {
-    pub(crate) manager: ManagerClient,
-    pub(crate) caller: v1::Caller,
-    pub(crate) config: ClientConfig,
-    pub(crate) stats: Arc<TransportStats>,
-    transports: Mutex<HashMap<String, Arc<TcpTransport>>>,
-}
-
-impl Shared {
-    /// The tcp transport to the daemon at `addr` (one per daemon, shared).
-    pub(crate) fn transport(&self, addr: &str) -> Arc<TcpTransport> {
-        let make = || {
-            Arc::new(TcpTransport::new(
-                addr,
-                &self.config.secret,
-                self.config.retry,
-                Arc::clone(&self.stats),
-            ))
-        };
-        match self.transports.lock() {
-            // Every remote read asks: look up without copying the address
-            // (`entry` would allocate a key per call).
-            Ok(mut map) => match map.get(addr) {
-                Some(t) => Arc::clone(t),
-                None => Arc::clone(map.entry(addr.to_owned()).or_insert_with(make)),
-            },
-            Err(_) => make(),
-        }
-    }
-}
 
 /// The non-empty components of a path ("." kept: the manager's lookup
 /// knows it, as it knows "..").
@@ -136,7 +52,7 @@ fn namespace_relative(target: &str, mount: &std::path::Path) -> Option<String> {
 /// A connection to a regions cluster.
 #[derive(Clone)]
 pub struct Client {
-    shared: Arc<Shared>,
+    shared: Arc<Connection>,
 }
 
 impl Client {
@@ -156,13 +72,7 @@ impl Client {
             by_inode: false,
         };
         Ok(Client {
-            shared: Arc::new(Shared {
-                manager,
-                caller,
-                config,
-                stats: Arc::default(),
-                transports: Mutex::new(HashMap::new()),
-            }),
+            shared: Arc::new(Connection::new(manager, caller, config)),
         })
     }
 

@@ -22,6 +22,7 @@ pub mod agent;
 pub mod app;
 pub mod capi;
 pub mod client;
+pub mod connection;
 pub mod error;
 pub mod manager_client;
 pub mod mapping;
@@ -31,7 +32,8 @@ pub mod sync;
 pub mod transport;
 mod xattr;
 
-pub use client::{Client, ClientConfig, ROOT_INO};
+pub use client::{Client, ROOT_INO};
+pub use connection::ClientConfig;
 pub use error::{RegionsError, Result};
 pub use region::{Region, SizePolicy};
 pub use transport::{StatsSnapshot, Transport};

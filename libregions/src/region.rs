@@ -8,7 +8,7 @@ use std::sync::{Arc, RwLock};
 use regions_proto::layout::{CHUNK_SIZE, MapEntry};
 use regions_proto::v1;
 
-use crate::client::Shared;
+use crate::connection::Connection;
 use crate::error::{RegionsError, Result};
 use crate::transport::local::LocalSegment;
 use crate::transport::{Span, Transport};
@@ -122,7 +122,7 @@ struct Run<'s> {
 
 /// An open region.
 pub struct Region {
-    shared: Arc<Shared>,
+    shared: Arc<Connection>,
     /// Who opened it: extends, truncates and the close are made as them.
     caller: v1::Caller,
     ino: u64,
@@ -139,7 +139,7 @@ pub struct Region {
 
 impl Region {
     pub(crate) fn new(
-        shared: Arc<Shared>,
+        shared: Arc<Connection>,
         caller: v1::Caller,
         info: v1::RegionInfo,
         write: bool,
