@@ -580,40 +580,20 @@ impl RegionFs {
     }
 }
 
-/// Deletes a region whose owner exited, unless it was made persistent. A
-/// region with one name, still where it was created (or renamed to through
-/// this mount), loses that name; otherwise (hard links, or a rename through
-/// another host) the manager deletes every name of the owner's
-/// non-persistent regions, as the daemon does for owners it watches.
+/// The creator of region `o` exited: the manager deletes every name of the non-persistent
+/// regions that process created on this host, the same call the host agent makes for the
+/// owners it watches (one owner-lifetime policy; docs/SEMANTICS.md, "Lifetime"). A persistent
+/// region, or one already gone, is left as it is.
 fn reap(manager: &ManagerClient, identity: &Identity, o: &Owned) {
-    let caller = identity.internal();
-    let attr = match manager.getattr(&caller, o.ino) {
-        Ok(a) if a.nlink > 0 => a,
-        Ok(_) | Err(_) => {
-            tracing::info!(pid = o.pid, ino = o.ino, name = %o.name, "owner exited; its region is already gone");
-            return;
+    match manager.release_owner(identity.host_id(), o.pid) {
+        Ok(deleted) if deleted.is_empty() => {
+            tracing::debug!(pid = o.pid, ino = o.ino, name = %o.name, "owner exited; nothing of it left to delete")
         }
-    };
-    if attr.region_attrs.as_ref().is_some_and(|r| r.persistent) {
-        tracing::info!(ino = o.ino, name = %o.name, "owner exited but the region was made persistent; keeping it");
-        return;
-    }
-    let at_its_name = manager
-        .lookup(&caller, o.parent, &o.name)
-        .is_ok_and(|a| a.ino == o.ino);
-    let outcome = if at_its_name && attr.nlink == 1 {
-        manager
-            .unlink(&caller, o.parent, &o.name)
-            .map(|()| vec![o.ino])
-    } else {
-        manager.release_owner(identity.host_id(), o.pid)
-    };
-    match outcome {
         Ok(deleted) => {
             tracing::info!(pid = o.pid, ino = o.ino, name = %o.name, ?deleted, "deleted the non-persistent regions of an exited owner")
         }
         Err(e) => {
-            tracing::warn!(pid = o.pid, ino = o.ino, name = %o.name, error = %e, "cannot delete the region of an exited owner")
+            tracing::warn!(pid = o.pid, ino = o.ino, name = %o.name, error = %e, "cannot delete the regions of an exited owner")
         }
     }
 }
