@@ -403,3 +403,50 @@ fn a_forked_child_faults_on_remote_pages_instead_of_reading_zeros() {
     assert_eq!(read_word(&m, len / 2), word(len / 2));
     mapping::unmap(m.base()).unwrap();
 }
+
+#[test]
+fn a_mapping_grown_after_its_region_was_emptied_maps_the_new_memory() {
+    const LEN: usize = 128 << 10;
+    let s = setup();
+    let path = s.m1.path("regrown");
+    create(&path, &[3u8; LEN]);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    let m = mapping::map_fd(file.as_fd()).unwrap();
+    assert_eq!(m.len(), LEN);
+    let segments = s.stats(1).segments;
+    // Another open empties the region: its chunks on this host are freed, and the daemon
+    // drops the segment memfd the mapping was given.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    let start = Instant::now();
+    while s.stats(1).segments >= segments {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the daemon kept the emptied region's segment"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Growing the mapping allocates the region again, in a new memfd: the new pages must map
+    // it, or their stores land in the orphan and are lost.
+    m.grow(2 * LEN).unwrap();
+    // SAFETY: [LEN, LEN + 8) lies inside the grown, writable mapping, alive until `unmap`.
+    unsafe { std::ptr::copy_nonoverlapping(b"regrown!".as_ptr(), m.base().add(LEN), 8) };
+    m.msync(m.base(), m.len()).unwrap();
+    let _ = std::fs::write("/proc/sys/vm/drop_caches", "3");
+    let back = std::fs::read(&path).unwrap();
+    assert_eq!(back.len(), 2 * LEN);
+    assert_eq!(
+        &back[LEN..LEN + 8],
+        b"regrown!",
+        "a store in the grown mapping was lost"
+    );
+    mapping::unmap(m.base()).unwrap();
+}

@@ -542,29 +542,25 @@ impl Mapping {
         Ok(())
     }
 
-    /// Asks the host agent for the segment unless it was given; returns whether this mapping
-    /// may map it (a writable mapping needs a writable segment).
+    /// Asks the host agent for the region's segment, every time pages of this host are
+    /// mapped: a region whose chunks here were all freed (truncated to nothing) and allocated
+    /// again lives in a new memfd, and new pages must map that one, not the orphan the old
+    /// descriptor names. Returns whether this mapping may map it (a writable mapping needs a
+    /// writable segment).
     fn ensure_segment(&self) -> Result<bool> {
-        let mut seg = self.segment.lock().map_err(|_| poisoned())?;
-        // Asked once per mapping: a grown region's segment is the same memfd, larger.
-        if seg.is_none() {
-            match self.region.segment()? {
-                Some(s) => *seg = Some((s.fd, s.writable)),
-                None => {
-                    return Err(map_err(
-                        libc::EIO,
-                        format!(
-                            "the host agent has no segment of region {} although the map puts \
-                             chunks on this host",
-                            self.ino()
-                        ),
-                    ));
-                }
-            }
-        }
-        Ok(seg
-            .as_ref()
-            .is_some_and(|(_, writable)| *writable || !self.write))
+        let Some(fresh) = self.region.segment()? else {
+            return Err(map_err(
+                libc::EIO,
+                format!(
+                    "the host agent has no segment of region {} although the map puts chunks \
+                     on this host",
+                    self.ino()
+                ),
+            ));
+        };
+        let usable = fresh.writable || !self.write;
+        *self.segment.lock().map_err(|_| poisoned())? = Some((fresh.fd, fresh.writable));
+        Ok(usable)
     }
 
     /// Unmaps everything and gives the address range back.
