@@ -19,27 +19,31 @@ use std::time::Duration;
 /// 22); `None` when it does not exist. A pid and its start time name one process for good: a
 /// pid reused by a later process has a later start time.
 pub fn start_time(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    start_time_of_stat(&stat)
+    state_and_start(pid).map(|(_, start)| start)
 }
 
 /// [`start_time`] of a process that is running: `None` also for one that exited and was not
 /// reaped yet (a zombie keeps its pid and start time until its parent waits for it).
 pub fn live_start_time(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let state = stat[stat.rfind(')')? + 1..].split_whitespace().next()?;
-    if matches!(state, "Z" | "X" | "x") {
-        return None;
+    match state_and_start(pid)? {
+        ('Z' | 'X' | 'x', _) => None,
+        (_, start) => Some(start),
     }
-    start_time_of_stat(&stat)
 }
 
-/// Field 22 of a `/proc/PID/stat` text. The command name (field 2) may hold spaces and
-/// parentheses, so fields are counted from behind its last `)`.
-fn start_time_of_stat(stat: &str) -> Option<u64> {
-    let rest = &stat[stat.rfind(')')? + 1..];
-    // `rest` starts at field 3.
-    rest.split_whitespace().nth(19)?.parse().ok()
+/// The state and start time of process `pid`, from `/proc/PID/stat`.
+fn state_and_start(pid: u32) -> Option<(char, u64)> {
+    state_and_start_of_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// Fields 3 (state) and 22 (start time) of a `/proc/PID/stat` text. The command name (field
+/// 2) may hold spaces and parentheses, so fields are counted from behind its last `)`.
+fn state_and_start_of_stat(stat: &str) -> Option<(char, u64)> {
+    let mut fields = stat[stat.rfind(')')? + 1..].split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    // Field 3 was the state; the start time is 19 fields further.
+    let start = fields.nth(18)?.parse().ok()?;
+    Some((state, start))
 }
 
 /// Opens a pidfd for `pid`. A pid that cannot exist (0, or beyond `pid_t`) is `ESRCH`, like
@@ -262,7 +266,7 @@ mod tests {
         child.wait().unwrap();
         // A command name with spaces and parentheses.
         let stat = "42 (a) b (c)) S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 777 20";
-        assert_eq!(start_time_of_stat(stat), Some(777));
+        assert_eq!(state_and_start_of_stat(stat), Some(('S', 777)));
     }
 
     #[derive(Default)]

@@ -56,18 +56,7 @@ impl RegionFs {
             self.push_size(ino, old, attr.size, Some(&region));
         }
         let (io, fd) = self.choose_io(ino, write, &region, &attr)?;
-        let fh = self.add_handle(Handle {
-            ino,
-            pid: caller.pid,
-            uid: caller.uid,
-            body: Body::Region(Box::new(RegionHandle {
-                region,
-                caller,
-                write,
-                io: Mutex::new(io),
-                fenced: AtomicBool::new(false),
-            })),
-        });
+        let fh = self.add_region_handle(ino, caller, region, write, io);
         tracing::trace!(ino, fh, write, keep, io = io.name(), "open");
         Ok(Opened {
             fh,

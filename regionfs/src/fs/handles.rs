@@ -64,6 +64,30 @@ impl RegionFs {
             .ok_or_else(|| FsError::BadHandle(format!("file handle {fh} is not open")))
     }
 
+    /// Adds the open of region `ino` by `caller` (for writing when `write`), its data moving
+    /// by `io`; returns its handle number.
+    pub(super) fn add_region_handle(
+        &self,
+        ino: u64,
+        caller: v1::Caller,
+        region: Region,
+        write: bool,
+        io: IoMode,
+    ) -> u64 {
+        self.add_handle(Handle {
+            ino,
+            pid: caller.pid,
+            uid: caller.uid,
+            body: Body::Region(Box::new(RegionHandle {
+                region,
+                caller,
+                write,
+                io: Mutex::new(io),
+                fenced: AtomicBool::new(false),
+            })),
+        })
+    }
+
     pub(super) fn add_handle(&self, handle: Handle) -> u64 {
         let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut h) = self.handles.write() {

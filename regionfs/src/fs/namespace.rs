@@ -417,18 +417,7 @@ impl RegionFs {
             let mut inodes = self.lock_inodes();
             inodes.entry(attr.ino).or_default().cached_opens += 1;
         }
-        let fh = self.add_handle(Handle {
-            ino: attr.ino,
-            pid: caller.pid,
-            uid: caller.uid,
-            body: Body::Region(Box::new(RegionHandle {
-                region,
-                caller,
-                write,
-                io: Mutex::new(IoMode::Cached),
-                fenced: AtomicBool::new(false),
-            })),
-        });
+        let fh = self.add_region_handle(attr.ino, caller, region, write, IoMode::Cached);
         Ok((
             attr,
             Opened {
