@@ -64,62 +64,10 @@ use crate::transport::{Span, Transport, TransportStats};
 mod unlock;
 use unlock::{Handover, InFlight};
 
-/// Set in a lock word while callers queue at the manager.
-pub const WAITERS: u64 = 1 << 63;
-/// Set in a barrier's arrival word while callers sleep at the manager.
-pub const SLEEPERS: u64 = 1 << 63;
-/// Set in the word of a deleted barrier or mutex (its slot is never used again).
-pub const DELETED: u64 = 1 << 62;
-/// The arrival count bits of a barrier's word.
-pub const COUNT_MASK: u64 = DELETED - 1;
-/// Bits of a lock word tag: host id, pid, tid (low to high: tid, pid, host).
-pub const TAG_HOST_BITS: u32 = 16;
-pub const TAG_PID_BITS: u32 = 22;
-pub const TAG_TID_BITS: u32 = 22;
-
-/// The lock word tag of thread `tid` of process `pid` on host `host` (`tid` 0: the process
-/// as a whole), or `None` when a part does not fit its bits (host ids below 65536; pids and
-/// tids below 2^22, which Linux guarantees: `kernel.pid_max` is at most 4194304).
-pub fn tag(host: u32, pid: u32, tid: u32) -> Option<u64> {
-    if host >> TAG_HOST_BITS != 0 || pid >> TAG_PID_BITS != 0 || tid >> TAG_TID_BITS != 0 {
-        return None;
-    }
-    Some(
-        (u64::from(host) << (TAG_PID_BITS + TAG_TID_BITS))
-            | (u64::from(pid) << TAG_TID_BITS)
-            | u64::from(tid),
-    )
-}
-
-/// Host id of a tag (flag bits ignored).
-pub fn tag_host(tag: u64) -> u32 {
-    ((tag >> (TAG_PID_BITS + TAG_TID_BITS)) & ((1 << TAG_HOST_BITS) - 1)) as u32
-}
-
-/// Pid of a tag.
-pub fn tag_pid(tag: u64) -> u32 {
-    ((tag >> TAG_TID_BITS) & ((1 << TAG_PID_BITS) - 1)) as u32
-}
-
-/// Tid of a tag (0: the process as a whole).
-pub fn tag_tid(tag: u64) -> u32 {
-    (tag & ((1 << TAG_TID_BITS) - 1)) as u32
-}
-
-/// Why an id does not fit a tag, for errors.
-pub fn tag_overflow_hint(host: u32, pid: u32, tid: u32) -> String {
-    let pid_max = std::fs::read_to_string("/proc/sys/kernel/pid_max")
-        .map(|s| s.trim().to_owned())
-        .unwrap_or_else(|_| "unknown".into());
-    format!(
-        "host {host}, pid {pid}, tid {tid} do not fit a lock word tag (host ids below {}, \
-         pids and tids below {}; kernel.pid_max is {pid_max}): use smaller host ids or lower \
-         kernel.pid_max to at most {}",
-        1u64 << TAG_HOST_BITS,
-        1u64 << TAG_PID_BITS,
-        1u64 << TAG_PID_BITS
-    )
-}
+pub use regions_proto::lock_word::{
+    COUNT_MASK, DELETED, SLEEPERS, TAG_HOST_BITS, TAG_PID_BITS, TAG_TID_BITS, WAITERS, tag,
+    tag_host, tag_overflow_hint, tag_pid, tag_tid,
+};
 
 /// The calling thread's Linux tid.
 fn gettid() -> u32 {
@@ -823,18 +771,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tags_pack_host_pid_and_tid() {
-        let t = tag(65535, (1 << 22) - 1, 12345).unwrap();
-        assert_eq!(tag_host(t), 65535);
-        assert_eq!(tag_pid(t), (1 << 22) - 1);
-        assert_eq!(tag_tid(t), 12345);
-        assert_eq!(t & (WAITERS | DELETED), 0, "flag bits stay free");
-        assert_eq!(tag_host(t | WAITERS), 65535);
-        assert!(tag(1 << 16, 1, 1).is_none());
-        assert!(tag(1, 1 << 22, 1).is_none());
-        assert!(tag(1, 1, 1 << 22).is_none());
-        assert_ne!(tag(1, 2, 3), tag(1, 2, 4), "threads differ");
-        assert!(tag_overflow_hint(1, 1 << 22, 0).contains("pid_max"));
+    fn thread_ids_fit_a_tag_and_differ_per_thread() {
         let me = gettid();
         assert!(me > 0 && me >> TAG_TID_BITS == 0);
         let other = std::thread::spawn(gettid).join().unwrap();

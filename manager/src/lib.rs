@@ -27,6 +27,7 @@ pub mod sync;
 mod test_support;
 pub mod vaddr;
 pub mod wal;
+pub mod word_client;
 pub mod xattr;
 
 pub use access::Caller;

@@ -16,7 +16,7 @@
 //! - **Mutex**: an 8-byte lock word in a hidden region the manager allocates (one persistent
 //!   region with no name, root's, mode 0600, slots 64 bytes apart; a client's capability
 //!   reaches its object's slot only). The word is 0 when free, else the holding
-//!   thread's tag (host id, pid, tid: `regions::sync::tag`), with [`WAITERS`] set while
+//!   thread's tag (host id, pid, tid: `regions_proto::lock_word::tag`), with [`WAITERS`] set while
 //!   callers queue here. Clients lock
 //!   with a transport compare-and-swap `0 -> tag` and unlock with `tag -> 0`; only when that
 //!   fails do they call `MutexLock` / `MutexUnlock`, and the manager (which changes the word
@@ -38,8 +38,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
-use regions::transport::tcp::{RetryPolicy, TcpTransport};
-use regions::transport::{Span, Transport, TransportStats};
 use regions_proto::auth::Secret;
 use regions_proto::layout::{CHUNK_SIZE, MapEntry};
 use regions_proto::v1::{self, sync_server::Sync};
@@ -54,7 +52,8 @@ use crate::manager::Manager;
 use crate::model::{Kind, ROOT_INO, RegionAttrs};
 use crate::state::State;
 
-pub use regions::sync::{COUNT_MASK, DELETED, SLEEPERS, WAITERS, tag_host, tag_pid};
+use crate::word_client::{WordAt, WordClient};
+pub use regions_proto::lock_word::{COUNT_MASK, DELETED, SLEEPERS, WAITERS, tag_host, tag_pid};
 /// Bytes between lock words (one cache line each).
 pub const SLOT_STRIDE: u64 = 64;
 /// Store key of the lock region's record (no object may have an empty name).
@@ -67,8 +66,9 @@ const BARRIER_TICK: Duration = Duration::from_millis(100);
 
 /// The lock word tag of thread `tid` (0: the whole process) of `pid` on host `host`.
 pub fn tag(host: u32, pid: u32, tid: u32) -> Result<u64> {
-    regions::sync::tag(host, pid, tid)
-        .ok_or_else(|| ManagerError::Invalid(regions::sync::tag_overflow_hint(host, pid, tid)))
+    regions_proto::lock_word::tag(host, pid, tid).ok_or_else(|| {
+        ManagerError::Invalid(regions_proto::lock_word::tag_overflow_hint(host, pid, tid))
+    })
 }
 
 /// A named object's definition (stored).
@@ -613,11 +613,9 @@ pub struct SyncService {
 
 struct Inner {
     manager: Arc<Manager>,
-    secret: Secret,
     minter: Minter,
     runtime: StdMutex<Runtime>,
-    transports: StdMutex<HashMap<String, Arc<TcpTransport>>>,
-    stats: Arc<TransportStats>,
+    words: WordClient,
     next_waiter: AtomicU64,
 }
 
@@ -666,10 +664,8 @@ impl SyncService {
             inner: Arc::new(Inner {
                 minter: Minter::new(&secret, manager.config().capability_ttl),
                 manager,
-                secret,
                 runtime: StdMutex::new(Runtime::default()),
-                transports: StdMutex::new(HashMap::new()),
-                stats: Arc::default(),
+                words: WordClient::new(secret),
                 next_waiter: AtomicU64::new(1),
             }),
         }
@@ -1124,32 +1120,26 @@ impl SyncService {
         self.manager().read(move |s| s.lock_word(offset)).await
     }
 
-    fn transport(&self, addr: &str) -> Result<Arc<TcpTransport>> {
-        let mut map = self.inner.transports.lock().map_err(|_| poisoned())?;
-        Ok(Arc::clone(map.entry(addr.to_owned()).or_insert_with(
-            || {
-                Arc::new(TcpTransport::new(
-                    addr,
-                    &self.inner.secret,
-                    RetryPolicy::default(),
-                    Arc::clone(&self.inner.stats),
-                ))
-            },
-        )))
-    }
-
     /// Compare-and-swap on a lock word; returns the old value.
     async fn cas(&self, place: &WordPlace, expected: u64, new: u64) -> Result<u64> {
-        self.word_op(place, move |t, span| {
-            t.compare_and_swap(span, expected, new)
-        })
-        .await
+        let addr = Self::word_host(place)?;
+        let at = Self::word_at(place);
+        self.inner
+            .words
+            .compare_and_swap(addr, &at, expected, new)
+            .await
+            .map_err(|e| Self::unreachable_word(place, e))
     }
 
     /// Fetch-add on a word; returns the old value.
     async fn fetch_add(&self, place: &WordPlace, addend: u64) -> Result<u64> {
-        self.word_op(place, move |t, span| t.fetch_add(span, addend))
+        let addr = Self::word_host(place)?;
+        let at = Self::word_at(place);
+        self.inner
+            .words
+            .fetch_add(addr, &at, addend)
             .await
+            .map_err(|e| Self::unreachable_word(place, e))
     }
 
     /// The value of a word.
@@ -1157,33 +1147,31 @@ impl SyncService {
         self.fetch_add(place, 0).await
     }
 
-    /// One atomic operation on a word over the transport.
-    async fn word_op(
-        &self,
-        place: &WordPlace,
-        op: impl FnOnce(&TcpTransport, &Span) -> regions::Result<u64> + Send + 'static,
-    ) -> Result<u64> {
+    /// The transport address of the daemon holding the word.
+    fn word_host(place: &WordPlace) -> Result<&str> {
         if place.transport_addr.is_empty() {
             return Err(ManagerError::Store(format!(
                 "host {} holding the lock region is unknown",
                 place.host_id
             )));
         }
-        let transport = self.transport(&place.transport_addr)?;
-        let span = Span {
+        Ok(&place.transport_addr)
+    }
+
+    fn word_at(place: &WordPlace) -> WordAt {
+        WordAt {
             ino: place.ino,
             region_offset: place.region_offset,
             pool: place.pool,
             pool_offset: place.pool_offset,
-            len: 8,
-        };
-        let host = place.host_id;
-        tokio::task::spawn_blocking(move || op(&transport, &span))
-            .await
-            .map_err(|e| ManagerError::Store(format!("lock word task failed: {e}")))?
-            .map_err(|e| {
-                ManagerError::Unavailable(format!("cannot reach the lock word at host {host}: {e}"))
-            })
+        }
+    }
+
+    fn unreachable_word(place: &WordPlace, e: crate::word_client::WordError) -> ManagerError {
+        ManagerError::Unavailable(format!(
+            "cannot reach the lock word at host {}: {e}",
+            place.host_id
+        ))
     }
 
     async fn mutex(&self, name: &str) -> Result<(Arc<MutexRt>, WordPlace)> {

@@ -6,6 +6,7 @@
 //! - [`auth`]: the cluster secret, and the per-call proofs of it in request metadata.
 //! - [`handshake`]: the transport's challenge–response HELLO with the cluster secret.
 //! - [`frame`]: the binary frame codec of the tcp data transport.
+//! - [`lock_word`]: what the words of mutexes and barriers hold (tags and flag bits).
 //! - [`word_wait`]: how processes sharing region memory wait for a word to change.
 //! - [`pid_watch`]: watching processes for their exit with pidfds.
 //! - [`lease_contact`]: how long the manager has been silent (a host's self-fence).
@@ -21,6 +22,7 @@ pub mod frame;
 pub mod handshake;
 pub mod layout;
 pub mod lease_contact;
+pub mod lock_word;
 #[cfg(feature = "exporter")]
 pub mod metrics;
 pub mod pid_watch;
