@@ -582,46 +582,6 @@ fn raw_header(op: Op, len: u32) -> Vec<u8> {
     out.to_vec()
 }
 
-/// Set (to the payload budget in bytes) for [`flood_server_helper`].
-const FLOOD_SERVER_ENV: &str = "REGIONS_TEST_FLOOD_SERVER";
-
-/// Not a test of its own: the transport server of [`a_flood_of_connections_leaves_authenticated_clients_served`],
-/// in a process of its own so that its memory can be measured. Does nothing unless
-/// [`FLOOD_SERVER_ENV`] is set. Prints `addr ADDR`, then answers each line on stdin with
-/// `open N` (connections open now); exits when stdin ends.
-#[test]
-fn flood_server_helper() {
-    use std::io::BufRead;
-    let Ok(budget) = std::env::var(FLOOD_SERVER_ENV) else {
-        return;
-    };
-    regions_daemon::admission::return_large_buffers_to_the_os();
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .try_init();
-    let stats = Arc::new(Stats::default());
-    let config = TransportConfig {
-        io_timeout: Duration::from_secs(5),
-        max_buffered: budget.parse().unwrap(),
-        ..TransportConfig::default()
-    };
-    let listener = TransportServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
-    let srv = TransportServer::start(
-        listener,
-        pools(),
-        Secret::new(TOKEN).unwrap(),
-        Arc::clone(&stats),
-        config,
-    )
-    .unwrap();
-    println!("addr {}", srv.local_addr());
-    for _ in std::io::stdin().lock().lines() {
-        let open = stats.connections.load(std::sync::atomic::Ordering::Relaxed);
-        println!("open {open}");
-    }
-}
-
 /// What follows `prefix` on the next line from `lines` that has it (bounded wait).
 fn next_with(lines: &std::sync::mpsc::Receiver<String>, prefix: &str) -> String {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -630,14 +590,13 @@ fn next_with(lines: &std::sync::mpsc::Receiver<String>, prefix: &str) -> String 
         let line = lines
             .recv_timeout(left)
             .unwrap_or_else(|_| panic!("the flood server never said {prefix:?}"));
-        // libtest prints "test NAME ... " before the helper's first line.
-        if let Some(at) = line.find(prefix) {
-            return line[at + prefix.len()..].trim().to_owned();
+        if let Some(rest) = line.strip_prefix(prefix) {
+            return rest.trim().to_owned();
         }
     }
 }
 
-/// The flood server: its process, address and output lines.
+/// The flood server (`regions-transport-server`): its process, address and output lines.
 struct FloodServer {
     child: std::process::Child,
     addr: std::net::SocketAddr,
@@ -648,14 +607,9 @@ impl FloodServer {
     fn start(budget: u64) -> FloodServer {
         use std::io::BufRead;
         use std::process::{Command, Stdio};
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "flood_server_helper",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(FLOOD_SERVER_ENV, budget.to_string())
+        let mut child = Command::new(env!("CARGO_BIN_EXE_regions-transport-server"))
+            .args(["--payload-budget", &budget.to_string()])
+            .env("REGIONS_SECRET_TOKEN", TOKEN)
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "off".into()),
