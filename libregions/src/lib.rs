@@ -19,7 +19,6 @@
 //! Calls are blocking; make them from ordinary threads.
 
 pub mod agent;
-pub mod app;
 pub mod capi;
 pub mod client;
 pub mod connection;
@@ -35,5 +34,5 @@ mod xattr;
 pub use client::{Client, ROOT_INO};
 pub use connection::ClientConfig;
 pub use error::{RegionsError, Result};
-pub use region::{Region, SizePolicy};
+pub use region::{ChunkLoc, Region, SizePolicy};
 pub use transport::{StatsSnapshot, Transport};

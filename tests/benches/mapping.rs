@@ -28,9 +28,9 @@ use anyhow::{Context, ensure};
 use rand::rngs::SmallRng;
 use rand::seq::SliceRandom;
 use rand::{RngCore as _, SeedableRng as _};
-use regions::app::AppRegion;
+use regions::Region;
 use regions::mapping;
-use regions::transport::{Span, Transport as _};
+use regions::transport::Span;
 use regions_tests::Cluster;
 
 const PAGE: usize = 4096;
@@ -57,7 +57,7 @@ fn p99(v: &mut [f64]) -> f64 {
 /// bytes over the transport.
 fn fill(path: &std::path::Path, len: usize) -> anyhow::Result<()> {
     std::fs::File::create(path).with_context(|| format!("create {}", path.display()))?;
-    let w = AppRegion::open_path(path, true)?;
+    let w = Region::open_path(path, true)?;
     let mut rng = SmallRng::seed_from_u64(len as u64);
     let mut buf = vec![0u8; 4 << 20];
     let mut at = 0;
@@ -278,7 +278,7 @@ fn main() -> anyhow::Result<()> {
     mapping::set_prefetch_pages(1);
     let f = std::fs::File::open(m1.path("uffd"))?;
     let m = mapping::map_fd(f.as_fd())?;
-    let bare = AppRegion::open_path(&m1.path("bare"), false)?;
+    let bare = Region::open_path(&m1.path("bare"), false)?;
     let ff = std::fs::File::open(m1.path("fuse"))?;
     // SAFETY: a shared read-only mapping of the whole file, dropped below; the region is not
     // truncated while it is mapped (reads only go through raw volatile loads, `touch`).
@@ -323,7 +323,7 @@ fn main() -> anyhow::Result<()> {
     pingpong.stop()?;
     raw.stop()?;
     // The mapping reads what the region holds.
-    let check = AppRegion::open_path(&m1.path("uffd"), false)?;
+    let check = Region::open_path(&m1.path("uffd"), false)?;
     let mut page = vec![0u8; PAGE];
     check.read_at((order[0] * PAGE) as u64, &mut page)?;
     // SAFETY: the page is mapped and was touched above.
@@ -381,7 +381,7 @@ fn main() -> anyhow::Result<()> {
     mapping::set_prefetch_pages(mapping::DEFAULT_PREFETCH_PAGES);
     let seq_bytes = sizes.seq_region as f64;
     let gib = |secs: f64| seq_bytes / secs / f64::from(1u32 << 30);
-    let seq = AppRegion::open_path(&m1.path("seq"), false)?;
+    let seq = Region::open_path(&m1.path("seq"), false)?;
     let mut big = vec![0u8; 4 << 20];
     println!(
         "sequential first touch of {} MiB held remotely, {ROUNDS} rounds:",

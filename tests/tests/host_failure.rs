@@ -158,10 +158,7 @@ fn a_dead_daemon_gives_bounded_eio_and_its_restart_loses_its_regions() {
 
     // The daemon comes back with the same host id and none of its memory.
     restart(&mut cluster, 3);
-    let err = c
-        .open(doomed_ino, false)
-        .err()
-        .expect("a lost region opened");
+    let err = c.open(doomed_ino, false).expect_err("a lost region opened");
     assert_eq!(err.errno(), libc::EIO, "{err}");
     assert!(err.to_string().contains("lost"), "{err}");
     for m in &mounts {

@@ -19,6 +19,9 @@ const NOBODY: u32 = 65534;
 struct Setup {
     cluster: Cluster,
     mount: MountProcess,
+    /// A mount on host 2, in clusters of two hosts: regions created through it live there,
+    /// remote to the attacker on host 1.
+    second: Option<MountProcess>,
     /// `regions-attack`, copied where `nobody` may run it.
     attack: PathBuf,
     socket: PathBuf,
@@ -30,7 +33,13 @@ fn setup() -> Setup {
 
 /// [`setup`] with extra arguments for the daemon.
 fn setup_with(daemon_args: &[&str]) -> Setup {
-    let cluster = Cluster::start_with_daemon_args(1, "256M", &[], daemon_args).expect("cluster");
+    setup_hosts(1, daemon_args)
+}
+
+/// A cluster of `hosts` (1 or 2) with a mount on each; the attacker talks to host 1's agent.
+fn setup_hosts(hosts: u32, daemon_args: &[&str]) -> Setup {
+    let cluster =
+        Cluster::start_with_daemon_args(hosts, "256M", &[], daemon_args).expect("cluster");
     // nobody must reach the agent socket (and the attack binary) below the cluster directory,
     // but not list it.
     std::fs::set_permissions(cluster.dir.path(), std::fs::Permissions::from_mode(0o711))
@@ -38,9 +47,11 @@ fn setup_with(daemon_args: &[&str]) -> Setup {
     let mount = cluster.mount(1).expect("mount");
     let attack = regions_tests::attack_binary(cluster.dir.path()).expect("attack binary");
     let socket = cluster.daemon(1).expect("daemon").socket.clone();
+    let second = (hosts > 1).then(|| cluster.mount(2).expect("mount on host 2"));
     Setup {
         cluster,
         mount,
+        second,
         attack,
         socket,
     }
@@ -98,7 +109,17 @@ impl Setup {
 
     /// Creates a region of `bytes` through the mount (as root) with `mode`; returns its inode.
     fn region(&self, rel: &str, bytes: &[u8], mode: u32) -> u64 {
-        let path = self.mount.path(rel);
+        Self::region_through(&self.mount, rel, bytes, mode)
+    }
+
+    /// [`Setup::region`] on host 2 (through its mount), remote to the attacker.
+    fn remote_region(&self, rel: &str, bytes: &[u8], mode: u32) -> u64 {
+        let second = self.second.as_ref().expect("a cluster of two hosts");
+        Self::region_through(second, rel, bytes, mode)
+    }
+
+    fn region_through(mount: &MountProcess, rel: &str, bytes: &[u8], mode: u32) -> u64 {
+        let path = mount.path(rel);
         std::fs::write(&path, bytes).expect("write a region");
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).expect("chmod");
         std::fs::metadata(&path).expect("stat").ino()
@@ -489,15 +510,16 @@ fn attack_across_a_change(
 #[test]
 fn capabilities_are_revoked_by_chmod_chown_unlink_and_truncate() {
     use std::os::unix::fs::chown;
-    let s = setup();
+    let s = setup_hosts(2, &[]);
     let content = vec![b'r'; 8192];
     // chmod: nobody could read (0644), then cannot (0600). The token it held is refused by
     // the daemon, on its old connection and on a new one, and renewing it is refused too.
-    let chmod = s.region("chmod", &content, 0o644);
+    let chmod = s.remote_region("chmod", &content, 0o644);
     let out = across_a_change(&s, chmod, || {
         std::fs::set_permissions(s.mount.path("chmod"), PermissionsExt::from_mode(0o600))
             .expect("chmod 0600");
     });
+    assert_eq!(out.get("chunk-local").map(String::as_str), Some("false"));
     allowed(&out, "library-read-before");
     allowed(&out, "old-token-before");
     refused(&out, "old-token", &[libc::EKEYREVOKED]);
@@ -505,7 +527,7 @@ fn capabilities_are_revoked_by_chmod_chown_unlink_and_truncate() {
     refused(&out, "library-read", &[libc::EACCES]);
 
     // chown: nobody read through its group, and the group changes.
-    let group = s.region("chown", &content, 0o640);
+    let group = s.remote_region("chown", &content, 0o640);
     chown(s.mount.path("chown"), Some(0), Some(NOBODY)).expect("chgrp nobody");
     let out = across_a_change(&s, group, || {
         chown(s.mount.path("chown"), Some(0), Some(0)).expect("chgrp root");
@@ -513,6 +535,18 @@ fn capabilities_are_revoked_by_chmod_chown_unlink_and_truncate() {
     allowed(&out, "old-token-before");
     refused(&out, "old-token", &[libc::EKEYREVOKED]);
     refused(&out, "library-read", &[libc::EACCES]);
+
+    // Chunks on the reader's own host are read through the segment descriptor the agent
+    // handed at the open, which keeps its rights as a descriptor does: the library reads
+    // them after the chmod, while the token (over tcp to the same daemon) is revoked.
+    let here = s.region("here", &content, 0o644);
+    let out = across_a_change(&s, here, || {
+        std::fs::set_permissions(s.mount.path("here"), PermissionsExt::from_mode(0o600))
+            .expect("chmod 0600");
+    });
+    assert_eq!(out.get("chunk-local").map(String::as_str), Some("true"));
+    refused(&out, "old-token", &[libc::EKEYREVOKED]);
+    allowed(&out, "library-read");
 
     // A shrinking truncate and an unlink end the tokens too; a holder that may still read
     // (mode 0644; an unlinked region stays readable through its open handle, as a descriptor

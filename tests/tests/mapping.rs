@@ -12,8 +12,8 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{Receiver, channel};
 use std::time::{Duration, Instant};
 
+use regions::Region;
 use regions::agent::AgentClient;
-use regions::app::AppRegion;
 use regions::mapping;
 use regions_tests::{Cluster, MountProcess, bin_path};
 
@@ -234,7 +234,7 @@ fn markdirty_zero_never_fetches_and_msync_publishes() {
     assert_eq!(synced.transport_bytes_read, before.transport_bytes_read);
 
     // A fresh reader on host 2 sees the written pages and the untouched rest.
-    let reader = AppRegion::open_path(&s.m2.path("dz"), false).expect("fresh reader");
+    let reader = Region::open_path(&s.m2.path("dz"), false).expect("fresh reader");
     let mut got = vec![0u8; dirty + 4096];
     assert_eq!(reader.read_at(0, &mut got).unwrap(), got.len());
     assert!(got[..dirty] == data[..], "msync published the writes");
@@ -249,7 +249,7 @@ fn clearcache_then_reread_sees_the_writers_newer_data() {
     let file = std::fs::File::open(s.m1.path("cc")).unwrap();
     let m = mapping::map_fd(file.as_fd()).expect("map");
     assert_eq!(read_word(&m, 0), 1);
-    let writer = AppRegion::open_path(&s.m2.path("cc"), true).expect("writer");
+    let writer = Region::open_path(&s.m2.path("cc"), true).expect("writer");
     writer.write_at(0, &2u64.to_le_bytes()).unwrap();
     assert_eq!(read_word(&m, 0), 1, "the page stays cached until cleared");
     m.clearcache(m.base(), m.len()).expect("clearcache");
@@ -305,7 +305,7 @@ fn two_processes_on_one_host_see_each_others_writes_at_once() {
 fn read_only_capability_refuses_writes() {
     let s = setup();
     create(&s.m2.path("ro"), &[5u8; 64 << 10]);
-    let ro = AppRegion::open_path(&s.m1.path("ro"), false).expect("read-only open");
+    let ro = Region::open_path(&s.m1.path("ro"), false).expect("read-only open");
     let mut buf = [0u8; 16];
     assert_eq!(ro.read_at(0, &mut buf).unwrap(), 16);
     assert_eq!(buf, [5u8; 16]);
@@ -322,7 +322,7 @@ fn read_only_capability_refuses_writes() {
     );
     mapping::unmap(m.base()).unwrap();
     // A writable open gets a writable capability.
-    let rw = AppRegion::open_path(&s.m1.path("ro"), true).expect("read-write open");
+    let rw = Region::open_path(&s.m1.path("ro"), true).expect("read-write open");
     rw.write_at(0, b"yes!").unwrap();
     assert_eq!(ro.read_at(0, &mut buf).unwrap(), 16);
     assert_eq!(&buf[..4], b"yes!");

@@ -32,9 +32,9 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use regions_proto::layout::{CHUNK_SIZE, VADDR_WINDOW_END, VADDR_WINDOW_START};
 
-use crate::app::AppRegion;
 use crate::error::{RegionsError, Result};
-use crate::transport::{Span, Transport};
+use crate::region::Region;
+use crate::transport::Span;
 pub use sys::PAGE;
 use uffd::{Faults, Job};
 
@@ -92,7 +92,7 @@ enum Backing {
 
 /// A region mapped into this process.
 pub struct Mapping {
-    region: Arc<AppRegion>,
+    region: Arc<Region>,
     base: usize,
     /// Bytes mapped (page multiple).
     len: AtomicUsize,
@@ -264,10 +264,10 @@ fn reservation_for(len: usize) -> usize {
 /// already mapped in this process returns the same mapping.
 pub fn map_fd(fd: BorrowedFd<'_>) -> Result<Arc<Mapping>> {
     init()?;
-    if let Some(m) = by_ino(crate::app::file_id(fd)?) {
+    if let Some(m) = by_ino(crate::region::file_id(fd)?) {
         return Ok(m);
     }
-    let region = AppRegion::open_fd(fd)?;
+    let region = Region::open_fd(fd)?;
     map_region(region)
 }
 
@@ -280,7 +280,7 @@ fn by_ino(ino: (u64, u64)) -> Option<Arc<Mapping>> {
 }
 
 /// Maps an opened region (see [`map_fd`]).
-pub fn map_region(region: Arc<AppRegion>) -> Result<Arc<Mapping>> {
+pub fn map_region(region: Arc<Region>) -> Result<Arc<Mapping>> {
     init()?;
     let key = (region.dev(), region.ino());
     if let Some(m) = by_ino(key) {
@@ -424,7 +424,7 @@ impl Mapping {
     }
 
     /// The region behind the mapping.
-    pub fn region(&self) -> &Arc<AppRegion> {
+    pub fn region(&self) -> &Arc<Region> {
         &self.region
     }
 

@@ -252,8 +252,7 @@ fn write_segment(
     // The controls: a writer still writes, through the library and through a mapping.
     report_call(
         "library-write",
-        regions::app::AppRegion::open_ino(socket, ino, true)
-            .and_then(|r| r.write_at(0, b"library!")),
+        regions::Region::open_ino(socket, ino, true).and_then(|r| r.write_at(0, b"library!")),
     );
     let mapped = write_through_mapping(path);
     if let Err(e) = &mapped {
@@ -552,7 +551,7 @@ fn sync_slot(agent: &mut AgentClient, socket: &Path, name: &str) -> anyhow::Resu
 fn revoked(agent: &mut AgentClient, socket: &Path, ino: u64) -> anyhow::Result<()> {
     use regions::transport::tcp::{RetryPolicy, TcpTransport};
     use regions::transport::{Span, Transport};
-    let region = match regions::app::AppRegion::open_ino(socket, ino, false) {
+    let region = match regions::Region::open_ino(socket, ino, false) {
         Ok(r) => r,
         Err(e) => {
             println!("open: failed {}", e.errno());
@@ -562,6 +561,7 @@ fn revoked(agent: &mut AgentClient, socket: &Path, ino: u64) -> anyhow::Result<(
     let mut buf = [0u8; 4];
     report_call("library-read-before", region.read_at(0, &mut buf));
     let loc = region.chunk(0).context("where chunk 0 is")?;
+    println!("chunk-local: {}", loc.local);
     let info = agent
         .open(ino, false)
         .context("a second open for its token")?;

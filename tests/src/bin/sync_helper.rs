@@ -121,7 +121,7 @@ fn fenced(sync: &SyncClient, name: &str, paths: &[String]) -> anyhow::Result<()>
         bail!("fenced needs REGION GONE KEPT");
     };
     sync.mutex_lock(name)?;
-    let region = regions::app::AppRegion::open_path(Path::new(region), true)?;
+    let region = regions::Region::open_path(Path::new(region), true)?;
     region.write_at(0, b"holder-1")?;
     let gone = std::fs::OpenOptions::new()
         .read(true)

@@ -1,17 +1,39 @@
-//! An open region: its cached map, and reads, writes and atomics at any
-//! offset, split by chunk and host and issued to each host in parallel.
+//! An open region (Remote Regions paper §4, §5; docs/ARCHITECTURE.md, "libregions"): its
+//! cached map, and reads, writes and atomics at any offset, split by chunk and host and issued
+//! to each host in parallel, through this host's mapped segment where the bytes are here.
+//!
+//! One type for every opener: a node component with the cluster secret opens regions through
+//! a [`crate::Client`], an application through the file it opened under a regions mount
+//! ([`Region::open_fd`], [`Region::open_path`]); [`authority`] is the only difference.
+//!
+//! ```no_run
+//! use std::os::fd::AsFd;
+//! let file = std::fs::File::open("/regions/data")?;
+//! let region = regions::Region::open_fd(file.as_fd())?;
+//! let mut buf = [0u8; 16];
+//! region.read_at(0, &mut buf)?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
-use std::collections::HashMap;
+pub(crate) mod authority;
+mod from_file;
+mod placement;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
 use regions_proto::layout::{CHUNK_SIZE, MapEntry};
 use regions_proto::v1;
 
+use crate::agent::Segment;
 use crate::connection::Connection;
 use crate::error::{RegionsError, Result};
 use crate::transport::local::LocalSegment;
-use crate::transport::{Span, Transport};
+use crate::transport::{Span, StatsSnapshot, Transport};
+use authority::Authority;
+pub use from_file::{device_of, file_id};
+pub use placement::ChunkLoc;
+use placement::{MapState, Run, Target};
 
 /// Reads and writes smaller than this stay on the calling thread even when
 /// they span hosts (a thread costs more than it saves).
@@ -24,72 +46,9 @@ const RESERVE_MIN: u64 = CHUNK_SIZE;
 /// The largest single reservation step.
 const RESERVE_MAX: u64 = 1 << 30;
 
-/// What a client knows of a region's placement.
-struct MapState {
-    size: u64,
-    /// `size` includes writes not yet made durable at the manager.
-    unpublished: bool,
-    version: u64,
-    entries: Vec<u64>,
-    pools: HashMap<u32, v1::PoolInfo>,
-    /// This host's segment, mapped (same-host access).
-    local: Option<Arc<LocalSegment>>,
-    /// Map version at which the agent was last asked for the segment.
-    local_checked: Option<u64>,
-    /// When the agent had no segment yet although the map puts chunks on this host (its
-    /// daemon has not applied their assignment yet): ask again after this instant.
-    local_retry_at: Option<std::time::Instant>,
-}
-
 /// How long a region waits before asking the host agent again for a segment it did not have
 /// yet (the daemon was still applying the manager's assignment events).
 const LOCAL_RETRY: std::time::Duration = std::time::Duration::from_millis(50);
-
-impl MapState {
-    fn from_info(info: v1::RegionInfo) -> MapState {
-        let mut s = MapState {
-            size: 0,
-            unpublished: false,
-            version: 0,
-            entries: Vec::new(),
-            pools: HashMap::new(),
-            local: None,
-            local_checked: None,
-            local_retry_at: None,
-        };
-        s.apply(info, false);
-        s
-    }
-
-    /// Takes in a reply from the manager. Replies may arrive out of order
-    /// (concurrent extends): one with an older map version is ignored, and
-    /// with `grow_only` (an extend) or while this client has unpublished
-    /// growth the size never goes down.
-    fn apply(&mut self, info: v1::RegionInfo, grow_only: bool) {
-        if info.map_version < self.version {
-            return;
-        }
-        if let Some(attr) = &info.attr {
-            self.size = if grow_only || self.unpublished {
-                self.size.max(attr.size)
-            } else {
-                attr.size
-            };
-        }
-        if info.map_included {
-            self.entries = info.map;
-            for p in info.pools {
-                self.pools.insert(p.gid, p);
-            }
-        }
-        self.version = info.map_version;
-    }
-
-    /// Bytes the allocated chunks cover.
-    fn capacity(&self) -> u64 {
-        self.entries.len() as u64 * CHUNK_SIZE
-    }
-}
 
 /// When a writer's growth of the size reaches the manager.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -104,27 +63,10 @@ pub enum SizePolicy {
     Lazy,
 }
 
-/// Where a run of spans is served from. A remote target borrows the
-/// daemon address from the map state the run was located in (no copy of
-/// the address per chunk and per call).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Target<'s> {
-    Local,
-    Remote(&'s str),
-}
-
-/// Consecutive spans (consecutive in the caller's buffer) on one target.
-struct Run<'s> {
-    target: Target<'s>,
-    spans: Vec<Span>,
-    len: usize,
-}
-
 /// An open region.
 pub struct Region {
-    shared: Arc<Connection>,
-    /// Who opened it: extends, truncates and the close are made as them.
-    caller: v1::Caller,
+    /// Whose authority its manager requests and transports carry.
+    authority: Authority,
     ino: u64,
     handle: u64,
     write: bool,
@@ -138,25 +80,29 @@ pub struct Region {
 }
 
 impl Region {
+    /// A region a [`crate::Client`] opened as `caller` (the manager's open reply `info`).
     pub(crate) fn new(
-        shared: Arc<Connection>,
+        conn: Arc<Connection>,
         caller: v1::Caller,
         info: v1::RegionInfo,
         write: bool,
     ) -> Result<Region> {
+        Self::with_authority(Authority::Cluster { conn, caller }, info, write)
+    }
+
+    fn with_authority(authority: Authority, info: v1::RegionInfo, write: bool) -> Result<Region> {
         let ino = info
             .attr
             .as_ref()
             .map(|a| a.ino)
             .ok_or_else(|| RegionsError::Protocol {
-                peer: shared.manager.addr().to_owned(),
+                peer: authority.peer(),
                 reason: "open reply without attributes".into(),
             })?;
         let handle = info.handle;
         let opened = info.attr.clone().unwrap_or_default();
         Ok(Region {
-            shared,
-            caller,
+            authority,
             ino,
             handle,
             write,
@@ -173,9 +119,12 @@ impl Region {
         &self.opened
     }
 
-    /// Sets when this handle's growth of the size reaches the manager.
+    /// Sets when this handle's growth of the size reaches the manager. A region opened
+    /// through the host agent publishes every growth at once ([`SizePolicy::Eager`]).
     pub fn with_size_policy(mut self, policy: SizePolicy) -> Region {
-        self.policy = policy;
+        if matches!(self.authority, Authority::Cluster { .. }) {
+            self.policy = policy;
+        }
         self
     }
 
@@ -208,7 +157,7 @@ impl Region {
             s.entries.iter().all(|e| {
                 MapEntry::decode(*e)
                     .and_then(|m| s.pools.get(&m.gid))
-                    .is_some_and(|p| p.host_id == self.shared.caller.host_id)
+                    .is_some_and(|p| p.host_id == self.authority.host_id())
             })
         })
     }
@@ -266,21 +215,32 @@ impl Region {
         RegionsError::Invalid("region state lock poisoned by a panic in another thread".into())
     }
 
-    /// Fetches the map again if it changed.
+    /// Fetches the map again if it changed (and, through the host agent, renews the
+    /// capability).
     pub fn refresh(&self) -> Result<()> {
         let known = self.map_version();
-        let info = self.shared.manager.get_map(&self.caller, self.ino, known)?;
+        let info = self
+            .authority
+            .map(self.ino, known, self.write, self.handle)?;
         let mut state = self.state.write().map_err(|_| Self::poisoned())?;
         state.apply(info, false);
         Ok(())
     }
 
+    /// Renews the capability when it is past half its life (through the host agent; a
+    /// region opened with the cluster secret has none). Called before the state is locked.
+    fn renew_if_due(&self) -> Result<()> {
+        if !self.authority.renewal_due() {
+            return Ok(());
+        }
+        tracing::debug!(ino = self.ino, "renewing the transport capability");
+        self.refresh()
+    }
+
     /// Maps this host's segment if the host agent has one and it is stale
     /// or missing.
     fn ensure_local(&self, needed_end: u64) {
-        let Some(agent) = &self.shared.config.agent_socket else {
-            return;
-        };
+        let host_id = self.authority.host_id();
         let (version, covered, mine) = match self.state.read() {
             Ok(s) => (
                 s.version,
@@ -288,17 +248,14 @@ impl Region {
                     || s.local_checked == Some(s.version)
                     || s.local_retry_at
                         .is_some_and(|at| std::time::Instant::now() < at),
-                s.pools
-                    .values()
-                    .any(|p| p.host_id == self.shared.caller.host_id),
+                s.has_chunks_on(host_id),
             ),
             Err(_) => return,
         };
         if covered || !mine {
             return;
         }
-        let segment = crate::agent::AgentClient::connect(agent)
-            .and_then(|mut a| a.segment(self.ino, self.write));
+        let segment = self.authority.segment(self.ino, self.write);
         let Ok(mut state) = self.state.write() else {
             return;
         };
@@ -309,7 +266,7 @@ impl Region {
                 seg.fd,
                 seg.size,
                 seg.writable,
-                Arc::clone(&self.shared.stats),
+                Arc::clone(self.authority.stats()),
             ) {
                 Ok(l) => state.local = Some(Arc::new(l)),
                 Err(e) => {
@@ -329,9 +286,8 @@ impl Region {
         }
     }
 
-    /// Splits `[offset, offset + len)` into runs of spans per target. This host's chunks go
-    /// through the mapped segment, unless the access writes and the agent handed the segment
-    /// read-only (then through this host's transport).
+    /// Splits `[offset, offset + len)` into runs of spans per target (see
+    /// [`MapState::locate`]).
     fn locate<'s>(
         &self,
         state: &'s MapState,
@@ -339,78 +295,29 @@ impl Region {
         len: u64,
         write: bool,
     ) -> Result<Vec<Run<'s>>> {
-        let mut runs: Vec<Run> = Vec::new();
-        let mut at = offset;
-        let end = offset + len;
-        while at < end {
-            let index = (at / CHUNK_SIZE) as usize;
-            let within = at % CHUNK_SIZE;
-            let n = (CHUNK_SIZE - within).min(end - at);
-            let entry = state
-                .entries
-                .get(index)
-                .and_then(|e| MapEntry::decode(*e))
-                .ok_or_else(|| RegionsError::Protocol {
-                    peer: self.shared.manager.addr().to_owned(),
-                    reason: format!("region {} has no chunk {index} in its map", self.ino),
-                })?;
-            let pool = state
-                .pools
-                .get(&entry.gid)
-                .ok_or_else(|| RegionsError::Protocol {
-                    peer: self.shared.manager.addr().to_owned(),
-                    reason: format!("region {} names unknown pool {}", self.ino, entry.gid),
-                })?;
-            let span = Span {
-                ino: self.ino,
-                region_offset: at,
-                pool: entry.gid,
-                pool_offset: entry.pool_offset + within,
-                len: n,
-            };
-            let target = match &state.local {
-                Some(l)
-                    if pool.host_id == self.shared.caller.host_id
-                        && l.covers(at, n)
-                        && (l.writable() || !write) =>
-                {
-                    Target::Local
-                }
-                _ => Target::Remote(&pool.transport_addr),
-            };
-            match runs.last_mut() {
-                Some(run) if run.target == target => {
-                    match run.spans.last_mut() {
-                        Some(last)
-                            if last.pool == span.pool
-                                && last.pool_offset + last.len == span.pool_offset
-                                && last.region_offset + last.len == span.region_offset =>
-                        {
-                            last.len += n
-                        }
-                        _ => run.spans.push(span),
-                    }
-                    run.len += n as usize;
-                }
-                _ => runs.push(Run {
-                    target,
-                    spans: vec![span],
-                    len: n as usize,
-                }),
-            }
-            at += n;
-        }
-        Ok(runs)
+        let peer = self.authority.peer();
+        state.locate(
+            self.ino,
+            self.authority.host_id(),
+            offset,
+            len,
+            write,
+            &peer,
+        )
     }
 
-    fn transport(&self, state: &MapState, target: &Target<'_>) -> Result<Arc<dyn Transport>> {
+    fn target_transport(
+        &self,
+        state: &MapState,
+        target: &Target<'_>,
+    ) -> Result<Arc<dyn Transport>> {
         match target {
             Target::Local => state
                 .local
                 .clone()
                 .map(|l| l as Arc<dyn Transport>)
                 .ok_or_else(|| RegionsError::Invalid("local segment vanished".into())),
-            Target::Remote(addr) => Ok(self.shared.transport(addr)),
+            Target::Remote(addr) => self.authority.transport(addr),
         }
     }
 
@@ -430,7 +337,7 @@ impl Region {
             && let Some(run) = runs.pop()
         {
             let (piece, _) = buf.split(run.len);
-            let t = self.transport(state, &run.target)?;
+            let t = self.target_transport(state, &run.target)?;
             return io(t.as_ref(), &run.spans, piece);
         }
         let total: usize = runs.iter().map(|r| r.len).sum();
@@ -445,7 +352,7 @@ impl Region {
             let slot = match targets.iter().position(|t| *t == run.target) {
                 Some(i) => i,
                 None => {
-                    groups.push((self.transport(state, &run.target)?, Vec::new()));
+                    groups.push((self.target_transport(state, &run.target)?, Vec::new()));
                     targets.push(run.target);
                     groups.len() - 1
                 }
@@ -489,27 +396,31 @@ impl Region {
     /// Reads up to `buf.len()` bytes at `offset`; returns how many (short at
     /// the end of the region, 0 past it).
     pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<usize> {
-        let size = self.size();
-        if offset >= size || buf.is_empty() {
+        if buf.is_empty() {
             return Ok(0);
         }
-        let n = (size - offset).min(buf.len() as u64) as usize;
-        self.ensure_local(offset + n as u64);
-        let buf = &mut buf[..n];
         // The buffer is re-borrowed per attempt.
         let cell = std::sync::Mutex::new(buf);
         self.with_fresh_map(|| {
+            self.renew_if_due()?;
+            // Again on a retry: the refresh may have brought a smaller size (a truncate).
+            let size = self.size();
+            if offset >= size {
+                return Ok(0);
+            }
+            let mut guard = cell.lock().map_err(|_| Self::poisoned())?;
+            let n = (size - offset).min(guard.len() as u64) as usize;
+            self.ensure_local(offset + n as u64);
             let state = self.state.read().map_err(|_| Self::poisoned())?;
             let runs = self.locate(&state, offset, n as u64, false)?;
-            let mut guard = cell.lock().map_err(|_| Self::poisoned())?;
             self.each_run(
                 &state,
                 runs,
-                &mut guard[..],
+                &mut guard[..n],
                 |t, spans, piece: &mut [u8]| t.read(spans, piece),
-            )
-        })?;
-        Ok(n)
+            )?;
+            Ok(n)
+        })
     }
 
     /// Writes `data` at `offset`, growing the region first when needed
@@ -525,6 +436,7 @@ impl Region {
         // Capacity is checked on every attempt: a stale map (the region was
         // truncated through another handle) is refreshed and may need space.
         self.with_fresh_map(|| {
+            self.renew_if_due()?;
             let capacity = self.state.read().map_err(|_| Self::poisoned())?.capacity();
             if end > capacity || (end > size && self.policy == SizePolicy::Eager) {
                 self.reserve(end)?;
@@ -564,12 +476,11 @@ impl Region {
             let step = capacity.clamp(RESERVE_MIN, RESERVE_MAX);
             end.max(capacity.saturating_add(step)).div_ceil(CHUNK_SIZE) * CHUNK_SIZE
         };
-        let manager = &self.shared.manager;
         let grown = if eager { end } else { 0 };
-        let info = match manager.grow(&self.caller, self.ino, grown, ahead, false) {
+        let info = match self.authority.grow(self.ino, grown, ahead, false) {
             Err(e) if e.errno() == libc::ENOSPC && ahead > end => {
                 // Not enough for the step: exactly what this write needs.
-                manager.grow(&self.caller, self.ino, grown, end, false)?
+                self.authority.grow(self.ino, grown, end, false)?
             }
             other => other?,
         };
@@ -603,10 +514,7 @@ impl Region {
             return Ok(None);
         }
         let grown = if unpublished { size } else { 0 };
-        let info = self
-            .shared
-            .manager
-            .grow(&self.caller, self.ino, grown, 0, touch)?;
+        let info = self.authority.grow(self.ino, grown, 0, touch)?;
         let attr = info.attr.clone();
         let mut s = self.state.write().map_err(|_| Self::poisoned())?;
         if s.size <= size {
@@ -619,7 +527,7 @@ impl Region {
 
     /// Sets the region's size (holes read as zeros).
     pub fn set_len(&self, size: u64) -> Result<()> {
-        let info = self.shared.manager.truncate(&self.caller, self.ino, size)?;
+        let info = self.authority.truncate(self.ino, size)?;
         let mut s = self.state.write().map_err(|_| Self::poisoned())?;
         s.unpublished = false;
         s.apply(info, false);
@@ -627,12 +535,13 @@ impl Region {
     }
 
     fn word_span(&self, offset: u64) -> Result<(Arc<dyn Transport>, Span)> {
+        self.renew_if_due()?;
         if !offset.is_multiple_of(8) {
             return Err(RegionsError::Invalid(format!(
                 "atomic at offset {offset} is not 8-byte aligned"
             )));
         }
-        if offset + 8 > self.size() {
+        if offset.checked_add(8).is_none_or(|end| end > self.size()) {
             return Err(RegionsError::Invalid(format!(
                 "atomic at offset {offset} is past the end of the region ({} bytes)",
                 self.size()
@@ -645,7 +554,7 @@ impl Region {
             .pop()
             .ok_or_else(|| RegionsError::Invalid("empty atomic range".into()))?;
         let span = run.spans[0];
-        Ok((self.transport(&state, &run.target)?, span))
+        Ok((self.target_transport(&state, &run.target)?, span))
     }
 
     /// Atomic compare-and-swap of the 8-byte word at `offset`; returns the
@@ -667,26 +576,103 @@ impl Region {
     }
 
     /// Publishes the size (see [`Region::publish`]) and closes the handle
-    /// at the manager.
-    pub fn close(self) -> Result<()> {
-        self.closed.store(true, Ordering::Relaxed);
+    /// at the manager (also done on drop; a second close does nothing).
+    pub fn close(&self) -> Result<()> {
+        if self.closed.swap(true, Ordering::Relaxed) {
+            return Ok(());
+        }
         self.publish(false)?;
-        self.shared
-            .manager
-            .close(&self.caller, self.handle)
-            .map(|_| ())
+        self.authority.close(self.handle)
+    }
+
+    // ---- what an application's mapping asks of its region ----
+
+    /// Device number of the mount it was opened through (0 when opened by inode or by a
+    /// [`crate::Client`]): with the inode, it names the region among several clusters.
+    pub fn dev(&self) -> u64 {
+        self.authority.dev()
+    }
+
+    /// Whether the region was opened for writing.
+    pub fn writable(&self) -> bool {
+        self.write
+    }
+
+    /// This host's id.
+    pub fn host_id(&self) -> u32 {
+        self.authority.host_id()
+    }
+
+    /// The region's fixed virtual address (FIXVADDR regions), else 0.
+    pub fn vaddr(&self) -> u64 {
+        self.state
+            .read()
+            .map_or(0, |s| if s.fixvaddr { s.vaddr } else { 0 })
+    }
+
+    /// Traffic counters of the transports this region uses (shared with the other regions
+    /// of its [`crate::Client`]).
+    pub fn stats(&self) -> StatsSnapshot {
+        self.authority.stats().snapshot()
+    }
+
+    /// This host's segment memfd of the region, if this host holds part of it.
+    pub fn segment(&self) -> Result<Option<Segment>> {
+        self.authority.segment(self.ino, self.write)
+    }
+
+    /// Whether any chunk is held on this host.
+    pub fn has_local_chunks(&self) -> bool {
+        let host_id = self.authority.host_id();
+        self.state.read().is_ok_and(|s| s.has_chunks_on(host_id))
+    }
+
+    /// Where chunk `index` lives.
+    pub fn chunk(&self, index: u64) -> Result<ChunkLoc> {
+        let state = self.state.read().map_err(|_| Self::poisoned())?;
+        state.chunk(
+            self.ino,
+            index,
+            self.authority.host_id(),
+            &self.authority.peer(),
+        )
+    }
+
+    /// Grows the region to at least `size` bytes (published at once).
+    pub fn extend(&self, size: u64) -> Result<()> {
+        let info = self.authority.grow(self.ino, size, 0, false)?;
+        self.state
+            .write()
+            .map_err(|_| Self::poisoned())?
+            .apply(info, true);
+        Ok(())
+    }
+
+    /// The transport to the daemon at `addr` (renewing the capability first when due).
+    pub fn transport(&self, addr: &str) -> Result<Arc<dyn Transport>> {
+        self.renew_if_due()?;
+        self.authority.transport(addr)
+    }
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region")
+            .field("ino", &self.ino)
+            .field("write", &self.write)
+            .finish_non_exhaustive()
     }
 }
 
 impl Drop for Region {
     fn drop(&mut self) {
-        if self.closed.load(Ordering::Relaxed) {
+        if self.closed.swap(true, Ordering::Relaxed) {
             return;
         }
         if let Err(e) = self.publish(false) {
             tracing::warn!(ino = self.ino, error = %e, "cannot make the size of a written region durable at close");
         }
-        if let Err(e) = self.shared.manager.close(&self.caller, self.handle) {
+        if let Err(e) = self.authority.close(self.handle) {
             tracing::debug!(ino = self.ino, error = %e, "closing region handle failed");
         }
     }
