@@ -385,6 +385,25 @@ fn lookup_addr(addr: usize) -> Option<Arc<Mapping>> {
         .map(|(_, m)| Arc::clone(m))
 }
 
+/// What a layer above the mapping (rmalloc's thread caches) runs when a mapping at
+/// (base, length) is about to be unmapped, before its dirty pages are written back.
+pub type UnmapHook = fn(*mut u8, usize);
+
+fn unmap_hooks() -> std::sync::MutexGuard<'static, Vec<UnmapHook>> {
+    static HOOKS: Mutex<Vec<UnmapHook>> = Mutex::new(Vec::new());
+    HOOKS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Registers `hook` to run at every [`unmap`] (once, however often it is registered).
+pub fn on_unmap(hook: UnmapHook) {
+    let mut hooks = unmap_hooks();
+    if !hooks.iter().any(|h| std::ptr::fn_addr_eq(*h, hook)) {
+        hooks.push(hook);
+    }
+}
+
 /// Unmaps the mapping containing `addr`, writing dirty pages back first.
 pub fn unmap(addr: *const u8) -> Result<()> {
     let m = lookup(addr).ok_or_else(|| {
@@ -393,8 +412,11 @@ pub fn unmap(addr: *const u8) -> Result<()> {
             format!("{addr:p} is not inside a mapped region"),
         )
     })?;
-    // rmalloc thread caches of a heap in this region: flush the caller's, forget the others.
-    crate::rmalloc::unmapping(m.base(), m.len().max(1));
+    // Layers above (rmalloc's thread caches of a heap in this region) let go first.
+    let hooks = unmap_hooks().clone();
+    for hook in hooks {
+        hook(m.base(), m.len().max(1));
+    }
     let synced = m.msync(m.base as *const u8, m.len());
     {
         let mut reg = lock_registry();

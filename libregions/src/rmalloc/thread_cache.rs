@@ -194,7 +194,8 @@ impl Drop for ThreadCaches {
 /// theirs (their records stay in the heap with the blocks they hold, and
 /// are taken back by the next thread that opens a cache there once the
 /// owner has exited). Call it before unmapping memory that [`Heap`] views
-/// used; [`crate::mapping::unmap`] does.
+/// used; [`crate::mapping::unmap`] does, through the hook this module registers with
+/// [`crate::mapping::on_unmap`] when a thread first opens a cache.
 pub fn unmapping(base: *mut u8, len: usize) {
     let mut log = lock_unmaps();
     let b = base as usize;
@@ -251,11 +252,14 @@ extern "C" fn after_fork_child() {
     });
 }
 
-fn register_fork_handler() {
+/// Registers, once per process, what thread caches need to hear of: a fork (the child
+/// starts without caches) and the unmapping of a region (see [`unmapping`]).
+fn register_process_hooks() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         // SAFETY: registers a plain function without preconditions.
         unsafe { libc::pthread_atfork(None, None, Some(after_fork_child)) };
+        crate::mapping::on_unmap(unmapping);
     });
 }
 
@@ -473,6 +477,7 @@ impl Heap {
                 let idx = match c.0.iter().position(|e| e.base == base) {
                     Some(i) => i,
                     None if create => {
+                        register_process_hooks();
                         c.0.push(CacheEntry {
                             base,
                             mapped: self.mapped,
@@ -730,7 +735,7 @@ impl Heap {
         if unsafe { (*h).len } > CACHE_MAX_LEN {
             return Ok(None);
         }
-        register_fork_handler();
+        register_process_hooks();
         let me = current_tid();
         let ns = host_ns();
         // SAFETY: getpid has no preconditions.
