@@ -210,7 +210,7 @@ impl State {
         for inode in self.inodes.values().filter(|i| i.is_region()) {
             regions += 1;
             region_bytes += inode.size;
-            lost_regions += u64::from(inode.xattrs.contains_key(crate::lifetime::LOST_KEY));
+            lost_regions += u64::from(inode.xattrs.contains_key(crate::model::LOST_KEY));
         }
         v1::StatsReply {
             hosts: self.hosts.len() as u64,

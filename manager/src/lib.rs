@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod model;
 pub mod namespace;
 pub mod regions;
+pub mod revocations;
 pub mod server;
 pub mod service;
 pub mod state;

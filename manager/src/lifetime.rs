@@ -22,11 +22,8 @@ use std::time::{Duration, Instant};
 use crate::access::Caller;
 use crate::error::{ManagerError, Result};
 use crate::manager::Manager;
-use crate::model::Time;
+use crate::model::{LOST_KEY, Time};
 use crate::state::{State, entry_gid};
-
-/// Attribute-map key of the lost mark; its value says why, for people.
-pub const LOST_KEY: &str = "regions.lost";
 
 /// Shortest and longest pause between lease checks.
 const MIN_TICK: Duration = Duration::from_millis(50);

@@ -92,7 +92,7 @@ async fn main() -> anyhow::Result<()> {
         lease: Duration::from_millis(args.lease_ms.max(100)),
         capability_ttl: Duration::from_secs(
             args.capability_ttl_secs
-                .clamp(1, regions_manager::capability::MAX_TTL.as_secs()),
+                .clamp(1, regions_manager::revocations::MAX_TTL.as_secs()),
         ),
         wal_size: args.wal_size,
         ..Config::default()

@@ -61,7 +61,7 @@ impl Default for Config {
             grow_timeout: Duration::from_secs(3),
             event_backlog: 1 << 16,
             wal_size: crate::wal::WAL_SIZE,
-            capability_ttl: crate::capability::DEFAULT_TTL,
+            capability_ttl: crate::revocations::DEFAULT_TTL,
         }
     }
 }
@@ -168,7 +168,7 @@ impl Manager {
             Store::open_with_log(data_dir, config.lease, config.root_mode, config.wal_size)?;
         state.capability_ttl = config
             .capability_ttl
-            .clamp(Duration::from_secs(1), crate::capability::MAX_TTL);
+            .clamp(Duration::from_secs(1), crate::revocations::MAX_TTL);
         // Handle numbers handed out by an earlier run may not all have been
         // stored (see `write_handles`): never hand them out again.
         state.counters.next_handle = state.counters.next_handle.saturating_add(HANDLE_ID_GAP);
@@ -225,7 +225,7 @@ impl Manager {
             events_applied: watch::channel(0).0,
             closing: watch::channel(false).0,
             file_requests: Default::default(),
-            run_began: crate::capability::tick(),
+            run_began: crate::revocations::tick(),
             data_dir: data_dir.to_path_buf(),
             config,
         }))

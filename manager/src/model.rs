@@ -330,3 +330,6 @@ mod tests {
         assert!(Inode::decode_stored(&new[..10]).is_err());
     }
 }
+
+/// Attribute-map key of the lost mark; its value says why, for people.
+pub const LOST_KEY: &str = "regions.lost";

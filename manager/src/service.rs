@@ -298,7 +298,7 @@ impl Regions for Services {
     async fn open(&self, r: Request<v1::OpenRequest>) -> Result<Response<v1::RegionInfo>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        let issued = crate::capability::tick();
+        let issued = crate::revocations::tick();
         let opened = match self.manager.read(|s| s.check_lease(c.host_id)).await {
             Ok(()) => self.manager.open_region(&c, r.ino, r.write).await,
             Err(e) => Err(e),
@@ -321,7 +321,7 @@ impl Regions for Services {
         let c = caller(create.caller.as_ref())?;
         let host = c.host_id;
         // Issued before the lease check: a fence that comes after the check revokes it.
-        let issued = crate::capability::tick();
+        let issued = crate::revocations::tick();
         if let Err(e) = self.manager.read(|s| s.check_lease(host)).await {
             return self.reply("create_open", Err(e));
         }
@@ -375,7 +375,7 @@ impl Regions for Services {
     ) -> Result<Response<v1::RegionInfo>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
-        let issued = crate::capability::tick();
+        let issued = crate::revocations::tick();
         // A renewal for a handle needs the handle still open, and a host with its lease.
         let fenced = self
             .manager
@@ -472,7 +472,7 @@ impl Cluster for Services {
                 Ok(v1::RegisterHostReply {
                     lease_ms,
                     pools,
-                    revoke_all: Some(crate::capability::revoke_all(
+                    revoke_all: Some(crate::revocations::revoke_all(
                         self.manager.run_began(),
                         self.manager.config().capability_ttl,
                     )),

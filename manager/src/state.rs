@@ -96,9 +96,9 @@ pub struct State {
     /// writer closes).
     pub reserved: std::collections::HashSet<u64>,
     /// The newest capability revocation of each region in this run (not stored: a new run
-    /// revokes every earlier token, see `capability::revoke_all`); daemons that receive a
+    /// revokes every earlier token, see `revocations::revoke_all`); daemons that receive a
     /// region's chunks later get it too.
-    pub revoked: crate::capability::RevokedRegions,
+    pub revoked: crate::revocations::RevokedRegions,
     /// Set when a change queued a revocation; the operation that made it takes it (`std::mem::
     /// take`) to know whether to wait for the daemons.
     pub revocation_queued: bool,
@@ -176,7 +176,7 @@ impl State {
             reserved: Default::default(),
             revoked: Default::default(),
             revocation_queued: false,
-            capability_ttl: crate::capability::DEFAULT_TTL,
+            capability_ttl: crate::revocations::DEFAULT_TTL,
             lease_lost: Default::default(),
             fence_settled: Default::default(),
             fenced_handles: Default::default(),
