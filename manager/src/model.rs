@@ -281,6 +281,9 @@ pub fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, postcard::Er
     postcard::from_bytes(bytes)
 }
 
+/// Attribute-map key of the lost mark; its value says why, for people.
+pub const LOST_KEY: &str = "regions.lost";
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -331,5 +334,3 @@ mod tests {
     }
 }
 
-/// Attribute-map key of the lost mark; its value says why, for people.
-pub const LOST_KEY: &str = "regions.lost";
