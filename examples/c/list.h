@@ -1,6 +1,6 @@
 /*
  * list.h - the data structures list_build.c creates in a region and
- * list_traverse.c walks on another host (paper 003, Fig. 14).
+ * list_traverse.c walks on another host (Remote Regions paper, Fig. 14).
  *
  * Every pointer is a plain C pointer into the region: the region has the
  * FIXVADDR attribute, so it maps at the same virtual address on every host.

@@ -1,6 +1,6 @@
 /*
  * list_build - builds a linked list and a hash table with rmalloc in a new
- * FIXVADDR region, and records them with rsetroot (paper 003, Fig. 14).
+ * FIXVADDR region, and records them with rsetroot (Remote Regions paper, Fig. 14).
  * list_traverse walks them on another host by plain pointer chasing.
  *
  *   list_build REGION_PATH [N]        (N defaults to 100000)

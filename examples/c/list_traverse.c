@@ -1,6 +1,6 @@
 /*
  * list_traverse - walks the linked list and the hash table that list_build
- * made, by plain pointer chasing, possibly on another host (paper 003,
+ * made, by plain pointer chasing, possibly on another host (Remote Regions paper,
  * Fig. 14). The region maps at its fixed address, so the pointers stored in
  * it are valid here too; pages are fetched on first touch.
  *

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Cache control of a mapped region from Python, through libregions' C ABI
-(ctypes): rmap, rprefetch, rclearcache, rmsync (paper 003 §5.8-5.10).
+(ctypes): rmap, rprefetch, rclearcache, rmsync (Remote Regions paper §5.8-5.10).
 
     cache_control.py REGION_PATH [--write]
 

@@ -1,4 +1,4 @@
-# R on remote memory with the unmodified `ff` package (paper 003 §8.6).
+# R on remote memory with the unmodified `ff` package (Remote Regions paper §8.6).
 #
 #   Rscript ffdemo.R generate DIR ROWS COLS SEED
 #       writes a data set of COLS columns x ROWS rows of doubles as an ffdf,

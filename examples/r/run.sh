@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# R with ff on remote memory (paper 003 §8.6), against tmpfs in the same run.
+# R with ff on remote memory (Remote Regions paper §8.6), against tmpfs in the same run.
 #
 #   examples/r/run.sh MOUNT_OF_HOST_1 MOUNT_OF_HOST_2 [--small]
 #

@@ -1,6 +1,6 @@
 /*
- * regions.h - the C interface of libregions (remote regions, paper 003
- * sections 5.2, 5.7-5.10, 6.3).
+ * regions.h - the C interface of libregions ("Remote regions: a simple abstraction for
+ * remote memory", sections 5.2, 5.7-5.10, 6.3).
  *
  * Link with `pkg-config --cflags --libs regions` (libregions.so or
  * libregions.a). A region is a file under a regionfs mount (env

@@ -1,4 +1,4 @@
-//! Barriers, mutexes and doorbells (paper 003 §5.9): named objects at the manager, reached
+//! Barriers, mutexes and doorbells (Remote Regions paper §5.9): named objects at the manager, reached
 //! through the host agent of a regions mount, so an application needs no cluster secret.
 //!
 //! ```no_run

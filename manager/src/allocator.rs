@@ -1,5 +1,5 @@
 //! The cluster allocator: free space of every pool, in chunks, and the
-//! placement policy of paper 003 §6.9 (single-host regions on one host,
+//! placement policy of Remote Regions paper §6.9 (single-host regions on one host,
 //! MULTIHOSTED regions round robin by extent).
 
 use std::collections::BTreeMap;

@@ -95,7 +95,7 @@ impl Time {
     }
 }
 
-/// Region attributes (paper 003 §5.4); on directories, the inherited defaults.
+/// Region attributes (Remote Regions paper §5.4); on directories, the inherited defaults.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RegionAttrs {
     pub persistent: bool,

@@ -16,7 +16,7 @@ use crate::vaddr;
 pub const MAX_REGION_SIZE: u64 = (1 << 31) * CHUNK_SIZE;
 
 impl State {
-    /// Where new chunks of `inode` go (paper 003 §6.9): MULTIHOSTED regions
+    /// Where new chunks of `inode` go (Remote Regions paper §6.9): MULTIHOSTED regions
     /// round robin over HOSTALLOC (or every live host); others on the first
     /// live HOSTALLOC host, else the owner's host if it offers memory, else
     /// the live host with the most free memory.

@@ -1,4 +1,4 @@
-//! Fixed virtual addresses (paper 003 §6.10): every FIXVADDR region gets a
+//! Fixed virtual addresses (Remote Regions paper §6.10): every FIXVADDR region gets a
 //! cluster-unique range inside the reserved window, freed when it is deleted.
 
 use std::collections::BTreeMap;

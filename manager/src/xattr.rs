@@ -17,7 +17,7 @@ pub const XATTR_CREATE: u32 = 1;
 /// setxattr flag: fail if the attribute does not exist.
 pub const XATTR_REPLACE: u32 = 2;
 
-/// A region attribute (paper 003 §5.4).
+/// A region attribute (Remote Regions paper §5.4).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RegionAttr {
     Persistent,

@@ -1,4 +1,4 @@
-//! Watching processes for their exit with pidfds (paper 003 §5.1, §5.5: what a process owns or
+//! Watching processes for their exit with pidfds (Remote Regions paper §5.1, §5.5: what a process owns or
 //! holds is released when it exits). Shared by the host agent (region owners, mutex users) and
 //! regionfs (owners of regions created through a mount); what an exit means is theirs, in an
 //! [`ExitHandler`].

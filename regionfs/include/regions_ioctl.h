@@ -1,7 +1,8 @@
 /*
  * regions_ioctl.h - ioctls on an open file of a REGIONFS mount.
  *
- * Remote regions (paper 003, section 5.8 and 5.10) offer calls without a
+ * Remote regions ("Remote regions: a simple abstraction for remote memory", sections
+ * 5.8 and 5.10) offer calls without a
  * VFS analogue; regionfs serves them as ioctls on the region's open file
  * descriptor:
  *

@@ -47,7 +47,7 @@ use regions::manager_client::{ManagerClient, SetAttrIn, SetTime};
 const PAGE: u64 = 4096;
 /// Entries asked of the manager per readdir call.
 const READDIR_BATCH: u32 = 512;
-/// Prefix of the region attributes (paper 003 §5.4).
+/// Prefix of the region attributes (Remote Regions paper §5.4).
 pub const REGION_XATTR_PREFIX: &str = "user.regions.";
 /// The host agent socket of this mount (answered by regionfs, read-only).
 pub const MOUNT_XATTR_AGENT: &str = "user.regions.agent";

@@ -1,4 +1,4 @@
-//! The ioctls of an open region file (paper 003 §6.3 "ioctl stubs"):
+//! The ioctls of an open region file (Remote Regions paper §6.3 "ioctl stubs"):
 //! numbers built with the Linux `_IOC` bits and the byte layout of their
 //! arguments, exactly as `regionfs/include/regions_ioctl.h` declares them
 //! for C. Arguments are native-endian C structs without padding surprises

@@ -14,7 +14,7 @@
 //! - [`owners`]: deletes non-persistent regions when their creator exits.
 //! - [`thread_defaults`]: per-thread default region attributes
 //!   (rsetdefaultattr).
-//! - [`pseudo`]: the `.regions/` metadata files (paper §5.12).
+//! - [`pseudo`]: the `.regions/` metadata files (Remote Regions paper §5.12).
 //! - [`ioctl`]: ioctl numbers and argument layouts
 //!   (`include/regions_ioctl.h`).
 //! - [`error`]: [`FsError`] and its errno.

@@ -1,4 +1,4 @@
-//! The metadata pseudo files of paper 003 §5.12 under the hidden
+//! The metadata pseudo files of Remote Regions paper §5.12 under the hidden
 //! `.regions/` directory at the mount root, readable by root only:
 //!
 //! | file | content |

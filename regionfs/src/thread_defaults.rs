@@ -1,4 +1,4 @@
-//! Per-thread default region attributes (`rsetdefaultattr`, paper 003 §5.4).
+//! Per-thread default region attributes (`rsetdefaultattr`, Remote Regions paper §5.4).
 //!
 //! A thread sets a default with `setxattr` on the mount root, named
 //! `user.regions.thread.<attr>` (`persistent`, `multihosted`, `fixvaddr`,

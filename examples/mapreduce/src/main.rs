@@ -1,4 +1,4 @@
-//! A distributed histogram in the style of Metis (paper 003 §8.7) over
+//! A distributed histogram in the style of Metis (Remote Regions paper §8.7) over
 //! regions, checked against a single-process in-memory run.
 //!
 //! `regions-mapreduce run --mounts M1,M2,M3` (one regionfs mount per host
@@ -47,7 +47,7 @@ use clap::{Parser, Subcommand};
 #[derive(Parser)]
 #[command(
     version,
-    about = "Distributed histogram map-reduce over regions (paper 003 §8.7)"
+    about = "Distributed histogram map-reduce over regions (Remote Regions paper §8.7)"
 )]
 struct Cli {
     #[command(subcommand)]

@@ -1,5 +1,5 @@
 //! rmalloc: an allocator whose whole state lives in the memory it manages
-//! (paper 003 §5.7), so that any process that maps a region continues the
+//! (Remote Regions paper §5.7), so that any process that maps a region continues the
 //! allocations of the processes before it.
 //!
 //! # Layout

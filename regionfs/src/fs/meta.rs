@@ -1,4 +1,4 @@
-//! The `.regions/` metadata tree (paper 003 §5.12): lookups, listings
+//! The `.regions/` metadata tree (Remote Regions paper §5.12): lookups, listings
 //! and the content of its files, for root only.
 
 use super::*;
