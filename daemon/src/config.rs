@@ -186,7 +186,7 @@ impl Config {
             transport: TransportConfig {
                 assign_wait: Duration::from_millis(args.assign_wait_ms),
                 idle_timeout: Duration::from_secs(args.idle_timeout_s),
-                admission: crate::admission::Limits {
+                admission: crate::transport::admission::Limits {
                     max_connections: args.max_connections,
                     max_unauthenticated: args.max_unauthenticated,
                 },

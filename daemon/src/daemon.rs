@@ -72,9 +72,9 @@ impl Daemon {
             clients.clone(),
             tokio::runtime::Handle::current(),
         ));
-        let handles = Arc::new(crate::open_handles::OpenHandles::default());
-        let release = crate::owners::releaser(Arc::clone(&authority), config.host_id);
-        let on_exit: crate::owners::OnExit = {
+        let handles = Arc::new(crate::agent::open_handles::OpenHandles::default());
+        let release = crate::agent::owners::releaser(Arc::clone(&authority), config.host_id);
+        let on_exit: crate::agent::owners::OnExit = {
             let (handles, authority) = (Arc::clone(&handles), Arc::clone(&authority));
             // Handles first: an unlinked region the process held goes with its last handle.
             Arc::new(move |pid| {
@@ -82,7 +82,7 @@ impl Daemon {
                 release(pid) && closed
             })
         };
-        let owners = crate::owners::OwnerWatch::start(on_exit)
+        let owners = crate::agent::owners::OwnerWatch::start(on_exit)
             .map_err(|e| DaemonError::sys("starting the region-owner watcher thread", e))?;
         let handler = AgentHandler {
             host_id: config.host_id,
@@ -94,7 +94,7 @@ impl Daemon {
             handles,
             segment_writers: config.segment_writers,
             sync: Some(Arc::new(
-                crate::agent_sync::SyncAgent::start(
+                crate::agent::sync::SyncAgent::start(
                     &clients,
                     tokio::runtime::Handle::current(),
                     config.host_id,

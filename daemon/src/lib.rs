@@ -6,40 +6,31 @@
 //!
 //! - [`config`]: command line and [`Config`].
 //! - [`error`]: [`DaemonError`] and its errno.
-//! - [`window`]: a pool's reserved address window (mmap).
-//! - [`segment`]: a region's sparse memfd on this host.
-//! - [`pools`]: the pools' chunk tables, event application, pinning ranges for requests.
-//! - [`rawio`]: socket I/O straight to and from pool memory.
-//! - [`revocations`]: capability epochs the transport enforces.
-//! - [`transport`]: the tcp transport server.
-//! - [`fdpass`]: `SCM_RIGHTS` and `SO_PEERCRED` on Unix sockets.
-//! - [`agent`]: the host agent on the daemon's Unix socket.
+//! - [`pools`]: the pools' chunk tables, event application, pinning ranges for requests;
+//!   [`pools::window`] (a pool's reserved address window) and [`pools::segment`] (a region's
+//!   sparse memfd on this host).
+//! - [`transport`]: the tcp transport server; [`transport::auth`] (HELLO and capabilities),
+//!   [`transport::revocations`] (capability epochs it enforces), [`transport::admission`]
+//!   (connection caps and the payload budget), [`transport::rawio`] (socket I/O straight to
+//!   and from pool memory).
+//! - [`agent`]: the host agent on the daemon's Unix socket; [`agent::map`] (opens, maps and
+//!   capabilities for applications), [`agent::sync`] (sync calls), [`agent::owners`] (region
+//!   owners' lifetimes), [`agent::open_handles`] (handles it opened for local processes,
+//!   closed when they exit), [`agent::fdpass`] (`SCM_RIGHTS` and `SO_PEERCRED`).
 //! - [`manager_client`]: gRPC clients of the manager and the agent's [`manager_client::Authority`].
-//! - [`open_handles`]: handles the agent opened for local processes, closed when they exit.
 //! - [`registration`]: the manager session (register, resync, watch, heartbeat).
 //! - [`stats`]: the counters the agent reports.
 //! - [`daemon`]: [`Daemon`], everything started together.
 
-pub mod admission;
 pub mod agent;
-pub mod agent_map;
-pub mod agent_sync;
 pub mod config;
 pub mod daemon;
 pub mod error;
-pub mod fdpass;
 pub mod manager_client;
-pub mod open_handles;
-pub mod owners;
 pub mod pools;
-pub mod rawio;
 pub mod registration;
-pub mod revocations;
-pub mod segment;
 pub mod stats;
 pub mod transport;
-pub mod transport_auth;
-pub mod window;
 
 pub use config::Config;
 pub use daemon::Daemon;

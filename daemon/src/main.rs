@@ -15,7 +15,7 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args: Args = regions_proto::config::parse();
-    regions_daemon::admission::return_large_buffers_to_the_os();
+    regions_daemon::transport::admission::return_large_buffers_to_the_os();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("regions-daemon")

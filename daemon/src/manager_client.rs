@@ -33,7 +33,7 @@ pub struct ManagerClients {
     pub namespace: NamespaceClient<Svc>,
     /// Regions service (open).
     pub regions: RegionsClient<Svc>,
-    /// Sync service (barriers, mutexes, doorbells; [`crate::agent_sync`]).
+    /// Sync service (barriers, mutexes, doorbells; [`crate::agent::sync`]).
     pub sync: regions_proto::v1::sync_client::SyncClient<Svc>,
 }
 

@@ -671,7 +671,7 @@ impl Drop for FloodServer {
 fn a_flood_of_connections_leaves_authenticated_clients_served() {
     raise_fd_limit(8192);
     let budget: u64 = 64 << 20;
-    let caps = regions_daemon::admission::Limits::default();
+    let caps = regions_daemon::transport::admission::Limits::default();
     let mut server = FloodServer::start(budget);
     let (addr, pid) = (server.addr, server.child.id());
     let mut c = Client::authenticated(addr, TOKEN);

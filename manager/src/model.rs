@@ -333,4 +333,3 @@ mod tests {
         assert!(Inode::decode_stored(&new[..10]).is_err());
     }
 }
-

@@ -1,5 +1,6 @@
-//! The README's set-up and CI install the same packages: both run `scripts/install-deps.sh`,
-//! and neither installs anything else behind its back.
+//! The README and the docs hold true: the README's set-up and CI install the same packages
+//! (both run `scripts/install-deps.sh`, and neither installs anything else behind its back),
+//! and every repository path the docs name exists.
 
 use std::process::Command;
 
@@ -120,4 +121,59 @@ fn ci_installs_exactly_what_the_readme_installs() {
             "README.md does not mention {p}"
         );
     }
+}
+
+/// Every file or folder of the repository that the docs name in backquotes
+/// (`daemon/src/agent/map.rs`, `manager/src/sync/`) exists: the docs follow the code when
+/// modules move.
+#[test]
+fn paths_named_in_the_docs_exist() {
+    let root = repo_root();
+    let tops: Vec<String> = std::fs::read_dir(&root)
+        .expect("list the repository root")
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().is_dir())
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| !n.starts_with('.') && n != "target")
+        .collect();
+    let mut docs = vec!["README.md".to_owned()];
+    for e in std::fs::read_dir(root.join("docs")).expect("list docs/") {
+        let name = e.expect("a docs entry").file_name();
+        let name = name.to_string_lossy();
+        if name.ends_with(".md") {
+            docs.push(format!("docs/{name}"));
+        }
+    }
+    let mut checked = 0;
+    let mut missing = Vec::new();
+    for doc in &docs {
+        let text = read(doc);
+        for quoted in text.split('`').skip(1).step_by(2) {
+            let path = quoted.trim_end_matches([',', '.', ':']);
+            let Some((top, rest)) = path.split_once('/') else {
+                continue;
+            };
+            // Repository paths only: a top-level folder, then names without spaces,
+            // braces or wildcards (`proto/proto/regions/v1/{a,b}.proto` is a pattern).
+            if !tops.iter().any(|t| t == top)
+                || rest.is_empty() && !path.ends_with('/')
+                || path.contains(|c: char| c.is_whitespace() || "{}*<>$()=".contains(c))
+            {
+                continue;
+            }
+            checked += 1;
+            if !root.join(path).exists() {
+                missing.push(format!("{doc}: {path}"));
+            }
+        }
+    }
+    assert!(
+        checked > 100,
+        "only {checked} paths found in the docs: is the scan broken?"
+    );
+    assert!(
+        missing.is_empty(),
+        "the docs name paths that do not exist:\n{}",
+        missing.join("\n")
+    );
 }

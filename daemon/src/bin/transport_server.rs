@@ -38,7 +38,7 @@ struct Args {
 }
 
 fn main() -> anyhow::Result<()> {
-    regions_daemon::admission::return_large_buffers_to_the_os();
+    regions_daemon::transport::admission::return_large_buffers_to_the_os();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)

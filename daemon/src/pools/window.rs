@@ -241,7 +241,7 @@ mod tests {
     use std::sync::atomic::Ordering;
 
     use super::*;
-    use crate::segment::Segment;
+    use crate::pools::segment::Segment;
 
     const CHUNK: u64 = 128 << 10;
 

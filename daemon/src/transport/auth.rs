@@ -19,7 +19,7 @@ use regions_proto::frame::{Header, Op};
 
 use crate::error::DaemonError;
 use crate::pools::Pinned;
-use crate::revocations::Revocations;
+use crate::transport::revocations::Revocations;
 use regions_proto::capability::{fenced_message, revoked_message};
 use regions_proto::handshake::ServerHello;
 

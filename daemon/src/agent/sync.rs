@@ -23,9 +23,9 @@ use tokio::io::unix::AsyncFd;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
+use crate::agent::owners::OwnerWatch;
 use crate::error::DaemonError;
 use crate::manager_client::{ManagerClients, request};
-use crate::owners::OwnerWatch;
 
 type Client = SyncClient<InterceptedService<Channel, AttachSecret>>;
 

@@ -1,6 +1,6 @@
 //! Open handles the host agent obtained for local processes (application sessions open regions
 //! through it), so that a process that exits without closing them does not keep its regions
-//! alive: the pid watch of [`crate::owners`] reports the exit and [`OpenHandles::close_all`]
+//! alive: the pid watch of [`crate::agent::owners`] reports the exit and [`OpenHandles::close_all`]
 //! closes what is left at the manager. Without this, an unlinked region opened by a program
 //! that was killed would hold its memory until its host's lease ended.
 

@@ -13,12 +13,17 @@
 //!   (`EFAULT` unassigned or out of bounds, `ENOENT` unknown pool, `EINVAL` malformed request).
 //! - A frame that cannot be decoded (bad header, oversized payload) closes the connection with
 //!   a log line. Nothing a peer sends makes the daemon panic.
-//! - Connections are capped, waiting ones evicted oldest first ([`crate::admission`]); a
+//! - Connections are capped, waiting ones evicted oldest first ([`crate::transport::admission`]); a
 //!   connection that has not authenticated holds a 4 KiB input buffer, an authenticated one
 //!   [`TransportConfig::buffer`]; payloads read and not yet served are bounded in total by
 //!   [`TransportConfig::max_buffered`]. A peer that stalls inside a frame for
 //!   [`TransportConfig::io_timeout`], or sends nothing for [`TransportConfig::idle_timeout`],
 //!   is disconnected (clients reconnect).
+
+pub mod admission;
+pub mod auth;
+pub mod rawio;
+pub mod revocations;
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -34,12 +39,12 @@ use regions_proto::frame::{
     FLAG_REPLY, Frame, FrameError, HEADER_LEN, Header, Limits, Op, Range, Request,
 };
 
-use crate::admission::{self, Admission, Budget};
 use crate::error::{DaemonError, Result};
 use crate::pools::{Pinned, Pools, Resolved};
-use crate::rawio::{Ready, wait_ready};
 use crate::stats::Stats;
-use crate::transport_auth::{ConnAuth, Reach};
+use crate::transport::auth::{ConnAuth, Reach};
+use crate::transport::rawio::{Ready, wait_ready};
+use admission::{Admission, Budget};
 
 /// Largest HELLO payload accepted (before authentication nothing bigger is read).
 const MAX_HELLO: u32 = 4096;

@@ -7,11 +7,14 @@
 //! takes the write locks of the chunks it changes (ascending too, one event at a time, under
 //! [`Pools`]' apply mutex), so a chunk is never remapped under a request, and a request never
 //! touches a `PROT_NONE` page. Transport requests never block on the network while holding
-//! pins (see [`crate::rawio`]), so a slow client cannot hold up the manager's events.
+//! pins (see [`crate::transport::rawio`]), so a slow client cannot hold up the manager's events.
 //!
 //! Segments are reference counted per region chunk: a region chunk's pages are punched (given
 //! back to the kernel) only when no pool chunk maps it any more, and a segment with no chunk left
 //! is closed.
+
+pub mod segment;
+pub mod window;
 
 use std::collections::{BTreeMap, HashMap};
 use std::io;
@@ -26,10 +29,10 @@ use regions_proto::layout::{CHUNK_SIZE, chunk_delta};
 use regions_proto::word_wait;
 
 use crate::error::{DaemonError, Result};
-use crate::rawio::{self, RawSpan};
-use crate::revocations::Revocations;
-use crate::segment::Segment;
-use crate::window::Window;
+use crate::pools::segment::Segment;
+use crate::pools::window::Window;
+use crate::transport::rawio::{self, RawSpan};
+use crate::transport::revocations::Revocations;
 
 /// What backs one pool chunk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -7,6 +7,12 @@
 //! manager decides with that identity, so applications never need the cluster secret. The
 //! socket is mode 0666: any local user may connect; permission checks are the manager's.
 
+pub mod fdpass;
+pub mod map;
+pub mod open_handles;
+pub mod owners;
+pub mod sync;
+
 use std::collections::HashMap;
 use std::io::{self, Read};
 use std::os::fd::{AsFd, OwnedFd};
@@ -24,11 +30,11 @@ use regions_proto::v1::{
 };
 
 use crate::error::{DaemonError, Result};
-use crate::fdpass::{self, PeerCred};
 use crate::manager_client::Authority;
 use crate::pools::Pools;
-use crate::rawio::{Ready, wait_ready};
 use crate::stats::Stats;
+use crate::transport::rawio::{Ready, wait_ready};
+use fdpass::PeerCred;
 
 /// Largest request the agent reads.
 pub const MAX_REQUEST: u32 = 1 << 20;
@@ -117,12 +123,12 @@ pub struct AgentHandler {
     /// Who decides rights.
     pub authority: Arc<dyn Authority>,
     /// Owners of regions created through this agent, and processes holding handles it
-    /// opened ([`crate::owners`]).
-    pub owners: Option<Arc<crate::owners::OwnerWatch>>,
+    /// opened ([`crate::agent::owners`]).
+    pub owners: Option<Arc<crate::agent::owners::OwnerWatch>>,
     /// Handles opened through this agent and not closed yet.
-    pub handles: Arc<crate::open_handles::OpenHandles>,
-    /// Forwarding of barrier, mutex and doorbell calls ([`crate::agent_sync`]).
-    pub sync: Option<Arc<crate::agent_sync::SyncAgent>>,
+    pub handles: Arc<crate::agent::open_handles::OpenHandles>,
+    /// Forwarding of barrier, mutex and doorbell calls ([`crate::agent::sync`]).
+    pub sync: Option<Arc<crate::agent::sync::SyncAgent>>,
     /// Who may receive a writable segment descriptor ([`SegmentWriters`]).
     pub segment_writers: SegmentWriters,
 }
@@ -234,13 +240,13 @@ impl AgentHandler {
                 }
             }
             Some(agent_request::Request::MapRefresh(r)) => reply(
-                crate::agent_map::refresh(self.authority.as_ref(), &caller, &r).map(Body::Region),
+                crate::agent::map::refresh(self.authority.as_ref(), &caller, &r).map(Body::Region),
             ),
             Some(agent_request::Request::MapExtend(r)) => reply(
-                crate::agent_map::extend(self.authority.as_ref(), &caller, &r).map(Body::Region),
+                crate::agent::map::extend(self.authority.as_ref(), &caller, &r).map(Body::Region),
             ),
             Some(agent_request::Request::MapClose(r)) => {
-                let closed = crate::agent_map::close(
+                let closed = crate::agent::map::close(
                     self.authority.as_ref(),
                     &self.handles,
                     &caller,
@@ -253,11 +259,16 @@ impl AgentHandler {
                 }
             }
             Some(agent_request::Request::OwnerCreate(r)) => reply(
-                crate::owners::create(self.authority.as_ref(), self.owners.as_deref(), &caller, r)
-                    .map(Body::OwnerCreated),
+                crate::agent::owners::create(
+                    self.authority.as_ref(),
+                    self.owners.as_deref(),
+                    &caller,
+                    r,
+                )
+                .map(Body::OwnerCreated),
             ),
             Some(agent_request::Request::Sync(call)) => (
-                crate::agent_sync::handle(self.sync.as_deref(), &caller, call, None),
+                crate::agent::sync::handle(self.sync.as_deref(), &caller, call, None),
                 None,
             ),
             Some(agent_request::Request::Stats(_)) => {
@@ -569,7 +580,12 @@ fn serve_connection(stream: &UnixStream, cred: fdpass::PeerCred, handler: &Agent
             }) => {
                 let caller = handler.caller(&cred);
                 (
-                    crate::agent_sync::handle(handler.sync.as_deref(), &caller, call, Some(stream)),
+                    crate::agent::sync::handle(
+                        handler.sync.as_deref(),
+                        &caller,
+                        call,
+                        Some(stream),
+                    ),
                     None,
                 )
             }

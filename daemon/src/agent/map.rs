@@ -4,9 +4,9 @@
 
 use regions_proto::v1::{Caller, MapClose, MapExtend, MapRefresh, RegionInfo};
 
+use crate::agent::open_handles::OpenHandles;
 use crate::error::{DaemonError, Result};
 use crate::manager_client::Authority;
-use crate::open_handles::OpenHandles;
 
 /// The map (if changed) and a fresh capability.
 pub fn refresh(authority: &dyn Authority, caller: &Caller, r: &MapRefresh) -> Result<RegionInfo> {
