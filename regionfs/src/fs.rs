@@ -609,4 +609,6 @@ mod xattrs;
 use handles::Closer;
 
 #[cfg(test)]
+mod model_tests;
+#[cfg(test)]
 mod tests;
