@@ -13,10 +13,11 @@
 //!   [`transport::revocations`] (capability epochs it enforces), [`transport::admission`]
 //!   (connection caps and the payload budget), [`transport::rawio`] (socket I/O straight to
 //!   and from pool memory).
-//! - [`agent`]: the host agent on the daemon's Unix socket; [`agent::map`] (opens, maps and
-//!   capabilities for applications), [`agent::sync`] (sync calls), [`agent::owners`] (region
-//!   owners' lifetimes), [`agent::open_handles`] (handles it opened for local processes,
-//!   closed when they exit), [`agent::fdpass`] (`SCM_RIGHTS` and `SO_PEERCRED`).
+//! - [`agent`]: the host agent on the daemon's Unix socket; [`agent::map`] (maps with renewed
+//!   capabilities, growth and closing for applications' regions), [`agent::sync`] (sync
+//!   calls), [`agent::owners`] (region owners' lifetimes), [`agent::open_handles`] (handles
+//!   it opened for local processes, closed when they exit), [`agent::fdpass`] (`SCM_RIGHTS`
+//!   and `SO_PEERCRED`).
 //! - [`manager_client`]: gRPC clients of the manager and the agent's [`manager_client::Authority`].
 //! - [`registration`]: the manager session (register, resync, watch, heartbeat).
 //! - [`stats`]: the counters the agent reports.

@@ -6,7 +6,9 @@
 //! the mutex on, and reads a barrier's word to wake sleepers; the daemon that holds the word
 //! applies each operation atomically against the clients' own operations on it. This client
 //! speaks the transport's frame format (`regions_proto::frame`) and HELLO handshake
-//! (`regions_proto::handshake`) on tokio sockets, one idle connection kept per daemon.
+//! (`regions_proto::handshake`) on tokio sockets, keeping idle connections per daemon. An
+//! operation is sent once and never again (it is not idempotent), its reply awaited for a
+//! bounded time; a daemon that failed is not tried again for a second.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -21,8 +23,35 @@ use regions_proto::layout::chunk_delta;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-/// How long the manager keeps trying to reach a daemon for one operation.
-const DEADLINE: Duration = Duration::from_millis(4500);
+/// How long the client waits, and for what.
+#[derive(Clone, Copy, Debug)]
+pub struct Timeouts {
+    /// How long connecting to a daemon is retried for one operation.
+    pub deadline: Duration,
+    /// How long a request waits for its reply.
+    pub io: Duration,
+    /// After a daemon failed, how long operations on it fail at once.
+    pub quiet: Duration,
+    /// The connection deadline of the operation that probes a daemon that failed.
+    pub probe: Duration,
+}
+
+impl Default for Timeouts {
+    /// As the client library's transports: an unreachable daemon is `EIO` within 5 s.
+    fn default() -> Timeouts {
+        Timeouts {
+            deadline: Duration::from_millis(4500),
+            io: Duration::from_millis(4500),
+            quiet: Duration::from_secs(1),
+            probe: Duration::from_millis(500),
+        }
+    }
+}
+
+/// The least time one connection attempt is given.
+const MIN_ATTEMPT: Duration = Duration::from_millis(10);
+/// Idle connections kept per daemon.
+const MAX_IDLE: usize = 16;
 /// The first pause between attempts (doubling, at most half a second).
 const BACKOFF: Duration = Duration::from_millis(20);
 /// Longest error message read from a daemon's reply.
@@ -68,20 +97,34 @@ impl From<std::io::Error> for Failure {
     }
 }
 
+/// What the client keeps per daemon.
+#[derive(Default)]
+struct Daemon {
+    /// Authenticated connections not in use.
+    idle: Vec<TcpStream>,
+    /// When an operation last gave up on the daemon (cleared by an answer).
+    down_at: Option<Instant>,
+}
+
 /// Atomic word operations on daemons, with the cluster secret.
 pub struct WordClient {
     secret: Secret,
+    timeouts: Timeouts,
     next_id: AtomicU64,
-    /// One idle authenticated connection per daemon address.
-    idle: Mutex<HashMap<String, TcpStream>>,
+    daemons: Mutex<HashMap<String, Daemon>>,
 }
 
 impl WordClient {
     pub fn new(secret: Secret) -> WordClient {
+        Self::with_timeouts(secret, Timeouts::default())
+    }
+
+    pub fn with_timeouts(secret: Secret, timeouts: Timeouts) -> WordClient {
         WordClient {
             secret,
+            timeouts,
             next_id: AtomicU64::new(1),
-            idle: Mutex::new(HashMap::new()),
+            daemons: Mutex::new(HashMap::new()),
         }
     }
 
@@ -105,9 +148,11 @@ impl WordClient {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// One atomic on a pooled connection (one free retry when it has gone stale), else on
-    /// fresh ones until [`DEADLINE`]. An operation whose request went out on a fresh
-    /// connection is not sent again: it is not idempotent.
+    /// One atomic, sent once: on an idle connection that is still open, else on a new one
+    /// (connecting is retried until the deadline). Once the request is out, nothing is sent
+    /// again: the operation may have been applied. The reply is awaited for a bounded time.
+    /// After a daemon failed, operations on it fail at once for a while, then one probes
+    /// with a shorter deadline ([`Timeouts`]).
     async fn atomic(
         &self,
         addr: &str,
@@ -115,48 +160,111 @@ impl WordClient {
         at: &WordAt,
         operands: &[u64],
     ) -> Result<u64, WordError> {
-        let pooled = self.idle.lock().ok().and_then(|mut idle| idle.remove(addr));
-        if let Some(mut stream) = pooled {
-            match self.request(&mut stream, op, at, operands).await {
-                Ok(word) => {
-                    self.keep(addr, stream);
-                    return Ok(word);
-                }
-                Err(Failure::Final(e)) => return Err(e),
-                Err(Failure::Retry(reason)) => {
-                    tracing::debug!(addr, %reason, "stale connection to the daemon; reconnecting");
-                }
+        let (pooled, deadline) = self.take(addr)?;
+        let mut stream = match pooled {
+            Some(stream) => stream,
+            None => self.connect_within(addr, deadline).await?,
+        };
+        let io = self.timeouts.io;
+        let outcome = tokio::time::timeout(io, self.request(&mut stream, op, at, operands)).await;
+        let reason = match outcome {
+            Ok(Ok(word)) => {
+                self.answered(addr, Some(stream));
+                return Ok(word);
+            }
+            Ok(Err(Failure::Final(e))) => {
+                self.answered(addr, None);
+                return Err(e);
+            }
+            Ok(Err(Failure::Retry(reason))) => reason,
+            Err(_) => format!("no reply within {io:?}"),
+        };
+        self.gave_up(addr);
+        Err(WordError::Unreachable {
+            addr: addr.to_owned(),
+            attempts: 1,
+            reason: format!("{reason} (not retried: the operation may have been applied)"),
+        })
+    }
+
+    /// An idle connection to `addr` that the daemon has not closed, if any, and how long a
+    /// new connection may take; or the error of a daemon that failed a moment ago.
+    fn take(&self, addr: &str) -> Result<(Option<TcpStream>, Duration), WordError> {
+        let mut daemons = self.daemons.lock().map_err(|_| WordError::Unreachable {
+            addr: addr.to_owned(),
+            attempts: 0,
+            reason: "the word client's lock was poisoned".into(),
+        })?;
+        let daemon = daemons.entry(addr.to_owned()).or_default();
+        if let Some(at) = daemon.down_at {
+            let since = at.elapsed();
+            if since < self.timeouts.quiet {
+                return Err(WordError::Unreachable {
+                    addr: addr.to_owned(),
+                    attempts: 0,
+                    reason: format!(
+                        "it failed {} ms ago; not tried again for {} ms",
+                        since.as_millis(),
+                        self.timeouts.quiet.as_millis()
+                    ),
+                });
+            }
+            // This operation probes; others keep failing at once meanwhile.
+            daemon.down_at = Some(Instant::now());
+            daemon.idle.clear();
+            return Ok((None, self.timeouts.probe));
+        }
+        while let Some(stream) = daemon.idle.pop() {
+            if still_open(&stream) {
+                return Ok((Some(stream), self.timeouts.deadline));
             }
         }
+        Ok((None, self.timeouts.deadline))
+    }
+
+    /// The daemon answered: it is up, and `stream` (if still usable) goes back to the pool.
+    fn answered(&self, addr: &str, stream: Option<TcpStream>) {
+        if let Ok(mut daemons) = self.daemons.lock() {
+            let daemon = daemons.entry(addr.to_owned()).or_default();
+            if daemon.down_at.take().is_some() {
+                tracing::info!(addr, "daemon holding lock words reachable again");
+            }
+            if let Some(stream) = stream
+                && daemon.idle.len() < MAX_IDLE
+            {
+                daemon.idle.push(stream);
+            }
+        }
+    }
+
+    /// An operation gave up on the daemon.
+    fn gave_up(&self, addr: &str) {
+        if let Ok(mut daemons) = self.daemons.lock() {
+            let daemon = daemons.entry(addr.to_owned()).or_default();
+            if daemon.down_at.replace(Instant::now()).is_none() {
+                tracing::warn!(addr, "daemon holding lock words unreachable");
+            }
+            daemon.idle.clear();
+        }
+    }
+
+    /// A new authenticated connection, retried with backoff until `deadline` has passed.
+    async fn connect_within(&self, addr: &str, deadline: Duration) -> Result<TcpStream, WordError> {
         let start = Instant::now();
         let mut backoff = BACKOFF;
         let mut attempts = 0;
         loop {
             attempts += 1;
-            let reason = match self
-                .connect(addr, DEADLINE.saturating_sub(start.elapsed()))
-                .await
+            let left = deadline.saturating_sub(start.elapsed());
+            let reason = match tokio::time::timeout(left.max(MIN_ATTEMPT), self.connect(addr)).await
             {
-                Ok(mut stream) => {
-                    return match self.request(&mut stream, op, at, operands).await {
-                        Ok(word) => {
-                            self.keep(addr, stream);
-                            Ok(word)
-                        }
-                        Err(Failure::Final(e)) => Err(e),
-                        Err(Failure::Retry(reason)) => Err(WordError::Unreachable {
-                            addr: addr.to_owned(),
-                            attempts,
-                            reason: format!(
-                                "{reason} (not retried: the operation may have been applied)"
-                            ),
-                        }),
-                    };
-                }
-                Err(Failure::Final(e)) => return Err(e),
-                Err(Failure::Retry(reason)) => reason,
+                Ok(Ok(stream)) => return Ok(stream),
+                Ok(Err(Failure::Final(e))) => return Err(e),
+                Ok(Err(Failure::Retry(reason))) => reason,
+                Err(_) => format!("no connection within {:?}", left.max(MIN_ATTEMPT)),
             };
-            if start.elapsed() + backoff >= DEADLINE {
+            if start.elapsed() + backoff >= deadline {
+                self.gave_up(addr);
                 return Err(WordError::Unreachable {
                     addr: addr.to_owned(),
                     attempts,
@@ -168,22 +276,12 @@ impl WordClient {
         }
     }
 
-    fn keep(&self, addr: &str, stream: TcpStream) {
-        if let Ok(mut idle) = self.idle.lock() {
-            idle.insert(addr.to_owned(), stream);
-        }
-    }
-
-    /// A connection to `addr` that has passed the cluster-secret handshake.
-    async fn connect(&self, addr: &str, timeout: Duration) -> Result<TcpStream, Failure> {
-        let timeout = timeout.max(Duration::from_millis(10));
-        let mut stream = tokio::time::timeout(timeout, TcpStream::connect(addr))
-            .await
-            .map_err(|_| Failure::Retry(format!("no connection within {timeout:?}")))??;
+    /// A connection to `addr` that has passed the cluster-secret handshake (the caller bounds
+    /// how long it may take).
+    async fn connect(&self, addr: &str) -> Result<TcpStream, Failure> {
+        let mut stream = TcpStream::connect(addr).await?;
         stream.set_nodelay(true)?;
-        tokio::time::timeout(timeout, self.prove_secret(addr, &mut stream))
-            .await
-            .map_err(|_| Failure::Retry(format!("no handshake within {timeout:?}")))??;
+        self.prove_secret(addr, &mut stream).await?;
         Ok(stream)
     }
 
@@ -262,6 +360,12 @@ impl WordClient {
     }
 }
 
+/// Whether the daemon has not closed an idle connection (nor sent anything on it).
+fn still_open(stream: &TcpStream) -> bool {
+    let mut probe = [0u8; 1];
+    matches!(stream.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+}
+
 async fn send(stream: &mut TcpStream, header: &Header, payload: &[u8]) -> std::io::Result<()> {
     let mut buf = BytesMut::with_capacity(HEADER_LEN + payload.len());
     header.encode(&mut buf);
@@ -300,24 +404,26 @@ mod tests {
     use regions_proto::handshake::ServerHello;
     use tokio::net::TcpListener;
 
-    /// A daemon stand-in: answers the handshake, then applies atomics to one word.
-    async fn fake_daemon(secret: Secret, listener: TcpListener, mut word: u64, requests: usize) {
-        let (mut s, _) = listener.accept().await.unwrap();
+    /// Answers the handshake on `s`.
+    async fn accept_hello(s: &mut TcpStream, secret: &Secret) {
         let mut head = [0u8; HEADER_LEN];
-        // Opening HELLO.
         s.read_exact(&mut head).await.unwrap();
         let h = Header::decode(&head).unwrap();
         let mut open = vec![0u8; h.payload_len as usize];
         s.read_exact(&mut open).await.unwrap();
-        let (server, challenge) = ServerHello::challenge(&secret, &open).unwrap();
-        reply(&mut s, &h, 0, &challenge).await;
-        // Proof.
+        let (server, challenge) = ServerHello::challenge(secret, &open).unwrap();
+        reply(s, &h, 0, &challenge).await;
         s.read_exact(&mut head).await.unwrap();
         let h = Header::decode(&head).unwrap();
         let mut proof = vec![0u8; h.payload_len as usize];
         s.read_exact(&mut proof).await.unwrap();
-        server.verify(&secret, &proof).unwrap();
-        reply(&mut s, &h, 0, &[]).await;
+        server.verify(secret, &proof).unwrap();
+        reply(s, &h, 0, &[]).await;
+    }
+
+    /// Applies `requests` atomics from `s` to `word`; returns the word.
+    async fn serve(s: &mut TcpStream, mut word: u64, requests: usize) -> u64 {
+        let mut head = [0u8; HEADER_LEN];
         for _ in 0..requests {
             s.read_exact(&mut head).await.unwrap();
             let h = Header::decode(&head).unwrap();
@@ -325,6 +431,11 @@ mod tests {
             s.read_exact(&mut ops).await.unwrap();
             let arg = |i: usize| u64::from_le_bytes(ops[i * 8..i * 8 + 8].try_into().unwrap());
             assert_eq!((h.pool, h.offset, h.length, h.object_id), (3, 4096, 8, 7));
+            assert_ne!(
+                h.flags & FLAG_DELTAS,
+                0,
+                "the word's place in its region is stated"
+            );
             let old = word;
             match h.op {
                 Op::Cas if word == arg(0) => word = arg(1),
@@ -332,8 +443,9 @@ mod tests {
                 Op::FetchAdd => word = word.wrapping_add(arg(0)),
                 other => panic!("unexpected {other:?}"),
             }
-            reply(&mut s, &h, 0, &old.to_le_bytes()).await;
+            reply(s, &h, 0, &old.to_le_bytes()).await;
         }
+        word
     }
 
     async fn reply(s: &mut TcpStream, req: &Header, status: u32, payload: &[u8]) {
@@ -354,13 +466,34 @@ mod tests {
         }
     }
 
+    fn secret() -> Secret {
+        Secret::new("cluster").unwrap()
+    }
+
+    fn quick() -> Timeouts {
+        Timeouts {
+            deadline: Duration::from_millis(300),
+            io: Duration::from_millis(300),
+            quiet: Duration::from_millis(400),
+            probe: Duration::from_millis(100),
+        }
+    }
+
+    async fn listener() -> (TcpListener, String) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        (l, addr)
+    }
+
     #[tokio::test]
     async fn atomics_reach_the_daemon_on_one_authenticated_connection() {
-        let secret = Secret::new("cluster").unwrap();
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let daemon = tokio::spawn(fake_daemon(secret.clone(), listener, 0, 4));
-        let c = WordClient::new(secret);
+        let (listener, addr) = listener().await;
+        let daemon = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            accept_hello(&mut s, &secret()).await;
+            serve(&mut s, 0, 4).await
+        });
+        let c = WordClient::new(secret());
         assert_eq!(c.compare_and_swap(&addr, &at(), 0, 42).await.unwrap(), 0);
         assert_eq!(
             c.compare_and_swap(&addr, &at(), 0, 9).await.unwrap(),
@@ -369,13 +502,62 @@ mod tests {
         );
         assert_eq!(c.fetch_add(&addr, &at(), 8).await.unwrap(), 42);
         assert_eq!(c.fetch_add(&addr, &at(), 0).await.unwrap(), 50);
-        daemon.await.unwrap();
+        assert_eq!(daemon.await.unwrap(), 50);
+    }
+
+    #[tokio::test]
+    async fn a_connection_the_daemon_closed_is_replaced_before_sending() {
+        let (listener, addr) = listener().await;
+        let daemon = tokio::spawn(async move {
+            // The first connection serves one request and is closed (an idle timeout).
+            let (mut s, _) = listener.accept().await.unwrap();
+            accept_hello(&mut s, &secret()).await;
+            let word = serve(&mut s, 5, 1).await;
+            drop(s);
+            let (mut s, _) = listener.accept().await.unwrap();
+            accept_hello(&mut s, &secret()).await;
+            serve(&mut s, word, 1).await
+        });
+        let c = WordClient::with_timeouts(secret(), quick());
+        assert_eq!(c.fetch_add(&addr, &at(), 1).await.unwrap(), 5);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(c.fetch_add(&addr, &at(), 1).await.unwrap(), 6);
+        assert_eq!(daemon.await.unwrap(), 7, "each operation applied once");
+    }
+
+    #[tokio::test]
+    async fn a_silent_daemon_is_given_up_once_and_then_refused_at_once_until_it_is_probed() {
+        let (listener, addr) = listener().await;
+        let daemon = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            accept_hello(&mut s, &secret()).await;
+            // Reads the request and never answers.
+            let mut sink = [0u8; 256];
+            let _ = s.read(&mut sink).await;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        });
+        let c = WordClient::with_timeouts(secret(), quick());
+        let started = Instant::now();
+        let err = c.fetch_add(&addr, &at(), 1).await.unwrap_err();
+        assert!(err.to_string().contains("no reply"), "{err}");
+        assert!(err.to_string().contains("not retried"), "{err}");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "bounded by the reply timeout"
+        );
+        let refused = Instant::now();
+        let err = c.fetch_add(&addr, &at(), 1).await.unwrap_err();
+        assert!(
+            matches!(&err, WordError::Unreachable { attempts: 0, .. }),
+            "refused at once: {err}"
+        );
+        assert!(refused.elapsed() < Duration::from_millis(50));
+        daemon.abort();
     }
 
     #[tokio::test]
     async fn a_daemon_with_another_secret_is_refused() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
+        let (listener, addr) = listener().await;
         let daemon = tokio::spawn(async move {
             let (mut s, _) = listener.accept().await.unwrap();
             let mut head = [0u8; HEADER_LEN];
@@ -387,7 +569,7 @@ mod tests {
                 ServerHello::challenge(&Secret::new("another").unwrap(), &open).unwrap();
             reply(&mut s, &h, 0, &challenge).await;
         });
-        let c = WordClient::new(Secret::new("cluster").unwrap());
+        let c = WordClient::with_timeouts(secret(), quick());
         let err = c.fetch_add(&addr, &at(), 0).await.unwrap_err();
         assert!(
             matches!(&err, WordError::Refused { errno, .. } if *errno == libc::EACCES as u32),
@@ -398,10 +580,9 @@ mod tests {
 
     #[tokio::test]
     async fn an_unreachable_daemon_is_reported_with_its_address() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
+        let (listener, addr) = listener().await;
         drop(listener);
-        let c = WordClient::new(Secret::new("cluster").unwrap());
+        let c = WordClient::with_timeouts(secret(), quick());
         let err = c.fetch_add(&addr, &at(), 0).await.unwrap_err();
         assert!(
             matches!(&err, WordError::Unreachable { attempts, .. } if *attempts > 1),

@@ -450,3 +450,41 @@ fn a_mapping_grown_after_its_region_was_emptied_maps_the_new_memory() {
     );
     mapping::unmap(m.base()).unwrap();
 }
+
+/// An application's region (opened through the host agent) that another handle shrinks: its
+/// next write past the new end, on this host's own chunks, grows the region again to cover
+/// it, as `pwrite(2)` after a `truncate(2)` does, and a fresh opener on another host sees the
+/// size, the bytes and the zeros between. Reads of this host's chunks go through the segment.
+#[test]
+fn an_application_write_after_a_shrink_through_another_handle_grows_the_region() {
+    let s = setup();
+    let path = s.m1.path("shrunk");
+    create(&path, &[1u8; 1 << 20]);
+    let w = Region::open_path(&path, true).expect("open through the agent");
+    assert_eq!(w.size(), 1 << 20);
+    assert!(w.chunk(1).expect("chunk 1").local, "held on this host");
+    let mut buf = [0u8; 4];
+    let before = w.stats().local_bytes_read;
+    assert_eq!(w.read_at(150_000, &mut buf).unwrap(), 4);
+    assert_eq!(buf, [1u8; 4]);
+    assert!(
+        w.stats().local_bytes_read > before,
+        "this host's chunks are read through the segment"
+    );
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .and_then(|f| f.set_len(200_000))
+        .expect("shrink through the mount");
+    w.write_at(210_000, b"after the shrink")
+        .expect("write past the new end");
+    assert_eq!(w.size(), 210_016);
+    let seen = std::fs::read(s.m2.path("shrunk")).expect("read on host 2");
+    assert_eq!(seen.len(), 210_016, "the region grew to cover the write");
+    assert!(seen[..200_000].iter().all(|b| *b == 1));
+    assert!(
+        seen[200_000..210_000].iter().all(|b| *b == 0),
+        "the shrink's tail reads as zeros"
+    );
+    assert_eq!(&seen[210_000..], b"after the shrink");
+}

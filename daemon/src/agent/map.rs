@@ -1,4 +1,5 @@
-//! Host-agent requests of application mapping sessions (`libregions/src/app.rs`): the region's
+//! Host-agent requests of regions applications opened through the agent
+//! (`libregions/src/region/from_file.rs`): the region's
 //! map with a renewed transport capability, growth, and closing the open handle. The caller is
 //! the one `SO_PEERCRED` identified; the manager checks its rights.
 

@@ -140,6 +140,14 @@ impl Authority {
         }
     }
 
+    /// Whether there is a host agent to ask for this host's segment.
+    pub(crate) fn has_agent(&self) -> bool {
+        match self {
+            Authority::Cluster { conn, .. } => conn.config.agent_socket.is_some(),
+            Authority::Agent(_) => true,
+        }
+    }
+
     /// Device of the mount an agent session was opened through (0 otherwise).
     pub(crate) fn dev(&self) -> u64 {
         match self {
@@ -174,7 +182,7 @@ impl Authority {
 
     /// The region's map if newer than `known` (with a renewed capability through the agent,
     /// which checks permission again and names the open's `handle`: once the manager closed
-    /// it, nothing is renewed and the region answers `EIO`).
+    /// it, nothing is renewed and the region's chunks on other hosts answer `EIO`).
     pub(crate) fn map(
         &self,
         ino: u64,

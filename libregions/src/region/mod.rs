@@ -33,7 +33,7 @@ use crate::transport::{Span, StatsSnapshot, Transport};
 use authority::Authority;
 pub use from_file::{device_of, file_id};
 pub use placement::ChunkLoc;
-use placement::{MapState, Run, Target};
+use placement::{Access, MapState, Run, Target};
 
 /// Reads and writes smaller than this stay on the calling thread even when
 /// they span hosts (a thread costs more than it saves).
@@ -237,9 +237,29 @@ impl Region {
         self.refresh()
     }
 
+    /// [`Region::renew_if_due`] for an access to `[offset, offset + len)` that reaches a
+    /// daemon: chunks on this host, read through the segment descriptor, need no capability
+    /// (they keep the rights the descriptor was handed with, docs/SEMANTICS.md).
+    fn renew_if_due_for(&self, offset: u64, len: u64, write: bool) -> Result<()> {
+        if !self.authority.renewal_due() {
+            return Ok(());
+        }
+        let remote = {
+            let state = self.state.read().map_err(|_| Self::poisoned())?;
+            self.locate(&state, offset, len, write)
+                .map_or(true, |runs| {
+                    runs.iter().any(|r| matches!(r.target, Target::Remote(_)))
+                })
+        };
+        if remote { self.renew_if_due() } else { Ok(()) }
+    }
+
     /// Maps this host's segment if the host agent has one and it is stale
     /// or missing.
     fn ensure_local(&self, needed_end: u64) {
+        if !self.authority.has_agent() {
+            return;
+        }
         let host_id = self.authority.host_id();
         let (version, covered, mine) = match self.state.read() {
             Ok(s) => (
@@ -295,13 +315,20 @@ impl Region {
         len: u64,
         write: bool,
     ) -> Result<Vec<Run<'s>>> {
+        let access = match (write, &self.authority) {
+            (false, _) => Access::Read,
+            (true, Authority::Cluster { .. }) => Access::Write,
+            // An application's writes go through the daemon even on this host: the daemon
+            // refuses a revoked capability (a shrinking truncate through another handle),
+            // and the region then learns its new size before the retry.
+            (true, Authority::Agent(_)) => Access::WriteThroughDaemon,
+        };
         let peer = self.authority.peer();
         state.locate(
             self.ino,
             self.authority.host_id(),
-            offset,
-            len,
-            write,
+            (offset, len),
+            access,
             &peer,
         )
     }
@@ -402,7 +429,6 @@ impl Region {
         // The buffer is re-borrowed per attempt.
         let cell = std::sync::Mutex::new(buf);
         self.with_fresh_map(|| {
-            self.renew_if_due()?;
             // Again on a retry: the refresh may have brought a smaller size (a truncate).
             let size = self.size();
             if offset >= size {
@@ -411,6 +437,7 @@ impl Region {
             let mut guard = cell.lock().map_err(|_| Self::poisoned())?;
             let n = (size - offset).min(guard.len() as u64) as usize;
             self.ensure_local(offset + n as u64);
+            self.renew_if_due_for(offset, n as u64, false)?;
             let state = self.state.read().map_err(|_| Self::poisoned())?;
             let runs = self.locate(&state, offset, n as u64, false)?;
             self.each_run(
@@ -432,28 +459,29 @@ impl Region {
         let end = offset
             .checked_add(data.len() as u64)
             .ok_or_else(|| RegionsError::Invalid(format!("write at {offset} overflows")))?;
-        let size = self.size();
-        // Capacity is checked on every attempt: a stale map (the region was
-        // truncated through another handle) is refreshed and may need space.
+        // Size and capacity are read on every attempt: a stale map or a revoked capability
+        // (the region was truncated through another handle) is refreshed, and the region may
+        // then be smaller and need space.
         self.with_fresh_map(|| {
-            self.renew_if_due()?;
-            let capacity = self.state.read().map_err(|_| Self::poisoned())?.capacity();
+            let (size, capacity) = {
+                let s = self.state.read().map_err(|_| Self::poisoned())?;
+                (s.size, s.capacity())
+            };
             if end > capacity || (end > size && self.policy == SizePolicy::Eager) {
                 self.reserve(end)?;
             }
             self.ensure_local(end);
+            self.renew_if_due_for(offset, data.len() as u64, true)?;
             let state = self.state.read().map_err(|_| Self::poisoned())?;
             let runs = self.locate(&state, offset, data.len() as u64, true)?;
             self.each_run(&state, runs, data, |t, spans, piece: &[u8]| {
                 t.write(spans, piece)
             })
         })?;
-        if end > size {
-            let mut s = self.state.write().map_err(|_| Self::poisoned())?;
-            if end > s.size {
-                s.size = end;
-                s.unpublished = self.policy == SizePolicy::Lazy;
-            }
+        let mut s = self.state.write().map_err(|_| Self::poisoned())?;
+        if end > s.size {
+            s.size = end;
+            s.unpublished = self.policy == SizePolicy::Lazy;
         }
         Ok(())
     }
@@ -535,7 +563,6 @@ impl Region {
     }
 
     fn word_span(&self, offset: u64) -> Result<(Arc<dyn Transport>, Span)> {
-        self.renew_if_due()?;
         if !offset.is_multiple_of(8) {
             return Err(RegionsError::Invalid(format!(
                 "atomic at offset {offset} is not 8-byte aligned"
@@ -548,6 +575,7 @@ impl Region {
             )));
         }
         self.ensure_local(offset + 8);
+        self.renew_if_due_for(offset, 8, true)?;
         let state = self.state.read().map_err(|_| Self::poisoned())?;
         let mut runs = self.locate(&state, offset, 8, true)?;
         let run = runs
@@ -610,8 +638,8 @@ impl Region {
             .map_or(0, |s| if s.fixvaddr { s.vaddr } else { 0 })
     }
 
-    /// Traffic counters of the transports this region uses (shared with the other regions
-    /// of its [`crate::Client`]).
+    /// Traffic counters of the transports this region uses (opened by a [`crate::Client`]:
+    /// shared with the client's other regions).
     pub fn stats(&self) -> StatsSnapshot {
         self.authority.stats().snapshot()
     }

@@ -46,6 +46,17 @@ pub struct ChunkLoc {
     pub addr: String,
 }
 
+/// What an access does, for where it may go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Access {
+    Read,
+    /// A write that may go to this host's segment when it is writable.
+    Write,
+    /// A write that goes to the daemons only, this host's included: the daemon checks it
+    /// against the region's current chunks and the capability's revocation.
+    WriteThroughDaemon,
+}
+
 /// Where a run of spans is served from. A remote target borrows the daemon address from the
 /// map state the run was located in (no copy of the address per chunk and per call).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -148,14 +159,14 @@ impl MapState {
 
     /// Splits `[offset, offset + len)` of region `ino` into runs of spans per target. Host
     /// `host_id`'s chunks go through the mapped segment, unless the access writes and the
-    /// segment is read-only (then through the host's transport).
+    /// segment is read-only or `access` keeps writes off it (then through the host's
+    /// transport).
     pub(crate) fn locate(
         &self,
         ino: u64,
         host_id: u32,
-        offset: u64,
-        len: u64,
-        write: bool,
+        (offset, len): (u64, u64),
+        access: Access,
         peer: &str,
     ) -> Result<Vec<Run<'_>>> {
         let end = offset.checked_add(len).ok_or_else(|| {
@@ -177,7 +188,13 @@ impl MapState {
             };
             let target = match &self.local {
                 Some(l)
-                    if pool.host_id == host_id && l.covers(at, n) && (l.writable() || !write) =>
+                    if pool.host_id == host_id
+                        && l.covers(at, n)
+                        && match access {
+                            Access::Read => true,
+                            Access::Write => l.writable(),
+                            Access::WriteThroughDaemon => false,
+                        } =>
                 {
                     Target::Local
                 }
@@ -246,7 +263,7 @@ mod tests {
     fn ranges_split_by_daemon_and_merge_consecutive_chunks() {
         let s = state();
         let runs = s
-            .locate(9, 1, 100, 4 * CHUNK_SIZE - 200, false, "m")
+            .locate(9, 1, (100, 4 * CHUNK_SIZE - 200), Access::Read, "m")
             .unwrap();
         let got: Vec<_> = runs
             .iter()
@@ -285,11 +302,19 @@ mod tests {
     #[test]
     fn ranges_past_the_map_or_overflowing_are_refused() {
         let s = state();
-        let err = s.locate(9, 1, 4 * CHUNK_SIZE, 1, false, "m").unwrap_err();
+        let err = s
+            .locate(9, 1, (4 * CHUNK_SIZE, 1), Access::Read, "m")
+            .unwrap_err();
         assert!(err.to_string().contains("no chunk 4"), "{err}");
-        let err = s.locate(9, 1, u64::MAX - 2, 8, false, "m").unwrap_err();
+        let err = s
+            .locate(9, 1, (u64::MAX - 2, 8), Access::Read, "m")
+            .unwrap_err();
         assert!(err.to_string().contains("overflow"), "{err}");
-        assert!(s.locate(9, 1, 5, 0, true, "m").unwrap().is_empty());
+        assert!(
+            s.locate(9, 1, (5, 0), Access::Write, "m")
+                .unwrap()
+                .is_empty()
+        );
     }
 
     #[test]

@@ -237,6 +237,8 @@ pub fn unmapping(base: *mut u8, len: usize) {
 /// [`unmapping`]): a cached view of a mapping taken at the same epoch is
 /// still mapped.
 pub fn unmap_epoch() -> u64 {
+    // A caller that keeps a view of a mapping with this epoch must hear of its unmapping.
+    register_process_hooks();
     GEN.load(Ordering::Acquire)
 }
 
