@@ -43,7 +43,10 @@ int rmarkdirty(void *addr, size_t len, bool zero);
  * fetches fresh data (dirty pages are written back first). */
 int rclearcache(void *addr, size_t len);
 /* Writes dirty pages of [addr, addr+len) back to the region; flags as for
- * msync(2) (MS_SYNC, MS_ASYNC). */
+ * msync(2): MS_SYNC returns once they are written, MS_ASYNC queues the
+ * write-back and returns at once (a later MS_SYNC waits for it). Plain
+ * msync(2) on rmap memory publishes nothing: pages of chunks on other hosts
+ * are this process's cache, which only rmsync writes back. */
 int rmsync(void *addr, size_t len, int flags);
 
 /* allocation */

@@ -488,3 +488,52 @@ fn an_application_write_after_a_shrink_through_another_handle_grows_the_region()
     );
     assert_eq!(&seen[210_000..], b"after the shrink");
 }
+
+/// `rmsync(MS_ASYNC)` returns before the write-back and publishes in the background; an
+/// `rmsync(MS_SYNC)` after it returns only once everything is written; both flags together
+/// are `EINVAL`, as for msync(2).
+#[test]
+fn asynchronous_rmsync_publishes_in_the_background() {
+    use regions::capi::map::rmsync;
+    let s = setup();
+    let len = 4 << 20;
+    create(&s.m2.path("async"), &vec![0u8; len]);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(s.m1.path("async"))
+        .unwrap();
+    let m = mapping::map_fd(file.as_fd()).expect("map");
+    let data = pattern(len);
+    // SAFETY: `len` bytes are mapped writable at the base.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), m.base(), len) };
+    let base = m.base().cast::<libc::c_void>();
+    assert_eq!(rmsync(base, len, libc::MS_SYNC | libc::MS_ASYNC), -1);
+    assert_eq!(
+        std::io::Error::last_os_error().raw_os_error(),
+        Some(libc::EINVAL)
+    );
+    assert_eq!(rmsync(base, len, libc::MS_ASYNC), 0);
+    let reader = Region::open_path(&s.m2.path("async"), false).expect("reader on host 2");
+    let mut got = vec![0u8; len];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !(reader.read_at(0, &mut got).is_ok() && got == data) {
+        assert!(
+            Instant::now() < deadline,
+            "the background write-back never reached host 2"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Again, then synchronously: the second call returns once the bytes are written.
+    let again = pattern(len).into_iter().map(|b| !b).collect::<Vec<u8>>();
+    // SAFETY: as above.
+    unsafe { std::ptr::copy_nonoverlapping(again.as_ptr(), m.base(), len) };
+    assert_eq!(rmsync(base, len, libc::MS_ASYNC), 0);
+    assert_eq!(rmsync(base, len, libc::MS_SYNC), 0);
+    assert_eq!(reader.read_at(0, &mut got).unwrap(), len);
+    assert!(
+        got == again,
+        "MS_SYNC returned before the bytes were written"
+    );
+    mapping::unmap(m.base()).unwrap();
+}

@@ -68,8 +68,9 @@ pub extern "C" fn rclearcache(addr: *mut c_void, len: usize) -> c_int {
     ffi_int(|| mapping_of(addr)?.clearcache(addr.cast(), len).map(|()| 0))
 }
 
-/// Writes the dirty pages of `[addr, addr + len)` back. `flags` as for msync(2); the write-back
-/// is synchronous either way.
+/// Writes the dirty pages of `[addr, addr + len)` back. `flags` as for msync(2): `MS_SYNC`
+/// returns once they are written (and once a background write-back of the range has
+/// finished); `MS_ASYNC` alone queues the write-back and returns at once.
 #[unsafe(no_mangle)]
 pub extern "C" fn rmsync(addr: *mut c_void, len: usize, flags: c_int) -> c_int {
     ffi_int(|| {
@@ -80,7 +81,18 @@ pub extern "C" fn rmsync(addr: *mut c_void, len: usize, flags: c_int) -> c_int {
                 message: format!("unknown rmsync flags {flags:#x}"),
             });
         }
-        mapping_of(addr)?.msync(addr.cast(), len).map(|()| 0)
+        if flags & libc::MS_SYNC != 0 && flags & libc::MS_ASYNC != 0 {
+            return Err(RegionsError::Mapping {
+                errno: libc::EINVAL,
+                message: "rmsync with both MS_SYNC and MS_ASYNC: choose one".into(),
+            });
+        }
+        let m = mapping_of(addr)?;
+        if flags & libc::MS_ASYNC != 0 {
+            m.msync_async(addr.cast(), len).map(|()| 0)
+        } else {
+            m.msync(addr.cast(), len).map(|()| 0)
+        }
     })
 }
 

@@ -113,6 +113,9 @@ pub struct Mapping {
     frontier: AtomicUsize,
     /// Serialises growth and unmapping.
     resize: Mutex<bool>,
+    /// Held while dirty pages are written back: a synchronous `msync` waits for a background
+    /// one still writing pages it marked, so that it returns only once they are written.
+    writeback: Mutex<()>,
 }
 
 impl std::fmt::Debug for Mapping {
@@ -349,6 +352,7 @@ pub fn map_region(region: Arc<Region>) -> Result<Arc<Mapping>> {
         next_sequential: AtomicUsize::new(usize::MAX),
         frontier: AtomicUsize::new(0),
         resize: Mutex::new(false),
+        writeback: Mutex::new(()),
     });
     if let Err(e) = mapping.map_range(0, len) {
         mapping.teardown();
@@ -961,6 +965,7 @@ impl Mapping {
         let Ok(faults) = uffd::faults() else {
             return Ok(());
         };
+        let _one = self.writeback.lock().map_err(|_| poisoned())?;
         let pages = self.pages.read().map_err(|_| poisoned())?;
         let last = last.min(pages.len());
         let mut c = first / CHUNK_PAGES;
@@ -1023,6 +1028,22 @@ impl Mapping {
             }
         }
         result
+    }
+
+    /// [`Mapping::msync`] in the background (`rmsync(MS_ASYNC)`): returns at once; a later
+    /// synchronous `msync` of the range returns once this one has written. A write-back that
+    /// fails leaves its pages dirty for the next `msync`, which reports the error. When the
+    /// background queue is full the write-back is done now.
+    pub fn msync_async(&self, addr: *const u8, len: usize) -> Result<()> {
+        self.page_range(addr, len)?;
+        let faults = uffd::faults().map_err(|e| io_err("the fault threads", e))?;
+        if faults.try_submit(Job::Sync {
+            addr: addr as usize,
+            len,
+        }) {
+            return Ok(());
+        }
+        self.msync(addr, len)
     }
 
     /// Drops the cached remote pages of `[addr, addr + len)` (dirty ones are written back
@@ -1123,6 +1144,14 @@ fn serve(job: Job) {
                 m.fault_write(&faults, p);
             } else {
                 m.fault_missing(&faults, p);
+            }
+        }
+        Job::Sync { addr, len } => {
+            // Unmapped meanwhile: the unmap wrote everything back.
+            if let Some(m) = lookup_addr(addr)
+                && let Err(e) = m.msync(addr as *const u8, len)
+            {
+                tracing::warn!(error = %e, "background rmsync failed; the pages stay dirty for the next rmsync");
             }
         }
         Job::Prefetch { addr, len } => {

@@ -33,6 +33,8 @@ pub(crate) enum Job {
     WriteProtect(usize),
     /// Fetch pages ahead (asynchronous `rprefetch`).
     Prefetch { addr: usize, len: usize },
+    /// Write dirty pages back (`rmsync(MS_ASYNC)`).
+    Sync { addr: usize, len: usize },
 }
 
 /// The process-wide userfaultfd and its threads.
@@ -173,12 +175,16 @@ fn worker(rx: &Mutex<Receiver<Job>>) {
 impl Faults {
     /// Queues background work; dropped (with a log line) when the queue is full.
     pub(crate) fn submit(&self, job: Job) {
+        if !self.try_submit(job) {
+            tracing::debug!("fault queue full; dropping a background prefetch")
+        }
+    }
+
+    /// Queues background work; whether it was queued (not when the queue is full).
+    pub(crate) fn try_submit(&self, job: Job) -> bool {
         match self.queue.try_send(job) {
-            Ok(()) => {}
-            Err(TrySendError::Full(_)) => {
-                tracing::debug!("fault queue full; dropping a background prefetch")
-            }
-            Err(TrySendError::Disconnected(_)) => {}
+            Ok(()) => true,
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => false,
         }
     }
 
