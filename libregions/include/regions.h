@@ -56,6 +56,12 @@ int rmsync(void *addr, size_t len, int flags);
  * can continue it. Blocks are 16-byte aligned. ENOMEM when the region is full
  * and cannot grow; EINVAL when the region's allocator header is corrupt. */
 void *rmalloc(int regionfd, size_t len);
+/* rmalloc in the mapped region containing where (the address rmap returned,
+ * or any address inside that mapping). Same blocks and heap as rmalloc, but
+ * no system call on the fast path: rmalloc checks on every call (one kcmp)
+ * that the descriptor still names the same open file, which costs more than
+ * the allocation itself. EINVAL when where is not inside a mapping. */
+void *rmalloc_at(void *where, size_t len);
 /* Frees a block returned by rmalloc (any process that maps the region). */
 int rfree(void *ptr);
 /* Stores ptr (NULL to clear) as the region's root pointer, kept in the region

@@ -22,7 +22,9 @@
 //! 3. the C functions `rmalloc(fd, 64)` / `rfree(p)` on that region, which
 //!    also check the descriptor on every call (one `kcmp` system call against
 //!    the duplicate the thread kept; see `regions::capi::alloc`) and find the
-//!    pointer's mapping (a per-thread last-mapping check, no system call).
+//!    pointer's mapping (a per-thread last-mapping check, no system call);
+//!    and `rmalloc_at(base, 64)`, which names the mapping by address and so
+//!    needs no system call at all.
 //!
 //! Small blocks come from a per-thread cache kept in the region
 //! (`regions::rmalloc`), so the pair patterns measure its lock-free paths,
@@ -36,7 +38,7 @@ use std::os::fd::AsRawFd;
 use std::process::ExitCode;
 use std::time::Instant;
 
-use regions::capi::alloc::{rfree, rmalloc};
+use regions::capi::alloc::{rfree, rmalloc, rmalloc_at};
 use regions::rmalloc::Heap;
 use regions_tests::Cluster;
 
@@ -219,6 +221,24 @@ fn main() -> ExitCode {
             runs,
             batches,
             &mut ca,
+            &mut cf,
+        );
+        let base = m.base().cast::<libc::c_void>();
+        let mut ca_at = || rmalloc_at(base, 64) as *mut u8;
+        compare(
+            "C rmalloc_at(base)/rfree, mapped region, pair",
+            n,
+            runs,
+            pairs,
+            &mut ca_at,
+            &mut cf,
+        );
+        compare(
+            "C rmalloc_at(base)/rfree, mapped region, batch",
+            n,
+            runs,
+            batches,
+            &mut ca_at,
             &mut cf,
         );
         drop(file);

@@ -70,6 +70,14 @@ int main(int argc, char **argv)
 		char *big2 = rmalloc(fd, 90000);
 		if (big2 != big)
 			FAIL("freed pages were not reused: %p then %p", big, big2);
+		/* rmalloc_at names the same heap by an address of its mapping. */
+		char *c = rmalloc_at(b, 64);
+		if (!c || c == b || rfree(c) != 0)
+			FAIL("rmalloc_at in the mapping of %p gave %p", b, c);
+		if (rmalloc_at(c, 64) != c)
+			FAIL("rmalloc_at did not reuse the block it freed");
+		if (rfree(c) != 0)
+			FAIL("rfree(c)");
 		if (rfree(a2) != 0)
 			FAIL("rfree(a2)");
 		errno = 0;

@@ -1,12 +1,13 @@
 //! The C `rmalloc(fd, len)` fast path remembers the descriptor a thread last
 //! allocated with; these tests drive it through a real mount and check that
 //! it follows the open file, not the descriptor number, and that `runmap`
-//! and other threads are handled.
+//! and other threads are handled; and `rmalloc_at`, which names the region by an address
+//! of its mapping.
 
 use std::os::fd::AsRawFd;
 
-use regions::capi::alloc::{rfree, rmalloc};
-use regions::capi::map::runmap;
+use regions::capi::alloc::{rfree, rmalloc, rmalloc_at};
+use regions::capi::map::{rmap, runmap};
 use regions_tests::Cluster;
 
 fn open(path: std::path::PathBuf) -> std::fs::File {
@@ -75,6 +76,66 @@ fn rmalloc_follows_the_open_file_not_the_descriptor_number() {
     let pb3 = rmalloc(fd, 64);
     assert_eq!(ino_of(pb3), ino_b);
     assert_eq!(rfree(pb3), 0);
+    drop(a);
+    drop(b);
+}
+
+/// `rmalloc_at(where, len)` allocates in the mapping containing `where`, any address of it;
+/// after `runmap` the address names nothing (`EINVAL`) even though the thread remembered the
+/// mapping, and a new `rmap` of the region serves it again with the same heap.
+#[test]
+fn rmalloc_at_follows_the_mapping_of_the_address() {
+    let cluster = Cluster::start(1, "1G").unwrap();
+    let mount = cluster.mount(1).unwrap();
+    let a = open(mount.path("a"));
+    let b = open(mount.path("b"));
+    let base_a = rmap(a.as_raw_fd());
+    let base_b = rmap(b.as_raw_fd());
+    assert!(!base_a.is_null() && !base_b.is_null(), "rmap failed");
+
+    let pa = rmalloc_at(base_a, 64);
+    let ino_a = ino_of(pa);
+    // Any address inside the mapping names it; the fast path serves the second call.
+    let pa2 = rmalloc_at(pa, 100);
+    assert_eq!(ino_of(pa2), ino_a);
+    assert_ne!(pa, pa2);
+    let pb = rmalloc_at(base_b, 64);
+    assert_ne!(
+        ino_of(pb),
+        ino_a,
+        "the address, not the last mapping, names the region"
+    );
+    // The heap is the one rmalloc(fd) uses.
+    let pa3 = rmalloc(a.as_raw_fd(), 64);
+    assert_eq!(ino_of(pa3), ino_a);
+    for p in [pa, pa2, pa3, pb] {
+        assert_eq!(rfree(p), 0);
+    }
+
+    let mut x = 0u8;
+    assert!(rmalloc_at((&mut x as *mut u8).cast(), 64).is_null());
+    assert_eq!(
+        std::io::Error::last_os_error().raw_os_error(),
+        Some(libc::EINVAL)
+    );
+    let remembered = rmalloc_at(base_a, 64);
+    assert_eq!(rfree(remembered), 0);
+    assert_eq!(runmap(base_a), 0);
+    assert!(
+        rmalloc_at(base_a, 64).is_null(),
+        "an unmapped address must not reach the remembered heap"
+    );
+    assert_eq!(
+        std::io::Error::last_os_error().raw_os_error(),
+        Some(libc::EINVAL)
+    );
+    let again = rmap(a.as_raw_fd());
+    assert!(!again.is_null());
+    let p = rmalloc_at(again, 64);
+    assert_eq!(ino_of(p), ino_a);
+    assert_eq!(rfree(p), 0);
+    assert_eq!(runmap(again), 0);
+    assert_eq!(runmap(base_b), 0);
     drop(a);
     drop(b);
 }

@@ -1,5 +1,5 @@
 //! C functions of the in-region allocator ([`crate::rmalloc`]): `rmalloc`,
-//! `rfree`, `rsetroot`, `rgetroot`, and `rsetdefaultattr`.
+//! `rmalloc_at`, `rfree`, `rsetroot`, `rgetroot`, and `rsetdefaultattr`.
 //!
 //! `rmalloc(fd, len)` maps the region of `fd` first if needed
 //! ([`mapping::map_fd`]) and creates a heap in it when the region is empty. A
@@ -370,21 +370,95 @@ fn with_heap<T>(
 
 /// Allocates `len` bytes in the region of `fd` (see regions.h).
 pub fn alloc_in(fd: c_int, len: usize) -> Result<*mut u8> {
+    check_block(len)?;
+    if let Some(r) = alloc_fast(fd, len) {
+        return r;
+    }
+    let m = mapping_of_fd(fd)?;
+    let p = alloc_in_mapping(&m, len)?;
+    remember_fd(fd, &m);
+    Ok(p)
+}
+
+/// Allocates `len` bytes in the mapped region that contains `at` (the address `rmap`
+/// returned, or any address inside that mapping). Unlike [`alloc_in`] it needs no system
+/// call on its fast path: the thread's last mapping is checked by address and unmap epoch.
+pub fn alloc_at(at: *const u8, len: usize) -> Result<*mut u8> {
+    check_block(len)?;
+    if let Some(r) = alloc_fast_at(at, len) {
+        return r;
+    }
+    let epoch = crate::rmalloc::unmap_epoch();
+    let m = mapping::lookup(at).ok_or_else(|| {
+        errno_err(
+            libc::EINVAL,
+            format!("{at:p} is not inside a mapped region: pass what rmap returned"),
+        )
+    })?;
+    let p = alloc_in_mapping(&m, len)?;
+    remember_map(&m, epoch);
+    Ok(p)
+}
+
+fn check_block(len: usize) -> Result<()> {
     if len > MAX_BLOCK {
         return Err(RegionsError::NoMemory(format!(
             "{len} bytes is over rmalloc's block limit of {MAX_BLOCK} bytes"
         )));
     }
-    if let Some(r) = alloc_fast(fd, len) {
-        return r;
-    }
-    let m = mapping_of_fd(fd)?;
-    writable(&m)?;
-    let mut heap = heap_of(&m, true)?;
+    Ok(())
+}
+
+/// The fast path of `rmalloc_at`: None to take the full path.
+fn alloc_fast_at(at: *const u8, len: usize) -> Option<Result<*mut u8>> {
+    LAST_MAP
+        .try_with(|l| {
+            let l = l.try_borrow().ok()?;
+            let e = l.as_ref()?;
+            let a = at as usize;
+            let mapped = e.mapping.len();
+            if a < e.base
+                || a >= e.base + mapped
+                || e.epoch != crate::rmalloc::unmap_epoch()
+                || !e.mapping.writable()
+            {
+                return None;
+            }
+            // SAFETY: as in alloc_fast: no unmap since the epoch, `mapped` bytes at the base.
+            let heap = unsafe { Heap::attach(e.mapping.base(), mapped) }.ok()?;
+            match heap.alloc(len) {
+                // SAFETY: the block lies inside the heap, inside the mapping.
+                Ok(off) => Some(Ok(unsafe { e.mapping.base().add(off as usize) })),
+                Err(HeapError::Full { .. } | HeapError::NeedsMapping { .. }) => None,
+                Err(err) => Some(Err(heap_error(&e.mapping, err))),
+            }
+        })
+        .ok()
+        .flatten()
+}
+
+/// Remembers `m` as the thread's last mapping (for `rfree` and `rmalloc_at`), valid while
+/// no region is unmapped after `epoch`.
+fn remember_map(m: &Arc<Mapping>, epoch: u64) {
+    let _ = LAST_MAP.try_with(|l| {
+        if let Ok(mut l) = l.try_borrow_mut() {
+            *l = Some(LastMap {
+                base: m.base() as usize,
+                mapping: Arc::clone(m),
+                epoch,
+            });
+        }
+    });
+}
+
+/// Allocates `len` bytes in the heap of mapping `m`, creating the heap in an empty region
+/// and growing the region when it is full.
+fn alloc_in_mapping(m: &Arc<Mapping>, len: usize) -> Result<*mut u8> {
+    writable(m)?;
+    let mut heap = heap_of(m, true)?;
     for _ in 0..16 {
         match heap.alloc(len) {
             Ok(off) => {
-                remember_fd(fd, &m);
                 // SAFETY: the block lies inside the heap, inside the mapping.
                 return Ok(unsafe { m.base().add(off as usize) });
             }
@@ -394,12 +468,12 @@ pub fn alloc_in(fd: c_int, len: usize) -> Result<*mut u8> {
                 // Room for the page map to move and double, too.
                 let need = cur + extra + (2 * (cur + extra) / PAGE + 1024) * 4 + PAGE;
                 let target = need.max(cur + cur.min(MAX_GROW_STEP));
-                if grow_to(&m, target).is_err() {
-                    grow_to(&m, need)?;
+                if grow_to(m, target).is_err() {
+                    grow_to(m, need)?;
                 }
-                heap = heap_of(&m, false)?;
+                heap = heap_of(m, false)?;
                 let grown = m.len();
-                match with_heap(&m, heap, |h| h.extend(grown)) {
+                match with_heap(m, heap, |h| h.extend(grown)) {
                     // Not enough for the page map to move: the next round
                     // grows further.
                     Err(RegionsError::NoMemory(_)) => {}
@@ -407,10 +481,10 @@ pub fn alloc_in(fd: c_int, len: usize) -> Result<*mut u8> {
                 }
             }
             Err(HeapError::NeedsMapping { len }) => {
-                grow_to(&m, len as usize)?;
-                heap = heap_of(&m, false)?;
+                grow_to(m, len as usize)?;
+                heap = heap_of(m, false)?;
             }
-            Err(e) => return Err(heap_error(&m, e)),
+            Err(e) => return Err(heap_error(m, e)),
         }
     }
     Err(RegionsError::NoMemory(format!(
@@ -434,15 +508,7 @@ pub fn free_ptr(ptr: *const u8) -> Result<()> {
     let heap = heap_of(&m, false)?;
     let off = ptr as usize - m.base() as usize;
     with_heap(&m, heap, |h| h.free(off as u64))?;
-    let _ = LAST_MAP.try_with(|l| {
-        if let Ok(mut l) = l.try_borrow_mut() {
-            *l = Some(LastMap {
-                base: m.base() as usize,
-                mapping: Arc::clone(&m),
-                epoch,
-            });
-        }
-    });
+    remember_map(&m, epoch);
     Ok(())
 }
 
@@ -450,6 +516,12 @@ pub fn free_ptr(ptr: *const u8) -> Result<()> {
 #[unsafe(no_mangle)]
 pub extern "C" fn rmalloc(regionfd: c_int, len: usize) -> *mut c_void {
     ffi_ptr(|| alloc_in(regionfd, len).map(|p| p.cast()))
+}
+
+/// `void *rmalloc_at(void *where, size_t len)`: `rmalloc` in the mapping containing `where`.
+#[unsafe(no_mangle)]
+pub extern "C" fn rmalloc_at(at: *mut c_void, len: usize) -> *mut c_void {
+    ffi_ptr(|| alloc_at(at.cast(), len).map(|p| p.cast()))
 }
 
 /// `int rfree(void *ptr)`; `rfree(NULL)` does nothing.

@@ -6,7 +6,7 @@
 //! [`ffi_int`] or [`ffi_ptr`], which turn a [`crate::RegionsError`] into its
 //! errno and a Rust panic into `EIO` (a panic must never unwind into C).
 //!
-//! Submodules, one per owner: `alloc` (rmalloc, rfree, rsetroot, rgetroot,
+//! Submodules, one per owner: `alloc` (rmalloc, rmalloc_at, rfree, rsetroot, rgetroot,
 //! rsetdefaultattr), `map` (rmap, runmap, rprefetch, rmarkdirty, rclearcache,
 //! rmsync) and `sync` (barriers, mutexes, doorbells).
 
