@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use regions_proto::auth::Secret;
-use regions_proto::frame::{FLAG_DELTAS, FLAG_REPLY, HEADER_LEN, Header, Op};
+pub use regions_proto::frame::WordAt;
+use regions_proto::frame::{FLAG_REPLY, HEADER_LEN, Header, Op};
 use regions_proto::handshake::{CHALLENGE_REPLY_LEN, ClientHello};
-use regions_proto::layout::chunk_delta;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -56,15 +56,6 @@ const MAX_IDLE: usize = 16;
 const BACKOFF: Duration = Duration::from_millis(20);
 /// Longest error message read from a daemon's reply.
 const MAX_MESSAGE: usize = 64 << 10;
-
-/// Where one word lives: its region and offset there, and the pool range behind it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct WordAt {
-    pub ino: u64,
-    pub region_offset: u64,
-    pub pool: u32,
-    pub pool_offset: u64,
-}
 
 /// Why an operation on a word failed.
 #[derive(Debug, thiserror::Error)]
@@ -166,7 +157,8 @@ impl WordClient {
             None => self.connect_within(addr, deadline).await?,
         };
         let io = self.timeouts.io;
-        let outcome = tokio::time::timeout(io, self.request(&mut stream, op, at, operands)).await;
+        let outcome =
+            tokio::time::timeout(io, self.request(addr, &mut stream, op, at, operands)).await;
         let reason = match outcome {
             Ok(Ok(word)) => {
                 self.answered(addr, Some(stream));
@@ -323,31 +315,19 @@ impl WordClient {
         Ok(out)
     }
 
-    /// Sends one atomic request and reads the old value of the word.
+    /// Sends one atomic request to the daemon at `addr` and reads the old value of the word.
     async fn request(
         &self,
+        addr: &str,
         stream: &mut TcpStream,
         op: Op,
         at: &WordAt,
         operands: &[u64],
     ) -> Result<u64, Failure> {
-        let addr = stream
-            .peer_addr()
-            .map_or_else(|_| "the daemon".to_owned(), |a| a.to_string());
-        let payload: Vec<u8> = operands.iter().flat_map(|w| w.to_le_bytes()).collect();
-        let mut header = Header::new(op, self.id());
-        header.object_id = at.ino;
-        if at.ino != 0 {
-            // Where in the region the word lies, so that a daemon refuses a stale location.
-            header.flags |= FLAG_DELTAS;
-            header.delta = chunk_delta(at.region_offset, at.pool_offset);
-        }
-        header.pool = at.pool;
-        header.offset = at.pool_offset;
-        header.length = 8;
-        header.payload_len = payload.len() as u32;
+        // Capability 0: the connection proved the cluster secret.
+        let (header, payload) = Header::atomic(op, self.id(), 0, at, operands);
         send(stream, &header, &payload).await?;
-        let reply = recv_reply(&addr, stream, header.request_id).await?;
+        let reply = recv_reply(addr, stream, header.request_id).await?;
         if reply.payload_len != 8 {
             return Err(Failure::Retry(format!(
                 "atomic reply of {} bytes",
@@ -401,6 +381,7 @@ async fn recv_reply(addr: &str, stream: &mut TcpStream, id: u64) -> Result<Heade
 #[cfg(test)]
 mod tests {
     use super::*;
+    use regions_proto::frame::FLAG_DELTAS;
     use regions_proto::handshake::ServerHello;
     use tokio::net::TcpListener;
 

@@ -231,6 +231,22 @@ impl Default for Limits {
     }
 }
 
+/// Where an 8-byte word lies: its region (0: none) and offset there, and the pool range
+/// behind it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WordAt {
+    pub ino: u64,
+    pub region_offset: u64,
+    pub pool: u32,
+    pub pool_offset: u64,
+}
+
+/// The chunk delta a request states for a range at `region_offset` of region `ino` backed at
+/// `pool_offset` ([`crate::layout::chunk_delta`]); none for a range of no region (`ino` 0).
+pub fn range_delta(ino: u64, region_offset: u64, pool_offset: u64) -> Option<u32> {
+    (ino != 0).then(|| crate::layout::chunk_delta(region_offset, pool_offset))
+}
+
 /// The fixed 64-byte frame header. Magic, version and reserved fields are implicit: they are
 /// written by [`Header::encode`] and checked by [`Header::decode`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -280,6 +296,37 @@ impl Header {
     /// The chunk delta this request states for its single range, if it states one.
     pub fn stated_delta(&self) -> Option<u32> {
         (self.flags & FLAG_DELTAS != 0).then_some(self.delta)
+    }
+
+    /// Names region `ino` in this request and, for a region, states where in it the range
+    /// backed at `pool_offset` lies (`FLAG_DELTAS`), so that a daemon refuses (`ESTALE`) a
+    /// location older than a move of the region's chunks. A vector's ranges state their own.
+    pub fn name_region(&mut self, ino: u64, region_offset: u64, pool_offset: u64) {
+        self.object_id = ino;
+        if let Some(delta) = range_delta(ino, region_offset, pool_offset) {
+            self.flags |= FLAG_DELTAS;
+            self.delta = delta;
+        }
+    }
+
+    /// The request of an 8-byte atomic (`Cas`: expected, new; `FetchAdd`: addend) on the word
+    /// at `at`, with its payload.
+    pub fn atomic(
+        op: Op,
+        request_id: u64,
+        capability: u64,
+        at: &WordAt,
+        operands: &[u64],
+    ) -> (Header, Vec<u8>) {
+        let payload: Vec<u8> = operands.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let mut header = Header::new(op, request_id);
+        header.capability = capability;
+        header.name_region(at.ino, at.region_offset, at.pool_offset);
+        header.pool = at.pool;
+        header.offset = at.pool_offset;
+        header.length = 8;
+        header.payload_len = payload.len() as u32;
+        (header, payload)
     }
 
     /// Appends the 64-byte encoding of this header to `dst`, `payload_len` as stored.

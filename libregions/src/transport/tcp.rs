@@ -12,9 +12,8 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use metrics::counter;
 use regions_proto::auth::Secret;
-use regions_proto::frame::{FLAG_DELTAS, FLAG_REPLY, HEADER_LEN, Header, Op, RANGE_LEN};
+use regions_proto::frame::{FLAG_REPLY, HEADER_LEN, Header, Op, RANGE_LEN, WordAt, range_delta};
 use regions_proto::handshake::{CHALLENGE_REPLY_LEN, ClientHello};
-use regions_proto::layout::chunk_delta;
 use std::borrow::Cow;
 
 use super::{Completion, Span, Transport, TransportStats};
@@ -667,31 +666,23 @@ fn daemon_error(addr: &str, status: u32, message: &str) -> RegionsError {
 
 /// Where `span` lies in its region as a request states it (none for a span of no region).
 fn stated_delta(span: &Span) -> Option<u32> {
-    (span.ino != 0).then(|| chunk_delta(span.region_offset, span.pool_offset))
+    range_delta(span.ino, span.region_offset, span.pool_offset)
 }
 
-/// Names `span`'s region in `header` and, for single-range ops and vectors alike, says where
-/// in the region the range lies, so that a daemon refuses (`ESTALE`) a map older than a move
-/// of its chunks (`FLAG_DELTAS`; a vector's ranges carry their own deltas).
+/// Names `span`'s region in `header` ([`Header::name_region`]).
 fn name_region(header: &mut Header, span: &Span) {
-    header.object_id = span.ino;
-    if let Some(delta) = stated_delta(span) {
-        header.flags |= FLAG_DELTAS;
-        header.delta = delta;
-    }
+    header.name_region(span.ino, span.region_offset, span.pool_offset);
 }
 
 /// The request of an 8-byte atomic on `at`, with a fresh id, and its payload.
 fn atomic_header(t: &TcpTransport, op: Op, at: &Span, operands: &[u64]) -> (Header, Vec<u8>) {
-    let payload: Vec<u8> = operands.iter().flat_map(|w| w.to_le_bytes()).collect();
-    let mut header = Header::new(op, t.id());
-    header.capability = t.cap_id;
-    name_region(&mut header, at);
-    header.pool = at.pool;
-    header.offset = at.pool_offset;
-    header.length = 8;
-    header.payload_len = payload.len() as u32;
-    (header, payload)
+    let word = WordAt {
+        ino: at.ino,
+        region_offset: at.region_offset,
+        pool: at.pool,
+        pool_offset: at.pool_offset,
+    };
+    Header::atomic(op, t.id(), t.cap_id, &word, operands)
 }
 
 /// Reads the reply to atomic request `id`: the old value of the word.
