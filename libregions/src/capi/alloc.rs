@@ -203,19 +203,24 @@ fn alloc_fast(fd: c_int, len: usize) -> Option<Result<*mut u8>> {
             {
                 return None;
             }
-            let m = &e.mapping;
-            // SAFETY: the mapping is alive (no unmap since the epoch) and
-            // covers `len()` bytes at its base; its region holds a heap.
-            let heap = unsafe { Heap::attach(m.base(), m.len()) }.ok()?;
-            match heap.alloc(len) {
-                // SAFETY: the block lies inside the heap, inside the mapping.
-                Ok(off) => Some(Ok(unsafe { m.base().add(off as usize) })),
-                Err(HeapError::Full { .. } | HeapError::NeedsMapping { .. }) => None,
-                Err(e) => Some(Err(heap_error(m, e))),
-            }
+            alloc_cached(&e.mapping, len)
         })
         .ok()
         .flatten()
+}
+
+/// Allocates in the heap of a mapping a thread remembered (no unmap since): None when the
+/// heap is full or longer than the mapping, for the full path to grow it.
+fn alloc_cached(m: &Mapping, len: usize) -> Option<Result<*mut u8>> {
+    // SAFETY: the mapping is alive (no unmap since the epoch the caller checked) and covers
+    // `len()` bytes at its base; its region holds a heap.
+    let heap = unsafe { Heap::attach(m.base(), m.len()) }.ok()?;
+    match heap.alloc(len) {
+        // SAFETY: the block lies inside the heap, inside the mapping.
+        Ok(off) => Some(Ok(unsafe { m.base().add(off as usize) })),
+        Err(HeapError::Full { .. } | HeapError::NeedsMapping { .. }) => None,
+        Err(e) => Some(Err(heap_error(m, e))),
+    }
 }
 
 /// The fast path of `rfree`: None to take the full path.
@@ -416,22 +421,14 @@ fn alloc_fast_at(at: *const u8, len: usize) -> Option<Result<*mut u8>> {
             let l = l.try_borrow().ok()?;
             let e = l.as_ref()?;
             let a = at as usize;
-            let mapped = e.mapping.len();
             if a < e.base
-                || a >= e.base + mapped
+                || a >= e.base + e.mapping.len()
                 || e.epoch != crate::rmalloc::unmap_epoch()
                 || !e.mapping.writable()
             {
                 return None;
             }
-            // SAFETY: as in alloc_fast: no unmap since the epoch, `mapped` bytes at the base.
-            let heap = unsafe { Heap::attach(e.mapping.base(), mapped) }.ok()?;
-            match heap.alloc(len) {
-                // SAFETY: the block lies inside the heap, inside the mapping.
-                Ok(off) => Some(Ok(unsafe { e.mapping.base().add(off as usize) })),
-                Err(HeapError::Full { .. } | HeapError::NeedsMapping { .. }) => None,
-                Err(err) => Some(Err(heap_error(&e.mapping, err))),
-            }
+            alloc_cached(&e.mapping, len)
         })
         .ok()
         .flatten()

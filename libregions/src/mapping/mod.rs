@@ -715,17 +715,10 @@ impl Mapping {
 
     /// [`Self::fetch_runs`] through `buf` (exactly the runs' length).
     fn fetch_into(&self, faults: &Faults, runs: &[(usize, usize)], buf: &mut [u8]) -> Result<()> {
-        let fetched = self.spans_across(runs).and_then(|(addr, spans)| {
-            let t = self.region.transport(&addr)?;
-            match t.read(&spans, buf) {
-                Err(e) if e.calls_for_refresh() => {
-                    // A stale map or a revoked capability: fetch both again and retry once.
-                    self.region.refresh()?;
-                    let (addr, spans) = self.spans_across(runs)?;
-                    self.region.transport(&addr)?.read(&spans, buf)
-                }
-                other => other,
-            }
+        // A stale map or a revoked capability: fetch both again and retry once.
+        let fetched = self.region.with_fresh_map(|| {
+            let (addr, spans) = self.spans_across(runs)?;
+            self.region.transport(&addr)?.read(&spans, buf)
         });
         let pages = self.pages.read().map_err(|_| poisoned())?;
         if let Err(e) = fetched {
@@ -1007,15 +1000,11 @@ impl Mapping {
                 at += n;
             }
             let c0 = (a) / CHUNK_PAGES;
-            let write = || {
-                self.spans_of(c0, &runs)
-                    .and_then(|(addr, spans)| self.region.transport(&addr)?.write(&spans, &buf))
-            };
-            let written = match write() {
-                // A stale map or a revoked capability: fetch both again and retry once.
-                Err(e) if e.calls_for_refresh() => self.region.refresh().and_then(|()| write()),
-                other => other,
-            };
+            // A stale map or a revoked capability: fetch both again and retry once.
+            let written = self.region.with_fresh_map(|| {
+                let (addr, spans) = self.spans_of(c0, &runs)?;
+                self.region.transport(&addr)?.write(&spans, &buf)
+            });
             for &(a, b) in &runs {
                 for s in &pages[a..b] {
                     let to = if written.is_ok() { CLEAN } else { DIRTY };

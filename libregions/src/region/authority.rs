@@ -165,10 +165,10 @@ impl Authority {
     }
 
     /// Who answered, for protocol errors.
-    pub(crate) fn peer(&self) -> String {
+    pub(crate) fn peer(&self) -> &str {
         match self {
-            Authority::Cluster { conn, .. } => conn.manager.addr().to_owned(),
-            Authority::Agent(_) => "host agent".into(),
+            Authority::Cluster { conn, .. } => conn.manager.addr(),
+            Authority::Agent(_) => "host agent",
         }
     }
 

@@ -96,7 +96,7 @@ impl Region {
             .as_ref()
             .map(|a| a.ino)
             .ok_or_else(|| RegionsError::Protocol {
-                peer: authority.peer(),
+                peer: authority.peer().to_owned(),
                 reason: "open reply without attributes".into(),
             })?;
         let handle = info.handle;
@@ -323,13 +323,12 @@ impl Region {
             // and the region then learns its new size before the retry.
             (true, Authority::Agent(_)) => Access::WriteThroughDaemon,
         };
-        let peer = self.authority.peer();
         state.locate(
             self.ino,
             self.authority.host_id(),
             (offset, len),
             access,
-            &peer,
+            self.authority.peer(),
         )
     }
 
@@ -410,7 +409,7 @@ impl Region {
 
     /// Runs `op` and, if a daemon says the map or the capability is out of date
     /// ([`RegionsError::calls_for_refresh`]), refreshes both and tries once more.
-    fn with_fresh_map<T>(&self, op: impl Fn() -> Result<T>) -> Result<T> {
+    pub(crate) fn with_fresh_map<T>(&self, mut op: impl FnMut() -> Result<T>) -> Result<T> {
         match op() {
             Err(e) if e.calls_for_refresh() => {
                 self.refresh()?;
@@ -426,26 +425,20 @@ impl Region {
         if buf.is_empty() {
             return Ok(0);
         }
-        // The buffer is re-borrowed per attempt.
-        let cell = std::sync::Mutex::new(buf);
         self.with_fresh_map(|| {
             // Again on a retry: the refresh may have brought a smaller size (a truncate).
             let size = self.size();
             if offset >= size {
                 return Ok(0);
             }
-            let mut guard = cell.lock().map_err(|_| Self::poisoned())?;
-            let n = (size - offset).min(guard.len() as u64) as usize;
+            let n = (size - offset).min(buf.len() as u64) as usize;
             self.ensure_local(offset + n as u64);
             self.renew_if_due_for(offset, n as u64, false)?;
             let state = self.state.read().map_err(|_| Self::poisoned())?;
             let runs = self.locate(&state, offset, n as u64, false)?;
-            self.each_run(
-                &state,
-                runs,
-                &mut guard[..n],
-                |t, spans, piece: &mut [u8]| t.read(spans, piece),
-            )?;
+            self.each_run(&state, runs, &mut buf[..n], |t, spans, piece: &mut [u8]| {
+                t.read(spans, piece)
+            })?;
             Ok(n)
         })
     }
@@ -662,7 +655,7 @@ impl Region {
             self.ino,
             index,
             self.authority.host_id(),
-            &self.authority.peer(),
+            self.authority.peer(),
         )
     }
 
