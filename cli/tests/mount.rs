@@ -5,10 +5,8 @@
 
 mod common;
 
-use std::ffi::CString;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
@@ -19,46 +17,16 @@ use common::{Cluster, Proc, errno_of, mount_type, sh, up, up_in};
 use regionfs::ioctl;
 use regions_tests::python_with_numpy;
 
-fn cpath(p: &Path) -> CString {
-    CString::new(p.as_os_str().as_bytes()).expect("no NUL")
-}
-
+/// `setxattr(2)`: 0, or the errno.
 fn setxattr(p: &Path, name: &str, value: &[u8]) -> i32 {
-    let n = CString::new(name).expect("no NUL");
-    // SAFETY: valid NUL-terminated strings and a buffer of the given length.
-    let r = unsafe {
-        libc::setxattr(
-            cpath(p).as_ptr(),
-            n.as_ptr(),
-            value.as_ptr().cast(),
-            value.len(),
-            0,
-        )
-    };
-    if r == 0 {
-        0
-    } else {
-        std::io::Error::last_os_error().raw_os_error().unwrap_or(-1)
+    match regions_tests::set_xattr(p, name, value) {
+        Ok(()) => 0,
+        Err(e) => e.raw_os_error().unwrap_or(-1),
     }
 }
 
 fn getxattr(p: &Path, name: &str) -> Result<Vec<u8>, i32> {
-    let n = CString::new(name).expect("no NUL");
-    let mut buf = vec![0u8; 4096];
-    // SAFETY: valid NUL-terminated strings and a buffer of the given length.
-    let r = unsafe {
-        libc::getxattr(
-            cpath(p).as_ptr(),
-            n.as_ptr(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(-1));
-    }
-    buf.truncate(r as usize);
-    Ok(buf)
+    regions_tests::get_xattr(p, name).map_err(|e| e.raw_os_error().unwrap_or(-1))
 }
 
 #[test]

@@ -159,6 +159,21 @@ pub fn attack_binary(dir: &Path) -> anyhow::Result<PathBuf> {
     Ok(copy)
 }
 
+/// The value of extended attribute `name` of `path` (`getxattr(2)`, at most 4 KiB).
+pub fn get_xattr(path: &Path, name: &str) -> std::io::Result<Vec<u8>> {
+    use std::os::unix::ffi::OsStrExt;
+    let p = std::ffi::CString::new(path.as_os_str().as_bytes())?;
+    let n = std::ffi::CString::new(name)?;
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: valid NUL-terminated strings and a buffer of the given length.
+    let r = unsafe { libc::getxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    buf.truncate(r as usize);
+    Ok(buf)
+}
+
 /// Sets extended attribute `name` of `path` to `value` (`setxattr(2)`, no flags).
 pub fn set_xattr(path: &Path, name: &str, value: &[u8]) -> std::io::Result<()> {
     use std::os::unix::ffi::OsStrExt;

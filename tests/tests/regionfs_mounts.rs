@@ -66,22 +66,7 @@ fn setxattr(p: &Path, name: &str, value: &[u8]) -> i32 {
 }
 
 fn getxattr(p: &Path, name: &str) -> Result<Vec<u8>, i32> {
-    let n = CString::new(name).unwrap();
-    let mut buf = vec![0u8; 4096];
-    // SAFETY: valid C strings and a buffer of the given length.
-    let r = unsafe {
-        libc::getxattr(
-            cpath(p).as_ptr(),
-            n.as_ptr(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(-1));
-    }
-    buf.truncate(r as usize);
-    Ok(buf)
+    regions_tests::get_xattr(p, name).map_err(|e| e.raw_os_error().unwrap_or(-1))
 }
 
 fn statvfs(p: &Path) -> (u64, u64) {
