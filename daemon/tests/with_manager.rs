@@ -216,6 +216,7 @@ async fn registers_serves_a_region_and_releases_it() {
                 request: Some(agent_request::Request::Segment(AgentSegment {
                     ino,
                     write: false,
+                    covering: 3 * CHUNK_SIZE,
                 })),
             },
         )

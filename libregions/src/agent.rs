@@ -183,7 +183,23 @@ impl AgentClient {
 
     /// The region's segment on this host, if this host holds any of it.
     pub fn segment(&mut self, ino: u64, write: bool) -> Result<Option<Segment>> {
-        let (reply, fd) = self.call(Request::Segment(v1::AgentSegment { ino, write }))?;
+        self.segment_covering(ino, write, 0)
+    }
+
+    /// [`AgentClient::segment`], once the segment is at least `covering` bytes long: the
+    /// daemon waits a bounded time for the chunk assignments the caller's map already names
+    /// (the reply may still be shorter, or have no segment, when the wait ends first).
+    pub fn segment_covering(
+        &mut self,
+        ino: u64,
+        write: bool,
+        covering: u64,
+    ) -> Result<Option<Segment>> {
+        let (reply, fd) = self.call(Request::Segment(v1::AgentSegment {
+            ino,
+            write,
+            covering,
+        }))?;
         let Some(Body::Segment(seg)) = reply.body else {
             return Err(self.error(libc::EIO, "segment reply without a segment"));
         };

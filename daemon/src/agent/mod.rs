@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use prost::Message;
 use regions_proto::v1::{
-    AgentReply, AgentRequest, Caller, SegmentReply, agent_reply::Body, agent_request,
+    AgentReply, AgentRequest, AgentSegment, Caller, SegmentReply, agent_reply::Body, agent_request,
 };
 
 use crate::error::{DaemonError, Result};
@@ -42,6 +42,9 @@ pub const MAX_REQUEST: u32 = 1 << 20;
 pub const MAX_REPLY: u32 = 512 << 20;
 /// How often the accept loop checks for shutdown.
 const ACCEPT_POLL: Duration = Duration::from_millis(100);
+/// How long a segment request waits for this daemon to apply the assignments its caller's
+/// map already names (the manager's events reach daemons asynchronously).
+const SEGMENT_WAIT: Duration = Duration::from_secs(1);
 /// Connections one non-root user may hold open at once (each is a thread and up to one
 /// request of [`MAX_REQUEST`] bytes): past it, new ones are closed at once.
 pub const MAX_CONNECTIONS_PER_USER: usize = 128;
@@ -233,12 +236,10 @@ impl AgentHandler {
                     Err(e) => (error_reply(&e), None),
                 }
             }
-            Some(agent_request::Request::Segment(seg)) => {
-                match self.segment(&caller, seg.ino, seg.write) {
-                    Ok((reply, fd)) => (ok_reply(Body::Segment(reply)), fd),
-                    Err(e) => (error_reply(&e), None),
-                }
-            }
+            Some(agent_request::Request::Segment(seg)) => match self.segment(&caller, &seg) {
+                Ok((reply, fd)) => (ok_reply(Body::Segment(reply)), fd),
+                Err(e) => (error_reply(&e), None),
+            },
             Some(agent_request::Request::MapRefresh(r)) => reply(
                 crate::agent::map::refresh(self.authority.as_ref(), &caller, &r).map(Body::Region),
             ),
@@ -287,9 +288,9 @@ impl AgentHandler {
     fn segment(
         &self,
         caller: &Caller,
-        ino: u64,
-        write: bool,
+        request: &AgentSegment,
     ) -> Result<(SegmentReply, Option<OwnedFd>)> {
+        let (ino, write) = (request.ino, request.write);
         let mask = if write {
             (libc::R_OK | libc::W_OK) as u32
         } else {
@@ -301,7 +302,8 @@ impl AgentHandler {
         if caller.uid != 0 {
             self.authority.access(caller, ino, mask)?;
         }
-        let Some(segment) = self.pools.segment(ino) else {
+        let deadline = std::time::Instant::now() + SEGMENT_WAIT;
+        let Some(segment) = self.pools.segment_covering(ino, request.covering, deadline) else {
             return Ok((
                 SegmentReply {
                     size: 0,
@@ -674,7 +676,11 @@ mod tests {
 
     fn segment_request(ino: u64, write: bool) -> AgentRequest {
         AgentRequest {
-            request: Some(agent_request::Request::Segment(AgentSegment { ino, write })),
+            request: Some(agent_request::Request::Segment(AgentSegment {
+                ino,
+                write,
+                covering: 0,
+            })),
         }
     }
 

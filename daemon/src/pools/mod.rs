@@ -578,6 +578,25 @@ impl Pools {
             .map(|e| Arc::clone(&e.segment))
     }
 
+    /// Region `ino`'s segment on this host once it is at least `covering` bytes long (the
+    /// manager's assignment events may still be on their way), or as it is at `deadline`.
+    pub fn segment_covering(
+        &self,
+        ino: u64,
+        covering: u64,
+        deadline: Instant,
+    ) -> Option<Arc<Segment>> {
+        loop {
+            let seen = self.changes.current();
+            let segment = self.segment(ino);
+            if segment.as_ref().is_some_and(|s| s.size() >= covering) || Instant::now() >= deadline
+            {
+                return segment;
+            }
+            self.changes.wait(seen, deadline);
+        }
+    }
+
     /// Regions with a segment here, and the bytes of memory their segments hold.
     pub fn segment_usage(&self) -> (u64, u64) {
         let segments: Vec<Arc<Segment>> = self
@@ -1045,6 +1064,39 @@ mod tests {
         assert!(pools.segment(5).is_none(), "no chunk left: segment closed");
         assert_eq!(seg.allocated_bytes(), 0);
         assert_eq!(pools.segment_usage(), (0, 0));
+    }
+
+    #[test]
+    fn a_segment_request_waits_for_the_assignments_it_names() {
+        let pools = Arc::new(Pools::new());
+        pools.add_pool(1, 4 * C).unwrap();
+        pools.assign(1, 0, 5, 0, C).unwrap();
+        let later = Arc::clone(&pools);
+        let assigner = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            later.assign(1, C, 5, C, 2 * C).unwrap();
+        });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let seg = pools.segment_covering(5, 3 * C, deadline).unwrap();
+        assert_eq!(
+            seg.size(),
+            3 * C,
+            "returned once the late chunks were applied"
+        );
+        assigner.join().unwrap();
+        // Past the deadline the segment comes as it is; no segment at all gives none.
+        let start = Instant::now();
+        let short = pools.segment_covering(5, 8 * C, start + Duration::from_millis(50));
+        assert_eq!(short.map(|s| s.size()), Some(3 * C));
+        assert!(
+            pools
+                .segment_covering(6, C, start + Duration::from_millis(50))
+                .is_none()
+        );
+        assert!(
+            start.elapsed() >= Duration::from_millis(50),
+            "they waited to the deadline"
+        );
     }
 
     #[test]

@@ -243,14 +243,17 @@ impl Authority {
     }
 
     /// This host's segment memfd of region `ino`, if this host holds part of it and there is
-    /// a host agent to ask.
-    pub(crate) fn segment(&self, ino: u64, write: bool) -> Result<Option<Segment>> {
+    /// a host agent to ask; once it is `covering` bytes long if the daemon gets there within
+    /// its bounded wait ([`AgentClient::segment_covering`]).
+    pub(crate) fn segment(&self, ino: u64, write: bool, covering: u64) -> Result<Option<Segment>> {
         match self {
             Authority::Cluster { conn, .. } => match &conn.config.agent_socket {
-                Some(socket) => AgentClient::connect(socket)?.segment(ino, write),
+                Some(socket) => {
+                    AgentClient::connect(socket)?.segment_covering(ino, write, covering)
+                }
                 None => Ok(None),
             },
-            Authority::Agent(s) => s.agent()?.segment(ino, write),
+            Authority::Agent(s) => s.agent()?.segment_covering(ino, write, covering),
         }
     }
 

@@ -261,45 +261,52 @@ impl Region {
             return;
         }
         let host_id = self.authority.host_id();
-        let (version, covered, mine) = match self.state.read() {
+        let (version, covered, mine_end) = match self.state.read() {
             Ok(s) => (
                 s.version,
                 s.local.as_ref().is_some_and(|l| l.len() >= needed_end)
                     || s.local_checked == Some(s.version)
                     || s.local_retry_at
                         .is_some_and(|at| std::time::Instant::now() < at),
-                s.has_chunks_on(host_id),
+                s.end_on(host_id),
             ),
             Err(_) => return,
         };
-        if covered || !mine {
+        if covered || mine_end == 0 {
             return;
         }
-        let segment = self.authority.segment(self.ino, self.write);
+        // The daemon waits (bounded) until it has applied the chunks this map puts here.
+        let segment = self.authority.segment(self.ino, self.write, mine_end);
         let Ok(mut state) = self.state.write() else {
             return;
         };
         state.local_checked = Some(version);
         state.local_retry_at = None;
+        // The map puts chunks here that the daemon does not have yet: it is behind on the
+        // manager's events. Ask again shortly rather than reaching this host's memory over
+        // tcp until the map changes.
+        let behind = |state: &mut MapState| {
+            state.local_checked = None;
+            state.local_retry_at = Some(std::time::Instant::now() + LOCAL_RETRY);
+        };
         match segment {
-            Ok(Some(seg)) => match LocalSegment::map(
-                seg.fd,
-                seg.size,
-                seg.writable,
-                Arc::clone(self.authority.stats()),
-            ) {
-                Ok(l) => state.local = Some(Arc::new(l)),
-                Err(e) => {
-                    tracing::debug!(ino = self.ino, error = %e, "cannot map the local segment; using tcp")
+            Ok(Some(seg)) => {
+                if seg.size < mine_end {
+                    behind(&mut state);
                 }
-            },
-            Ok(None) => {
-                // The map puts chunks here but the daemon has none yet: it is behind on the
-                // manager's events. Ask again shortly rather than reading this host's memory
-                // over tcp until the map changes.
-                state.local_checked = None;
-                state.local_retry_at = Some(std::time::Instant::now() + LOCAL_RETRY);
+                match LocalSegment::map(
+                    seg.fd,
+                    seg.size,
+                    seg.writable,
+                    Arc::clone(self.authority.stats()),
+                ) {
+                    Ok(l) => state.local = Some(Arc::new(l)),
+                    Err(e) => {
+                        tracing::debug!(ino = self.ino, error = %e, "cannot map the local segment; using tcp")
+                    }
+                }
             }
+            Ok(None) => behind(&mut state),
             Err(e) => {
                 tracing::debug!(ino = self.ino, error = %e, "host agent gave no segment; using tcp")
             }
@@ -639,7 +646,11 @@ impl Region {
 
     /// This host's segment memfd of the region, if this host holds part of it.
     pub fn segment(&self) -> Result<Option<Segment>> {
-        self.authority.segment(self.ino, self.write)
+        let covering = self
+            .state
+            .read()
+            .map_or(0, |s| s.end_on(self.authority.host_id()));
+        self.authority.segment(self.ino, self.write, covering)
     }
 
     /// Whether any chunk is held on this host.

@@ -157,6 +157,19 @@ impl MapState {
         self.pools.values().any(|p| p.host_id == host_id)
     }
 
+    /// The region offset where the last chunk held by host `host_id` ends (0 when it holds
+    /// none): how long that host's segment is once its daemon has applied the map.
+    pub(crate) fn end_on(&self, host_id: u32) -> u64 {
+        self.entries
+            .iter()
+            .rposition(|e| {
+                MapEntry::decode(*e)
+                    .and_then(|entry| self.pools.get(&entry.gid))
+                    .is_some_and(|p| p.host_id == host_id)
+            })
+            .map_or(0, |i| (i as u64 + 1) * CHUNK_SIZE)
+    }
+
     /// Splits `[offset, offset + len)` of region `ino` into runs of spans per target. Host
     /// `host_id`'s chunks go through the mapped segment, unless the access writes and the
     /// segment is read-only or `access` keeps writes off it (then through the host's
@@ -332,6 +345,10 @@ mod tests {
         );
         assert!(s.chunk(9, 0, 1, "m").unwrap().local);
         assert!(s.has_chunks_on(2) && !s.has_chunks_on(3));
+        assert_eq!(
+            (s.end_on(1), s.end_on(2), s.end_on(3)),
+            (4 * CHUNK_SIZE, 3 * CHUNK_SIZE, 0)
+        );
         s.apply(
             v1::RegionInfo {
                 map_version: 0,

@@ -367,6 +367,12 @@ mod fuzz {
             1 => Request::Segment(v1::AgentSegment {
                 ino,
                 write: rng.random(),
+                // A length to wait for holds the connection up to the daemon's bound: rarely.
+                covering: if rng.random_ratio(1, 16) {
+                    rng.random_range(1..1 << 20)
+                } else {
+                    0
+                },
             }),
             2 => Request::Stats(v1::AgentStats {}),
             3 => Request::MapRefresh(v1::MapRefresh {
