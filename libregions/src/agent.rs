@@ -6,6 +6,7 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStringExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
@@ -67,6 +68,51 @@ fn parse_host_id(value: &[u8], what: &str) -> Result<u32> {
         .ok()
         .and_then(|v| v.trim().parse().ok())
         .ok_or_else(|| RegionsError::Invalid(format!("{what}: {HOSTID_XATTR} is not a host id")))
+}
+
+/// Connections to one host agent kept for the next request: a file system asks for a
+/// segment at the first write of every new file, and each connection costs the daemon a
+/// thread, so a client keeps a few idle ones rather than one per request.
+pub struct AgentPool {
+    path: PathBuf,
+    idle: Mutex<Vec<AgentClient>>,
+}
+
+/// Most idle connections an [`AgentPool`] keeps.
+const IDLE_AGENTS: usize = 4;
+
+impl AgentPool {
+    pub fn new(path: PathBuf) -> AgentPool {
+        AgentPool {
+            path,
+            idle: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// [`AgentClient::segment_covering`] on a kept connection (or a new one).
+    pub fn segment(&self, ino: u64, write: bool, covering: u64) -> Result<Option<Segment>> {
+        let idle = self.idle.lock().ok().and_then(|mut a| a.pop());
+        let reused = idle.is_some();
+        let mut agent = match idle {
+            Some(a) => a,
+            None => AgentClient::connect(&self.path)?,
+        };
+        let mut result = agent.segment_covering(ino, write, covering);
+        if reused && result.is_err() {
+            // The kept connection may have outlived the agent (a daemon restart: EPIPE,
+            // ECONNRESET or end of file): once more on a new one (asking for a segment
+            // changes nothing, so a refusal is only asked twice).
+            agent = AgentClient::connect(&self.path)?;
+            result = agent.segment_covering(ino, write, covering);
+        }
+        if result.is_ok()
+            && let Ok(mut idle) = self.idle.lock()
+            && idle.len() < IDLE_AGENTS
+        {
+            idle.push(agent);
+        }
+        result
+    }
 }
 
 impl AgentClient {
@@ -292,5 +338,68 @@ impl AgentClient {
             Some(Body::OwnerCreated(attr)) => Ok(attr),
             _ => Err(self.error(libc::EIO, "create reply without attributes")),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::net::UnixListener;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    /// A stand-in host agent: answers every request with "no segment here", counts the
+    /// connections it accepted, and closes the first one after its first reply (as a
+    /// restarting daemon would).
+    fn stand_in_agent(path: &Path) -> Arc<AtomicUsize> {
+        let listener = UnixListener::bind(path).unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = Arc::clone(&accepted);
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { return };
+                let first = count.fetch_add(1, Ordering::SeqCst) == 0;
+                std::thread::spawn(move || {
+                    loop {
+                        let mut len = [0u8; 4];
+                        if stream.read_exact(&mut len).is_err() {
+                            return;
+                        }
+                        let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+                        if stream.read_exact(&mut body).is_err() {
+                            return;
+                        }
+                        let request = v1::AgentRequest::decode(&body[..]).unwrap();
+                        assert!(matches!(request.request, Some(Request::Segment(_))));
+                        let reply = v1::AgentReply {
+                            body: Some(Body::Segment(v1::SegmentReply::default())),
+                            ..Default::default()
+                        }
+                        .encode_to_vec();
+                        let mut frame = (reply.len() as u32).to_le_bytes().to_vec();
+                        frame.extend_from_slice(&reply);
+                        if stream.write_all(&frame).is_err() || first {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        accepted
+    }
+
+    #[test]
+    fn a_pool_keeps_its_connection_and_replaces_one_the_agent_closed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let accepted = stand_in_agent(&path);
+        let pool = AgentPool::new(path);
+        for _ in 0..10 {
+            assert!(pool.segment(7, true, 0).unwrap().is_none());
+        }
+        // The first connection was closed after one reply; its replacement served the
+        // other nine.
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
     }
 }

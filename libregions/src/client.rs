@@ -254,10 +254,7 @@ impl Client {
     /// This host's segment memfd of region `ino` from the host agent, if
     /// an agent is configured and this host holds part of the region.
     pub fn local_segment(&self, ino: u64, write: bool) -> Result<Option<crate::agent::Segment>> {
-        match &self.shared.config.agent_socket {
-            Some(path) => crate::agent::AgentClient::connect(path)?.segment(ino, write),
-            None => Ok(None),
-        }
+        self.shared.segment(ino, write, 0)
     }
 
     /// The configuration this client was made with.

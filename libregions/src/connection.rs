@@ -10,6 +10,8 @@ use std::time::Duration;
 use regions_proto::auth::Secret;
 use regions_proto::v1;
 
+use crate::agent::{AgentPool, Segment};
+use crate::error::Result;
 use crate::manager_client::ManagerClient;
 use crate::transport::TransportStats;
 use crate::transport::tcp::{RetryPolicy, TcpTransport};
@@ -71,6 +73,8 @@ pub(crate) struct Connection {
     pub(crate) config: ClientConfig,
     pub(crate) stats: Arc<TransportStats>,
     transports: Mutex<HashMap<String, Arc<TcpTransport>>>,
+    /// Connections to this host's agent, kept for the next request.
+    agents: Option<AgentPool>,
 }
 
 impl Connection {
@@ -78,9 +82,19 @@ impl Connection {
         Connection {
             manager,
             caller,
-            config,
             stats: Arc::default(),
             transports: Mutex::new(HashMap::new()),
+            agents: config.agent_socket.clone().map(AgentPool::new),
+            config,
+        }
+    }
+
+    /// This host's segment of region `ino` from the host agent (none without an agent
+    /// socket), waiting for it to cover `covering` bytes ([`AgentClient::segment_covering`]).
+    pub(crate) fn segment(&self, ino: u64, write: bool, covering: u64) -> Result<Option<Segment>> {
+        match &self.agents {
+            Some(agents) => agents.segment(ino, write, covering),
+            None => Ok(None),
         }
     }
 

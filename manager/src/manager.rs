@@ -125,8 +125,13 @@ struct EventLog {
     dropped: HashMap<u32, u64>,
     per_host: HashMap<u32, VecDeque<v1::HostEvent>>,
     backlog: usize,
-    /// Per host, the newest event that destroys bytes (`Released`, `Truncated`).
+    /// Per host, the newest event that destroys bytes (`Released`, `Truncated`) or revokes
+    /// capabilities (`Revoked`).
     destructive: HashMap<u32, u64>,
+    /// The same per host and region, for events naming one region (kept until applied);
+    /// events for every region (a host fenced) are in `every_region`.
+    destructive_of: HashMap<(u32, u64), u64>,
+    every_region: HashMap<u32, u64>,
     /// Per host, the newest event its daemon reported applied.
     applied: HashMap<u32, u64>,
 }
@@ -196,6 +201,8 @@ impl Manager {
             per_host: HashMap::new(),
             backlog: config.event_backlog,
             destructive: HashMap::new(),
+            destructive_of: HashMap::new(),
+            every_region: HashMap::new(),
             applied: HashMap::new(),
         }));
         let event_seq = watch::channel(base - 1).0;
@@ -458,21 +465,43 @@ impl Manager {
             .map_err(|_| ManagerError::Store("the event log lock was poisoned".into()))?;
         let applied = log.applied.entry(host).or_insert(0);
         *applied = (*applied).max(sequence);
+        let applied = *applied;
+        log.destructive_of
+            .retain(|(h, _), seq| *h != host || *seq > applied);
         drop(log);
         self.events_applied.send_modify(|n| *n = n.wrapping_add(1));
         Ok(())
     }
 
     /// Live hosts whose daemons have not yet applied a destructive event (chunk release, tail
-    /// zeroing) published so far, with the sequence number each must reach.
-    fn unsettled(&self) -> Vec<(u32, u64)> {
+    /// zeroing, revocation) published so far, of region `ino` (and those for every region) or
+    /// of any region, with the sequence number each must reach.
+    fn unsettled(&self, ino: Option<u64>) -> Vec<(u32, u64)> {
         let pending: Vec<(u32, u64)> = match self.events.lock() {
-            Ok(log) => log
-                .destructive
-                .iter()
-                .filter(|(host, seq)| log.applied.get(host).copied().unwrap_or(0) < **seq)
-                .map(|(host, seq)| (*host, *seq))
-                .collect(),
+            Ok(log) => {
+                let behind =
+                    |host: u32, seq: u64| log.applied.get(&host).copied().unwrap_or(0) < seq;
+                match ino {
+                    None => log
+                        .destructive
+                        .iter()
+                        .filter(|(host, seq)| behind(**host, **seq))
+                        .map(|(host, seq)| (*host, *seq))
+                        .collect(),
+                    Some(ino) => log
+                        .every_region
+                        .iter()
+                        .map(|(host, seq)| (*host, *seq))
+                        .chain(
+                            log.destructive_of
+                                .iter()
+                                .filter(|((_, i), _)| *i == ino)
+                                .map(|((host, _), seq)| (*host, *seq)),
+                        )
+                        .filter(|(host, seq)| behind(*host, *seq))
+                        .collect(),
+                }
+            }
             Err(_) => return Vec::new(),
         };
         if pending.is_empty() {
@@ -493,10 +522,22 @@ impl Manager {
     /// that an earlier change decided, which would destroy it (a truncate then a write, a
     /// region's tail zeroed after another host already wrote there).
     pub(crate) async fn settle_destructive(&self) {
+        self.settle_destructive_of(None).await
+    }
+
+    /// [`Manager::settle_destructive`] for the events of region `ino` only (and those for
+    /// every region): its bytes live in its own chunks and segment memfds, so no other
+    /// region's punch or zeroing can reach them (a pool chunk released by one region and
+    /// assigned to another is released first: a daemon applies its events in order).
+    pub(crate) async fn settle_destructive_for(&self, ino: u64) {
+        self.settle_destructive_of(Some(ino)).await
+    }
+
+    async fn settle_destructive_of(&self, ino: Option<u64>) {
         let mut applied = self.events_applied.subscribe();
         let deadline = tokio::time::Instant::now() + SETTLE_TIMEOUT;
         loop {
-            let pending = self.unsettled();
+            let pending = self.unsettled(ino);
             if pending.is_empty() {
                 return;
             }
@@ -637,11 +678,18 @@ fn publish(events: &Mutex<EventLog>, event_seq: &watch::Sender<u64>, batch: Vec<
         let sequence = log.next;
         log.next += 1;
         last = sequence;
-        if matches!(
-            event,
-            Event::Released(_) | Event::Truncated(_) | Event::Revoked(_)
-        ) {
+        let region = match &event {
+            Event::Released(b) => Some(Some(b.ino)),
+            Event::Truncated(t) => Some(Some(t.ino)),
+            Event::Revoked(r) => Some((r.ino != 0).then_some(r.ino)),
+            _ => None,
+        };
+        if let Some(region) = region {
             log.destructive.insert(host, sequence);
+            match region {
+                Some(ino) => log.destructive_of.insert((host, ino), sequence),
+                None => log.every_region.insert(host, sequence),
+            };
         }
         let queue = log.per_host.entry(host).or_default();
         queue.push_back(v1::HostEvent {
@@ -956,7 +1004,9 @@ impl Manager {
                 Ok(info)
             })
             .await?;
-        self.settle_destructive().await;
+        // A new region: only events for every region can concern it.
+        self.settle_destructive_for(info.attr.as_ref().map_or(0, |a| a.ino))
+            .await;
         Ok(info)
     }
 
@@ -976,7 +1026,7 @@ impl Manager {
                 Ok(info)
             })
             .await?;
-        self.settle_destructive().await;
+        self.settle_destructive_for(ino).await;
         Ok(info)
     }
 
@@ -997,7 +1047,7 @@ impl Manager {
                 s.region_info(ino, None)
             })
             .await?;
-        self.settle_destructive().await;
+        self.settle_destructive_for(ino).await;
         Ok(info)
     }
 
@@ -1016,7 +1066,7 @@ impl Manager {
                 s.region_info(ino, None)
             })
             .await?;
-        self.settle_destructive().await;
+        self.settle_destructive_for(ino).await;
         Ok(info)
     }
 
@@ -1039,7 +1089,7 @@ impl Manager {
                 s.region_info(ino, Some(known_version))
             })
             .await?;
-        self.settle_destructive().await;
+        self.settle_destructive_for(ino).await;
         Ok(info)
     }
 
@@ -1211,6 +1261,42 @@ mod tests {
         if pool > 0 {
             m.register_pool(host, 0, pool).await.unwrap();
         }
+    }
+
+    #[tokio::test]
+    async fn a_reply_waits_for_the_destructive_events_of_its_own_region_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = Manager::open(dir.path(), config()).unwrap();
+        add_host(&m, 1, 16 * MIB, 16 * MIB).await;
+        let a = m
+            .create(user(1), ROOT_INO, "a".into(), 0o644, None, 4 * CHUNK_SIZE)
+            .await
+            .unwrap();
+        let b = m
+            .create(user(1), ROOT_INO, "b".into(), 0o644, None, CHUNK_SIZE)
+            .await
+            .unwrap();
+        // Shrink a: chunks released and its tail zeroed, by a daemon that has not said so yet.
+        m.write(|s| s.resize(a.ino, Some(CHUNK_SIZE + 100), 0, true))
+            .await
+            .unwrap();
+        let pending = m.unsettled(Some(a.ino));
+        assert!(!pending.is_empty(), "a's events are pending");
+        assert_eq!(m.unsettled(None), pending);
+        assert!(m.unsettled(Some(b.ino)).is_empty(), "none of them is b's");
+        // b's replies do not wait for them (the wait would be SETTLE_TIMEOUT).
+        let info = tokio::time::timeout(SETTLE_TIMEOUT / 2, m.open_region(&user(1), b.ino, true))
+            .await
+            .expect("b's open waits for no event of a")
+            .unwrap();
+        assert_eq!(info.attr.unwrap().ino, b.ino);
+        let newest = pending.iter().map(|(_, seq)| *seq).max().unwrap();
+        m.events_applied(1, newest).unwrap();
+        assert!(m.unsettled(Some(a.ino)).is_empty() && m.unsettled(None).is_empty());
+        assert!(
+            m.events.lock().unwrap().destructive_of.is_empty(),
+            "applied events are forgotten"
+        );
     }
 
     #[tokio::test]

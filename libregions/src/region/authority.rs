@@ -247,12 +247,7 @@ impl Authority {
     /// its bounded wait ([`AgentClient::segment_covering`]).
     pub(crate) fn segment(&self, ino: u64, write: bool, covering: u64) -> Result<Option<Segment>> {
         match self {
-            Authority::Cluster { conn, .. } => match &conn.config.agent_socket {
-                Some(socket) => {
-                    AgentClient::connect(socket)?.segment_covering(ino, write, covering)
-                }
-                None => Ok(None),
-            },
+            Authority::Cluster { conn, .. } => conn.segment(ino, write, covering),
             Authority::Agent(s) => s.agent()?.segment_covering(ino, write, covering),
         }
     }
