@@ -46,10 +46,6 @@ const RESERVE_MIN: u64 = CHUNK_SIZE;
 /// The largest single reservation step.
 const RESERVE_MAX: u64 = 1 << 30;
 
-/// How long a region waits before asking the host agent again for a segment it did not have
-/// yet (the daemon was still applying the manager's assignment events).
-const LOCAL_RETRY: std::time::Duration = std::time::Duration::from_millis(50);
-
 /// When a writer's growth of the size reaches the manager.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum SizePolicy {
@@ -282,17 +278,12 @@ impl Region {
         };
         state.local_checked = Some(version);
         state.local_retry_at = None;
-        // The map puts chunks here that the daemon does not have yet: it is behind on the
-        // manager's events. Ask again shortly rather than reaching this host's memory over
-        // tcp until the map changes.
-        let behind = |state: &mut MapState| {
-            state.local_checked = None;
-            state.local_retry_at = Some(std::time::Instant::now() + LOCAL_RETRY);
-        };
         match segment {
             Ok(Some(seg)) => {
                 if seg.size < mine_end {
-                    behind(&mut state);
+                    state.segment_short(std::time::Instant::now());
+                } else {
+                    state.local_backoff = std::time::Duration::ZERO;
                 }
                 match LocalSegment::map(
                     seg.fd,
@@ -306,7 +297,7 @@ impl Region {
                     }
                 }
             }
-            Ok(None) => behind(&mut state),
+            Ok(None) => state.segment_short(std::time::Instant::now()),
             Err(e) => {
                 tracing::debug!(ino = self.ino, error = %e, "host agent gave no segment; using tcp")
             }

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use regions_proto::layout::{CHUNK_SIZE, MapEntry};
 use regions_proto::v1;
@@ -32,7 +32,16 @@ pub(crate) struct MapState {
     /// When the agent had no segment yet although the map puts chunks on this host (its
     /// daemon has not applied their assignment yet): ask again after this instant.
     pub(crate) local_retry_at: Option<Instant>,
+    /// How long to wait before asking again, doubled by every answer that still fell short
+    /// (a daemon that cannot apply an assignment must not stall each access by its wait).
+    pub(crate) local_backoff: Duration,
 }
+
+/// How long a region waits before asking the host agent again for a segment it did not have
+/// yet (the daemon was still applying the manager's assignment events), doubled up to
+/// [`LOCAL_RETRY_MAX`] while the answers keep falling short.
+const LOCAL_RETRY: Duration = Duration::from_millis(50);
+const LOCAL_RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// Where one 128 KiB chunk of a region lives.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -86,6 +95,7 @@ impl MapState {
             local: None,
             local_checked: None,
             local_retry_at: None,
+            local_backoff: Duration::ZERO,
         };
         s.apply(info, false);
         s
@@ -150,6 +160,18 @@ impl MapState {
             pool_offset: entry.pool_offset,
             addr: pool.transport_addr.clone(),
         })
+    }
+
+    /// The host agent had no segment, or a shorter one than this map puts on this host: its
+    /// daemon is behind on the manager's events. Ask again shortly rather than reaching this
+    /// host's memory over tcp until the map changes, and later each time it still falls
+    /// short (a daemon that cannot apply an assignment must not stall every access by its
+    /// bounded wait).
+    pub(crate) fn segment_short(&mut self, now: Instant) {
+        let wait = (self.local_backoff * 2).clamp(LOCAL_RETRY, LOCAL_RETRY_MAX);
+        self.local_backoff = wait;
+        self.local_checked = None;
+        self.local_retry_at = Some(now + wait);
     }
 
     /// Whether any chunk is held by host `host_id`.
@@ -328,6 +350,22 @@ mod tests {
                 .unwrap()
                 .is_empty()
         );
+    }
+
+    #[test]
+    fn a_segment_that_keeps_falling_short_is_asked_for_less_often() {
+        let mut s = state();
+        let now = Instant::now();
+        let waits: Vec<Duration> = (0..10)
+            .map(|_| {
+                s.segment_short(now);
+                s.local_retry_at.unwrap() - now
+            })
+            .collect();
+        assert_eq!(waits[0], LOCAL_RETRY);
+        assert_eq!(waits[1], 2 * LOCAL_RETRY);
+        assert_eq!(waits[9], LOCAL_RETRY_MAX);
+        assert_eq!(s.local_checked, None, "asked again once the wait is over");
     }
 
     #[test]
