@@ -222,6 +222,9 @@ impl Authority for ManagerAuthority {
         let req = v1::CloseRequest {
             caller: Some(caller.clone()),
             handle,
+            // An application's writes went through the daemon and may have run past the
+            // size it published: the last writer's close zeroes the tail.
+            wrote_within_size: false,
         };
         self.runtime
             .block_on(client.close(request(req)))

@@ -244,6 +244,7 @@ async fn registers_serves_a_region_and_releases_it() {
         .close(v1::CloseRequest {
             caller: Some(root()),
             handle,
+            wrote_within_size: false,
         })
         .await
         .unwrap();
@@ -463,6 +464,7 @@ async fn a_restarted_daemon_takes_over_its_pools_and_handles_several() {
         .close(v1::CloseRequest {
             caller: Some(caller.clone()),
             handle: handle_b,
+            wrote_within_size: false,
         })
         .await
         .unwrap();

@@ -51,6 +51,9 @@ pub struct Config {
     pub wal_size: u64,
     /// Lifetime of transport capabilities; holders renew at half of it.
     pub capability_ttl: Duration,
+    /// Longest wait of a change nobody waits for (handles opened or closed) for the next
+    /// change to share its `fdatasync` ([`DEFERRED_COMMIT`]).
+    pub deferred_commit: Duration,
 }
 
 impl Default for Config {
@@ -62,6 +65,7 @@ impl Default for Config {
             event_backlog: 1 << 16,
             wal_size: crate::wal::WAL_SIZE,
             capability_ttl: crate::revocations::DEFAULT_TTL,
+            deferred_commit: DEFERRED_COMMIT,
         }
     }
 }
@@ -83,7 +87,15 @@ struct Batch {
     seq: u64,
     records: Vec<Record>,
     events: Vec<(u32, Event)>,
+    /// Only open handles changed and nobody waits for it: it may wait (at most
+    /// [`DEFERRED_COMMIT`]) to share the next batch's `fdatasync`.
+    deferrable: bool,
 }
+
+/// Longest time a batch nobody waits for (handles opened or closed) waits for company
+/// before it is stored on its own: a file system's close must not cost the next file's
+/// create a `fdatasync` of its own to wait behind.
+const DEFERRED_COMMIT: Duration = Duration::from_millis(10);
 
 /// What the committer has made durable.
 #[derive(Clone, Debug, Default)]
@@ -211,9 +223,12 @@ impl Manager {
             let durable = durable.clone();
             let events = Arc::clone(&events);
             let event_seq = event_seq.clone();
+            let deferred = config.deferred_commit;
             std::thread::Builder::new()
                 .name("regions-commit".into())
-                .spawn(move || commit_loop(store, &queue, &durable, &events, &event_seq))
+                .spawn(move || {
+                    commit_loop(store, &queue, &durable, (&events, &event_seq), deferred)
+                })
                 .map_err(|e| StoreError::Db(redb::Error::Io(e)))?
         };
         Ok(Arc::new(Manager {
@@ -277,14 +292,17 @@ impl Manager {
     }
 
     fn apply<T>(&self, f: impl FnOnce(&mut State) -> Result<T>) -> Result<(Result<T>, u64)> {
-        self.apply_marking(f).map(|(result, seq, _)| (result, seq))
+        self.apply_marking(f, false)
+            .map(|(result, seq, _)| (result, seq))
     }
 
     /// [`Manager::apply`], also returning the sequence number reads must
-    /// wait for after it (its own unless it changed only open handles).
+    /// wait for after it (its own unless it changed only open handles). With
+    /// `unwaited`, nobody waits for a change of open handles only to be stored.
     fn apply_marking<T>(
         &self,
         f: impl FnOnce(&mut State) -> Result<T>,
+        unwaited: bool,
     ) -> Result<(Result<T>, u64, u64)> {
         let mut inner = self.lock()?;
         let result = f(&mut inner.state);
@@ -309,6 +327,7 @@ impl Manager {
             seq: inner.applied,
             records,
             events: std::mem::take(&mut inner.state.events),
+            deferrable: unwaited && handles_only,
         };
         let seq = batch.seq;
         // Queue under the state lock so batches reach the store in order.
@@ -382,7 +401,7 @@ impl Manager {
     /// A change to anything else is waited for as by [`Manager::write`].
     pub async fn write_handles<T>(&self, f: impl FnOnce(&mut State) -> Result<T>) -> Result<T> {
         self.refuse_if_stalled(Need::Liveness)?;
-        let (result, _, observable) = self.apply_marking(f)?;
+        let (result, _, observable) = self.apply_marking(f, true)?;
         self.settle(observable).await?;
         result
     }
@@ -594,8 +613,8 @@ fn commit_loop(
     mut store: Store,
     queue: &CommitQueue,
     durable: &watch::Sender<Durable>,
-    events: &Mutex<EventLog>,
-    event_seq: &watch::Sender<u64>,
+    (events, event_seq): (&Mutex<EventLog>, &watch::Sender<u64>),
+    deferred: Duration,
 ) {
     loop {
         let batches: Vec<Batch> = {
@@ -624,6 +643,19 @@ fn commit_loop(
             }
             if q.0.is_empty() {
                 return; // closing and drained
+            }
+            // Handles opened or closed that nobody waits for: give the next change a moment
+            // to come and share the flush.
+            let until = std::time::Instant::now() + deferred;
+            while !q.1 && q.0.iter().all(|b| b.deferrable) {
+                let now = std::time::Instant::now();
+                if now >= until {
+                    break;
+                }
+                q = match queue.wake.wait_timeout(q, until - now) {
+                    Ok((q, _)) => q,
+                    Err(_) => return,
+                };
             }
             q.0.drain(..).collect()
         };
@@ -1093,8 +1125,15 @@ impl Manager {
         Ok(info)
     }
 
-    pub async fn close(&self, caller: &Caller, handle: u64) -> Result<bool> {
-        self.write_handles(|s| s.close_handle(caller, handle)).await
+    /// Closes a handle; see [`State::close_handle`] for `wrote_within_size`.
+    pub async fn close(
+        &self,
+        caller: &Caller,
+        handle: u64,
+        wrote_within_size: bool,
+    ) -> Result<bool> {
+        self.write_handles(|s| s.close_handle(caller, handle, wrote_within_size))
+            .await
     }
 
     // ---- cluster ----
@@ -1300,6 +1339,43 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_handle_change_nobody_waits_for_shares_the_next_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = Config {
+            deferred_commit: Duration::from_secs(3600),
+            ..config()
+        };
+        let (r, kept) = {
+            let m = Manager::open(dir.path(), cfg.clone()).unwrap();
+            add_host(&m, 1, 16 * MIB, 16 * MIB).await;
+            let r = m
+                .create(user(1), ROOT_INO, "r".into(), 0o644, None, MIB)
+                .await
+                .unwrap();
+            let durable = m.durable.borrow().seq;
+            let opened = m.open_region(&user(1), r.ino, false).await.unwrap();
+            // (Stored on its own, it would be durable well within this.)
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            assert_eq!(
+                m.durable.borrow().seq,
+                durable,
+                "the open answered and waits for company"
+            );
+            // The next change is stored with it, at once.
+            let again = m.open_region(&user(1), r.ino, false).await.unwrap();
+            m.mkdir(&user(1), ROOT_INO, "d", 0o755).await.unwrap();
+            assert!(m.durable.borrow().seq >= durable + 3);
+            m.close(&user(1), again.handle, false).await.unwrap();
+            // Dropped (a clean stop): the close waiting for company is stored too.
+            (r.ino, opened.handle)
+        };
+        let m = Manager::open(dir.path(), cfg).unwrap();
+        assert_eq!(m.stats().await.unwrap().open_handles, 1);
+        assert!(!m.close(&user(1), kept, false).await.unwrap());
+        assert_eq!(m.lookup(&user(1), ROOT_INO, "r").await.unwrap().ino, r);
+    }
+
+    #[tokio::test]
     async fn acknowledged_changes_survive_reopen() {
         let dir = tempfile::tempdir().unwrap();
         let (region, vaddr, map) = {
@@ -1474,7 +1550,7 @@ mod tests {
             again.handle
         );
         assert!(
-            m.close(&user(1), first).await.unwrap(),
+            m.close(&user(1), first, false).await.unwrap(),
             "closing frees {ino}"
         );
         assert_eq!(m.list_pools(1).await.unwrap()[0].free, 16 * MIB);
@@ -1545,7 +1621,7 @@ mod tests {
         assert_eq!(info.map.len(), 1);
         assert_eq!(info.attr.as_ref().unwrap().size, 0);
         assert_eq!(m.list_pools(1).await.unwrap()[0].free, 4 * MIB - CHUNK_SIZE);
-        m.close(&user(1), info.handle).await.unwrap();
+        m.close(&user(1), info.handle, false).await.unwrap();
         assert_eq!(m.list_pools(1).await.unwrap()[0].free, 4 * MIB);
         // Reserved space a writer published into stays.
         let ino = info.attr.unwrap().ino;
@@ -1563,7 +1639,7 @@ mod tests {
         };
         let after = m.extend(user(1), ino, publish).await.unwrap();
         assert_eq!(after.attr.unwrap().size, MIB + 1);
-        m.close(&user(1), opened.handle).await.unwrap();
+        m.close(&user(1), opened.handle, false).await.unwrap();
         let chunks = (MIB + 1).div_ceil(CHUNK_SIZE);
         assert_eq!(
             m.list_pools(1).await.unwrap()[0].free,

@@ -763,7 +763,7 @@ mod tests {
             s.check_path(&other, f.ino).is_ok(),
             "an open handle keeps its access"
         );
-        assert!(s.close_handle(&other, h.id).is_ok());
+        assert!(s.close_handle(&other, h.id, false).is_ok());
         assert_eq!(errno(s.check_path(&other, f.ino)), libc::EACCES);
 
         // Unlinked but kept open by root: no path leads to it, so only its owner reaches it.

@@ -89,7 +89,7 @@ impl State {
             // A truncate that grows: its new bytes read as zeros, so the
             // space writers reserved past the old size (which may hold bytes
             // that never became part of it) is freed and allocated afresh.
-            self.trim_reserved(ino);
+            self.trim_reserved(ino, true);
         }
         let inode = self.region(ino)?.clone();
         self.check_not_lost(ino)?;
@@ -182,10 +182,12 @@ impl State {
     }
 
     /// The last writer of a region that reserved space closed: frees the
-    /// chunks past its size and zeroes what its last chunk holds past the
-    /// size, so that bytes a writer wrote but never made part of the size
-    /// (it crashed first) never show up when the region grows later.
-    fn trim_reserved(&mut self, ino: u64) {
+    /// chunks past its size and, with `zero_tail`, zeroes what its last chunk
+    /// holds past the size, so that bytes a writer wrote but never made part
+    /// of the size (it crashed first) never show up when the region grows
+    /// later. Without chunks to free or a tail to zero it changes nothing
+    /// stored (the close stays a handle-only change, which nobody waits for).
+    fn trim_reserved(&mut self, ino: u64, zero_tail: bool) {
         if !self.reserved.remove(&ino) {
             return;
         }
@@ -193,11 +195,14 @@ impl State {
             return;
         };
         let size = inode.size;
-        if let Err(e) = self.resize(ino, None, 0, true) {
+        let allocated = self.maps.get(&ino).map_or(0, |m| m.len() as u64);
+        if allocated > chunks_for(size)
+            && let Err(e) = self.resize(ino, None, 0, true)
+        {
             tracing::debug!(ino, error = %e, "cannot free the space reserved past a region's size");
             return;
         }
-        if !size.is_multiple_of(CHUNK_SIZE) {
+        if zero_tail && !size.is_multiple_of(CHUNK_SIZE) {
             for host in self.region_hosts(ino) {
                 self.events
                     .push((host, Event::Truncated(v1::RegionTruncated { ino, size })));
@@ -320,9 +325,16 @@ impl State {
         self.handles_of(ino).filter(|h| h.write).count()
     }
 
-    /// Closes a handle; frees the region if it was unlinked and this was its
-    /// last handle. Returns whether it was freed.
-    pub fn close_handle(&mut self, caller: &Caller, id: u64) -> Result<bool> {
+    /// Closes handle `id` for `caller`; frees the region if it was unlinked and this was its
+    /// last handle, and returns whether it was freed. `wrote_within_size` says that every
+    /// byte written through it lies below the size it made durable (else the last writer's
+    /// close zeroes the region's tail, see [`State::release_handle`]).
+    pub fn close_handle(
+        &mut self,
+        caller: &Caller,
+        id: u64,
+        wrote_within_size: bool,
+    ) -> Result<bool> {
         let handle = *self
             .handles
             .get(&id)
@@ -339,17 +351,28 @@ impl State {
                 handle.pid, caller.pid
             )));
         }
-        Ok(self.release_handle(id))
+        Ok(self.release_handle_of(id, wrote_within_size))
     }
 
-    /// Drops a handle without checks (close, host loss).
+    /// Drops a handle without checks (host loss, owner exit): its writes may lie past the
+    /// size, so the last writer's close zeroes the region's tail.
     pub fn release_handle(&mut self, id: u64) -> bool {
+        self.release_handle_of(id, false)
+    }
+
+    fn release_handle_of(&mut self, id: u64, wrote_within_size: bool) -> bool {
         let Some(handle) = self.handles.remove(&id) else {
             return false;
         };
         self.dirty.handles.insert(id);
-        if handle.write && self.writers(handle.ino) == 0 {
-            self.trim_reserved(handle.ino);
+        if handle.write {
+            if !wrote_within_size {
+                self.tail_written.insert(handle.ino);
+            }
+            if self.writers(handle.ino) == 0 {
+                let zero_tail = self.tail_written.remove(&handle.ino);
+                self.trim_reserved(handle.ino, zero_tail);
+            }
         }
         let last = match self.open.get_mut(&handle.ino) {
             Some(ids) => {
@@ -572,6 +595,55 @@ mod tests {
     }
 
     #[test]
+    fn the_last_writer_zeroes_the_tail_unless_every_writer_wrote_within_the_size() {
+        let mut s = cluster(1, 16 * MIB);
+        let c = on_host(1);
+        // A new file of 1000 bytes in a reserved chunk, as a mount writes one.
+        let write_file = |s: &mut State, name: &str| {
+            let ino = new_region(s, &c, name);
+            s.resize(ino, None, CHUNK_SIZE, false).unwrap();
+            s.note_reserved(ino);
+            let h = s.open_region(&c, ino, true).unwrap();
+            s.resize(ino, Some(1000), 0, false).unwrap();
+            s.events.clear();
+            s.dirty = crate::state::Dirty::default();
+            (ino, h.id)
+        };
+        let zeroed = |s: &State, ino: u64| {
+            s.events
+                .iter()
+                .any(|(_, e)| matches!(e, Event::Truncated(t) if t.ino == ino && t.size == 1000))
+        };
+
+        // Its writer says it wrote within the size: nothing to zero, nothing but the
+        // handle stored (a change nobody waits for).
+        let (a, ha) = write_file(&mut s, "a");
+        s.close_handle(&c, ha, true).unwrap();
+        assert!(!zeroed(&s, a));
+        assert!(s.dirty.only_handles(), "{:?}", s.dirty);
+
+        // One that does not say so has the tail zeroed.
+        let (b, hb) = write_file(&mut s, "b");
+        s.close_handle(&c, hb, false).unwrap();
+        assert!(zeroed(&s, b));
+
+        // Nor does a second writer that closed first without saying so.
+        let (d, hd) = write_file(&mut s, "d");
+        let other = s.open_region(&c, d, true).unwrap();
+        s.close_handle(&c, other.id, false).unwrap();
+        assert!(!zeroed(&s, d), "a writer is still open");
+        s.close_handle(&c, hd, true).unwrap();
+        assert!(zeroed(&s, d));
+
+        // A writer whose handle is dropped for it (host lost, owner gone) may have written
+        // anything past the size.
+        let (e, he) = write_file(&mut s, "e");
+        s.release_handle(he);
+        assert!(zeroed(&s, e));
+        assert!(s.tail_written.is_empty());
+    }
+
+    #[test]
     fn fixed_vaddrs_are_unique_and_reused() {
         let mut s = cluster(1, 64 * MIB);
         let mut seen = Vec::new();
@@ -613,13 +685,17 @@ mod tests {
             libc::ETXTBSY
         );
         assert_eq!(
-            s.close_handle(&on_host(2), w.id).unwrap_err().errno(),
+            s.close_handle(&on_host(2), w.id, false)
+                .unwrap_err()
+                .errno(),
             libc::EPERM
         );
-        s.close_handle(&on_host(1), w.id).unwrap();
+        s.close_handle(&on_host(1), w.id, false).unwrap();
         assert!(s.open_region(&on_host(2), ino, true).is_ok());
         assert_eq!(
-            s.close_handle(&on_host(1), 4242).unwrap_err().errno(),
+            s.close_handle(&on_host(1), 4242, false)
+                .unwrap_err()
+                .errno(),
             libc::ENOENT
         );
     }
@@ -670,7 +746,7 @@ mod tests {
                 .errno(),
             libc::EACCES
         );
-        s.close_handle(&on_host(1), h.id).unwrap();
+        s.close_handle(&on_host(1), h.id, false).unwrap();
         assert_eq!(
             s.check_write_or_handle(&on_host(1), ino, "grow")
                 .unwrap_err()
@@ -688,7 +764,7 @@ mod tests {
         s.unlink(&on_host(1), ROOT_INO, "r").unwrap();
         assert!(s.inode(ino).is_ok(), "still reachable through the handle");
         assert_eq!(s.alloc.host_free(1), 15 * MIB);
-        assert!(s.close_handle(&on_host(1), h.id).unwrap());
+        assert!(s.close_handle(&on_host(1), h.id, false).unwrap());
         assert!(s.inode(ino).is_err());
         assert_eq!(s.alloc.host_free(1), 16 * MIB);
     }

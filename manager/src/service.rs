@@ -441,7 +441,7 @@ impl Regions for Services {
         self.reply(
             "close",
             self.manager
-                .close(&c, r.handle)
+                .close(&c, r.handle, r.wrote_within_size)
                 .await
                 .map(|freed| v1::CloseReply { freed }),
         )

@@ -95,6 +95,9 @@ pub struct State {
     /// restart forgets them, and the space stays allocated until the next
     /// writer closes).
     pub reserved: std::collections::HashSet<u64>,
+    /// Regions a writer closed without saying that it wrote only below the size (or whose
+    /// writer's handle was dropped for it): the last writer's close zeroes the tail.
+    pub tail_written: std::collections::HashSet<u64>,
     /// The newest capability revocation of each region in this run (not stored: a new run
     /// revokes every earlier token, see `revocations::revoke_all`); daemons that receive a
     /// region's chunks later get it too.
@@ -174,6 +177,7 @@ impl State {
             events: Vec::new(),
             sync: crate::sync::SyncState::default(),
             reserved: Default::default(),
+            tail_written: Default::default(),
             revoked: Default::default(),
             revocation_queued: false,
             capability_ttl: crate::revocations::DEFAULT_TTL,

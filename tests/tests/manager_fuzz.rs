@@ -391,7 +391,11 @@ async fn one(c: &mut Clients, g: &mut Gen) -> (&'static str, Result<(), Status>)
             };
             call!(
                 "close",
-                c.regions.close(v1::CloseRequest { caller, handle }),
+                c.regions.close(v1::CloseRequest {
+                    caller,
+                    handle,
+                    wrote_within_size: g.rng.random(),
+                }),
                 |_r| ()
             )
         }

@@ -243,11 +243,14 @@ impl ManagerClient {
         }))
     }
 
-    pub fn close(&self, caller: &v1::Caller, handle: u64) -> Result<bool> {
+    /// Closes `handle`; `wrote_within_size` says every byte written through it lies below
+    /// the size it made durable (the manager then need not zero the region's tail).
+    pub fn close(&self, caller: &v1::Caller, handle: u64, wrote_within_size: bool) -> Result<bool> {
         let mut c = self.regions.clone();
         self.call(c.close(v1::CloseRequest {
             caller: Some(caller.clone()),
             handle,
+            wrote_within_size,
         }))
         .map(|r| r.freed)
     }

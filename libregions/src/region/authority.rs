@@ -234,10 +234,15 @@ impl Authority {
         }
     }
 
-    /// Closes the open `handle`.
-    pub(crate) fn close(&self, handle: u64) -> Result<()> {
+    /// Closes the open `handle`; `wrote_within_size` as for
+    /// [`crate::manager_client::ManagerClient::close`] (the
+    /// host agent closes an application's handle as one that may have written past it).
+    pub(crate) fn close(&self, handle: u64, wrote_within_size: bool) -> Result<()> {
         match self {
-            Authority::Cluster { conn, caller } => conn.manager.close(caller, handle).map(drop),
+            Authority::Cluster { conn, caller } => conn
+                .manager
+                .close(caller, handle, wrote_within_size)
+                .map(drop),
             Authority::Agent(s) => s.agent()?.map_close(handle),
         }
     }

@@ -68,6 +68,8 @@ pub struct Region {
     write: bool,
     state: RwLock<MapState>,
     closed: AtomicBool,
+    /// A write past the size failed: some of its bytes may lie past the size it publishes.
+    tail_unsure: AtomicBool,
     policy: SizePolicy,
     /// The attributes the manager gave with the open.
     opened: v1::Attr,
@@ -104,6 +106,7 @@ impl Region {
             write,
             state: RwLock::new(MapState::from_info(info)),
             closed: AtomicBool::new(false),
+            tail_unsure: AtomicBool::new(false),
             policy: SizePolicy::Eager,
             opened,
             reserving: std::sync::Mutex::new(()),
@@ -453,7 +456,7 @@ impl Region {
         // Size and capacity are read on every attempt: a stale map or a revoked capability
         // (the region was truncated through another handle) is refreshed, and the region may
         // then be smaller and need space.
-        self.with_fresh_map(|| {
+        let written = self.with_fresh_map(|| {
             let (size, capacity) = {
                 let s = self.state.read().map_err(|_| Self::poisoned())?;
                 (s.size, s.capacity())
@@ -468,7 +471,12 @@ impl Region {
             self.each_run(&state, runs, data, |t, spans, piece: &[u8]| {
                 t.write(spans, piece)
             })
-        })?;
+        });
+        if written.is_err() && end > self.size() {
+            // Some of it may have landed past the size, which will not cover it.
+            self.tail_unsure.store(true, Ordering::Relaxed);
+        }
+        written?;
         let mut s = self.state.write().map_err(|_| Self::poisoned())?;
         if end > s.size {
             s.size = end;
@@ -601,7 +609,10 @@ impl Region {
             return Ok(());
         }
         self.publish(false)?;
-        self.authority.close(self.handle)
+        // Published: every byte this handle wrote lies below the durable size, unless a
+        // write past the size failed half way.
+        self.authority
+            .close(self.handle, !self.tail_unsure.load(Ordering::Relaxed))
     }
 
     // ---- what an application's mapping asks of its region ----
@@ -692,10 +703,15 @@ impl Drop for Region {
         if self.closed.swap(true, Ordering::Relaxed) {
             return;
         }
-        if let Err(e) = self.publish(false) {
-            tracing::warn!(ino = self.ino, error = %e, "cannot make the size of a written region durable at close");
-        }
-        if let Err(e) = self.authority.close(self.handle) {
+        let published = match self.publish(false) {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::warn!(ino = self.ino, error = %e, "cannot make the size of a written region durable at close");
+                false
+            }
+        };
+        let within_size = published && !self.tail_unsure.load(Ordering::Relaxed);
+        if let Err(e) = self.authority.close(self.handle, within_size) {
             tracing::debug!(ino = self.ino, error = %e, "closing region handle failed");
         }
     }
