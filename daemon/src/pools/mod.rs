@@ -579,7 +579,8 @@ impl Pools {
     }
 
     /// Region `ino`'s segment on this host once it is at least `covering` bytes long (the
-    /// manager's assignment events may still be on their way), or as it is at `deadline`.
+    /// manager's assignment events may still be on their way), or as it is at `deadline`;
+    /// with `covering` 0, as it is now.
     pub fn segment_covering(
         &self,
         ino: u64,
@@ -589,7 +590,9 @@ impl Pools {
         loop {
             let seen = self.changes.current();
             let segment = self.segment(ino);
-            if segment.as_ref().is_some_and(|s| s.size() >= covering) || Instant::now() >= deadline
+            if covering == 0
+                || segment.as_ref().is_some_and(|s| s.size() >= covering)
+                || Instant::now() >= deadline
             {
                 return segment;
             }
@@ -1096,6 +1099,17 @@ mod tests {
         assert!(
             start.elapsed() >= Duration::from_millis(50),
             "they waited to the deadline"
+        );
+        // Asking for no length waits for nothing, even for a region with no segment here.
+        let start = Instant::now();
+        assert!(
+            pools
+                .segment_covering(6, 0, start + Duration::from_secs(60))
+                .is_none()
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "no wait without a length"
         );
     }
 
