@@ -137,13 +137,10 @@ struct EventLog {
     dropped: HashMap<u32, u64>,
     per_host: HashMap<u32, VecDeque<v1::HostEvent>>,
     backlog: usize,
-    /// Per host, the newest event that destroys bytes (`Released`, `Truncated`) or revokes
-    /// capabilities (`Revoked`).
-    destructive: HashMap<u32, u64>,
-    /// The same per host and region, for events naming one region (kept until applied);
-    /// events for every region (a host fenced) are in `every_region`.
-    destructive_of: HashMap<(u32, u64), u64>,
-    every_region: HashMap<u32, u64>,
+    /// Per host and region, the newest event that destroys bytes (`Released`, `Truncated`)
+    /// or revokes capabilities (`Revoked`), until its daemon reports it applied; region 0
+    /// stands for every region (a host fenced), as in `RegionRevoked`.
+    destructive: HashMap<(u32, u64), u64>,
     /// Per host, the newest event its daemon reported applied.
     applied: HashMap<u32, u64>,
 }
@@ -213,8 +210,6 @@ impl Manager {
             per_host: HashMap::new(),
             backlog: config.event_backlog,
             destructive: HashMap::new(),
-            destructive_of: HashMap::new(),
-            every_region: HashMap::new(),
             applied: HashMap::new(),
         }));
         let event_seq = watch::channel(base - 1).0;
@@ -485,7 +480,7 @@ impl Manager {
         let applied = log.applied.entry(host).or_insert(0);
         *applied = (*applied).max(sequence);
         let applied = *applied;
-        log.destructive_of
+        log.destructive
             .retain(|(h, _), seq| *h != host || *seq > applied);
         drop(log);
         self.events_applied.send_modify(|n| *n = n.wrapping_add(1));
@@ -497,30 +492,13 @@ impl Manager {
     /// of any region, with the sequence number each must reach.
     fn unsettled(&self, ino: Option<u64>) -> Vec<(u32, u64)> {
         let pending: Vec<(u32, u64)> = match self.events.lock() {
-            Ok(log) => {
-                let behind =
-                    |host: u32, seq: u64| log.applied.get(&host).copied().unwrap_or(0) < seq;
-                match ino {
-                    None => log
-                        .destructive
-                        .iter()
-                        .filter(|(host, seq)| behind(**host, **seq))
-                        .map(|(host, seq)| (*host, *seq))
-                        .collect(),
-                    Some(ino) => log
-                        .every_region
-                        .iter()
-                        .map(|(host, seq)| (*host, *seq))
-                        .chain(
-                            log.destructive_of
-                                .iter()
-                                .filter(|((_, i), _)| *i == ino)
-                                .map(|((host, _), seq)| (*host, *seq)),
-                        )
-                        .filter(|(host, seq)| behind(*host, *seq))
-                        .collect(),
-                }
-            }
+            Ok(log) => log
+                .destructive
+                .iter()
+                .filter(|((_, region), _)| *region == 0 || ino.is_none_or(|i| i == *region))
+                .filter(|((host, _), seq)| log.applied.get(host).copied().unwrap_or(0) < **seq)
+                .map(|((host, _), seq)| (*host, *seq))
+                .collect(),
             Err(_) => return Vec::new(),
         };
         if pending.is_empty() {
@@ -711,17 +689,13 @@ fn publish(events: &Mutex<EventLog>, event_seq: &watch::Sender<u64>, batch: Vec<
         log.next += 1;
         last = sequence;
         let region = match &event {
-            Event::Released(b) => Some(Some(b.ino)),
-            Event::Truncated(t) => Some(Some(t.ino)),
-            Event::Revoked(r) => Some((r.ino != 0).then_some(r.ino)),
+            Event::Released(b) => Some(b.ino),
+            Event::Truncated(t) => Some(t.ino),
+            Event::Revoked(r) => Some(r.ino),
             _ => None,
         };
         if let Some(region) = region {
-            log.destructive.insert(host, sequence);
-            match region {
-                Some(ino) => log.destructive_of.insert((host, ino), sequence),
-                None => log.every_region.insert(host, sequence),
-            };
+            log.destructive.insert((host, region), sequence);
         }
         let queue = log.per_host.entry(host).or_default();
         queue.push_back(v1::HostEvent {
@@ -1333,7 +1307,7 @@ mod tests {
         m.events_applied(1, newest).unwrap();
         assert!(m.unsettled(Some(a.ino)).is_empty() && m.unsettled(None).is_empty());
         assert!(
-            m.events.lock().unwrap().destructive_of.is_empty(),
+            m.events.lock().unwrap().destructive.is_empty(),
             "applied events are forgotten"
         );
     }

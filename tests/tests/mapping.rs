@@ -57,6 +57,18 @@ fn create(path: &Path, data: &[u8]) {
     f.sync_all().expect("sync region");
 }
 
+/// Opens `path` for reading and writing and maps it; the descriptor comes back too, held as
+/// long as the mapping in the tests that use it.
+fn map_read_write(path: impl AsRef<Path>) -> (std::fs::File, std::sync::Arc<mapping::Mapping>) {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .expect("open the region file for reading and writing");
+    let m = mapping::map_fd(file.as_fd()).expect("map");
+    (file, m)
+}
+
 fn getxattr(p: &Path, name: &str) -> String {
     let c = CString::new(p.as_os_str().as_bytes()).unwrap();
     let n = CString::new(name).unwrap();
@@ -210,12 +222,7 @@ fn markdirty_zero_never_fetches_and_msync_publishes() {
     let s = setup();
     let len = 1 << 20;
     create(&s.m2.path("dz"), &vec![0xABu8; len]);
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(s.m1.path("dz"))
-        .unwrap();
-    let m = mapping::map_fd(file.as_fd()).expect("map");
+    let (_file, m) = map_read_write(s.m1.path("dz"));
     let dirty = 256 << 10;
     let before = s.stats(2);
     m.markdirty(m.base(), dirty, true).expect("markdirty zero");
@@ -410,12 +417,7 @@ fn a_mapping_grown_after_its_region_was_emptied_maps_the_new_memory() {
     let s = setup();
     let path = s.m1.path("regrown");
     create(&path, &[3u8; LEN]);
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&path)
-        .unwrap();
-    let m = mapping::map_fd(file.as_fd()).unwrap();
+    let (_file, m) = map_read_write(&path);
     assert_eq!(m.len(), LEN);
     let segments = s.stats(1).segments;
     // Another open empties the region: its chunks on this host are freed, and the daemon
@@ -498,12 +500,7 @@ fn asynchronous_rmsync_publishes_in_the_background() {
     let s = setup();
     let len = 4 << 20;
     create(&s.m2.path("async"), &vec![0u8; len]);
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(s.m1.path("async"))
-        .unwrap();
-    let m = mapping::map_fd(file.as_fd()).expect("map");
+    let (_file, m) = map_read_write(s.m1.path("async"));
     let data = pattern(len);
     // SAFETY: `len` bytes are mapped writable at the base.
     unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), m.base(), len) };
