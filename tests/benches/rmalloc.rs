@@ -194,8 +194,13 @@ fn main() -> ExitCode {
         rfree(first);
         let m = regions::mapping::lookup(first as *const u8)
             .ok_or_else(|| anyhow::anyhow!("no mapping after rmalloc"))?;
-        // SAFETY: the mapping stays while `m` is held.
-        let heap = unsafe { Heap::attach(m.base(), m.len()) }?;
+        // The arena this process allocates in.
+        let shared = regions::capi::alloc::heap_at(first as *const u8)?;
+        let arena = shared
+            .current()
+            .ok_or_else(|| anyhow::anyhow!("no arena after rmalloc"))?;
+        // SAFETY: the arena stays mapped while `shared` is held, and is this process's.
+        let heap = unsafe { Heap::attach(arena.base(), arena.len()) }?;
         let (mut a, mut f) = heap_fns(heap);
         compare(
             "core, mapped region (local memfd), pair",

@@ -901,6 +901,7 @@ pub fn has_errno(status: &tonic::Status) -> bool {
         .is_some()
 }
 
+pub mod heap_runs;
 pub mod netns;
 
 /// The repository's root directory.

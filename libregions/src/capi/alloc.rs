@@ -2,21 +2,23 @@
 //! `rmalloc_at`, `rfree`, `rsetroot`, `rgetroot`, and `rsetdefaultattr`.
 //!
 //! `rmalloc(fd, len)` maps the region of `fd` first if needed
-//! ([`mapping::map_fd`]) and creates a heap in it when the region is empty. A
-//! region that is full grows ([`Mapping::grow`]): doubling, by at most
-//! 256 MiB a step, and at least by what the block needs; `ENOMEM` when it
-//! cannot. Descriptors are resolved to their mapping through a small cache
-//! keyed by the region's identity (device and inode, from `statx` without a
-//! FUSE round trip), so repeated calls do not reconnect to the host agent.
+//! ([`mapping::map_fd`]) and creates a shared heap in it when the region is empty
+//! ([`crate::rmalloc::shared`]: a directory of per-process arenas, so processes on any
+//! number of hosts allocate in one region at once). An arena that is full grows, or the
+//! process claims another: doubling, by at most 256 MiB a step, and at least by what the
+//! block needs; `ENOMEM` when the region cannot grow. Descriptors are resolved to their
+//! mapping through a small cache keyed by the region's identity (device and inode, from
+//! `statx` without a FUSE round trip), so repeated calls do not reconnect to the host agent.
+//! A process hands its arenas back when it unmaps the region and when it exits.
 //!
 //! The fast path: every thread remembers the last descriptor it passed to
-//! `rmalloc` with a duplicate of it and the mapping, and the last mapping it
-//! freed into. A call with the same descriptor checks with one `kcmp`
+//! `rmalloc` with a duplicate of it and the heap, and the last mapping it
+//! allocated or freed in. A call with the same descriptor checks with one `kcmp`
 //! (`KCMP_FILE`, which compares the open file descriptions in the kernel
 //! and never reaches the file system) that the number still names the same
 //! open file (the application may have closed it and opened another region
-//! under the same number); an `rfree` inside the remembered mapping uses it
-//! directly. Both hold only while no region was unmapped in the process
+//! under the same number); an `rfree` or `rmalloc_at` inside the remembered mapping uses
+//! it directly. Both hold only while no region was unmapped in the process
 //! since ([`crate::rmalloc::unmap_epoch`]); otherwise, or when `kcmp` is
 //! unavailable, the call takes the path above.
 
@@ -31,14 +33,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use super::{ffi_int, ffi_ptr, set_errno};
 use crate::error::{RegionsError, Result};
 use crate::mapping::{self, Mapping};
-use crate::rmalloc::{Heap, HeapError, MIN_HEAP, PAGE};
+use crate::rmalloc::shared::{DIR_BYTES, DIR_MAGIC, RegionMemory, SharedHeap, process_owner};
 
-/// First size of a heap created in an empty region.
-const INITIAL_HEAP: usize = 1 << 20;
-/// Largest growth step.
-const MAX_GROW_STEP: usize = 256 << 20;
 /// Growth granularity (the manager's chunk).
-const GROW_UNIT: usize = regions_proto::layout::CHUNK_SIZE as usize;
+const GROW_UNIT: u64 = regions_proto::layout::CHUNK_SIZE;
 /// Largest block rmalloc serves.
 const MAX_BLOCK: usize = 1 << 40;
 
@@ -94,14 +92,15 @@ struct LastFd {
     fd: c_int,
     /// A duplicate of `fd` taken when it was resolved: `kcmp` compares them.
     dup: OwnedFd,
-    mapping: Arc<Mapping>,
+    heap: Arc<SharedHeap>,
     epoch: u64,
 }
 
-/// The last mapping a thread freed into.
+/// The last mapping a thread allocated or freed in.
 struct LastMap {
     base: usize,
     mapping: Arc<Mapping>,
+    heap: Arc<SharedHeap>,
     epoch: u64,
 }
 
@@ -166,9 +165,9 @@ fn my_pid() -> libc::pid_t {
 /// `KCMP_FILE` of linux/kcmp.h.
 const KCMP_FILE: libc::c_int = 0;
 
-/// Remembers `fd` → `m` for this thread's next `rmalloc`.
-fn remember_fd(fd: c_int, m: &Arc<Mapping>) {
-    if !m.writable() || !KCMP_WORKS.load(Ordering::Relaxed) {
+/// Remembers `fd` → the heap of `m` for this thread's next `rmalloc`.
+fn remember_fd(fd: c_int, heap: &Arc<SharedHeap>, epoch: u64) {
+    if !KCMP_WORKS.load(Ordering::Relaxed) {
         return;
     }
     // SAFETY: F_DUPFD_CLOEXEC duplicates the caller's open descriptor.
@@ -178,13 +177,12 @@ fn remember_fd(fd: c_int, m: &Arc<Mapping>) {
     }
     // SAFETY: a fresh descriptor that we own.
     let dup = unsafe { OwnedFd::from_raw_fd(dup) };
-    let epoch = crate::rmalloc::unmap_epoch();
     let _ = LAST_FD.try_with(|l| {
         if let Ok(mut l) = l.try_borrow_mut() {
             *l = Some(LastFd {
                 fd,
                 dup,
-                mapping: Arc::clone(m),
+                heap: Arc::clone(heap),
                 epoch,
             });
         }
@@ -203,24 +201,10 @@ fn alloc_fast(fd: c_int, len: usize) -> Option<Result<*mut u8>> {
             {
                 return None;
             }
-            alloc_cached(&e.mapping, len)
+            Some(e.heap.alloc(len))
         })
         .ok()
         .flatten()
-}
-
-/// Allocates in the heap of a mapping a thread remembered (no unmap since): None when the
-/// heap is full or longer than the mapping, for the full path to grow it.
-fn alloc_cached(m: &Mapping, len: usize) -> Option<Result<*mut u8>> {
-    // SAFETY: the mapping is alive (no unmap since the epoch the caller checked) and covers
-    // `len()` bytes at its base; its region holds a heap.
-    let heap = unsafe { Heap::attach(m.base(), m.len()) }.ok()?;
-    match heap.alloc(len) {
-        // SAFETY: the block lies inside the heap, inside the mapping.
-        Ok(off) => Some(Ok(unsafe { m.base().add(off as usize) })),
-        Err(HeapError::Full { .. } | HeapError::NeedsMapping { .. }) => None,
-        Err(e) => Some(Err(heap_error(m, e))),
-    }
 }
 
 /// The fast path of `rfree`: None to take the full path.
@@ -230,28 +214,16 @@ fn free_fast(ptr: *const u8) -> Option<Result<()>> {
             let l = l.try_borrow().ok()?;
             let e = l.as_ref()?;
             let p = ptr as usize;
-            let len = e.mapping.len();
-            if p < e.base || p >= e.base + len || e.epoch != crate::rmalloc::unmap_epoch() {
+            if p < e.base
+                || p >= e.base + e.mapping.len()
+                || e.epoch != crate::rmalloc::unmap_epoch()
+            {
                 return None;
             }
-            // SAFETY: as in alloc_fast.
-            let heap = unsafe { Heap::attach(e.mapping.base(), len) }.ok()?;
-            match heap.free((p - e.base) as u64) {
-                Ok(()) => Some(Ok(())),
-                Err(HeapError::NeedsMapping { .. }) => None,
-                Err(err) => Some(Err(heap_error(&e.mapping, err))),
-            }
+            Some(e.heap.free(ptr))
         })
         .ok()
         .flatten()
-}
-
-/// A heap error as the application sees it: a corrupt heap names its region.
-fn heap_error(m: &Mapping, e: HeapError) -> RegionsError {
-    match e {
-        HeapError::Corrupt(_) => RegionsError::Invalid(format!("region {}: {e}", m.ino())),
-        e => e.into(),
-    }
 }
 
 /// Mappings by region identity (device, inode).
@@ -304,73 +276,134 @@ fn writable(m: &Mapping) -> Result<()> {
     }
 }
 
-/// Grows the mapping to at least `len` bytes, as ENOMEM on failure.
-fn grow_to(m: &Mapping, len: usize) -> Result<()> {
-    let len = len.next_multiple_of(GROW_UNIT);
-    m.grow(len).map_err(|e| {
-        RegionsError::NoMemory(format!(
-            "region {} is full and cannot grow from {} to {len} bytes: {e}",
-            m.ino(),
-            m.len()
-        ))
+/// A mapped region as the shared heap reaches it: arenas through the mapping, the directory
+/// through the region's transport.
+struct MappedRegion(Arc<Mapping>);
+
+impl RegionMemory for MappedRegion {
+    fn base(&self) -> *mut u8 {
+        self.0.base()
+    }
+
+    fn mapped(&self) -> usize {
+        self.0.len()
+    }
+
+    fn ensure_len(&self, len: u64) -> Result<()> {
+        let m = &self.0;
+        if m.len() as u64 >= len {
+            return Ok(());
+        }
+        let len = len.next_multiple_of(GROW_UNIT) as usize;
+        m.grow(len).map_err(|e| {
+            RegionsError::NoMemory(format!(
+                "region {} is full and cannot grow from {} to {len} bytes: {e}",
+                m.ino(),
+                m.len()
+            ))
+        })
+    }
+
+    fn cas(&self, off: u64, expected: u64, new: u64) -> Result<u64> {
+        self.0.region().compare_and_swap(off, expected, new)
+    }
+
+    fn fetch_add(&self, off: u64, add: u64) -> Result<u64> {
+        self.0.region().fetch_add(off, add)
+    }
+
+    fn read(&self, off: u64, buf: &mut [u8]) -> Result<()> {
+        let n = self.0.region().read_at(off, buf)?;
+        if n < buf.len() {
+            return Err(RegionsError::Invalid(format!(
+                "region {}: read {n} of {} bytes at offset {off}: the region is shorter than its \
+                 rmalloc directory says",
+                self.0.ino(),
+                buf.len()
+            )));
+        }
+        Ok(())
+    }
+
+    fn publish(&self, off: u64, len: u64) -> Result<()> {
+        // SAFETY (of the address arithmetic): the caller passes a range inside the mapping.
+        self.0
+            .msync(self.0.base().wrapping_add(off as usize), len as usize)
+    }
+
+    fn ino(&self) -> u64 {
+        self.0.ino()
+    }
+}
+
+/// Shared heaps of the mapped regions of this process, by mapping base.
+type Heaps = HashMap<usize, (Arc<Mapping>, Arc<SharedHeap>)>;
+type HeapRegistry = Mutex<Heaps>;
+
+fn heaps() -> &'static HeapRegistry {
+    static HEAPS: OnceLock<HeapRegistry> = OnceLock::new();
+    HEAPS.get_or_init(|| {
+        mapping::on_unmap(release_unmapped);
+        // SAFETY: `release_all_at_exit` is a plain `extern "C" fn()` that never unwinds.
+        if unsafe { libc::atexit(release_all_at_exit) } != 0 {
+            tracing::warn!("rmalloc: cannot register the exit handler that hands arenas back");
+        }
+        Mutex::default()
     })
 }
 
-/// The heap of a mapping, created in an empty region; grows the mapping
-/// when the heap (grown by another process) is longer than it.
-fn heap_of(m: &Mapping, create: bool) -> Result<Heap> {
-    for _ in 0..8 {
-        let len = m.len();
-        if !create
-            && (len < PAGE || {
-                // SAFETY: the mapping covers at least a page.
-                !unsafe { Heap::is_heap(m.base()) }
-            })
-        {
-            return Err(RegionsError::Invalid(format!(
-                "region {} holds no rmalloc heap",
-                m.ino()
-            )));
-        }
-        // SAFETY: the mapping covers `len` bytes at `base`, page aligned, and
-        // stays mapped while the Arc is held; the region is used as a heap.
-        match unsafe { Heap::attach(m.base(), len) } {
-            Ok(h) => return Ok(h),
-            Err(HeapError::NeedsMapping { len: want }) => {
-                writable(m)?;
-                // A new heap starts at INITIAL_HEAP bytes.
-                let want = (want as usize).max(if len < MIN_HEAP { INITIAL_HEAP } else { 0 });
-                grow_to(m, want)?;
-            }
-            Err(e) => return Err(heap_error(m, e)),
-        }
-    }
-    Err(RegionsError::NoMemory(format!(
-        "region {}: the heap keeps outgrowing this process's mapping",
-        m.ino()
-    )))
+fn lock_heaps() -> std::sync::MutexGuard<'static, Heaps> {
+    heaps()
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Runs a heap operation, growing the mapping when the heap is longer than
-/// it (another process grew the region) and retrying.
-fn with_heap<T>(
-    m: &Mapping,
-    mut heap: Heap,
-    f: impl Fn(&Heap) -> Result<T, HeapError>,
-) -> Result<T> {
-    for _ in 0..8 {
-        match f(&heap) {
-            Err(HeapError::NeedsMapping { len }) => {
-                grow_to(m, len as usize)?;
-                heap = heap_of(m, false)?;
-            }
-            r => return r.map_err(|e| heap_error(m, e)),
+/// The unmap hook: the heap of the mapping at `base` hands its arenas back.
+fn release_unmapped(base: *mut u8, _len: usize) {
+    let gone = lock_heaps().remove(&(base as usize));
+    if let Some((m, heap)) = gone
+        && let Err(e) = heap.release()
+    {
+        tracing::warn!(region = m.ino(), error = %e, "rmalloc: handing arenas back at unmap failed");
+    }
+}
+
+extern "C" fn release_all_at_exit() {
+    let all: Vec<(Arc<Mapping>, Arc<SharedHeap>)> = match heaps().try_lock() {
+        Ok(mut h) => h.drain().map(|(_, v)| v).collect(),
+        Err(_) => return,
+    };
+    for (m, heap) in all {
+        if let Err(e) = heap.release() {
+            tracing::warn!(region = m.ino(), error = %e, "rmalloc: handing arenas back at exit failed");
         }
     }
-    Err(RegionsError::NoMemory(format!(
-        "region {}: the heap keeps outgrowing this process's mapping",
-        m.ino()
-    )))
+}
+
+/// The shared heap of mapping `m`; with `create`, made in an empty region.
+fn shared_heap(m: &Arc<Mapping>, create: bool) -> Result<Arc<SharedHeap>> {
+    let base = m.base() as usize;
+    if let Some((cur, h)) = lock_heaps().get(&base)
+        && Arc::ptr_eq(cur, m)
+    {
+        return Ok(Arc::clone(h));
+    }
+    if create {
+        writable(m)?;
+    }
+    let heap = Arc::new(SharedHeap::open(
+        Box::new(MappedRegion(Arc::clone(m))),
+        process_owner(),
+        create,
+    )?);
+    let mut all = lock_heaps();
+    let entry = all
+        .entry(base)
+        .or_insert_with(|| (Arc::clone(m), Arc::clone(&heap)));
+    if !Arc::ptr_eq(&entry.0, m) {
+        *entry = (Arc::clone(m), Arc::clone(&heap));
+    }
+    Ok(Arc::clone(&entry.1))
 }
 
 /// Allocates `len` bytes in the region of `fd` (see regions.h).
@@ -379,9 +412,12 @@ pub fn alloc_in(fd: c_int, len: usize) -> Result<*mut u8> {
     if let Some(r) = alloc_fast(fd, len) {
         return r;
     }
+    let epoch = crate::rmalloc::unmap_epoch();
     let m = mapping_of_fd(fd)?;
-    let p = alloc_in_mapping(&m, len)?;
-    remember_fd(fd, &m);
+    writable(&m)?;
+    let heap = shared_heap(&m, true)?;
+    let p = heap.alloc(len)?;
+    remember_fd(fd, &heap, epoch);
     Ok(p)
 }
 
@@ -400,8 +436,10 @@ pub fn alloc_at(at: *const u8, len: usize) -> Result<*mut u8> {
             format!("{at:p} is not inside a mapped region: pass what rmap returned"),
         )
     })?;
-    let p = alloc_in_mapping(&m, len)?;
-    remember_map(&m, epoch);
+    writable(&m)?;
+    let heap = shared_heap(&m, true)?;
+    let p = heap.alloc(len)?;
+    remember_map(&m, &heap, epoch);
     Ok(p)
 }
 
@@ -428,66 +466,25 @@ fn alloc_fast_at(at: *const u8, len: usize) -> Option<Result<*mut u8>> {
             {
                 return None;
             }
-            alloc_cached(&e.mapping, len)
+            Some(e.heap.alloc(len))
         })
         .ok()
         .flatten()
 }
 
-/// Remembers `m` as the thread's last mapping (for `rfree` and `rmalloc_at`), valid while
+/// Remembers the heap of `m` as the thread's last (for `rfree` and `rmalloc_at`), valid while
 /// no region is unmapped after `epoch`.
-fn remember_map(m: &Arc<Mapping>, epoch: u64) {
+fn remember_map(m: &Arc<Mapping>, heap: &Arc<SharedHeap>, epoch: u64) {
     let _ = LAST_MAP.try_with(|l| {
         if let Ok(mut l) = l.try_borrow_mut() {
             *l = Some(LastMap {
                 base: m.base() as usize,
                 mapping: Arc::clone(m),
+                heap: Arc::clone(heap),
                 epoch,
             });
         }
     });
-}
-
-/// Allocates `len` bytes in the heap of mapping `m`, creating the heap in an empty region
-/// and growing the region when it is full.
-fn alloc_in_mapping(m: &Arc<Mapping>, len: usize) -> Result<*mut u8> {
-    writable(m)?;
-    let mut heap = heap_of(m, true)?;
-    for _ in 0..16 {
-        match heap.alloc(len) {
-            Ok(off) => {
-                // SAFETY: the block lies inside the heap, inside the mapping.
-                return Ok(unsafe { m.base().add(off as usize) });
-            }
-            Err(HeapError::Full { pages }) => {
-                let cur = m.len();
-                let extra = (pages as usize + 2) * PAGE;
-                // Room for the page map to move and double, too.
-                let need = cur + extra + (2 * (cur + extra) / PAGE + 1024) * 4 + PAGE;
-                let target = need.max(cur + cur.min(MAX_GROW_STEP));
-                if grow_to(m, target).is_err() {
-                    grow_to(m, need)?;
-                }
-                heap = heap_of(m, false)?;
-                let grown = m.len();
-                match with_heap(m, heap, |h| h.extend(grown)) {
-                    // Not enough for the page map to move: the next round
-                    // grows further.
-                    Err(RegionsError::NoMemory(_)) => {}
-                    r => r?,
-                }
-            }
-            Err(HeapError::NeedsMapping { len }) => {
-                grow_to(m, len as usize)?;
-                heap = heap_of(m, false)?;
-            }
-            Err(e) => return Err(heap_error(m, e)),
-        }
-    }
-    Err(RegionsError::NoMemory(format!(
-        "rmalloc of {len} bytes in region {}: the region keeps filling up while it grows",
-        m.ino()
-    )))
 }
 
 /// Frees a block returned by rmalloc.
@@ -502,11 +499,43 @@ pub fn free_ptr(ptr: *const u8) -> Result<()> {
         ))
     })?;
     writable(&m)?;
-    let heap = heap_of(&m, false)?;
-    let off = ptr as usize - m.base() as usize;
-    with_heap(&m, heap, |h| h.free(off as u64))?;
-    remember_map(&m, epoch);
+    let heap = shared_heap(&m, false)?;
+    heap.free(ptr)?;
+    remember_map(&m, &heap, epoch);
     Ok(())
+}
+
+/// Whether the region of `m` holds a shared heap (its directory's magic).
+fn has_heap(m: &Arc<Mapping>) -> Result<bool> {
+    if (m.len() as u64) < DIR_BYTES {
+        return Ok(false);
+    }
+    let mut w = [0u8; 8];
+    MappedRegion(Arc::clone(m)).read(0, &mut w)?;
+    Ok(u64::from_le_bytes(w) == DIR_MAGIC)
+}
+
+/// Takes back the blocks other processes freed into this process's arenas of the region
+/// mapped at `at` (rmalloc does so by itself every few milliseconds while it allocates).
+pub fn drain_remote_frees(at: *const u8) -> Result<usize> {
+    let m = mapping::lookup(at).ok_or_else(|| {
+        errno_err(
+            libc::EINVAL,
+            format!("{at:p} is not inside a mapped region"),
+        )
+    })?;
+    shared_heap(&m, false)?.drain_remote_frees()
+}
+
+/// The shared heap of the mapped region that contains `at`, for inspection (tests, tools).
+pub fn heap_at(at: *const u8) -> Result<Arc<SharedHeap>> {
+    let m = mapping::lookup(at).ok_or_else(|| {
+        errno_err(
+            libc::EINVAL,
+            format!("{at:p} is not inside a mapped region"),
+        )
+    })?;
+    shared_heap(&m, false)
 }
 
 /// `void *rmalloc(int regionfd, size_t len)`.
@@ -536,7 +565,7 @@ pub extern "C" fn rsetroot(regionfd: c_int, ptr: *mut c_void) -> c_int {
     ffi_int(|| {
         let m = mapping_of_fd(regionfd)?;
         writable(&m)?;
-        let heap = heap_of(&m, true)?;
+        let heap = shared_heap(&m, true)?;
         let off = if ptr.is_null() {
             None
         } else {
@@ -551,7 +580,7 @@ pub extern "C" fn rsetroot(regionfd: c_int, ptr: *mut c_void) -> c_int {
             }
             Some((p - base) as u64)
         };
-        with_heap(&m, heap, |h| h.set_root(off))?;
+        heap.set_root(off)?;
         Ok(0)
     })
 }
@@ -561,15 +590,19 @@ pub extern "C" fn rsetroot(regionfd: c_int, ptr: *mut c_void) -> c_int {
 pub extern "C" fn rgetroot(regionfd: c_int) -> *mut c_void {
     ffi_ptr(|| {
         let m = mapping_of_fd(regionfd)?;
-        // SAFETY: is_heap reads the first 8 bytes, mapped when len >= PAGE.
-        if m.len() < PAGE || !unsafe { Heap::is_heap(m.base()) } {
+        if !has_heap(&m)? {
             set_errno(0);
             return Ok(std::ptr::null_mut());
         }
-        let heap = heap_of(&m, false)?;
-        match with_heap(&m, heap, |h| h.root())? {
-            // SAFETY: root offsets are checked to lie inside the heap.
-            Some(off) => Ok(unsafe { m.base().add(off as usize) }.cast()),
+        match shared_heap(&m, false)?.root()? {
+            Some(off) => {
+                if off >= m.len() as u64 {
+                    // Another process grew the region past this mapping.
+                    MappedRegion(Arc::clone(&m)).ensure_len(off + 1)?;
+                }
+                // SAFETY: the mapping covers `off` (checked, grown above).
+                Ok(unsafe { m.base().add(off as usize) }.cast())
+            }
             None => {
                 set_errno(0);
                 Ok(std::ptr::null_mut())

@@ -51,10 +51,10 @@
 //! gives no writable segment maps a private copy of its host's chunks, and so
 //! allocates like another host). The word holds the holder's thread id;
 //! a waiter that finds the holder's thread gone (same pid namespace) takes the
-//! lock over instead of hanging. Concurrent allocation from *different hosts*
-//! is not supported: each host works on its own cached copy of remote pages.
-//! Hand the heap over instead (the writer `rmsync`s, the next host
-//! `rclearcache`s or maps afresh).
+//! lock over instead of hanging. Processes that do not share the memory (on
+//! different hosts, each with its own cached copy of remote pages) must not
+//! allocate in one [`Heap`]: [`shared`] gives each process heaps of its own
+//! (arenas) inside one region, which is how the C functions use it.
 //!
 //! The fast paths take no lock: a free checks the block against the page map
 //! and its slab, checks that its state byte says "handed out" and sets it to
@@ -132,6 +132,7 @@
 //! allocator (free runs), the slabs and the public operations.
 
 mod lock;
+pub mod shared;
 mod size_class;
 #[cfg(test)]
 mod test_mem;
@@ -1469,6 +1470,29 @@ impl Heap {
             }
             _ => Err(HeapError::BadPointer(format!("offset {off:#x}"))),
         }
+    }
+
+    /// Whether `off` is a block handed out to the application now (a block that is free, or
+    /// waits in a thread cache, is not).
+    pub fn is_live(&self, off: u64) -> HResult<bool> {
+        let _g = self.lock()?;
+        self.check_header()?;
+        let page = off >> PAGE_SHIFT;
+        if page >= self.npages() {
+            return Ok(false);
+        }
+        let e = self.map_entry(page);
+        Ok(match kind(e) {
+            K_SLAB => match self.small_block(off, page, e) {
+                Ok((slab, _, class, i)) => {
+                    self.block_state(slab, class, i).load(Ordering::Acquire) == LIVE
+                }
+                Err(HeapError::Corrupt(m)) => return Err(HeapError::Corrupt(m)),
+                Err(_) => false,
+            },
+            K_LARGE => off.is_multiple_of(PAGE as u64),
+            _ => false,
+        })
     }
 
     /// Adopts memory grown to `new_len` bytes (at most the mapped length).

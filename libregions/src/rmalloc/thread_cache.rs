@@ -267,7 +267,7 @@ fn register_process_hooks() {
 
 /// Identity of this host's pid namespace: the boot id and the namespace's
 /// inode (the same inode numbers recur on other machines).
-fn host_ns() -> u64 {
+pub(super) fn host_ns() -> u64 {
     static ID: OnceLock<u64> = OnceLock::new();
     *ID.get_or_init(|| {
         let boot = std::fs::read("/proc/sys/kernel/random/boot_id").unwrap_or_default();
