@@ -22,7 +22,7 @@
 //! since ([`crate::rmalloc::unmap_epoch`]); otherwise, or when `kcmp` is
 //! unavailable, the call takes the path above.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ffi::{CString, c_char, c_int, c_void};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -34,6 +34,7 @@ use super::{ffi_int, ffi_ptr, set_errno};
 use crate::error::{RegionsError, Result};
 use crate::mapping::{self, Mapping};
 use crate::rmalloc::shared::{DIR_BYTES, DIR_MAGIC, RegionMemory, SharedHeap, process_owner};
+use crate::rmalloc::{Heap, HeapError};
 
 /// Growth granularity (the manager's chunk).
 const GROW_UNIT: u64 = regions_proto::layout::CHUNK_SIZE;
@@ -104,9 +105,91 @@ struct LastMap {
     epoch: u64,
 }
 
+/// The arena a thread last allocated in, for `rmalloc_at` and `rfree` without a lookup: the
+/// mapping's range, the arena's, and the unmap epoch they are valid for (an arena is handed
+/// back only at unmap, which changes the epoch, or at exit).
+#[derive(Clone, Copy)]
+struct FastArena {
+    map_base: usize,
+    map_len: usize,
+    arena_base: usize,
+    arena_len: usize,
+    epoch: u64,
+    /// Allocations left before one takes the path through the shared heap (which looks for
+    /// remote frees now and then).
+    left: u32,
+}
+
+const NO_ARENA: FastArena = FastArena {
+    map_base: 0,
+    map_len: 0,
+    arena_base: 0,
+    arena_len: 0,
+    epoch: 0,
+    left: 0,
+};
+
+/// Allocations served from [`FastArena`] between two through the shared heap.
+const FAST_ARENA_RUN: u32 = 256;
+
 thread_local! {
     static LAST_FD: RefCell<Option<LastFd>> = const { RefCell::new(None) };
     static LAST_MAP: RefCell<Option<LastMap>> = const { RefCell::new(None) };
+    static ARENA: Cell<FastArena> = const { Cell::new(NO_ARENA) };
+}
+
+/// Remembers the arena `heap` allocates in now as the thread's [`FastArena`].
+fn remember_arena(m: &Mapping, heap: &SharedHeap, epoch: u64) {
+    let Some(c) = heap.current() else { return };
+    let _ = ARENA.try_with(|a| {
+        a.set(FastArena {
+            map_base: m.base() as usize,
+            map_len: m.len(),
+            arena_base: c.base() as usize,
+            arena_len: c.len(),
+            epoch,
+            left: FAST_ARENA_RUN,
+        })
+    });
+}
+
+/// `rmalloc_at` from the thread's [`FastArena`]: None to take the path through the heap.
+#[inline]
+fn alloc_arena(at: *const u8, len: usize) -> Option<Result<*mut u8>> {
+    let mut f = ARENA.try_with(Cell::get).ok()?;
+    if (at as usize).wrapping_sub(f.map_base) >= f.map_len
+        || f.left == 0
+        || f.epoch != crate::rmalloc::unmap_epoch_registered()
+    {
+        return None;
+    }
+    f.left -= 1;
+    let _ = ARENA.try_with(|a| a.set(f));
+    // SAFETY: the arena is this process's, mapped (no unmap since the epoch) and holds a heap.
+    let heap = unsafe { Heap::view(f.arena_base as *mut u8, f.arena_len) };
+    match heap.alloc(len) {
+        // SAFETY: the block lies inside the arena.
+        Ok(off) => Some(Ok(unsafe { heap.base().add(off as usize) })),
+        Err(_) => None,
+    }
+}
+
+/// `rfree` into the thread's [`FastArena`]: None to take the path through the heap.
+#[inline]
+fn free_arena(ptr: *const u8) -> Option<Result<()>> {
+    let f = ARENA.try_with(Cell::get).ok()?;
+    let off = (ptr as usize).wrapping_sub(f.arena_base);
+    if off >= f.arena_len || f.epoch != crate::rmalloc::unmap_epoch_registered() {
+        return None;
+    }
+    // SAFETY: as in alloc_arena.
+    let heap = unsafe { Heap::view(f.arena_base as *mut u8, f.arena_len) };
+    match heap.free(off as u64) {
+        Ok(()) => Some(Ok(())),
+        // The arena grew past this view (another thread grew it): the path through the heap.
+        Err(HeapError::NeedsMapping { .. }) => None,
+        Err(e) => Some(Err(RegionsError::from(e))),
+    }
 }
 
 /// Cleared when `kcmp` fails (not built into the kernel, or refused by a
@@ -209,6 +292,9 @@ fn alloc_fast(fd: c_int, len: usize) -> Option<Result<*mut u8>> {
 
 /// The fast path of `rfree`: None to take the full path.
 fn free_fast(ptr: *const u8) -> Option<Result<()>> {
+    if let Some(r) = free_arena(ptr) {
+        return Some(r);
+    }
     LAST_MAP
         .try_with(|l| {
             let l = l.try_borrow().ok()?;
@@ -440,6 +526,7 @@ pub fn alloc_at(at: *const u8, len: usize) -> Result<*mut u8> {
     let heap = shared_heap(&m, true)?;
     let p = heap.alloc(len)?;
     remember_map(&m, &heap, epoch);
+    remember_arena(&m, &heap, epoch);
     Ok(p)
 }
 
@@ -454,6 +541,9 @@ fn check_block(len: usize) -> Result<()> {
 
 /// The fast path of `rmalloc_at`: None to take the full path.
 fn alloc_fast_at(at: *const u8, len: usize) -> Option<Result<*mut u8>> {
+    if let Some(r) = alloc_arena(at, len) {
+        return Some(r);
+    }
     LAST_MAP
         .try_with(|l| {
             let l = l.try_borrow().ok()?;
@@ -466,7 +556,11 @@ fn alloc_fast_at(at: *const u8, len: usize) -> Option<Result<*mut u8>> {
             {
                 return None;
             }
-            Some(e.heap.alloc(len))
+            let r = e.heap.alloc(len);
+            if r.is_ok() {
+                remember_arena(&e.mapping, &e.heap, e.epoch);
+            }
+            Some(r)
         })
         .ok()
         .flatten()
@@ -502,6 +596,7 @@ pub fn free_ptr(ptr: *const u8) -> Result<()> {
     let heap = shared_heap(&m, false)?;
     heap.free(ptr)?;
     remember_map(&m, &heap, epoch);
+    remember_arena(&m, &heap, epoch);
     Ok(())
 }
 

@@ -141,7 +141,7 @@ mod thread_cache;
 mod untrusted_tests;
 
 pub use lock::LOCK_TIMEOUT;
-pub use thread_cache::{unmap_epoch, unmapping};
+pub use thread_cache::{unmap_epoch, unmap_epoch_registered, unmapping};
 
 use std::ptr;
 use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
@@ -467,6 +467,16 @@ impl Heap {
                 }
             }
         }
+    }
+
+    /// A view of a heap that [`Heap::attach`] already accepted at `base` (no check here).
+    ///
+    /// # Safety
+    ///
+    /// As for [`Heap::attach`], and the memory must hold an initialised heap.
+    #[inline]
+    pub unsafe fn view(base: *mut u8, mapped: usize) -> Heap {
+        Heap { base, mapped }
     }
 
     /// Whether the memory at `base` starts with an rmalloc heap header.

@@ -426,7 +426,8 @@ impl SharedHeap {
                     // SAFETY: the block lies inside the arena.
                     return Ok(unsafe { c.base().add(off as usize) });
                 }
-                Err(HeapError::Full { .. }) => {}
+                // Full, or grown by another thread past this view of it: the locked path.
+                Err(HeapError::Full { .. } | HeapError::NeedsMapping { .. }) => {}
                 Err(e) => return Err(self.heap_error(e)),
             }
         }
@@ -675,7 +676,11 @@ impl SharedHeap {
                 // SAFETY: the current arena is owned here and mapped.
                 let heap =
                     unsafe { Heap::attach(c.base(), c.len) }.map_err(|e| self.heap_error(e))?;
-                return heap.free((p - cb) as u64).map_err(|e| self.heap_error(e));
+                match heap.free((p - cb) as u64) {
+                    // Grown by another thread past this view: the locked path.
+                    Err(HeapError::NeedsMapping { .. }) => {}
+                    r => return r.map_err(|e| self.heap_error(e)),
+                }
             }
         }
         let mut k = self.lock_known();
@@ -982,6 +987,32 @@ mod tests {
         for p in blocks {
             h.free(p).unwrap();
         }
+    }
+
+    #[test]
+    fn threads_allocate_while_another_grows_their_arena() {
+        let r = region(512 << 20);
+        let h = Arc::new(process(&r, 12));
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let h = Arc::clone(&h);
+                std::thread::spawn(move || {
+                    let mut blocks = Vec::new();
+                    for i in 0..300 {
+                        let len = if (i + t) % 3 == 0 { 24 << 10 } else { 200 };
+                        blocks.push(h.alloc(len).unwrap() as usize);
+                        if i % 4 == 0 {
+                            h.free(blocks.swap_remove(0) as *const u8).unwrap();
+                        }
+                    }
+                    blocks
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(h.arenas().unwrap().len(), 1);
     }
 
     #[test]

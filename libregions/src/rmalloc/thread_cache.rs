@@ -242,6 +242,12 @@ pub fn unmap_epoch() -> u64 {
     GEN.load(Ordering::Acquire)
 }
 
+/// [`unmap_epoch`] for a caller that called it once before (the hooks are registered).
+#[inline]
+pub fn unmap_epoch_registered() -> u64 {
+    GEN.load(Ordering::Acquire)
+}
+
 extern "C" fn after_fork_child() {
     // The child's only thread has a new id, and the records it copied
     // belong to the parent's threads.
