@@ -902,6 +902,7 @@ pub fn has_errno(status: &tonic::Status) -> bool {
 }
 
 pub mod heap_runs;
+pub mod memory_cgroup;
 pub mod netns;
 
 /// The repository's root directory.

@@ -101,9 +101,14 @@ struct Helper {
 
 impl Helper {
     fn spawn(path: &Path, mode: &str) -> Helper {
-        let mut child = Command::new(bin_path("regions-map-helper").expect("helper binary"))
-            .arg(path)
-            .arg(mode)
+        let mut cmd = Command::new(bin_path("regions-map-helper").expect("helper binary"));
+        cmd.arg(path).arg(mode);
+        Helper::spawn_cmd(cmd)
+    }
+
+    /// Runs `cmd`, which must start the helper (possibly through a wrapper).
+    fn spawn_cmd(mut cmd: Command) -> Helper {
+        let mut child = cmd
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -533,4 +538,52 @@ fn asynchronous_rmsync_publishes_in_the_background() {
         "MS_SYNC returned before the bytes were written"
     );
     mapping::unmap(m.base()).unwrap();
+}
+
+/// Remote faults under memory pressure: a process limited (memory cgroup) to 96 MiB streams a
+/// 256 MiB region held on the other host through its mapping, window by window, dropping each
+/// window with `rclearcache`; every word reads right and the process stays within its limit.
+/// Touching the whole region without dropping anything then gets it killed by the kernel
+/// (out of memory in its cgroup) within the bound, rather than hanging its fault handling.
+#[test]
+fn remote_faults_under_a_memory_limit_stream_a_region_larger_than_it() {
+    let s = setup();
+    let len = 256 << 20;
+    let data = pattern(len);
+    create(&s.m1.path("pressure"), &data);
+    let limit: u64 = 96 << 20;
+    let cg = regions_tests::memory_cgroup::MemoryCgroup::create("regions-fault-pressure", limit)
+        .expect("a memory cgroup");
+    let helper = bin_path("regions-map-helper").expect("helper binary");
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg("echo $$ > \"$0\" && exec \"$1\" \"$2\" ro")
+        .arg(cg.procs())
+        .arg(&helper)
+        .arg(s.m2.path("pressure"));
+    let mut h = Helper::spawn_cmd(cmd);
+    let window = 16 << 20;
+    for off in (0..len).step_by(window) {
+        let want = data[off..off + window].chunks_exact(8).fold(0u64, |a, w| {
+            a.wrapping_add(u64::from_le_bytes(w.try_into().unwrap()))
+        });
+        let got = h.cmd(&format!("sum {off} {window}"));
+        assert_eq!(got, want.to_string(), "window at {off}");
+        assert_eq!(h.cmd(&format!("clearrange {off} {window}")), "ok");
+    }
+    if let Some(peak) = cg.peak() {
+        assert!(peak <= limit, "peak {peak} over the limit {limit}");
+    }
+    assert_eq!(cg.oom_kills(), 0, "killed while streaming");
+    // All of it at once does not fit: the kernel kills the process, within the bound.
+    h.send(&format!("sum 0 {len}"));
+    let status = h
+        .wait(Duration::from_secs(60))
+        .expect("the helper ended within 60 s");
+    assert_eq!(
+        status.signal(),
+        Some(libc::SIGKILL),
+        "killed for memory, not {status:?}"
+    );
+    assert!(cg.oom_kills() >= 1, "the cgroup saw no out-of-memory kill");
 }

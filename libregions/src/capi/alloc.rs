@@ -412,7 +412,7 @@ impl RegionMemory for MappedRegion {
     }
 
     fn publish(&self, off: u64, len: u64) -> Result<()> {
-        // SAFETY (of the address arithmetic): the caller passes a range inside the mapping.
+        // The caller passes a range inside the mapping.
         self.0
             .msync(self.0.base().wrapping_add(off as usize), len as usize)
     }

@@ -9,6 +9,8 @@
 //!   w OFFSET VALUE  -> "ok" after storing the u64 VALUE at OFFSET
 //!   sync            -> "ok" after rmsync of the whole mapping
 //!   clear           -> "ok" after rclearcache of the whole mapping
+//!   sum OFFSET LEN  -> the wrapping sum of the u64 words of [OFFSET, OFFSET + LEN)
+//!   clearrange OFFSET LEN -> "ok" after rclearcache of [OFFSET, OFFSET + LEN)
 //! ```
 //!
 //! The process starts by printing "ready". An access that cannot be served kills it with
@@ -47,6 +49,20 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(off)
         };
+        let range = |words: &[&str]| -> anyhow::Result<(usize, usize)> {
+            let off: usize = words.get(1).context("missing offset")?.parse()?;
+            let len: usize = words.get(2).context("missing length")?.parse()?;
+            if off.checked_add(len).is_none_or(|end| end > m.len())
+                || !off.is_multiple_of(4096)
+                || !len.is_multiple_of(8)
+            {
+                bail!(
+                    "{off}+{len} is not a page-aligned range inside {} bytes",
+                    m.len()
+                );
+            }
+            Ok((off, len))
+        };
         match words.first().copied() {
             Some("base") => writeln!(out, "{base:p}")?,
             Some("r") => {
@@ -68,6 +84,23 @@ fn main() -> anyhow::Result<()> {
             }
             Some("clear") => {
                 m.clearcache(base, m.len())?;
+                writeln!(out, "ok")?;
+            }
+            Some("sum") => {
+                let (off, len) = range(&words)?;
+                let mut sum = 0u64;
+                for o in (off..off + len).step_by(8) {
+                    // SAFETY: `o` is an aligned word inside the live mapping (range checked).
+                    sum = sum.wrapping_add(unsafe {
+                        std::ptr::read_volatile(base.add(o).cast::<u64>())
+                    });
+                }
+                writeln!(out, "{sum}")?;
+            }
+            Some("clearrange") => {
+                let (off, len) = range(&words)?;
+                // SAFETY: `off` is inside the mapping (range checked); only an address is formed.
+                m.clearcache(unsafe { base.add(off) }, len)?;
                 writeln!(out, "ok")?;
             }
             Some("quit") | None => break,
