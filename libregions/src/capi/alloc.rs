@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use super::{ffi_int, ffi_ptr, set_errno};
 use crate::error::{RegionsError, Result};
 use crate::mapping::{self, Mapping};
-use crate::rmalloc::shared::{DIR_BYTES, DIR_MAGIC, RegionMemory, SharedHeap, process_owner};
+use crate::rmalloc::shared::{DIR_MAGIC, RegionMemory, SharedHeap, process_owner};
 use crate::rmalloc::{Heap, HeapError};
 
 /// Growth granularity (the manager's chunk).
@@ -602,12 +602,14 @@ pub fn free_ptr(ptr: *const u8) -> Result<()> {
 
 /// Whether the region of `m` holds a shared heap (its directory's magic).
 fn has_heap(m: &Arc<Mapping>) -> Result<bool> {
-    if (m.len() as u64) < DIR_BYTES {
-        return Ok(false);
-    }
+    // Through the region: the mapping may be older than the heap.
     let mut w = [0u8; 8];
-    MappedRegion(Arc::clone(m)).read(0, &mut w)?;
-    Ok(u64::from_le_bytes(w) == DIR_MAGIC)
+    match MappedRegion(Arc::clone(m)).read(0, &mut w) {
+        Ok(()) => Ok(u64::from_le_bytes(w) == DIR_MAGIC),
+        // Shorter than a word: no heap.
+        Err(_) if m.region().size() < 8 => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 /// Takes back the blocks other processes freed into this process's arenas of the region

@@ -99,27 +99,12 @@ pub trait RegionMemory: Send + Sync {
 }
 
 /// This process's owner word: host and pid namespace (24 bits), start time (18 low bits)
-/// and pid (22 bits). Never 0.
+/// and pid (22 bits). Never 0. Read afresh on every call (heaps are opened rarely), so a
+/// forked child gets its own.
 pub fn process_owner() -> u64 {
-    static OWNER: AtomicU64 = AtomicU64::new(0);
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    extern "C" fn forked() {
-        OWNER.store(0, Ordering::Relaxed);
-    }
-    ONCE.call_once(|| {
-        // SAFETY: registers a plain function without preconditions.
-        unsafe { libc::pthread_atfork(None, None, Some(forked)) };
-    });
-    match OWNER.load(Ordering::Relaxed) {
-        0 => {
-            let pid = std::process::id();
-            let start = regions_proto::pid_watch::start_time(pid).unwrap_or(0);
-            let o = owner_word(host_key(), pid, start);
-            OWNER.store(o, Ordering::Relaxed);
-            o
-        }
-        o => o,
-    }
+    let pid = std::process::id();
+    let start = regions_proto::pid_watch::start_time(pid).unwrap_or(0);
+    owner_word(host_key(), pid, start)
 }
 
 fn host_key() -> u64 {
@@ -148,6 +133,8 @@ fn owner_gone(owner: u64) -> bool {
 struct Arena {
     off: u64,
     len: u64,
+    /// The owner word as last read.
+    owner: u64,
     /// Owned by this heap (this process).
     mine: bool,
     /// Failed validation: never used here again.
@@ -191,6 +178,9 @@ struct Known {
 pub struct SharedHeap {
     mem: Box<dyn RegionMemory>,
     owner: u64,
+    /// The process that opened the heap: a forked child, which inherits the heap, does not
+    /// hand back its parent's arenas.
+    pid: u32,
     known: Mutex<Known>,
     /// The arena to allocate in first; views are kept until the heap is dropped.
     current: AtomicPtr<Current>,
@@ -237,12 +227,13 @@ impl SharedHeap {
     pub fn open(mem: Box<dyn RegionMemory>, owner: u64, create: bool) -> Result<SharedHeap> {
         let ino = mem.ino();
         let no_heap = || RegionsError::Invalid(format!("region {ino} holds no rmalloc heap"));
-        let mut magic = if mem.mapped() as u64 >= DIR_BYTES {
-            let mut w = [0u8; 8];
-            mem.read(W_MAGIC, &mut w)?;
-            u64::from_le_bytes(w)
-        } else {
-            0
+        // Read through the region, not the mapping, which may be older than the heap.
+        let mut w = [0u8; 8];
+        let mut magic = match mem.read(W_MAGIC, &mut w) {
+            Ok(()) => u64::from_le_bytes(w),
+            // A region shorter than the directory holds no heap yet.
+            Err(_) if (mem.mapped() as u64) < DIR_BYTES => 0,
+            Err(e) => return Err(e),
         };
         if magic == 0 {
             if !create {
@@ -287,6 +278,7 @@ impl SharedHeap {
         let heap = SharedHeap {
             mem,
             owner,
+            pid: std::process::id(),
             known: Mutex::default(),
             current: AtomicPtr::new(std::ptr::null_mut()),
             views: Mutex::default(),
@@ -356,6 +348,7 @@ impl SharedHeap {
             k.arenas[i] = Some(Arena {
                 off,
                 len,
+                owner,
                 mine: owner == self.owner,
                 bad,
             });
@@ -576,11 +569,15 @@ impl SharedHeap {
             if a.mine || a.bad || (a.len as usize) < len {
                 continue;
             }
-            let owner = self.word(Self::entry(i, E_OWNER))?;
+            let owner = a.owner;
             if (owner == 0 || owner_gone(owner))
                 && self.mem.cas(Self::entry(i, E_OWNER), owner, self.owner)? == owner
             {
-                let adopted = Arena { mine: true, ..a };
+                let adopted = Arena {
+                    mine: true,
+                    owner: self.owner,
+                    ..a
+                };
                 k.arenas[i] = Some(adopted);
                 match self.arena_heap(&adopted) {
                     Ok(_) => {
@@ -646,6 +643,7 @@ impl SharedHeap {
         let a = Arena {
             off,
             len: end - off,
+            owner: self.owner,
             mine: true,
             bad: false,
         };
@@ -797,7 +795,11 @@ impl SharedHeap {
 
     /// Hands this process's arenas back: their thread caches go back to their heaps, their
     /// pages are written back, and the owner word is cleared, so another process adopts them.
+    /// Does nothing in a forked child: the arenas stay its parent's.
     pub fn release(&self) -> Result<()> {
+        if std::process::id() != self.pid {
+            return Ok(());
+        }
         let mut k = self.lock_known();
         let _ = self.drain(&mut k, true);
         self.current.store(std::ptr::null_mut(), Ordering::Release);
@@ -820,7 +822,11 @@ impl SharedHeap {
             if let Err(e) = self.mem.cas(Self::entry(i, E_OWNER), self.owner, 0) {
                 result = Err(e);
             }
-            k.arenas[i] = Some(Arena { mine: false, ..a });
+            k.arenas[i] = Some(Arena {
+                mine: false,
+                owner: 0,
+                ..a
+            });
         }
         result
     }
@@ -944,7 +950,9 @@ mod tests {
             Ok(self.word(off).fetch_add(add, Ordering::SeqCst))
         }
         fn read(&self, off: u64, buf: &mut [u8]) -> Result<()> {
-            assert!(off as usize + buf.len() <= self.mapped());
+            if off as usize + buf.len() > self.mapped() {
+                return Err(RegionsError::Invalid("read past the test region".into()));
+            }
             for (i, b) in buf.iter_mut().enumerate() {
                 // SAFETY: inside the test memory.
                 *b = unsafe { std::ptr::read_volatile(self.mem.ptr.add(off as usize + i)) };
@@ -1070,6 +1078,30 @@ mod tests {
         );
         b.free(q).unwrap();
         assert!(b.free(q).is_err());
+    }
+
+    #[test]
+    fn a_forked_child_does_not_hand_back_its_parents_arenas() {
+        let r = region(64 << 20);
+        let h = process(&r, 51);
+        h.alloc(64).unwrap();
+        // SAFETY: the child only calls release (no locks held by other threads of this
+        // test are needed: the heap's mutex is free) and leaves with _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let code = if h.release().is_ok() { 0 } else { 1 };
+            // SAFETY: ends the child without running the parent's exit handlers.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for our child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert_eq!(status, 0);
+        let arenas = h.arenas().unwrap();
+        assert!(arenas.iter().all(|a| a.2), "{arenas:?}");
+        h.release().unwrap();
+        assert!(h.arenas().unwrap().iter().all(|a| !a.2));
     }
 
     #[test]
