@@ -417,6 +417,11 @@ impl RegionMemory for MappedRegion {
             .msync(self.0.base().wrapping_add(off as usize), len as usize)
     }
 
+    fn invalidate(&self, off: u64, len: u64) -> Result<()> {
+        self.0
+            .clearcache(self.0.base().wrapping_add(off as usize), len as usize)
+    }
+
     fn ino(&self) -> u64 {
         self.0.ino()
     }
@@ -479,7 +484,7 @@ fn shared_heap(m: &Arc<Mapping>, create: bool) -> Result<Arc<SharedHeap>> {
     }
     let heap = Arc::new(SharedHeap::open(
         Box::new(MappedRegion(Arc::clone(m))),
-        process_owner(),
+        process_owner()?,
         create,
     )?);
     let mut all = lock_heaps();
@@ -556,6 +561,8 @@ fn alloc_fast_at(at: *const u8, len: usize) -> Option<Result<*mut u8>> {
             {
                 return None;
             }
+            // The fast arena's run ended (or missed): look for remote frees now and then.
+            e.heap.maybe_drain();
             let r = e.heap.alloc(len);
             if r.is_ok() {
                 remember_arena(&e.mapping, &e.heap, e.epoch);

@@ -60,6 +60,10 @@ const ENTRY: u64 = 32;
 const E_OFF: u64 = 0;
 const E_LEN: u64 = 8;
 const E_OWNER: u64 = 16;
+/// The owner's full host and pid-namespace id (written after the owner word).
+const E_HOST: u64 = 24;
+/// Most bytes the arenas of a region may claim (checked, so offsets never overflow).
+const MAX_CLAIMED: u64 = 1 << 50;
 /// Most arenas a region holds.
 pub const MAX_ARENAS: u64 = (RING - ENTRIES) / ENTRY;
 /// The remote-free ring: one region offset per slot, 0 when empty.
@@ -94,6 +98,9 @@ pub trait RegionMemory: Send + Sync {
     fn read(&self, off: u64, buf: &mut [u8]) -> Result<()>;
     /// Writes this process's cached pages of `[off, off + len)` back to the region.
     fn publish(&self, off: u64, len: u64) -> Result<()>;
+    /// Drops this process's cached pages of `[off, off + len)` (after writing back dirty
+    /// ones), so the next access reads the region.
+    fn invalidate(&self, off: u64, len: u64) -> Result<()>;
     /// The region's inode number, for messages.
     fn ino(&self) -> u64;
 }
@@ -101,10 +108,15 @@ pub trait RegionMemory: Send + Sync {
 /// This process's owner word: host and pid namespace (24 bits), start time (18 low bits)
 /// and pid (22 bits). Never 0. Read afresh on every call (heaps are opened rarely), so a
 /// forked child gets its own.
-pub fn process_owner() -> u64 {
+pub fn process_owner() -> Result<u64> {
     let pid = std::process::id();
-    let start = regions_proto::pid_watch::start_time(pid).unwrap_or(0);
-    owner_word(host_key(), pid, start)
+    let start = regions_proto::pid_watch::start_time(pid).ok_or_else(|| {
+        RegionsError::io(
+            format!("reading this process's start time from /proc/{pid}/stat for rmalloc"),
+            std::io::Error::last_os_error(),
+        )
+    })?;
+    Ok(owner_word(host_key(), pid, start))
 }
 
 fn host_key() -> u64 {
@@ -116,15 +128,22 @@ fn owner_word(host: u64, pid: u32, start: u64) -> u64 {
 }
 
 /// Whether the process an owner word names is known to be gone: it ran on this kernel and
-/// pid namespace, and its pid is free or now names a process that started at another time.
-fn owner_gone(owner: u64) -> bool {
-    if owner >> 40 != host_key() {
+/// pid namespace (`host`, the entry's full host word, is this one's), and its pid is free
+/// (`kill` says `ESRCH`) or now names a process that started at another time. Anything less
+/// certain (its `/proc` entry unreadable, say) counts as alive.
+fn owner_gone(owner: u64, host: u64) -> bool {
+    if owner >> 40 != host_key() || host != super::thread_cache::host_ns() {
         return false;
     }
     let pid = (owner & 0x3f_ffff) as u32;
+    // SAFETY: kill with signal 0 only checks that the process exists.
+    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    if r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+        return true;
+    }
     match regions_proto::pid_watch::live_start_time(pid) {
-        None => true,
         Some(start) => owner_word(host_key(), pid, start) != owner,
+        None => false,
     }
 }
 
@@ -133,8 +152,9 @@ fn owner_gone(owner: u64) -> bool {
 struct Arena {
     off: u64,
     len: u64,
-    /// The owner word as last read.
+    /// The owner word as last read, and the owner's host word.
     owner: u64,
+    host: u64,
     /// Owned by this heap (this process).
     mine: bool,
     /// Failed validation: never used here again.
@@ -170,8 +190,9 @@ struct Known {
     /// By entry index.
     arenas: Vec<Option<Arena>>,
     current: Option<usize>,
-    /// Remote frees posted when the ring was last drained.
-    drained_tail: u64,
+    /// The ring's tail at the last two drains: a drain is skipped only when neither saw a
+    /// post (a post counted in the tail may fill its slot just after a drain read the ring).
+    drained_tails: [u64; 2],
 }
 
 /// The shared heap of one mapped region (see the module docs).
@@ -311,12 +332,25 @@ impl SharedHeap {
         Ok(u64::from_le_bytes(w))
     }
 
+    /// The bump word: bytes claimed for arenas after the directory, checked.
+    fn bump(&self) -> Result<u64> {
+        let bump = self.word(W_BUMP)?;
+        if bump > MAX_CLAIMED || !bump.is_multiple_of(PAGE as u64) {
+            return Err(corrupt(
+                self.ino(),
+                format!("the claimed length is {bump:#x}"),
+            ));
+        }
+        Ok(bump)
+    }
+
     /// Reads the arena table again.
     fn refresh(&self, k: &mut Known) -> Result<()> {
         let count = self.word(W_COUNT)?.min(MAX_ARENAS);
         let mut table = vec![0u8; (count * ENTRY) as usize];
         self.mem.read(ENTRIES, &mut table)?;
-        let bump = self.word(W_BUMP)?;
+        let bump = self.bump()?;
+        let mut ranges = Vec::new();
         for i in 0..count as usize {
             let w = |j: usize| {
                 let at = i * ENTRY as usize + j * 8;
@@ -324,7 +358,7 @@ impl SharedHeap {
                 b.copy_from_slice(&table[at..at + 8]);
                 u64::from_le_bytes(b)
             };
-            let (off, len, owner) = (w(0), w(1), w(2));
+            let (off, len, owner, host) = (w(0), w(1), w(2), w(3));
             if k.arenas.len() <= i {
                 k.arenas.resize(i + 1, None);
             }
@@ -344,14 +378,25 @@ impl SharedHeap {
                     format!("arena {i} at offset {off:#x}, {len} bytes, past the claimed {bump}"),
                 ));
             }
+            ranges.push((off, len, i));
             let bad = k.arenas[i].is_some_and(|a| a.bad);
             k.arenas[i] = Some(Arena {
                 off,
                 len,
                 owner,
+                host,
                 mine: owner == self.owner,
                 bad,
             });
+        }
+        ranges.sort_unstable();
+        for w in ranges.windows(2) {
+            if w[0].0 + w[0].1 > w[1].0 {
+                return Err(corrupt(
+                    self.ino(),
+                    format!("arenas {} and {} overlap", w[0].2, w[1].2),
+                ));
+            }
         }
         Ok(())
     }
@@ -382,14 +427,19 @@ impl SharedHeap {
     fn set_current(&self, k: &mut Known, i: usize) {
         let Some(a) = k.arenas[i] else { return };
         k.current = Some(i);
-        let view = std::sync::Arc::new(Current {
-            base: self.mem.base() as usize + a.off as usize,
-            len: a.len as usize,
-        });
+        let (base, len) = (self.mem.base() as usize + a.off as usize, a.len as usize);
         let mut views = self.views.lock().unwrap_or_else(|p| p.into_inner());
-        let p = std::sync::Arc::as_ptr(&view) as *mut Current;
-        views.push(view);
-        self.current.store(p, Ordering::Release);
+        // One view per arena and length: switching back and forth reuses them.
+        let p = match views.iter().find(|v| v.base == base && v.len == len) {
+            Some(v) => std::sync::Arc::as_ptr(v),
+            None => {
+                let v = std::sync::Arc::new(Current { base, len });
+                let p = std::sync::Arc::as_ptr(&v);
+                views.push(v);
+                p
+            }
+        };
+        self.current.store(p as *mut Current, Ordering::Release);
     }
 
     /// The arena to allocate in first, if this process owns one yet.
@@ -449,7 +499,9 @@ impl SharedHeap {
     fn alloc_slow(&self, len: usize) -> Result<*mut u8> {
         let mut k = self.lock_known();
         let mut drained = false;
-        for _ in 0..16 {
+        // Rounds that grew or claimed space (adopting an arena is bounded by the table).
+        let mut rounds = 0;
+        while rounds < 16 {
             // Every arena this process owns, the current one first.
             let mut order: Vec<usize> = k
                 .arenas
@@ -490,9 +542,12 @@ impl SharedHeap {
                 }
             }
             if self.grow_current(&mut k, len)? {
+                rounds += 1;
                 continue;
             }
-            self.claim(&mut k, len)?;
+            if !self.claim(&mut k, len)? {
+                rounds += 1;
+            }
         }
         Err(RegionsError::NoMemory(format!(
             "rmalloc of {len} bytes in region {}: the region keeps filling up while it grows",
@@ -500,17 +555,20 @@ impl SharedHeap {
         )))
     }
 
-    /// Stops using arena `i` (it failed validation) and hands it back.
+    /// Stops using arena `i` (it failed validation). It stays this process's (handing a heap
+    /// that fails validation to another process helps nobody); it is never used again here.
     fn give_up(&self, k: &mut Known, i: usize) {
         if let Some(a) = k.arenas[i].as_mut() {
             a.bad = true;
-            a.mine = false;
         }
         if k.current == Some(i) {
             k.current = None;
             self.current.store(std::ptr::null_mut(), Ordering::Release);
         }
-        let _ = self.mem.cas(Self::entry(i, E_OWNER), self.owner, 0);
+        // Fast paths that remember the arena (rmalloc_at) stop using it.
+        if let Some(a) = k.arenas[i] {
+            super::unmapping(self.mem.base().wrapping_add(a.off as usize), a.len as usize);
+        }
     }
 
     /// Bytes a heap needs to serve a block of `len` bytes (the block, a page map, slack).
@@ -526,7 +584,7 @@ impl SharedHeap {
         let Some(a) = k.arenas[i] else {
             return Ok(false);
         };
-        let bump = self.word(W_BUMP)?;
+        let bump = self.bump()?;
         if a.off + a.len != DIR_BYTES + bump {
             return Ok(false);
         }
@@ -548,7 +606,13 @@ impl SharedHeap {
             )));
         }
         let new_len = target - a.off;
-        self.mem.cas(Self::entry(i, E_LEN), a.len, new_len)?;
+        let was = self.mem.cas(Self::entry(i, E_LEN), a.len, new_len)?;
+        if was != a.len {
+            return Err(corrupt(
+                self.ino(),
+                format!("the length of arena {i}, this process's, changed to {was}"),
+            ));
+        }
         let grown = Arena { len: new_len, ..a };
         k.arenas[i] = Some(grown);
         self.set_current(k, i);
@@ -561,8 +625,8 @@ impl SharedHeap {
     }
 
     /// Adopts an unowned arena (or one whose owner died on this kernel), or claims space for
-    /// a new one; it becomes current.
-    fn claim(&self, k: &mut Known, len: usize) -> Result<()> {
+    /// a new one; it becomes current. True when it adopted.
+    fn claim(&self, k: &mut Known, len: usize) -> Result<bool> {
         self.refresh(k)?;
         for i in 0..k.arenas.len() {
             let Some(a) = k.arenas[i] else { continue };
@@ -570,15 +634,24 @@ impl SharedHeap {
                 continue;
             }
             let owner = a.owner;
-            if (owner == 0 || owner_gone(owner))
+            if (owner == 0 || owner_gone(owner, a.host))
                 && self.mem.cas(Self::entry(i, E_OWNER), owner, self.owner)? == owner
             {
+                self.mem.cas(
+                    Self::entry(i, E_HOST),
+                    a.host,
+                    super::thread_cache::host_ns(),
+                )?;
                 let adopted = Arena {
                     mine: true,
                     owner: self.owner,
                     ..a
                 };
                 k.arenas[i] = Some(adopted);
+                // What this process cached of the arena while another owned it is stale.
+                if (self.mem.mapped() as u64) >= a.off + a.len {
+                    self.mem.invalidate(a.off, a.len)?;
+                }
                 match self.arena_heap(&adopted) {
                     Ok(_) => {
                         tracing::debug!(
@@ -590,7 +663,7 @@ impl SharedHeap {
                         );
                         self.set_current(k, i);
                         self.drain(k, true)?;
-                        return Ok(());
+                        return Ok(true);
                     }
                     Err(e) => {
                         tracing::warn!(arena = i, error = %e, "rmalloc: an arena of region {} is unusable; leaving it", self.ino());
@@ -599,32 +672,8 @@ impl SharedHeap {
                 }
             }
         }
-        // A new arena: double what this process owns, at least what the block needs.
-        let owned: u64 = k
-            .arenas
-            .iter()
-            .flatten()
-            .filter(|a| a.mine)
-            .map(|a| a.len)
-            .sum();
-        let size = Self::need(len).max(owned.min(MAX_STEP));
-        let mut bump = self.word(W_BUMP)?;
-        let (off, end) = loop {
-            let off = DIR_BYTES + bump;
-            // The region ends on a chunk boundary; a first arena fills the first megabyte.
-            let end = round_up(off + size, GROW_UNIT).max(FIRST_REGION);
-            match self.mem.cas(W_BUMP, bump, end - DIR_BYTES)? {
-                b if b == bump => break (off, end),
-                b => bump = b,
-            }
-        };
-        if let Err(e) = self.mem.ensure_len(end) {
-            let _ = self.mem.cas(W_BUMP, end - DIR_BYTES, bump);
-            return Err(RegionsError::NoMemory(format!(
-                "region {} is full and cannot grow to {end} bytes: {e}",
-                self.ino()
-            )));
-        }
+        // A new arena: its entry first (so a full table claims no space), then the space,
+        // doubling what this process owns and at least what the block needs.
         let i = self.mem.fetch_add(W_COUNT, 1)?;
         if i >= MAX_ARENAS {
             return Err(RegionsError::NoMemory(format!(
@@ -634,9 +683,57 @@ impl SharedHeap {
             )));
         }
         let i = i as usize;
-        self.mem.cas(Self::entry(i, E_OWNER), 0, self.owner)?;
-        self.mem.cas(Self::entry(i, E_LEN), 0, end - off)?;
-        self.mem.cas(Self::entry(i, E_OFF), 0, off)?;
+        let entry_err = |what: &str, was: u64| {
+            corrupt(
+                self.ino(),
+                format!("the {what} of new arena {i} was {was:#x}, not 0"),
+            )
+        };
+        match self.mem.cas(Self::entry(i, E_OWNER), 0, self.owner)? {
+            0 => {}
+            was => return Err(entry_err("owner", was)),
+        }
+        self.mem
+            .cas(Self::entry(i, E_HOST), 0, super::thread_cache::host_ns())?;
+        let owned: u64 = k
+            .arenas
+            .iter()
+            .flatten()
+            .filter(|a| a.mine)
+            .map(|a| a.len)
+            .sum();
+        let size = Self::need(len).max(owned.min(MAX_STEP));
+        let mut bump = self.bump()?;
+        let (off, end) = loop {
+            let off = DIR_BYTES + bump;
+            // The region ends on a chunk boundary; a first arena fills the first megabyte.
+            let end = round_up(off + size, GROW_UNIT).max(FIRST_REGION);
+            if end - DIR_BYTES > MAX_CLAIMED {
+                return Err(RegionsError::NoMemory(format!(
+                    "region {}: its arenas would pass {MAX_CLAIMED} bytes",
+                    self.ino()
+                )));
+            }
+            match self.mem.cas(W_BUMP, bump, end - DIR_BYTES)? {
+                b if b == bump => break (off, end),
+                _ => bump = self.bump()?,
+            }
+        };
+        if let Err(e) = self.mem.ensure_len(end) {
+            let _ = self.mem.cas(W_BUMP, end - DIR_BYTES, bump);
+            return Err(RegionsError::NoMemory(format!(
+                "region {} is full and cannot grow to {end} bytes: {e}",
+                self.ino()
+            )));
+        }
+        match self.mem.cas(Self::entry(i, E_LEN), 0, end - off)? {
+            0 => {}
+            was => return Err(entry_err("length", was)),
+        }
+        match self.mem.cas(Self::entry(i, E_OFF), 0, off)? {
+            0 => {}
+            was => return Err(entry_err("offset", was)),
+        }
         if k.arenas.len() <= i {
             k.arenas.resize(i + 1, None);
         }
@@ -644,13 +741,14 @@ impl SharedHeap {
             off,
             len: end - off,
             owner: self.owner,
+            host: super::thread_cache::host_ns(),
             mine: true,
             bad: false,
         };
         k.arenas[i] = Some(a);
         self.arena_heap(&a)?;
         self.set_current(k, i);
-        Ok(())
+        Ok(false)
     }
 
     /// Frees the block at `ptr`: in place when this process owns its arena, else posted to the
@@ -743,10 +841,10 @@ impl SharedHeap {
     fn drain(&self, k: &mut Known, force: bool) -> Result<usize> {
         self.last_drain.store(now_ns(), Ordering::Relaxed);
         let tail = self.word(W_RING_TAIL)?;
-        if !force && tail == k.drained_tail {
+        if !force && tail == k.drained_tails[0] && tail == k.drained_tails[1] {
             return Ok(0);
         }
-        k.drained_tail = tail;
+        k.drained_tails = [k.drained_tails[1], tail];
         if !k.arenas.iter().flatten().any(|a| a.mine) {
             return Ok(0);
         }
@@ -810,17 +908,27 @@ impl SharedHeap {
                 continue;
             };
             if (self.mem.mapped() as u64) >= a.off + a.len {
-                // SAFETY: the arena lies inside the mapping.
-                super::unmapping(
-                    unsafe { self.mem.base().add(a.off as usize) },
-                    a.len as usize,
-                );
+                let base = self.mem.base().wrapping_add(a.off as usize);
+                // Thread caches go back, and fast paths stop using the arena ...
+                super::unmapping(base, a.len as usize);
+                // ... and an operation under the heap lock now finishes before the pages are
+                // written back (threads of this process still allocating at exit, say).
+                if !a.bad {
+                    // SAFETY: the arena lies inside the mapping and holds a heap.
+                    let heap = unsafe { Heap::view(base, a.len as usize) };
+                    if let Ok(g) = heap.lock() {
+                        drop(g);
+                    }
+                }
                 if let Err(e) = self.mem.publish(a.off, a.len) {
+                    // Not written back: another process must not continue from older pages.
                     result = Err(e);
+                    continue;
                 }
             }
             if let Err(e) = self.mem.cas(Self::entry(i, E_OWNER), self.owner, 0) {
                 result = Err(e);
+                continue;
             }
             k.arenas[i] = Some(Arena {
                 mine: false,
@@ -835,9 +943,9 @@ impl SharedHeap {
     pub fn root(&self) -> Result<Option<u64>> {
         match self.word(W_ROOT)?.checked_sub(1) {
             None => Ok(None),
-            Some(off) if off < DIR_BYTES => Err(corrupt(
+            Some(off) if off < DIR_BYTES || off >= DIR_BYTES + self.bump()? => Err(corrupt(
                 self.ino(),
-                format!("the root slot holds offset {off:#x}, inside the directory"),
+                format!("the root slot holds offset {off:#x}, outside every arena"),
             )),
             Some(off) => Ok(Some(off)),
         }
@@ -907,6 +1015,8 @@ mod tests {
     struct TestRegion {
         mem: Arc<Mem>,
         len: Arc<AtomicUsize>,
+        /// Ranges the heap dropped from its (here nonexistent) cache.
+        invalidated: Arc<Mutex<Vec<(u64, u64)>>>,
     }
 
     impl TestRegion {
@@ -953,13 +1063,23 @@ mod tests {
             if off as usize + buf.len() > self.mapped() {
                 return Err(RegionsError::Invalid("read past the test region".into()));
             }
-            for (i, b) in buf.iter_mut().enumerate() {
-                // SAFETY: inside the test memory.
-                *b = unsafe { std::ptr::read_volatile(self.mem.ptr.add(off as usize + i)) };
+            // Word by word, atomically, as the transport reads words another host changes.
+            assert!(off.is_multiple_of(8) && buf.len().is_multiple_of(8));
+            for (i, b) in buf.chunks_exact_mut(8).enumerate() {
+                b.copy_from_slice(
+                    &self
+                        .word(off + i as u64 * 8)
+                        .load(Ordering::SeqCst)
+                        .to_le_bytes(),
+                );
             }
             Ok(())
         }
         fn publish(&self, _off: u64, _len: u64) -> Result<()> {
+            Ok(())
+        }
+        fn invalidate(&self, off: u64, len: u64) -> Result<()> {
+            self.invalidated.lock().unwrap().push((off, len));
             Ok(())
         }
         fn ino(&self) -> u64 {
@@ -972,9 +1092,18 @@ mod tests {
     }
 
     fn process(r: &(Arc<Mem>, Arc<AtomicUsize>), owner: u64) -> SharedHeap {
+        process_noting(r, owner, Arc::default())
+    }
+
+    fn process_noting(
+        r: &(Arc<Mem>, Arc<AtomicUsize>),
+        owner: u64,
+        invalidated: Arc<Mutex<Vec<(u64, u64)>>>,
+    ) -> SharedHeap {
         let mem = TestRegion {
             mem: Arc::clone(&r.0),
             len: Arc::clone(&r.1),
+            invalidated,
         };
         SharedHeap::open(Box::new(mem), owner, true).unwrap()
     }
@@ -1063,13 +1192,17 @@ mod tests {
             .unwrap();
         a.release().unwrap();
         drop(a);
-        let b = process(&r, 32);
+        let dropped = Arc::new(Mutex::new(Vec::new()));
+        let b = process_noting(&r, 32, Arc::clone(&dropped));
         // b frees p before it owns anything: posted to the ring.
         b.free(p).unwrap();
         assert_eq!(b.pending_remote_frees().unwrap().len(), 1);
         // b's first allocation adopts a's arena and takes p back; q stays live.
         let n = b.alloc(64).unwrap();
-        assert_eq!(b.arenas().unwrap().len(), 1);
+        let arenas = b.arenas().unwrap();
+        assert_eq!(arenas.len(), 1);
+        // What b may have cached of the arena before it adopted it was dropped first.
+        assert_eq!(*dropped.lock().unwrap(), vec![(arenas[0].0, arenas[0].1)]);
         assert_eq!(b.pending_remote_frees().unwrap().len(), 0);
         assert_eq!(n, p, "the block freed remotely is reused");
         assert_eq!(
@@ -1107,16 +1240,19 @@ mod tests {
     #[test]
     fn an_arena_of_a_dead_process_of_this_kernel_is_taken_over() {
         let r = region(64 << 20);
-        // A pid that does not exist (above pid_max) on this host.
-        let dead = owner_word(host_key(), 0x3f_fff0, 1);
-        assert!(owner_gone(dead));
-        assert!(!owner_gone(process_owner()));
+        let me = process_owner().unwrap();
+        let host = super::super::thread_cache::host_ns();
+        // This process's pid with another start time: a process that used the pid before.
+        let dead = me ^ (1 << 22);
+        assert!(owner_gone(dead, host));
+        assert!(!owner_gone(me, host));
         // Another kernel's process is never thought gone.
-        assert!(!owner_gone(owner_word(host_key() ^ 1, 0x3f_fff0, 1)));
+        assert!(!owner_gone(dead, host ^ 1));
+        assert!(!owner_gone(dead ^ (1 << 40), host));
         let a = process(&r, dead);
         a.alloc(64).unwrap();
         drop(a);
-        let b = process(&r, process_owner());
+        let b = process(&r, me);
         b.alloc(64).unwrap();
         assert_eq!(
             b.arenas().unwrap().len(),
@@ -1153,8 +1289,8 @@ mod tests {
                             // SAFETY: a live block of ours.
                             let s = unsafe { std::slice::from_raw_parts(p as *const u8, len) };
                             assert!(s.iter().all(|&b| b == tag), "a block was overwritten");
-                            // Every tenth free goes through the next process's heap.
-                            if i % 10 == 0 {
+                            // Every twentieth free goes through the next process's heap.
+                            if i % 20 == 0 {
                                 other.free(p as *const u8).unwrap();
                             } else {
                                 h.free(p as *const u8).unwrap();
