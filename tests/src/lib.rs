@@ -196,16 +196,33 @@ pub fn set_xattr(path: &Path, name: &str, value: &[u8]) -> std::io::Result<()> {
     }
 }
 
+/// Starts `cmd`, trying again for up to 2 s while the kernel says `ETXTBSY`: an executable
+/// a test has just written (as [`attack_binary`] does) stays "busy" while a child that another
+/// test thread forked meanwhile still holds the writing descriptor, until that child execs.
+pub fn spawn_retrying(cmd: &mut Command) -> std::io::Result<Child> {
+    let until = std::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        match cmd.spawn() {
+            Err(e)
+                if e.raw_os_error() == Some(libc::ETXTBSY) && std::time::Instant::now() < until =>
+            {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            r => return r,
+        }
+    }
+}
+
 /// Runs `cmd` to completion with its output captured, killing it if it has not exited after
 /// `timeout` (so a hung child fails the test instead of hanging it).
 pub fn output_within(cmd: &mut Command, timeout: Duration) -> anyhow::Result<std::process::Output> {
     use std::io::Read;
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("cannot start {cmd:?}"))?;
+    let mut child = spawn_retrying(
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    )
+    .with_context(|| format!("cannot start {cmd:?}"))?;
     let Some(status) = wait_timeout(&mut child, timeout)? else {
         let _ = child.kill();
         let _ = child.wait();

@@ -96,7 +96,7 @@ impl Setup {
             .env("RUST_LOG", "off")
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped());
-        let mut child = cmd.spawn().expect("start the attack");
+        let mut child = regions_tests::spawn_retrying(&mut cmd).expect("start the attack");
         let stdout = child.stdout.take().expect("piped stdout");
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
