@@ -33,8 +33,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use super::{ffi_int, ffi_ptr, set_errno};
 use crate::error::{RegionsError, Result};
 use crate::mapping::{self, Mapping};
+use crate::rmalloc::Heap;
 use crate::rmalloc::shared::{DIR_MAGIC, RegionMemory, SharedHeap, process_owner};
-use crate::rmalloc::{Heap, HeapError};
 
 /// Growth granularity (the manager's chunk).
 const GROW_UNIT: u64 = regions_proto::layout::CHUNK_SIZE;
@@ -174,7 +174,8 @@ fn alloc_arena(at: *const u8, len: usize) -> Option<Result<*mut u8>> {
     }
 }
 
-/// `rfree` into the thread's [`FastArena`]: None to take the path through the heap.
+/// `rfree` into the thread's [`FastArena`]: None to take the path through the heap (also
+/// when the free fails, which changes nothing: that path says why, naming the region).
 #[inline]
 fn free_arena(ptr: *const u8) -> Option<Result<()>> {
     let f = ARENA.try_with(Cell::get).ok()?;
@@ -184,12 +185,7 @@ fn free_arena(ptr: *const u8) -> Option<Result<()>> {
     }
     // SAFETY: as in alloc_arena.
     let heap = unsafe { Heap::view(f.arena_base as *mut u8, f.arena_len) };
-    match heap.free(off as u64) {
-        Ok(()) => Some(Ok(())),
-        // The arena grew past this view (another thread grew it): the path through the heap.
-        Err(HeapError::NeedsMapping { .. }) => None,
-        Err(e) => Some(Err(RegionsError::from(e))),
-    }
+    heap.free(off as u64).ok().map(Ok)
 }
 
 /// Cleared when `kcmp` fails (not built into the kernel, or refused by a
@@ -488,13 +484,14 @@ fn shared_heap(m: &Arc<Mapping>, create: bool) -> Result<Arc<SharedHeap>> {
         create,
     )?);
     let mut all = lock_heaps();
-    let entry = all
-        .entry(base)
-        .or_insert_with(|| (Arc::clone(m), Arc::clone(&heap)));
-    if !Arc::ptr_eq(&entry.0, m) {
-        *entry = (Arc::clone(m), Arc::clone(&heap));
+    // Another thread may have opened it meanwhile: keep the first.
+    match all.get(&base) {
+        Some((cur, h)) if Arc::ptr_eq(cur, m) => Ok(Arc::clone(h)),
+        _ => {
+            all.insert(base, (Arc::clone(m), Arc::clone(&heap)));
+            Ok(heap)
+        }
     }
-    Ok(Arc::clone(&entry.1))
 }
 
 /// Allocates `len` bytes in the region of `fd` (see regions.h).
@@ -617,18 +614,6 @@ fn has_heap(m: &Arc<Mapping>) -> Result<bool> {
         Err(_) if m.region().size() < 8 => Ok(false),
         Err(e) => Err(e),
     }
-}
-
-/// Takes back the blocks other processes freed into this process's arenas of the region
-/// mapped at `at` (rmalloc does so by itself every few milliseconds while it allocates).
-pub fn drain_remote_frees(at: *const u8) -> Result<usize> {
-    let m = mapping::lookup(at).ok_or_else(|| {
-        errno_err(
-            libc::EINVAL,
-            format!("{at:p} is not inside a mapped region"),
-        )
-    })?;
-    shared_heap(&m, false)?.drain_remote_frees()
 }
 
 /// The shared heap of the mapped region that contains `at`, for inspection (tests, tools).

@@ -479,16 +479,6 @@ impl Heap {
         Heap { base, mapped }
     }
 
-    /// Whether the memory at `base` starts with an rmalloc heap header.
-    ///
-    /// # Safety
-    ///
-    /// `base` must point to at least 8 readable bytes.
-    pub unsafe fn is_heap(base: *const u8) -> bool {
-        // SAFETY: per the contract.
-        unsafe { (*(base as *const AtomicU64)).load(Ordering::Acquire) == MAGIC }
-    }
-
     /// The start of the memory.
     pub fn base(&self) -> *mut u8 {
         self.base

@@ -317,11 +317,6 @@ impl SharedHeap {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// This process's owner word in the directory.
-    pub fn owner(&self) -> u64 {
-        self.owner
-    }
-
     fn ino(&self) -> u64 {
         self.mem.ino()
     }
