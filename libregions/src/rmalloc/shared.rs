@@ -1209,6 +1209,62 @@ mod tests {
     }
 
     #[test]
+    fn a_corrupt_directory_is_refused_not_followed() {
+        let r = region(64 << 20);
+        let a = process(&r, 61);
+        let p = a.alloc(64).unwrap();
+        a.set_root(Some((p as usize - r.0.ptr as usize) as u64))
+            .unwrap();
+        let mem = TestRegion {
+            mem: Arc::clone(&r.0),
+            len: Arc::clone(&r.1),
+            invalidated: Arc::default(),
+        };
+        let word = |off: u64| mem.word(off);
+        // Another process opening the heap is refused (EINVAL naming the directory), and so
+        // is the owner's next look at the table.
+        let expect_einval = |what: &str| {
+            let other = TestRegion {
+                mem: Arc::clone(&r.0),
+                len: Arc::clone(&r.1),
+                invalidated: Arc::default(),
+            };
+            let e = SharedHeap::open(Box::new(other), 62, true)
+                .err()
+                .unwrap_or_else(|| panic!("{what}: a corrupt directory was opened"));
+            assert_eq!(e.errno(), libc::EINVAL, "{what}: {e}");
+            assert!(
+                e.to_string().contains("directory is corrupt"),
+                "{what}: {e}"
+            );
+            let e = a.arenas().unwrap_err();
+            assert_eq!(e.errno(), libc::EINVAL, "{what}: {e}");
+        };
+        // A claimed length past any region.
+        let bump = word(W_BUMP).load(Ordering::SeqCst);
+        word(W_BUMP).store(u64::MAX - 4095, Ordering::SeqCst);
+        expect_einval("bump");
+        word(W_BUMP).store(bump, Ordering::SeqCst);
+        // A second entry over the first arena.
+        let e1 = |w: u64| word(SharedHeap::entry(1, w));
+        word(W_COUNT).store(2, Ordering::SeqCst);
+        e1(E_OFF).store(DIR_BYTES + PAGE as u64, Ordering::SeqCst);
+        e1(E_LEN).store(PAGE as u64, Ordering::SeqCst);
+        expect_einval("overlap");
+        e1(E_OFF).store(0, Ordering::SeqCst);
+        e1(E_LEN).store(0, Ordering::SeqCst);
+        // A root outside every arena.
+        word(W_ROOT).store(DIR_BYTES + bump + 1, Ordering::SeqCst);
+        assert_eq!(a.root().unwrap_err().errno(), libc::EINVAL);
+        word(W_ROOT).store(16, Ordering::SeqCst);
+        assert_eq!(a.root().unwrap_err().errno(), libc::EINVAL);
+        // Repaired, the heap works again.
+        word(W_ROOT).store(0, Ordering::SeqCst);
+        a.free(p).unwrap();
+        assert!(a.arenas().is_ok());
+    }
+
+    #[test]
     fn a_forked_child_does_not_hand_back_its_parents_arenas() {
         let r = region(64 << 20);
         let h = process(&r, 51);
