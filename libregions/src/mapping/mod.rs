@@ -43,7 +43,7 @@ pub const DEFAULT_PREFETCH_PAGES: usize = 16;
 /// Smallest address range reserved for a mapping (room to grow in place).
 const MIN_RESERVATION: usize = 256 << 20;
 /// Background read-ahead of sequential access, in prefetch windows ...
-const READ_AHEAD: usize = 128;
+const READ_AHEAD: usize = 256;
 /// ... fetched in jobs of this many windows.
 const READ_AHEAD_PIECE: usize = 16;
 /// Pages per chunk.
