@@ -131,6 +131,7 @@
 //! `thread_cache` the thread caches; this module has the layout, the page
 //! allocator (free runs), the slabs and the public operations.
 
+mod cache_mirror;
 mod lock;
 pub mod shared;
 mod size_class;
@@ -156,8 +157,9 @@ const PAGE_SHIFT: u32 = 12;
 pub const MAGIC: u64 = u64::from_le_bytes(*b"RGNALLOC");
 /// Stored in `magic` while one process initialises the heap.
 const MAGIC_INIT: u64 = u64::from_le_bytes(*b"RGNINIT.");
-/// Layout version.
-pub const VERSION: u32 = 2;
+/// Layout version (3: the header counts slab releases, which every process sharing a heap
+/// must do).
+pub const VERSION: u32 = 3;
 /// Smallest memory a heap can be created in.
 pub const MIN_HEAP: usize = 16 * PAGE;
 /// Largest block served from slabs.
@@ -198,7 +200,9 @@ struct Header {
     version: u32,
     page_size: u32,
     lock: AtomicU32,
-    _pad0: u32,
+    /// Slabs released so far (wrapping), bumped under the lock: a thread's memo of a
+    /// slab's geometry holds while it is unchanged (`cache_mirror`).
+    slab_releases: AtomicU32,
     /// pid namespace (inode of /proc/self/ns/pid) of the lock holder.
     lock_ns: AtomicU64,
     /// Checksum of the layout fields below.
@@ -1246,6 +1250,7 @@ impl Heap {
                 if !only {
                     self.partial_remove(class, slab)?;
                     (*s).magic.store(0, Ordering::Relaxed);
+                    (*h).slab_releases.fetch_add(1, Ordering::Release);
                     let pages = (*s).pages as u64;
                     let p = slab >> PAGE_SHIFT;
                     for k in 0..pages {

@@ -12,6 +12,7 @@ use std::ptr;
 use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, Once, OnceLock};
 
+use super::cache_mirror;
 use super::lock::{current_tid, forget_current_tid, pid_namespace, thread_alive};
 use super::size_class::{CLASS_SIZES, GEOMETRY, NCLASSES, block_index};
 use super::{
@@ -253,6 +254,7 @@ extern "C" fn after_fork_child() {
     // belong to the parent's threads.
     forget_current_tid();
     let _ = FAST.try_with(|f| f.set(NO_FAST));
+    cache_mirror::forget();
     let _ = CACHES.try_with(|c| {
         if let Ok(mut c) = c.try_borrow_mut() {
             c.0.clear();
@@ -304,6 +306,50 @@ impl Heap {
     /// thread has no cache here (the caller takes the locked path).
     #[inline(always)]
     pub(super) fn alloc_from_cache(&self, class: usize) -> Option<HResult<u64>> {
+        let epoch = GEN.load(Ordering::Relaxed);
+        // The block the mirror says is on top, where it found its state byte, when the
+        // record still says so (see `cache_mirror`).
+        if let Some(off) = cache_mirror::with_record(self.base as usize, epoch, |m, rec| {
+            let rec = rec as *mut CacheRec;
+            let mut off = 0u64;
+            // SAFETY: rec is this thread's record in this heap (the mirror follows it), mapped
+            // in this epoch; only this thread changes it.
+            let n = unsafe { (*rec).count[class].load(Ordering::Relaxed) } as usize;
+            m.pop(class, n, |e| {
+                // SAFETY: as above; n is the mirror's count of the class, at most CACHE_CAP.
+                unsafe {
+                    if (*rec).slots[class][n - 1] != e.slot {
+                        return false;
+                    }
+                    let o = (e.slot as u64) << 4;
+                    if o as usize + CLASS_SIZES[class] as usize > self.mapped {
+                        return false;
+                    }
+                    // SAFETY: the state byte of this block, found inside the heap's mapping
+                    // when the block was checked, in this unmap epoch (still mapped).
+                    let state = &*((self.base as usize + o as usize)
+                        .wrapping_add_signed(e.state as isize)
+                        as *const AtomicU8);
+                    // Cached: CACHED, or 0 in heaps of older versions.
+                    if state.load(Ordering::Relaxed) & !CACHED != 0 {
+                        return false;
+                    }
+                    state.store(LIVE, Ordering::Relaxed);
+                    (*rec).count[class].store(n as u8 - 1, Ordering::Relaxed);
+                    off = o;
+                }
+                true
+            })
+            .then_some(off)
+        }) {
+            return Some(Ok(off));
+        }
+        self.alloc_from_cache_checked(class)
+    }
+
+    /// [`Heap::alloc_from_cache`] through the thread's list of caches, checking the block.
+    #[inline(never)]
+    fn alloc_from_cache_checked(&self, class: usize) -> Option<HResult<u64>> {
         let rec = self.thread_cache(true)?;
         // SAFETY: rec is this thread's record, inside the heap; only
         // this thread changes it.
@@ -318,11 +364,54 @@ impl Heap {
                 {
                     state.store(LIVE, Ordering::Relaxed);
                     (*rec).count[class].store(n as u8 - 1, Ordering::Relaxed);
+                    self.mirror_fill(rec, class);
                     return Some(Ok(off));
                 }
             }
         }
         Some(self.alloc_cache_miss(rec, class))
+    }
+
+    /// Fills this thread's mirror of `class` from its record `rec`, checking every slot;
+    /// empties it when a slot is not a cached block of the class (the checked path then
+    /// says why).
+    #[cold]
+    fn mirror_fill(&self, rec: *mut CacheRec, class: usize) {
+        let epoch = GEN.load(Ordering::Acquire);
+        let mut entries = [cache_mirror::Entry { slot: 0, state: 0 }; CACHE_CAP];
+        // SAFETY: rec is this thread's record; only this thread changes it.
+        let n = unsafe { (*rec).count[class].load(Ordering::Relaxed) } as usize;
+        let mut good = n <= CACHE_CAPS[class] as usize;
+        if good {
+            for (i, e) in entries[..n].iter_mut().enumerate() {
+                // SAFETY: as above; i < n <= CACHE_CAPS[class] <= CACHE_CAP.
+                let slot = unsafe { (*rec).slots[class][i] };
+                let off = (slot as u64) << 4;
+                let delta = self.cached_block_bit(off, class).and_then(|state| {
+                    (state.load(Ordering::Relaxed) & !CACHED == 0)
+                        .then(|| {
+                            (state as *const AtomicU8 as isize)
+                                .wrapping_sub((self.base as usize + off as usize) as isize)
+                        })
+                        .and_then(|d| i32::try_from(d).ok())
+                });
+                match delta {
+                    Some(state) => *e = cache_mirror::Entry { slot, state },
+                    None => {
+                        good = false;
+                        break;
+                    }
+                }
+            }
+        }
+        let k = if good { n } else { 0 };
+        cache_mirror::fill(
+            self.base as usize,
+            rec as usize,
+            epoch,
+            class,
+            &entries[..k],
+        );
     }
 
     /// The cache of `class` is empty (refill it), or its count or top slot
@@ -398,6 +487,7 @@ impl Heap {
             }
             (*rec).count[class].store(n as u8 - 1, Ordering::Relaxed);
         }
+        self.mirror_fill(rec, class);
         Ok(got[0])
     }
 
@@ -413,8 +503,60 @@ impl Heap {
             // A cache slot holds offsets below 64 GiB only.
             return None;
         }
+        let epoch = GEN.load(Ordering::Relaxed);
+        // SAFETY: the header is mapped.
+        let releases = unsafe { (*self.header()).slab_releases.load(Ordering::Acquire) };
+        // A block of the slab the thread last checked a freed block in, while no slab was
+        // released (see `cache_mirror`).
+        let fast = cache_mirror::with_record(self.base as usize, epoch, |m, rec| {
+            let memo = m.memo(releases, off)?;
+            if memo.end as usize > self.mapped {
+                return None;
+            }
+            // off - first < span: i is below the slab's block count.
+            let i = block_index(off - memo.first, memo.class)?;
+            let class = memo.class;
+            let rec = rec as *mut CacheRec;
+            let state_off = memo.states + i as u64;
+            // SAFETY: rec is this thread's record in this heap (the mirror follows it), mapped
+            // in this epoch, changed only by this thread; the state byte of block i of a slab
+            // checked (inside this mapping, in this epoch) when the memo was taken, and not
+            // released since.
+            unsafe {
+                let state = &*(self.base.add(state_off as usize) as *const AtomicU8);
+                let n = (*rec).count[class].load(Ordering::Relaxed) as usize;
+                if n >= CACHE_CAPS[class] as usize || state.load(Ordering::Relaxed) != LIVE {
+                    // Full, or not allocated: the checked path flushes, or says why.
+                    return None;
+                }
+                state.store(CACHED, Ordering::Relaxed);
+                (*rec).slots[class][n] = (off >> 4) as u32;
+                (*rec).count[class].store(n as u8 + 1, Ordering::Relaxed);
+                if let Ok(delta) = i32::try_from(state_off as i64 - off as i64) {
+                    m.push(
+                        class,
+                        n,
+                        cache_mirror::Entry {
+                            slot: (off >> 4) as u32,
+                            state: delta,
+                        },
+                    );
+                }
+            }
+            Some(())
+        });
+        if fast.is_some() {
+            return Some(Ok(()));
+        }
+        self.free_to_cache_checked(off, epoch, releases)
+    }
+
+    /// [`Heap::free_to_cache`] through the thread's list of caches, checking the block in
+    /// full (and remembering its slab).
+    #[inline(never)]
+    fn free_to_cache_checked(&self, off: u64, epoch: u64, releases: u32) -> Option<HResult<()>> {
         let rec = self.thread_cache(true)?;
-        let (state, class) = self.small_block_bit(off)?;
+        let (state, class) = self.check_freed_block(rec, off, epoch, releases)?;
         // SAFETY: rec is this thread's record; only this thread changes
         // it.
         unsafe {
@@ -424,6 +566,22 @@ impl Heap {
                     state.store(CACHED, Ordering::Relaxed);
                     (*rec).slots[class][n] = (off >> 4) as u32;
                     (*rec).count[class].store(n as u8 + 1, Ordering::Relaxed);
+                    // Within the slab, which is at most a few pages.
+                    let delta = (state as *const AtomicU8 as isize)
+                        .wrapping_sub((self.base as usize + off as usize) as isize);
+                    if let Ok(delta) = i32::try_from(delta) {
+                        cache_mirror::push(
+                            self.base as usize,
+                            rec as usize,
+                            epoch,
+                            class,
+                            n,
+                            cache_mirror::Entry {
+                                slot: (off >> 4) as u32,
+                                state: delta,
+                            },
+                        );
+                    }
                     return Some(Ok(()));
                 }
                 // Not allocated: the locked path says why.
@@ -459,6 +617,7 @@ impl Heap {
             (*rec).slots[class][n] = (off >> 4) as u32;
             (*rec).count[class].store(n as u8 + 1, Ordering::Relaxed);
         }
+        self.mirror_fill(rec, class);
         Ok(())
     }
 
@@ -545,6 +704,14 @@ impl Heap {
     /// slab block inside this view (the locked path then decides).
     #[inline(always)]
     pub(super) fn small_block_bit(&self, off: u64) -> Option<(&AtomicU8, usize)> {
+        let (slab, class, i) = self.small_block_at(off)?;
+        Some((self.block_state(slab, class, i), class))
+    }
+
+    /// The slab, class and index of the small block at `off`, validated as
+    /// [`Heap::small_block_bit`] says.
+    #[inline(always)]
+    fn small_block_at(&self, off: u64) -> Option<(u64, usize, usize)> {
         if off & (ALIGN as u64 - 1) != 0 || off as usize >= self.mapped {
             return None;
         }
@@ -598,6 +765,34 @@ impl Heap {
         if i >= GEOMETRY[class].1 {
             return None;
         }
+        Some((slab, class, i))
+    }
+
+    /// [`Heap::small_block_bit`] for a block being freed into record `rec`, remembering its
+    /// slab in this thread's memo (taken at release count `releases`, in `epoch`).
+    fn check_freed_block(
+        &self,
+        rec: *mut CacheRec,
+        off: u64,
+        epoch: u64,
+        releases: u32,
+    ) -> Option<(&AtomicU8, usize)> {
+        let (slab, class, i) = self.small_block_at(off)?;
+        let (pages, n) = GEOMETRY[class];
+        let end = slab + (pages * PAGE) as u64;
+        cache_mirror::set_memo(
+            self.base as usize,
+            rec as usize,
+            epoch,
+            releases,
+            cache_mirror::SlabMemo {
+                first: slab + SLAB_HDR as u64,
+                span: (n * CLASS_SIZES[class] as usize) as u64,
+                states: end - n as u64,
+                end,
+                class,
+            },
+        );
         Some((self.block_state(slab, class, i), class))
     }
 
@@ -611,6 +806,8 @@ impl Heap {
     /// Gives the `k` oldest blocks of `class` in record `rec` back to their
     /// slabs. Call with the lock held.
     fn flush_class(&self, rec: *mut CacheRec, class: usize, k: usize) -> HResult<()> {
+        // The record's slots move: this thread's mirror no longer matches them.
+        cache_mirror::forget();
         let h = self.header();
         let size = CLASS_SIZES[class] as u64;
         // SAFETY: rec is a checked record inside the heap whose owner does
@@ -1033,5 +1230,113 @@ mod tests {
         let b = h.alloc(64).unwrap();
         assert_eq!(h.stats().unwrap().blocks, 1);
         h.free(b).unwrap();
+    }
+
+    /// A thread remembers the slab it last checked a freed block in; once another thread
+    /// has released that slab and its pages hold a slab of another class, a free of a block
+    /// there is checked afresh (the heap counts releases), not read through the memory the
+    /// old slab's state bytes had; and a thread's mirror of its cache never hands a block out
+    /// twice across refills and flushes.
+    #[test]
+    fn a_released_slab_is_not_read_through_a_stale_memo() {
+        use super::super::size_class::class_of;
+        let m = Mem::new(4 << 20);
+        let h = m.heap(4 << 20);
+        let per_slab = GEOMETRY[class_of(64)].1;
+        // Thread B: three slabs of 64-byte blocks; thread A frees one of the first slab's
+        // blocks (A remembers that slab) and takes it back from its cache.
+        let blocks: Vec<u64> =
+            std::thread::spawn(move || (0..3 * per_slab).map(|_| h.alloc(64).unwrap()).collect())
+                .join()
+                .unwrap();
+        let x = *blocks.iter().min().unwrap();
+        let (slab, class, _) = h.small_block_at(x).unwrap();
+        assert_eq!(class, class_of(64));
+        let (pages, _) = GEOMETRY[class];
+        let (first, end) = (slab + SLAB_HDR as u64, slab + (pages * PAGE) as u64);
+        let a = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let (go, done) = (
+            std::sync::mpsc::channel::<u64>(),
+            std::sync::mpsc::channel::<bool>(),
+        );
+        let a2 = std::sync::Arc::clone(&a);
+        let thread_a = std::thread::spawn(move || {
+            h.free(x).unwrap();
+            assert_eq!(
+                h.alloc(64).unwrap(),
+                x,
+                "A's cache hands back the block it freed"
+            );
+            a2.wait();
+            // Freed by C: a live block of another class where the first slab was.
+            let y = go.1.recv().unwrap();
+            h.free(y).unwrap();
+            let freed = !h.is_live(y).unwrap();
+            // Freed once: a second free is refused.
+            let twice = matches!(h.free(y), Err(HeapError::BadPointer(_)));
+            done.0.send(freed && twice).unwrap();
+            h.flush_cache().unwrap();
+        });
+        a.wait();
+        // Thread B frees every block (A's included) and exits: the first slab is released.
+        let b2 = blocks.clone();
+        std::thread::spawn(move || {
+            for &b in &b2 {
+                h.free(b).unwrap();
+            }
+        })
+        .join()
+        .unwrap();
+        assert!(
+            !h.is_live(x).unwrap()
+                && h.small_block_at(x)
+                    .is_none_or(|(s, c, _)| s != slab || c != class),
+            "the first slab of 64-byte blocks was not released"
+        );
+        // Thread C: 256-byte blocks, filled with 1s (LIVE, as a state byte), until one starts
+        // inside the old slab's blocks at a multiple of 64 bytes from its first.
+        let y = std::thread::spawn(move || {
+            let mut mine = Vec::new();
+            for _ in 0..400 {
+                let b = h.alloc(256).unwrap();
+                // SAFETY: a live 256-byte block of the heap.
+                unsafe { h.base.add(b as usize).write_bytes(1, 256) };
+                mine.push(b);
+            }
+            let y = mine.iter().copied().find(|&b| {
+                b >= first && b < end && (b - first) % 64 == 0 && h.small_block_at(b).is_some()
+            });
+            h.flush_cache().unwrap();
+            y
+        })
+        .join()
+        .unwrap()
+        .expect("no 256-byte block landed where the released slab of 64-byte blocks was");
+        go.0.send(y).unwrap();
+        assert!(
+            done.1.recv().unwrap(),
+            "A's free of {y:#x} was not checked afresh"
+        );
+        thread_a.join().unwrap();
+
+        // The mirror across refills and flushes: every block handed out once at a time.
+        let mut live = std::collections::HashSet::new();
+        let mut order = Vec::new();
+        for round in 0..50u64 {
+            for _ in 0..(round % 7) * 9 + 1 {
+                let b = h.alloc(48).unwrap();
+                assert!(live.insert(b), "block {b:#x} handed out twice");
+                order.push(b);
+            }
+            for _ in 0..(round % 5) * 11 {
+                if let Some(b) = order.pop() {
+                    live.remove(&b);
+                    h.free(b).unwrap();
+                }
+            }
+        }
+        let s = h.stats().unwrap();
+        // C keeps its 256-byte blocks but the one A freed.
+        assert_eq!(s.blocks as usize, live.len() + 399, "{s:?}");
     }
 }
