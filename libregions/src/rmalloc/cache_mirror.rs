@@ -56,6 +56,11 @@ pub(super) struct SlabMemo {
     /// Offset of the slab's end.
     pub(super) end: u64,
     pub(super) class: usize,
+    /// The class's block size, its reciprocal (`size_class::block_index`) and how many
+    /// blocks a thread caches of it.
+    pub(super) size: u64,
+    pub(super) reciprocal: u64,
+    pub(super) cap: usize,
 }
 
 pub(super) struct Mirror {
@@ -78,6 +83,9 @@ const NO_MEMO: SlabMemo = SlabMemo {
     states: 0,
     end: 0,
     class: 0,
+    size: 16,
+    reciprocal: 0,
+    cap: 0,
 };
 
 thread_local! {

@@ -285,6 +285,11 @@ pub enum HeapError {
     InitTimeout,
 }
 
+#[cold]
+fn outside_heap(ptr: *const u8) -> HeapError {
+    HeapError::BadPointer(format!("{ptr:p} is outside the heap"))
+}
+
 impl HeapError {
     /// The errno an application sees.
     pub fn errno(&self) -> i32 {
@@ -1307,6 +1312,16 @@ impl Heap {
     #[inline]
     pub fn alloc(&self, size: usize) -> HResult<u64> {
         if size <= MAX_SMALL
+            && let Some(off) = self.alloc_mirrored(class_of(size.max(1)))
+        {
+            return Ok(off);
+        }
+        self.alloc_unmirrored(size)
+    }
+
+    #[inline(never)]
+    fn alloc_unmirrored(&self, size: usize) -> HResult<u64> {
+        if size <= MAX_SMALL
             && let Some(r) = self.alloc_from_cache(class_of(size.max(1)))
         {
             return r;
@@ -1355,6 +1370,7 @@ impl Heap {
     }
 
     /// Allocates and returns a pointer (see [`Heap::alloc`]).
+    #[inline]
     pub fn alloc_ptr(&self, size: usize) -> HResult<*mut u8> {
         let off = self.alloc(size)?;
         // SAFETY: off is inside the heap.
@@ -1367,6 +1383,14 @@ impl Heap {
     /// whether the block sits in a cache or on its slab.
     #[inline]
     pub fn free(&self, off: u64) -> HResult<()> {
+        if self.free_mirrored(off) {
+            return Ok(());
+        }
+        self.free_unmirrored(off)
+    }
+
+    #[inline(never)]
+    fn free_unmirrored(&self, off: u64) -> HResult<()> {
         if let Some(r) = self.free_to_cache(off) {
             return r;
         }
@@ -1436,12 +1460,11 @@ impl Heap {
     }
 
     /// Frees the block at `ptr`.
+    #[inline]
     pub fn free_ptr(&self, ptr: *const u8) -> HResult<()> {
         let off = (ptr as usize).wrapping_sub(self.base as usize);
         if ptr < self.base as *const u8 || off >= self.mapped {
-            return Err(HeapError::BadPointer(format!(
-                "{ptr:p} is outside the heap"
-            )));
+            return Err(outside_heap(ptr));
         }
         self.free(off as u64)
     }

@@ -67,8 +67,19 @@ pub(super) fn block_index(rel: u64, class: usize) -> Option<usize> {
     if rel >= 1 << 20 {
         return None;
     }
-    let i = (rel * RECIPROCAL[class]) >> 32;
-    (i * CLASS_SIZES[class] as u64 == rel).then_some(i as usize)
+    block_index_with(rel, RECIPROCAL[class], CLASS_SIZES[class] as u64)
+}
+
+/// [`block_index`] with the class's reciprocal and size at hand; `rel` < 2^20.
+#[inline(always)]
+pub(super) fn block_index_with(rel: u64, reciprocal: u64, size: u64) -> Option<usize> {
+    let i = (rel * reciprocal) >> 32;
+    (i * size == rel).then_some(i as usize)
+}
+
+/// The reciprocal [`block_index`] uses for `class`.
+pub(super) fn reciprocal(class: usize) -> u64 {
+    RECIPROCAL[class]
 }
 
 const fn compute_geometry(c: usize) -> (usize, usize) {

@@ -14,7 +14,9 @@ use std::sync::{Mutex, Once, OnceLock};
 
 use super::cache_mirror;
 use super::lock::{current_tid, forget_current_tid, pid_namespace, thread_alive};
-use super::size_class::{CLASS_SIZES, GEOMETRY, NCLASSES, block_index};
+use super::size_class::{
+    CLASS_SIZES, GEOMETRY, NCLASSES, block_index, block_index_with, reciprocal,
+};
 use super::{
     ALIGN, CACHED, HResult, Heap, HeapError, K_CACHE, K_FREE_IN, K_SLAB, LIVE, PAGE, PAGE_SHIFT,
     SLAB_HDR, SLAB_MAGIC, corrupt_with, entry, kind, value,
@@ -301,15 +303,16 @@ fn bad_count(rec: u64, class: usize, n: usize) -> HeapError {
 }
 
 impl Heap {
-    /// Takes a block of `class` from the calling thread's cache of this heap
-    /// without the lock (refilling an empty cache under it); None when the
-    /// thread has no cache here (the caller takes the locked path).
+    /// Takes the top block of `class` from the calling thread's cache of this heap, without
+    /// the lock and without checking the block again, when the thread's mirror holds it
+    /// (see `cache_mirror`). This is the part that inlines into callers; None sends them to
+    /// [`Heap::alloc_from_cache`].
     #[inline(always)]
-    pub(super) fn alloc_from_cache(&self, class: usize) -> Option<HResult<u64>> {
+    pub(super) fn alloc_mirrored(&self, class: usize) -> Option<u64> {
         let epoch = GEN.load(Ordering::Relaxed);
         // The block the mirror says is on top, where it found its state byte, when the
         // record still says so (see `cache_mirror`).
-        if let Some(off) = cache_mirror::with_record(self.base as usize, epoch, |m, rec| {
+        cache_mirror::with_record(self.base as usize, epoch, |m, rec| {
             let rec = rec as *mut CacheRec;
             let mut off = 0u64;
             // SAFETY: rec is this thread's record in this heap (the mirror follows it), mapped
@@ -341,15 +344,13 @@ impl Heap {
                 true
             })
             .then_some(off)
-        }) {
-            return Some(Ok(off));
-        }
-        self.alloc_from_cache_checked(class)
+        })
     }
 
-    /// [`Heap::alloc_from_cache`] through the thread's list of caches, checking the block.
-    #[inline(never)]
-    fn alloc_from_cache_checked(&self, class: usize) -> Option<HResult<u64>> {
+    /// Takes a block of `class` from the calling thread's cache of this heap
+    /// without the lock (refilling an empty cache under it), checking the block;
+    /// None when the thread has no cache here (the caller takes the locked path).
+    pub(super) fn alloc_from_cache(&self, class: usize) -> Option<HResult<u64>> {
         let rec = self.thread_cache(true)?;
         // SAFETY: rec is this thread's record, inside the heap; only
         // this thread changes it.
@@ -491,30 +492,26 @@ impl Heap {
         Ok(got[0])
     }
 
-    /// Puts the small block at `off` in the calling thread's cache of this
-    /// heap without the lock (giving the cache's older half back under it
-    /// when full); its state byte is set to [`CACHED`] first, so a double free is
-    /// refused whether the block sits in a cache or on its slab. None when
-    /// the thread has no cache here or `off` is not a live small block in
-    /// this view (the caller takes the locked path, which says why).
+    /// Puts the small block at `off` in the calling thread's cache of this heap without the
+    /// lock when it lies in the slab the thread last checked a freed block in (see
+    /// `cache_mirror`) and the cache has room; its state byte must say [`LIVE`] and is set
+    /// to [`CACHED`] first. This is the part that inlines into callers; false sends them to
+    /// [`Heap::free_to_cache`].
     #[inline(always)]
-    pub(super) fn free_to_cache(&self, off: u64) -> Option<HResult<()>> {
-        if off >= CACHE_MAX_LEN {
-            // A cache slot holds offsets below 64 GiB only.
-            return None;
-        }
+    pub(super) fn free_mirrored(&self, off: u64) -> bool {
+        // (A memo is taken only of slabs below 64 GiB, which cache slots can hold.)
         let epoch = GEN.load(Ordering::Relaxed);
         // SAFETY: the header is mapped.
         let releases = unsafe { (*self.header()).slab_releases.load(Ordering::Acquire) };
         // A block of the slab the thread last checked a freed block in, while no slab was
         // released (see `cache_mirror`).
-        let fast = cache_mirror::with_record(self.base as usize, epoch, |m, rec| {
+        cache_mirror::with_record(self.base as usize, epoch, |m, rec| {
             let memo = m.memo(releases, off)?;
             if memo.end as usize > self.mapped {
                 return None;
             }
-            // off - first < span: i is below the slab's block count.
-            let i = block_index(off - memo.first, memo.class)?;
+            // off - first < span (a few pages): i is below the slab's block count.
+            let i = block_index_with(off - memo.first, memo.reciprocal, memo.size)?;
             let class = memo.class;
             let rec = rec as *mut CacheRec;
             let state_off = memo.states + i as u64;
@@ -525,7 +522,7 @@ impl Heap {
             unsafe {
                 let state = &*(self.base.add(state_off as usize) as *const AtomicU8);
                 let n = (*rec).count[class].load(Ordering::Relaxed) as usize;
-                if n >= CACHE_CAPS[class] as usize || state.load(Ordering::Relaxed) != LIVE {
+                if n >= memo.cap || state.load(Ordering::Relaxed) != LIVE {
                     // Full, or not allocated: the checked path flushes, or says why.
                     return None;
                 }
@@ -544,17 +541,25 @@ impl Heap {
                 }
             }
             Some(())
-        });
-        if fast.is_some() {
-            return Some(Ok(()));
-        }
-        self.free_to_cache_checked(off, epoch, releases)
+        })
+        .is_some()
     }
 
-    /// [`Heap::free_to_cache`] through the thread's list of caches, checking the block in
-    /// full (and remembering its slab).
-    #[inline(never)]
-    fn free_to_cache_checked(&self, off: u64, epoch: u64, releases: u32) -> Option<HResult<()>> {
+    /// Puts the small block at `off` in the calling thread's cache of this
+    /// heap without the lock (giving the cache's older half back under it
+    /// when full), checking the block in full (and remembering its slab); its
+    /// state byte is set to [`CACHED`] first, so a double free is
+    /// refused whether the block sits in a cache or on its slab. None when
+    /// the thread has no cache here or `off` is not a live small block in
+    /// this view (the caller takes the locked path, which says why).
+    pub(super) fn free_to_cache(&self, off: u64) -> Option<HResult<()>> {
+        if off >= CACHE_MAX_LEN {
+            // A cache slot holds offsets below 64 GiB only.
+            return None;
+        }
+        let epoch = GEN.load(Ordering::Relaxed);
+        // SAFETY: the header is mapped.
+        let releases = unsafe { (*self.header()).slab_releases.load(Ordering::Acquire) };
         let rec = self.thread_cache(true)?;
         let (state, class) = self.check_freed_block(rec, off, epoch, releases)?;
         // SAFETY: rec is this thread's record; only this thread changes
@@ -780,6 +785,10 @@ impl Heap {
         let (slab, class, i) = self.small_block_at(off)?;
         let (pages, n) = GEOMETRY[class];
         let end = slab + (pages * PAGE) as u64;
+        if end > CACHE_MAX_LEN {
+            // Cache slots hold offsets below 64 GiB only.
+            return Some((self.block_state(slab, class, i), class));
+        }
         cache_mirror::set_memo(
             self.base as usize,
             rec as usize,
@@ -791,6 +800,9 @@ impl Heap {
                 states: end - n as u64,
                 end,
                 class,
+                size: CLASS_SIZES[class] as u64,
+                reciprocal: reciprocal(class),
+                cap: CACHE_CAPS[class] as usize,
             },
         );
         Some((self.block_state(slab, class, i), class))
