@@ -735,10 +735,9 @@ impl Mapping {
         let mut at = 0usize;
         for &(a, b) in runs {
             let n = (b - a) * PAGE;
-            // Publish the state before the install wakes the faulting threads.
-            for s in &pages[a..b] {
-                s.store(CLEAN, Ordering::Release);
-            }
+            // The pages stay FETCHING while they are installed: a fault on one of them waits
+            // for the install's wake-up instead of being woken to fault again at once (which,
+            // while a 1 MiB install runs, made a toucher fault over and over).
             if let Err(e) = faults.install(self.base + a * PAGE, &buf[at..at + n], self.write) {
                 tracing::warn!(ino = self.ino(), error = %e, "cannot install fetched pages");
                 for s in &pages[a..b] {
@@ -746,6 +745,11 @@ impl Mapping {
                 }
                 faults.wake(self.base + a * PAGE, (b - a) * PAGE);
                 return Err(io_err("installing fetched pages", e));
+            }
+            // Installed. A thread the install woke may already have written a page (its
+            // write-protect fault made it DIRTY): that page stays dirty.
+            for s in &pages[a..b] {
+                let _ = s.compare_exchange(FETCHING, CLEAN, Ordering::AcqRel, Ordering::Acquire);
             }
             at += n;
         }
@@ -918,12 +922,19 @@ impl Mapping {
                 {
                     end += 1;
                 }
+                // FETCHING while installed (a fault there waits for the install's wake-up).
+                if let Err(e) =
+                    faults.install(self.base + p * PAGE, &zeros[..(end - p) * PAGE], false)
+                {
+                    for s in &pages[p..end] {
+                        s.store(MISSING, Ordering::Release);
+                    }
+                    faults.wake(self.base + p * PAGE, (end - p) * PAGE);
+                    return Err(io_err("installing zero pages", e));
+                }
                 for s in &pages[p..end] {
                     s.store(DIRTY, Ordering::Release);
                 }
-                faults
-                    .install(self.base + p * PAGE, &zeros[..(end - p) * PAGE], false)
-                    .map_err(|e| io_err("installing zero pages", e))?;
                 p = end;
                 continue;
             }
