@@ -733,17 +733,26 @@ impl Mapping {
             return Err(e);
         }
         let mut at = 0usize;
-        for &(a, b) in runs {
+        for (k, &(a, b)) in runs.iter().enumerate() {
             let n = (b - a) * PAGE;
             // The pages stay FETCHING while they are installed: a fault on one of them waits
             // for the install's wake-up instead of being woken to fault again at once (which,
             // while a 1 MiB install runs, made a toucher fault over and over).
             if let Err(e) = faults.install(self.base + a * PAGE, &buf[at..at + n], self.write) {
                 tracing::warn!(ino = self.ino(), error = %e, "cannot install fetched pages");
-                for s in &pages[a..b] {
-                    s.store(MISSING, Ordering::Release);
+                // This run and the ones after it are missing again (a page a write made
+                // DIRTY after a partial install stays dirty), and their waiters fault again.
+                for &(a, b) in &runs[k..] {
+                    for s in &pages[a..b] {
+                        let _ = s.compare_exchange(
+                            FETCHING,
+                            MISSING,
+                            Ordering::AcqRel,
+                            Ordering::Acquire,
+                        );
+                    }
+                    faults.wake(self.base + a * PAGE, (b - a) * PAGE);
                 }
-                faults.wake(self.base + a * PAGE, (b - a) * PAGE);
                 return Err(io_err("installing fetched pages", e));
             }
             // Installed. A thread the install woke may already have written a page (its
@@ -927,7 +936,12 @@ impl Mapping {
                     faults.install(self.base + p * PAGE, &zeros[..(end - p) * PAGE], false)
                 {
                     for s in &pages[p..end] {
-                        s.store(MISSING, Ordering::Release);
+                        let _ = s.compare_exchange(
+                            FETCHING,
+                            MISSING,
+                            Ordering::AcqRel,
+                            Ordering::Acquire,
+                        );
                     }
                     faults.wake(self.base + p * PAGE, (end - p) * PAGE);
                     return Err(io_err("installing zero pages", e));
@@ -1066,6 +1080,26 @@ impl Mapping {
             let mut end = p;
             while end < last && self.is_remote(end) {
                 end += 1;
+            }
+            // Pages being fetched or installed are waited for (a fetch gives up within the
+            // transport's bound): dropped under an install, a page would be left absent with
+            // a state that says present.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while pages[p..end]
+                .iter()
+                .any(|s| s.load(Ordering::Acquire) == FETCHING)
+            {
+                if std::time::Instant::now() > deadline {
+                    return Err(map_err(
+                        libc::EIO,
+                        format!(
+                            "region {}: pages being fetched did not arrive within 10 s; \
+                             rclearcache gave up (retry it)",
+                            self.ino()
+                        ),
+                    ));
+                }
+                std::thread::sleep(std::time::Duration::from_micros(100));
             }
             let at = (self.base + p * PAGE) as *mut u8;
             let n = (end - p) * PAGE;

@@ -24,6 +24,11 @@
 //! whenever a record is flushed (a record closed, a thread's cache handed back), in a forked
 //! child, and by every unmapping (the epoch).
 //!
+//! A double free of a block whose slab another thread released meanwhile reads, as its state
+//! byte, whatever the memory there holds now; the checked path reads the page map of that
+//! instant and has the same window (two frees racing a release), so the state byte remains the
+//! guard it was.
+//!
 //! Only the owning thread reads or writes its mirror, and never from inside another use of
 //! it: every function here takes and drops the thread's mirror within one call.
 
@@ -108,7 +113,8 @@ fn with<T>(f: impl FnOnce(&mut Mirror) -> T) -> Option<T> {
     MIRROR
         .try_with(|m| {
             // SAFETY: the mirror is this thread's alone, and no function of this module calls
-            // another while it holds the reference, so it is the only one.
+            // another while it holds the reference, so it is the only one (rmalloc is not
+            // async-signal-safe: a signal handler must not allocate, as with malloc).
             f(unsafe { &mut *m.get() })
         })
         .ok()

@@ -57,7 +57,9 @@
 //! (arenas) inside one region, which is how the C functions use it.
 //!
 //! The fast paths take no lock: a free checks the block against the page map
-//! and its slab, checks that its state byte says "handed out" and sets it to
+//! and its slab (or finds it in the slab the thread last checked a freed block
+//! in, while no slab of the heap was released since: `cache_mirror`), checks
+//! that its state byte says "handed out" and sets it to
 //! "cached" (a plain load and store: only the block's current holder writes
 //! its byte, so no atomic read-modify-write is needed) and pushes it on the
 //! cache; an allocation pops a block and sets its byte to "handed out". The
@@ -114,9 +116,12 @@
 //! for more than [`LOCK_TIMEOUT`] fails then (see `lock`). Corruption that
 //! passes every check (a list head zeroed, a forged structure that looks
 //! valid) can still lose memory (the heap looks `Full`) or hand memory out
-//! twice, but only memory inside the heap. The fast paths check a cached
-//! block against the page map, its slab and its state byte (a few compares,
-//! no system call), as they did before.
+//! twice, but only memory inside the heap. The fast paths check a block's
+//! state byte, and find where it is either from the page map and its slab or
+//! from what the thread itself found there when it checked the block going
+//! into its cache (or last checked a block of that slab): the addresses they
+//! write come from the thread's own memory, found inside the mapping in the
+//! current unmap epoch, never from heap memory unchecked.
 //!
 //! # Errors
 //!
@@ -504,6 +509,14 @@ impl Heap {
             let magic = (*h).magic.load(Ordering::Relaxed);
             if magic != MAGIC {
                 return Err(corrupt_with(move || format!("header magic is {magic:#x}")));
+            }
+            if (*h).version == 2 && (*h).checksum == checksum(h) {
+                // Version 3 counts slab releases in what was zero padding: a sound version 2
+                // heap is a version 3 heap that has released none. Callers hold the lock, so
+                // no process of this library releases a slab meanwhile; processes of older
+                // versions refuse the heap from now on.
+                (*h).version = VERSION;
+                (*h).checksum = checksum(h);
             }
             if (*h).version != VERSION {
                 return Err(corrupt_with(move || {
@@ -1825,6 +1838,33 @@ mod tests {
                 len: MIN_HEAP as u64
             }
         );
+    }
+
+    /// A heap of layout version 2 (no count of slab releases; the field was zero padding)
+    /// becomes version 3 under the lock and keeps its blocks; a version this library does
+    /// not know is refused.
+    #[test]
+    fn a_version_2_heap_is_taken_up_in_place() {
+        let m = Mem::new(1 << 20);
+        let h = m.heap(1 << 20);
+        let a = h.alloc(3000).unwrap();
+        let hd = m.ptr as *mut Header;
+        // SAFETY: the test rewrites its own heap's header as version 2 wrote it.
+        unsafe {
+            (*hd).version = 2;
+            (*hd).slab_releases.store(0, Ordering::Relaxed);
+            (*hd).checksum = checksum(hd);
+        }
+        assert!(h.is_live(a).unwrap(), "the version 2 heap keeps its block");
+        // SAFETY: reads the header.
+        assert_eq!(unsafe { (*hd).version }, VERSION);
+        h.free(a).unwrap();
+        // SAFETY: as above, a version from the future.
+        unsafe {
+            (*hd).version = 9;
+            (*hd).checksum = checksum(hd);
+        }
+        assert!(matches!(h.alloc(3000), Err(HeapError::Corrupt(_))));
     }
 
     #[test]
