@@ -254,6 +254,79 @@ fn markdirty_zero_never_fetches_and_msync_publishes() {
     mapping::unmap(m.base()).unwrap();
 }
 
+/// `rclearcache` over a region that a sequential reader streams through (read-ahead installs
+/// ahead of it all the time): every page still reads right and the reader never gets stuck on
+/// a page dropped while it was being installed.
+#[test]
+fn clearcache_during_read_ahead_never_strands_a_reader() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+    let s = setup();
+    let len = 48 << 20;
+    // Passes over the region: at least MIN_PASSES, and on until CLEARS rclearcache calls
+    // ran during them (at most MAX_PASSES).
+    const MIN_PASSES: usize = 10;
+    const MAX_PASSES: usize = 400;
+    const CLEARS: usize = 50;
+    create(&s.m2.path("ra"), &pattern(len));
+    let file = std::fs::File::open(s.m1.path("ra")).unwrap();
+    let m = mapping::map_fd(file.as_fd()).expect("map");
+    let stop = Arc::new(AtomicBool::new(false));
+    let clears = Arc::new(AtomicUsize::new(0));
+    let progress = Arc::new(AtomicUsize::new(0));
+    let (done_tx, done_rx) = channel::<Result<usize, String>>();
+    let reader = {
+        let (m, progress, clears) = (Arc::clone(&m), Arc::clone(&progress), Arc::clone(&clears));
+        std::thread::spawn(move || {
+            let mut pass = 0;
+            while pass < MIN_PASSES || (clears.load(Relaxed) < CLEARS && pass < MAX_PASSES) {
+                for off in (0..len).step_by(4096) {
+                    progress.store(pass * len + off, Relaxed);
+                    let got = read_word(&m, off);
+                    if got != word(off) {
+                        let _ = done_tx.send(Err(format!(
+                            "pass {pass}: word at {off:#x} reads {got:#x}, not {:#x}",
+                            word(off)
+                        )));
+                        return;
+                    }
+                }
+                pass += 1;
+            }
+            let _ = done_tx.send(Ok(pass));
+        })
+    };
+    let clearer = {
+        let (m, stop, clears) = (Arc::clone(&m), Arc::clone(&stop), Arc::clone(&clears));
+        std::thread::spawn(move || {
+            while !stop.load(Relaxed) {
+                m.clearcache(m.base(), m.len()).expect("clearcache");
+                clears.fetch_add(1, Relaxed);
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        })
+    };
+    let result = done_rx.recv_timeout(Duration::from_secs(90));
+    stop.store(true, Relaxed);
+    clearer.join().expect("clearer thread");
+    let n = clears.load(Relaxed);
+    let passes = match result {
+        Ok(Ok(passes)) => passes,
+        Ok(Err(e)) => panic!("{e}"),
+        Err(_) => panic!(
+            "the reader did not finish its passes in 90 s: stuck on a fault at byte {} of the \
+             passes ({n} rclearcache calls)",
+            progress.load(Relaxed)
+        ),
+    };
+    reader.join().expect("reader thread");
+    assert!(
+        n >= CLEARS,
+        "only {n} rclearcache calls ran during {passes} passes of the reader"
+    );
+    mapping::unmap(m.base()).unwrap();
+}
+
 #[test]
 fn clearcache_then_reread_sees_the_writers_newer_data() {
     let s = setup();

@@ -735,30 +735,32 @@ impl Mapping {
         let mut at = 0usize;
         for (k, &(a, b)) in runs.iter().enumerate() {
             let n = (b - a) * PAGE;
-            // The pages stay FETCHING while they are installed: a fault on one of them waits
-            // for the install's wake-up instead of being woken to fault again at once (which,
-            // while a 1 MiB install runs, made a toucher fault over and over).
-            if let Err(e) = faults.install(self.base + a * PAGE, &buf[at..at + n], self.write) {
+            // Publish the state before the install wakes the faulting threads. (Kept CLEAN
+            // during the install rather than FETCHING: rclearcache resets CLEAN pages after
+            // it drops them, so a page it drops under an install is fetched again.)
+            for s in &pages[a..b] {
+                s.store(CLEAN, Ordering::Release);
+            }
+            if let Err((done, e)) =
+                faults.install(self.base + a * PAGE, &buf[at..at + n], self.write)
+            {
                 tracing::warn!(ino = self.ino(), error = %e, "cannot install fetched pages");
-                // This run and the ones after it are missing again (a page a write made
-                // DIRTY after a partial install stays dirty), and their waiters fault again.
-                for &(a, b) in &runs[k..] {
-                    for s in &pages[a..b] {
-                        let _ = s.compare_exchange(
-                            FETCHING,
-                            MISSING,
-                            Ordering::AcqRel,
-                            Ordering::Acquire,
-                        );
+                // The pages not installed, in this run and the ones after it, are missing
+                // again, and their waiters fault again.
+                let installed = a + done / PAGE;
+                for (j, &(a, b)) in runs[k..].iter().enumerate() {
+                    let (from, was) = if j == 0 {
+                        (installed, CLEAN)
+                    } else {
+                        (a, FETCHING)
+                    };
+                    for s in &pages[from..b] {
+                        let _ =
+                            s.compare_exchange(was, MISSING, Ordering::AcqRel, Ordering::Acquire);
                     }
                     faults.wake(self.base + a * PAGE, (b - a) * PAGE);
                 }
                 return Err(io_err("installing fetched pages", e));
-            }
-            // Installed. A thread the install woke may already have written a page (its
-            // write-protect fault made it DIRTY): that page stays dirty.
-            for s in &pages[a..b] {
-                let _ = s.compare_exchange(FETCHING, CLEAN, Ordering::AcqRel, Ordering::Acquire);
             }
             at += n;
         }
@@ -931,23 +933,20 @@ impl Mapping {
                 {
                     end += 1;
                 }
-                // FETCHING while installed (a fault there waits for the install's wake-up).
-                if let Err(e) =
+                for s in &pages[p..end] {
+                    s.store(DIRTY, Ordering::Release);
+                }
+                if let Err((done, e)) =
                     faults.install(self.base + p * PAGE, &zeros[..(end - p) * PAGE], false)
                 {
-                    for s in &pages[p..end] {
-                        let _ = s.compare_exchange(
-                            FETCHING,
-                            MISSING,
-                            Ordering::AcqRel,
-                            Ordering::Acquire,
-                        );
+                    // The pages not installed are missing again (not DIRTY pages that are not
+                    // there), and their waiters fault again.
+                    for s in &pages[p + done / PAGE..end] {
+                        let _ =
+                            s.compare_exchange(DIRTY, MISSING, Ordering::AcqRel, Ordering::Acquire);
                     }
                     faults.wake(self.base + p * PAGE, (end - p) * PAGE);
                     return Err(io_err("installing zero pages", e));
-                }
-                for s in &pages[p..end] {
-                    s.store(DIRTY, Ordering::Release);
                 }
                 p = end;
                 continue;
@@ -1080,26 +1079,6 @@ impl Mapping {
             let mut end = p;
             while end < last && self.is_remote(end) {
                 end += 1;
-            }
-            // Pages being fetched or installed are waited for (a fetch gives up within the
-            // transport's bound): dropped under an install, a page would be left absent with
-            // a state that says present.
-            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-            while pages[p..end]
-                .iter()
-                .any(|s| s.load(Ordering::Acquire) == FETCHING)
-            {
-                if std::time::Instant::now() > deadline {
-                    return Err(map_err(
-                        libc::EIO,
-                        format!(
-                            "region {}: pages being fetched did not arrive within 10 s; \
-                             rclearcache gave up (retry it)",
-                            self.ino()
-                        ),
-                    ));
-                }
-                std::thread::sleep(std::time::Duration::from_micros(100));
             }
             let at = (self.base + p * PAGE) as *mut u8;
             let n = (end - p) * PAGE;

@@ -204,8 +204,14 @@ impl Faults {
     }
 
     /// Installs `src` at `dst` (page aligned, whole pages), write-protected if `wp`, and wakes
-    /// the threads waiting there. Pages someone installed meanwhile are left alone.
-    pub(crate) fn install(&self, dst: usize, src: &[u8], wp: bool) -> io::Result<()> {
+    /// the threads waiting there. Pages someone installed meanwhile are left alone. On failure,
+    /// says how many bytes from `dst` on were installed (or were there) before it.
+    pub(crate) fn install(
+        &self,
+        dst: usize,
+        src: &[u8],
+        wp: bool,
+    ) -> Result<(), (usize, io::Error)> {
         let mut done = 0usize;
         // A successful UFFDIO_COPY wakes the threads waiting on what it copied; only the
         // page-by-page path below needs a wake of its own.
@@ -250,12 +256,20 @@ impl Faults {
                         match self.install_one(dst + done, page, wp) {
                             Ok(()) => {}
                             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
-                            Err(e) => return Err(e),
+                            Err(e) => {
+                                self.wake(dst, done);
+                                return Err((done, e));
+                            }
                         }
                         done += PAGE;
                     }
                 }
-                _ => return Err(e),
+                _ => {
+                    // Pages the failed call installed before failing count as installed.
+                    let done = done + (copy.copy.max(0) as usize) / PAGE * PAGE;
+                    self.wake(dst, done);
+                    return Err((done, e));
+                }
             }
         }
         if wake {
