@@ -205,7 +205,8 @@ impl Faults {
 
     /// Installs `src` at `dst` (page aligned, whole pages), write-protected if `wp`, and wakes
     /// the threads waiting there. Pages someone installed meanwhile are left alone. On failure,
-    /// says how many bytes from `dst` on were installed (or were there) before it.
+    /// says how many bytes from `dst` on were installed (or were there) before it; the caller
+    /// wakes the threads waiting on the rest.
     pub(crate) fn install(
         &self,
         dst: usize,
@@ -256,20 +257,13 @@ impl Faults {
                         match self.install_one(dst + done, page, wp) {
                             Ok(()) => {}
                             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
-                            Err(e) => {
-                                self.wake(dst, done);
-                                return Err((done, e));
-                            }
+                            Err(e) => return Err((done, e)),
                         }
                         done += PAGE;
                     }
                 }
-                _ => {
-                    // Pages the failed call installed before failing count as installed.
-                    let done = done + (copy.copy.max(0) as usize) / PAGE * PAGE;
-                    self.wake(dst, done);
-                    return Err((done, e));
-                }
+                // Pages the failed call installed before failing count as installed.
+                _ => return Err((done + (copy.copy.max(0) as usize) / PAGE * PAGE, e)),
             }
         }
         if wake {

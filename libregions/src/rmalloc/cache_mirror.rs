@@ -49,6 +49,18 @@ pub(super) struct Entry {
 
 const NO_ENTRY: Entry = Entry { slot: 0, state: 0 };
 
+impl Entry {
+    /// The entry of the block at offset `off` whose state byte is at offset `state` (None
+    /// when they are too far apart for an entry, which a slab never makes them).
+    #[inline(always)]
+    pub(super) fn of(off: u64, state: u64) -> Option<Entry> {
+        Some(Entry {
+            slot: (off >> 4) as u32,
+            state: i32::try_from(state as i64 - off as i64).ok()?,
+        })
+    }
+}
+
 /// The last slab a freed block was checked in.
 #[derive(Clone, Copy)]
 pub(super) struct SlabMemo {

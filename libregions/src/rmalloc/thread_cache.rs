@@ -304,7 +304,29 @@ fn bad_count(rec: u64, class: usize, n: usize) -> HeapError {
     })
 }
 
+/// Puts the block at `off`, whose state byte `state` says [`LIVE`], on top of `class` in
+/// record `rec`, which holds `n` blocks of that class, and sets the byte to [`CACHED`].
+///
+/// # Safety
+///
+/// `rec` is the calling thread's record, inside the mapped heap, and `n` is below
+/// `CACHE_CAPS[class]`.
+#[inline(always)]
+unsafe fn push_cached(rec: *mut CacheRec, class: usize, n: usize, off: u64, state: &AtomicU8) {
+    state.store(CACHED, Ordering::Relaxed);
+    // SAFETY: per the contract; only this thread changes its record.
+    unsafe {
+        (*rec).slots[class][n] = (off >> 4) as u32;
+        (*rec).count[class].store(n as u8 + 1, Ordering::Relaxed);
+    }
+}
+
 impl Heap {
+    /// The offset from the heap's base of the state byte `state` (inside the heap).
+    fn offset_of(&self, state: &AtomicU8) -> u64 {
+        (state as *const AtomicU8 as usize).wrapping_sub(self.base as usize) as u64
+    }
+
     /// Takes the top block of `class` from the calling thread's cache of this heap, without
     /// the lock and without checking the block again, when the thread's mirror holds it
     /// (see `cache_mirror`). This is the part that inlines into callers; None sends them to
@@ -390,16 +412,13 @@ impl Heap {
                 // SAFETY: as above; i < n <= CACHE_CAPS[class] <= CACHE_CAP.
                 let slot = unsafe { (*rec).slots[class][i] };
                 let off = (slot as u64) << 4;
-                let delta = self.cached_block_bit(off, class).and_then(|state| {
+                let entry = self.cached_block_bit(off, class).and_then(|state| {
                     (state.load(Ordering::Relaxed) & !CACHED == 0)
-                        .then(|| {
-                            (state as *const AtomicU8 as isize)
-                                .wrapping_sub((self.base as usize + off as usize) as isize)
-                        })
-                        .and_then(|d| i32::try_from(d).ok())
+                        .then(|| cache_mirror::Entry::of(off, self.offset_of(state)))
+                        .flatten()
                 });
-                match delta {
-                    Some(state) => *e = cache_mirror::Entry { slot, state },
+                match entry {
+                    Some(entry) => *e = entry,
                     None => {
                         good = false;
                         break;
@@ -528,18 +547,9 @@ impl Heap {
                     // Full, or not allocated: the checked path flushes, or says why.
                     return None;
                 }
-                state.store(CACHED, Ordering::Relaxed);
-                (*rec).slots[class][n] = (off >> 4) as u32;
-                (*rec).count[class].store(n as u8 + 1, Ordering::Relaxed);
-                if let Ok(delta) = i32::try_from(state_off as i64 - off as i64) {
-                    m.push(
-                        class,
-                        n,
-                        cache_mirror::Entry {
-                            slot: (off >> 4) as u32,
-                            state: delta,
-                        },
-                    );
+                push_cached(rec, class, n, off, state);
+                if let Some(entry) = cache_mirror::Entry::of(off, state_off) {
+                    m.push(class, n, entry);
                 }
             }
             Some(())
@@ -570,23 +580,15 @@ impl Heap {
             let n = (*rec).count[class].load(Ordering::Relaxed) as usize;
             if n < CACHE_CAPS[class] as usize {
                 if state.load(Ordering::Relaxed) == LIVE {
-                    state.store(CACHED, Ordering::Relaxed);
-                    (*rec).slots[class][n] = (off >> 4) as u32;
-                    (*rec).count[class].store(n as u8 + 1, Ordering::Relaxed);
-                    // Within the slab, which is at most a few pages.
-                    let delta = (state as *const AtomicU8 as isize)
-                        .wrapping_sub((self.base as usize + off as usize) as isize);
-                    if let Ok(delta) = i32::try_from(delta) {
+                    push_cached(rec, class, n, off, state);
+                    if let Some(entry) = cache_mirror::Entry::of(off, self.offset_of(state)) {
                         cache_mirror::push(
                             self.base as usize,
                             rec as usize,
                             epoch,
                             class,
                             n,
-                            cache_mirror::Entry {
-                                slot: (off >> 4) as u32,
-                                state: delta,
-                            },
+                            entry,
                         );
                     }
                     return Some(Ok(()));
@@ -620,9 +622,7 @@ impl Heap {
             if n >= CACHE_CAPS[class] as usize {
                 return Err(bad_count(self.rec_off(rec), class, n));
             }
-            state.store(CACHED, Ordering::Relaxed);
-            (*rec).slots[class][n] = (off >> 4) as u32;
-            (*rec).count[class].store(n as u8 + 1, Ordering::Relaxed);
+            push_cached(rec, class, n, off, state);
         }
         self.mirror_fill(rec, class);
         Ok(())
