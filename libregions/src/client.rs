@@ -228,6 +228,7 @@ impl Client {
         self.shared
             .manager
             .unlink(&self.shared.caller, parent, name)
+            .map(|_| ())
     }
 
     /// Opens a region by inode as this client's caller.

@@ -98,6 +98,14 @@ impl Connection {
         }
     }
 
+    /// Every tcp transport opened so far.
+    pub(crate) fn transports(&self) -> Vec<Arc<TcpTransport>> {
+        self.transports
+            .lock()
+            .map(|m| m.values().cloned().collect())
+            .unwrap_or_default()
+    }
+
     /// The tcp transport to the daemon at `addr` (one per daemon, shared).
     pub(crate) fn transport(&self, addr: &str) -> Arc<TcpTransport> {
         let make = || {

@@ -50,6 +50,18 @@ pub enum RegionsError {
     /// Mapping a region into the process failed, or a mapping call was misused.
     #[error("mapping: {message}")]
     Mapping { errno: i32, message: String },
+    /// Bytes a write returned for (posted to a daemon) did not reach the region's memory.
+    #[error(
+        "{len} bytes written at offset {offset} of region {ino} did not reach its memory: {reason}; \
+         write them again once the daemon holding them answers"
+    )]
+    WriteLost {
+        ino: u64,
+        offset: u64,
+        len: u64,
+        errno: i32,
+        reason: String,
+    },
     /// A local system call failed.
     #[error("{what}: {source}")]
     Io {
@@ -65,7 +77,8 @@ impl RegionsError {
             RegionsError::Manager { errno, .. }
             | RegionsError::Mapping { errno, .. }
             | RegionsError::Daemon { errno, .. }
-            | RegionsError::Agent { errno, .. } => *errno,
+            | RegionsError::Agent { errno, .. }
+            | RegionsError::WriteLost { errno, .. } => *errno,
             RegionsError::ManagerUnreachable { .. }
             | RegionsError::DaemonUnreachable { .. }
             | RegionsError::Protocol { .. } => libc::EIO,

@@ -788,18 +788,19 @@ impl Manager {
 
     /// Unlinks a name. Returns once the daemons no longer serve tokens granted through it
     /// (like every change that revokes capabilities, see `State::revoke_capabilities`).
-    pub async fn unlink(&self, caller: &Caller, parent: u64, name: &str) -> Result<()> {
-        let revoked = self
+    /// Removes a name; returns the inode and the names it has left.
+    pub async fn unlink(&self, caller: &Caller, parent: u64, name: &str) -> Result<(u64, u32)> {
+        let (removed, revoked) = self
             .write(|s| {
                 s.revocation_queued = false;
-                s.unlink(caller, parent, name)?;
-                Ok(std::mem::take(&mut s.revocation_queued))
+                let removed = s.unlink(caller, parent, name)?;
+                Ok((removed, std::mem::take(&mut s.revocation_queued)))
             })
             .await?;
         if revoked {
             self.settle_destructive().await;
         }
-        Ok(())
+        Ok(removed)
     }
 
     pub async fn rename(

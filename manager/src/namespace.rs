@@ -208,8 +208,9 @@ impl State {
         self.dirty.inodes.insert(ino);
     }
 
-    /// Removes a region's name; its memory goes when the last handle closes.
-    pub fn unlink(&mut self, caller: &Caller, parent: u64, name: &str) -> Result<()> {
+    /// Removes a region's name; its memory goes when the last handle closes. Returns the
+    /// inode and the names it has left.
+    pub fn unlink(&mut self, caller: &Caller, parent: u64, name: &str) -> Result<(u64, u32)> {
         let victim = self.check_remove(caller, parent, name)?;
         if victim.is_dir() {
             return Err(ManagerError::IsDir(format!("{name:?}; use rmdir")));
@@ -217,7 +218,9 @@ impl State {
         self.remove_entry(parent, name);
         let now = Time::now();
         self.drop_name(victim.ino, parent, now)?;
-        self.touch_dir(parent, now)
+        self.touch_dir(parent, now)?;
+        let left = self.inodes.get(&victim.ino).map_or(0, |i| i.nlink);
+        Ok((victim.ino, left))
     }
 
     /// Whether `ino` is `ancestor` or lies below it.

@@ -172,7 +172,10 @@ impl Namespace for Services {
         )
     }
 
-    async fn unlink(&self, r: Request<v1::RemoveRequest>) -> Result<Response<v1::Empty>, Status> {
+    async fn unlink(
+        &self,
+        r: Request<v1::RemoveRequest>,
+    ) -> Result<Response<v1::Unlinked>, Status> {
         let r = r.into_inner();
         let c = caller(r.caller.as_ref())?;
         self.reply(
@@ -180,7 +183,7 @@ impl Namespace for Services {
             self.manager
                 .unlink(&c, r.parent, &r.name)
                 .await
-                .map(|()| v1::Empty {}),
+                .map(|(ino, nlink)| v1::Unlinked { ino, nlink }),
         )
     }
 

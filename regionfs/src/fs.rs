@@ -328,6 +328,9 @@ pub struct RegionFs {
     dirs: Mutex<HashMap<u64, DirInfo>>,
     /// Directories removed through this mount, for fstat of an open one.
     removed_dirs: Mutex<HashMap<u64, v1::Attr>>,
+    /// Regions whose last name this mount removed while it had them open nowhere: the
+    /// kernel's flush of their times right after is answered here (until it forgets them).
+    unlinked: Mutex<HashSet<u64>>,
     /// Paths of mirrored regions under `.regions/files`, learned from lookups.
     pseudo_paths: Mutex<HashMap<u64, String>>,
     owners: Option<OwnerWatch>,
@@ -387,6 +390,7 @@ impl RegionFs {
             inodes: Mutex::new(HashMap::new()),
             dirs: Mutex::new(HashMap::new()),
             removed_dirs: Mutex::new(HashMap::new()),
+            unlinked: Mutex::new(HashSet::new()),
             pseudo_paths: Mutex::new(HashMap::new()),
             owners,
             kernel: OnceLock::new(),

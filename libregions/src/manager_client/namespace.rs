@@ -170,12 +170,12 @@ impl ManagerClient {
     }
 
     /// Removes a region's name.
-    pub fn unlink(&self, caller: &v1::Caller, parent: u64, name: &str) -> Result<()> {
+    /// Removes a name; says which inode it named and how many names that has left.
+    pub fn unlink(&self, caller: &v1::Caller, parent: u64, name: &str) -> Result<v1::Unlinked> {
         self.call(
             self.namespace()
                 .unlink(remove_request(caller, parent, name)),
         )
-        .map(|_| ())
     }
 
     /// Removes an empty directory.

@@ -264,6 +264,20 @@ impl Authority {
             Authority::Agent(s) => Ok(s.transport(addr)?),
         }
     }
+
+    /// Every tcp transport opened so far for regions of this authority (a client's
+    /// transports are shared by all its regions).
+    pub(crate) fn transports(&self) -> Vec<Arc<dyn Transport>> {
+        let map = match self {
+            Authority::Cluster { conn, .. } => conn.transports(),
+            Authority::Agent(s) => s
+                .transports
+                .lock()
+                .map(|m| m.values().cloned().collect())
+                .unwrap_or_default(),
+        };
+        map.into_iter().map(|t| t as Arc<dyn Transport>).collect()
+    }
 }
 
 #[cfg(test)]

@@ -75,7 +75,16 @@ pub struct Region {
     opened: v1::Attr,
     /// Serialises reservations (concurrent writers reserve once).
     reserving: std::sync::Mutex<()>,
+    /// Set by [`Region::with_posted_writes`]: whose posted writes this region's are.
+    posting: Option<u64>,
+    /// A posted write of this region's owner did not land: no size is published any more
+    /// (it could cover the lost bytes), and the close does not vouch for the tail.
+    lost_write: AtomicBool,
 }
+
+/// Writes up to this size (per transport and call) are posted; larger ones take long enough
+/// on the wire that the round trip matters less than keeping a copy of their bytes.
+const POST_MAX: usize = 256 << 10;
 
 impl Region {
     /// A region a [`crate::Client`] opened as `caller` (the manager's open reply `info`).
@@ -110,6 +119,8 @@ impl Region {
             policy: SizePolicy::Eager,
             opened,
             reserving: std::sync::Mutex::new(()),
+            posting: None,
+            lost_write: AtomicBool::new(false),
         })
     }
 
@@ -125,6 +136,59 @@ impl Region {
             self.policy = policy;
         }
         self
+    }
+
+    /// Lets small writes to other hosts' memory return once they are sent, before the
+    /// daemon applied them (regionfs: a `write(2)` then costs no network round trip).
+    /// Everything later asked of the same daemons is applied after them, and a posted write
+    /// lost with its connection is written again first. `owner` names what is written (the
+    /// inode, for regionfs: every handle of a file reports every handle's lost writes):
+    /// [`Region::flush_posted`], which [`Region::publish`] and [`Region::close`] call, reports
+    /// a posted write that did not land (as NFS reports a failed write-behind at `fsync` or
+    /// `close`), and from then on this region publishes no size.
+    pub fn with_posted_writes(mut self, owner: u64) -> Region {
+        self.posting = Some(owner);
+        self
+    }
+
+    /// Waits until every posted write of this region's owner landed; returns the first that
+    /// did not since the last call (and then every time: see [`Region::with_posted_writes`]).
+    pub fn flush_posted(&self) -> Result<()> {
+        let Some(owner) = self.posting else {
+            return Ok(());
+        };
+        let mut first = None;
+        for t in self.authority.transports() {
+            if let Some(e) = t.settle_writes(owner) {
+                first.get_or_insert(e);
+            }
+        }
+        if let Some(e) = first {
+            self.lost_write.store(true, Ordering::Relaxed);
+            self.tail_unsure.store(true, Ordering::Relaxed);
+            return Err(e);
+        }
+        if self.lost_write.load(Ordering::Relaxed) {
+            return Err(RegionsError::WriteLost {
+                ino: self.ino,
+                offset: 0,
+                len: 0,
+                errno: libc::EIO,
+                reason: "a write posted through this handle earlier was lost (reported then); \
+                         its size is not published"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Waits until every posted write to the daemons this region's client reaches landed
+    /// (or failed for good), whoever posted it, keeping failures for
+    /// [`Region::flush_posted`].
+    pub fn wait_posted(&self) {
+        for t in self.authority.transports() {
+            t.wait_writes();
+        }
     }
 
     /// Whether this handle has grown the size past what the manager holds.
@@ -260,18 +324,27 @@ impl Region {
             return;
         }
         let host_id = self.authority.host_id();
-        let (version, covered, mine_end) = match self.state.read() {
-            Ok(s) => (
-                s.version,
-                s.local.as_ref().is_some_and(|l| l.len() >= needed_end)
+        let (version, mine_end) = match self.state.read() {
+            Ok(s) => {
+                let covered = s.local.as_ref().is_some_and(|l| l.len() >= needed_end)
                     || s.local_checked == Some(s.version)
                     || s.local_retry_at
-                        .is_some_and(|at| std::time::Instant::now() < at),
-                s.end_on(host_id),
-            ),
+                        .is_some_and(|at| std::time::Instant::now() < at);
+                if covered {
+                    return;
+                }
+                // Only now: it looks at every chunk of the map.
+                (s.version, s.end_on(host_id))
+            }
             Err(_) => return,
         };
-        if covered || mine_end == 0 {
+        if mine_end == 0 {
+            // Nothing here at this map version: not looked for again until the map changes.
+            if let Ok(mut s) = self.state.write()
+                && s.version == version
+            {
+                s.local_checked = Some(version);
+            }
             return;
         }
         // The daemon waits (bounded) until it has applied the chunks this map puts here.
@@ -469,6 +542,13 @@ impl Region {
             let state = self.state.read().map_err(|_| Self::poisoned())?;
             let runs = self.locate(&state, offset, data.len() as u64, true)?;
             self.each_run(&state, runs, data, |t, spans, piece: &[u8]| {
+                if let Some(owner) = self.posting
+                    && piece.len() <= POST_MAX
+                    && t.posts_writes()
+                    && t.post_write(owner, spans, piece)
+                {
+                    return Ok(());
+                }
                 t.write(spans, piece)
             })
         });
@@ -537,6 +617,8 @@ impl Region {
             let s = self.state.read().map_err(|_| Self::poisoned())?;
             (s.size, s.unpublished)
         };
+        // The bytes first: the size must not cover posted writes that did not land.
+        self.flush_posted()?;
         if !unpublished && !touch {
             return Ok(None);
         }
@@ -554,6 +636,7 @@ impl Region {
 
     /// Sets the region's size (holes read as zeros).
     pub fn set_len(&self, size: u64) -> Result<()> {
+        self.wait_posted();
         let info = self.authority.truncate(self.ino, size)?;
         let mut s = self.state.write().map_err(|_| Self::poisoned())?;
         s.unpublished = false;
@@ -608,11 +691,13 @@ impl Region {
         if self.closed.swap(true, Ordering::Relaxed) {
             return Ok(());
         }
-        self.publish(false)?;
+        let published = self.publish(false);
         // Published: every byte this handle wrote lies below the durable size, unless a
-        // write past the size failed half way.
-        self.authority
-            .close(self.handle, !self.tail_unsure.load(Ordering::Relaxed))
+        // write past the size failed half way. Closed at the manager either way.
+        let within_size = published.is_ok() && !self.tail_unsure.load(Ordering::Relaxed);
+        let closed = self.authority.close(self.handle, within_size);
+        published?;
+        closed
     }
 
     // ---- what an application's mapping asks of its region ----

@@ -27,7 +27,8 @@ pub(crate) struct MapState {
     pub(crate) pools: HashMap<u32, v1::PoolInfo>,
     /// This host's segment, mapped (same-host access).
     pub(crate) local: Option<Arc<LocalSegment>>,
-    /// Map version at which the agent was last asked for the segment.
+    /// Map version at which the agent was last asked for the segment (or at which the map put
+    /// nothing on this host).
     pub(crate) local_checked: Option<u64>,
     /// When the agent had no segment yet although the map puts chunks on this host (its
     /// daemon has not applied their assignment yet): ask again after this instant.

@@ -12,6 +12,12 @@ use regions_proto::word_wait;
 use super::{Span, Transport, TransportStats};
 use crate::error::{RegionsError, Result};
 
+/// Reads of at least this many bytes use `pread(2)` on the memfd rather than the mapping.
+const PREAD_AT_LEAST: usize = 64 * 1024;
+/// Writes of at least this many bytes use `pwrite(2)` on the memfd rather than the mapping
+/// (a write fault costs as much as a system call per page of a mapping not written yet).
+const PWRITE_AT_LEAST: usize = 16 * 1024;
+
 /// A segment memfd mapped `MAP_SHARED`; region offset = offset in the map.
 ///
 /// The mapping is plain shared memory owned by this value (unmapped when it
@@ -89,6 +95,53 @@ impl LocalSegment {
         }
     }
 
+    /// Reads `dst.len()` bytes at `offset` with `pread(2)` on the memfd (no page of the
+    /// mapping touched).
+    fn pread(&self, dst: &mut [u8], offset: u64) -> Result<()> {
+        let mut done = 0usize;
+        while done < dst.len() {
+            match nix::sys::uio::pread(&self._fd, &mut dst[done..], (offset + done as u64) as i64) {
+                Ok(0) => {
+                    dst[done..].fill(0);
+                    break;
+                }
+                Ok(n) => done += n,
+                Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => {
+                    return Err(RegionsError::io(
+                        "cannot read the region's segment",
+                        std::io::Error::from(e),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `src` at `offset` with `pwrite(2)` on the memfd.
+    fn pwrite(&self, src: &[u8], offset: u64) -> Result<()> {
+        let mut done = 0usize;
+        while done < src.len() {
+            match nix::sys::uio::pwrite(&self._fd, &src[done..], (offset + done as u64) as i64) {
+                Ok(0) => {
+                    return Err(RegionsError::Invalid(format!(
+                        "the region's segment took no bytes at {}",
+                        offset + done as u64
+                    )));
+                }
+                Ok(n) => done += n,
+                Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => {
+                    return Err(RegionsError::io(
+                        "cannot write the region's segment",
+                        std::io::Error::from(e),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn word(&self, offset: u64) -> Result<&AtomicU64> {
         if !offset.is_multiple_of(8) {
             return Err(RegionsError::Invalid(format!(
@@ -115,6 +168,11 @@ impl Transport for LocalSegment {
         for s in spans {
             let from = self.check(s.region_offset, s.len)?;
             let n = s.len as usize;
+            if n >= PREAD_AT_LEAST {
+                self.pread(&mut dst[at..at + n], s.region_offset)?;
+                at += n;
+                continue;
+            }
             // SAFETY: the source range is inside the mapping (checked), the
             // destination is a distinct caller buffer of at least `n` bytes
             // from `at` (spans sum to dst.len()).
@@ -145,6 +203,11 @@ impl Transport for LocalSegment {
         for s in spans {
             let to = self.check(s.region_offset, s.len)?;
             let n = s.len as usize;
+            if n >= PWRITE_AT_LEAST {
+                self.pwrite(&src[at..at + n], s.region_offset)?;
+                at += n;
+                continue;
+            }
             // SAFETY: the destination range is inside the writable mapping
             // (checked); the source is the caller's buffer.
             unsafe {

@@ -27,6 +27,30 @@ pub struct Span {
     pub len: u64,
 }
 
+/// A write sent without waiting for its reply ([`Transport::post_write`]): its bytes, kept
+/// until the daemon said it applied them.
+#[derive(Debug)]
+pub struct PostedWrite {
+    /// Who posted it ([`Transport::post_write`]'s `owner`).
+    pub owner: u64,
+    pub spans: Vec<Span>,
+    /// The spans' bytes, in order.
+    pub data: Vec<u8>,
+}
+
+impl PostedWrite {
+    /// Each span's place in its region and its bytes.
+    pub fn pieces(&self) -> impl Iterator<Item = (u64, &[u8])> {
+        let mut at = 0usize;
+        self.spans.iter().map(move |s| {
+            let n = s.len as usize;
+            let piece = (s.region_offset, &self.data[at..at + n]);
+            at += n;
+            piece
+        })
+    }
+}
+
 /// Where the outcome of a posted atomic goes. It runs on whichever thread reads the reply
 /// and must be short: hand longer work to another thread.
 pub type Completion = Box<dyn FnOnce(Result<u64>) + Send>;
@@ -74,6 +98,28 @@ pub trait Transport: Send + Sync {
     ) -> Result<()> {
         done(self.compare_and_swap(at, expected, new));
         Ok(())
+    }
+    /// Whether [`Transport::post_write`] can return before the write is applied (else
+    /// posting gains nothing).
+    fn posts_writes(&self) -> bool {
+        false
+    }
+    /// Writes `src` (the spans' bytes) without waiting for the daemon to apply it, on behalf
+    /// of `owner` (a number naming what is written, such as a region's inode). Reads,
+    /// writes and atomics asked of this transport afterwards are applied after it; if it
+    /// does not land, [`Transport::settle_writes`] says so. `false`: not sent (this
+    /// transport does not post now): the caller writes the usual way.
+    fn post_write(&self, owner: u64, spans: &[Span], src: &[u8]) -> bool {
+        let _ = (owner, spans, src);
+        false
+    }
+    /// Waits until every posted write landed (or failed for good).
+    fn wait_writes(&self) {}
+    /// [`Transport::wait_writes`], then returns, once, the first posted write of `owner`'s
+    /// that did not land since the last call.
+    fn settle_writes(&self, owner: u64) -> Option<crate::error::RegionsError> {
+        let _ = owner;
+        None
     }
     /// Short name for logs ("tcp 127.0.0.1:7101", "local").
     fn describe(&self) -> String;

@@ -109,7 +109,7 @@ pub struct TcpTransport {
     down: std::sync::atomic::AtomicBool,
     /// When the daemon last failed a request while `down`.
     down_at: Mutex<Instant>,
-    /// Posted atomics and the replies they are owed.
+    /// Posted atomics and writes, and the replies they are owed.
     lane: Arc<posted::Lane>,
 }
 
@@ -276,6 +276,19 @@ impl TcpTransport {
         self.down.load(Ordering::Relaxed)
     }
 
+    /// Notes that the daemon did not answer within the retry bound (see `down`).
+    fn mark_down(&self) {
+        if let Ok(mut at) = self.down_at.lock() {
+            *at = Instant::now();
+        }
+        if !self.down.swap(true, Ordering::Relaxed) {
+            tracing::warn!(addr = %self.addr, "daemon unreachable; giving up (further requests make one quick attempt until it answers)");
+            if let Ok(mut idle) = self.idle.lock() {
+                idle.clear();
+            }
+        }
+    }
+
     /// The error of a connection attempt that failed.
     fn failure_error(&self, failure: Failure) -> RegionsError {
         match failure {
@@ -376,15 +389,8 @@ impl TcpTransport {
                 Err(Failure::Retry(r)) => r,
             };
             if start.elapsed() + backoff >= deadline {
-                if let Ok(mut at) = self.down_at.lock() {
-                    *at = Instant::now();
-                }
-                if !self.down.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(addr = %self.addr, attempts, reason = %reason, "daemon unreachable; giving up (further requests make one quick attempt until it answers)");
-                    if let Ok(mut idle) = self.idle.lock() {
-                        idle.clear();
-                    }
-                }
+                tracing::debug!(addr = %self.addr, attempts, reason = %reason, "giving up on the daemon");
+                self.mark_down();
                 count_unreachable("gave_up");
                 return Err(RegionsError::DaemonUnreachable {
                     addr: self.addr.clone(),
@@ -702,7 +708,19 @@ fn read_atomic_reply(stream: &mut TcpStream, id: u64, addr: &str) -> Result<u64,
 }
 
 impl TcpTransport {
+    /// Writes `src` to the spans and waits for the replies (not ordered after posted
+    /// writes: [`Transport::write`] is).
+    fn write_spans(&self, spans: &[Span], src: &[u8]) -> Result<()> {
+        let requests = plan_requests(spans, Some(src));
+        self.with_conn(true, |conn| self.pipeline(conn, &requests, &mut []))?;
+        TransportStats::add(&self.stats.remote_bytes_written, src.len() as u64);
+        counter!("regions_client_bytes_total", "op" => "write", "transport" => "tcp")
+            .increment(src.len() as u64);
+        Ok(())
+    }
+
     fn atomic(&self, op: Op, at: &Span, operands: &[u64]) -> Result<u64> {
+        self.wait_posted_writes();
         // Behind posted requests whose replies are still owed, on their connection.
         if let Some(result) = self.atomic_on_lane(op, at, operands) {
             return result;
@@ -718,6 +736,8 @@ impl TcpTransport {
 
 impl Transport for TcpTransport {
     fn read(&self, spans: &[Span], dst: &mut [u8]) -> Result<()> {
+        // After the posted writes.
+        self.wait_posted_writes();
         let requests = plan_requests(spans, None);
         self.with_conn(true, |conn| self.pipeline(conn, &requests, dst))?;
         TransportStats::add(&self.stats.remote_bytes_read, dst.len() as u64);
@@ -727,12 +747,8 @@ impl Transport for TcpTransport {
     }
 
     fn write(&self, spans: &[Span], src: &[u8]) -> Result<()> {
-        let requests = plan_requests(spans, Some(src));
-        self.with_conn(true, |conn| self.pipeline(conn, &requests, &mut []))?;
-        TransportStats::add(&self.stats.remote_bytes_written, src.len() as u64);
-        counter!("regions_client_bytes_total", "op" => "write", "transport" => "tcp")
-            .increment(src.len() as u64);
-        Ok(())
+        self.wait_posted_writes();
+        self.write_spans(spans, src)
     }
 
     fn compare_and_swap(&self, at: &Span, expected: u64, new: u64) -> Result<u64> {
@@ -747,6 +763,7 @@ impl Transport for TcpTransport {
         // The daemon serves at most a second; connections time out later than that.
         let timeout = timeout.min(Duration::from_secs(1));
         let timeout_us = u64::try_from(timeout.as_micros()).unwrap_or(u64::MAX);
+        self.wait_posted_writes();
         self.with_conn(true, |conn| {
             let (header, payload) =
                 atomic_header(self, Op::WaitChange, at, &[expected, timeout_us]);
@@ -768,6 +785,22 @@ impl Transport for TcpTransport {
         done: Completion,
     ) -> Result<()> {
         self.post_atomic(Op::Cas, at, &[expected, new], done)
+    }
+
+    fn posts_writes(&self) -> bool {
+        true
+    }
+
+    fn post_write(&self, owner: u64, spans: &[Span], src: &[u8]) -> bool {
+        self.post_write_on_lane(owner, spans, src)
+    }
+
+    fn wait_writes(&self) {
+        self.wait_posted_writes();
+    }
+
+    fn settle_writes(&self, owner: u64) -> Option<RegionsError> {
+        self.settle_posted_writes(owner)
     }
 
     fn describe(&self) -> String {

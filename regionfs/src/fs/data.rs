@@ -285,6 +285,8 @@ impl RegionFs {
         if !r.write {
             return Ok(());
         }
+        // This handle's posted writes land (or fail) before any size covers them.
+        r.region.flush_posted()?;
         let dirty = {
             let mut inodes = self.lock_inodes();
             inodes

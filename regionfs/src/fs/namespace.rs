@@ -134,6 +134,18 @@ impl RegionFs {
             && change.uid.is_none()
             && change.gid.is_none()
             && change.size.is_none();
+        if only_times
+            && ctime
+            && fh.is_none()
+            && self.unlinked.lock().is_ok_and(|u| u.contains(&ino))
+        {
+            // The kernel records the ctime of the unlink (writeback mode) on an inode whose
+            // last name this mount removed and that nobody here has open: the manager would
+            // answer the same, at the cost of a round trip per unlink.
+            return Err(FsError::NotFound(format!(
+                "region {ino} was removed; its times are not kept"
+            )));
+        }
         let caller = match &handle {
             Some(h) if bookkeeping && only_times => match &h.body {
                 Body::Region(r) => r.caller.clone(),
@@ -168,6 +180,14 @@ impl RegionFs {
             let mut inodes = self.lock_inodes();
             let st = inodes.entry(ino).or_default();
             st.kernel_size = size;
+        }
+        if change.size.is_some() {
+            // Writes posted before the truncate land before it (a late one would land past
+            // the new size, or be refused once its chunk is gone). Transports are shared by
+            // every handle of this mount: one handle's region waits for all of them.
+            if let Some(Body::Region(r)) = self.handles_of(ino).first().map(|h| &h.body) {
+                r.region.wait_posted();
+            }
         }
         let attr = match self.manager().setattr(&caller, ino, &change) {
             Ok(a) => a,
@@ -344,6 +364,9 @@ impl RegionFs {
             st.attr = Some((attr.clone(), Instant::now()));
             st.created_here = Some(Instant::now());
         }
+        if let Ok(mut u) = self.unlinked.lock() {
+            u.remove(&attr.ino);
+        }
         let persistent = attr.region_attrs.as_ref().is_some_and(|a| a.persistent);
         if let Some(w) = &self.owners
             && !persistent
@@ -398,6 +421,12 @@ impl RegionFs {
             .client
             .create_open_as(create, write)?
             .with_size_policy(SizePolicy::Lazy);
+        let region = if write {
+            let ino = region.ino();
+            region.with_posted_writes(ino)
+        } else {
+            region
+        };
         let mut attr = region.opened_attr().clone();
         self.created(&caller, parent, name, &attr);
         if create_mode != mode {
@@ -441,6 +470,9 @@ impl RegionFs {
         let deadline = Instant::now() + self.options.busy_retry;
         loop {
             match self.client.open_as(caller, ino, write) {
+                Ok(r) if write => {
+                    return Ok(r.with_size_policy(SizePolicy::Lazy).with_posted_writes(ino));
+                }
                 Ok(r) => return Ok(r.with_size_policy(SizePolicy::Lazy)),
                 Err(e) if e.errno() == libc::ETXTBSY && write && Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(10));
@@ -465,8 +497,14 @@ impl RegionFs {
             }
             _ => None,
         };
-        self.manager().unlink(&caller, parent, name)?;
+        let removed = self.manager().unlink(&caller, parent, name)?;
         self.forget_cached_attrs();
+        if removed.nlink == 0
+            && self.handles_of(removed.ino).is_empty()
+            && let Ok(mut u) = self.unlinked.lock()
+        {
+            u.insert(removed.ino);
+        }
         if let (Some(w), Some(a)) = (&self.owners, watched)
             && a.nlink <= 1
         {
@@ -728,6 +766,9 @@ impl RegionFs {
         }
         if let Ok(mut r) = self.removed_dirs.lock() {
             r.remove(&ino);
+        }
+        if let Ok(mut u) = self.unlinked.lock() {
+            u.remove(&ino);
         }
     }
 }

@@ -1,28 +1,39 @@
-//! Atomics whose callers do not wait for the reply ("posted"): a mutex unlock costs one send
-//! instead of a round trip.
+//! Requests whose callers do not wait for the reply ("posted"): a mutex unlock costs one send
+//! instead of a round trip, and so does a small write through the mount.
 //!
 //! Posted requests go out on one connection, the *lane*, and their replies are owed in order.
 //! While any reply is owed, every atomic of the transport goes out on the lane too, so it is
 //! applied after the posted ones (one connection, one daemon thread, in order); its sender
-//! reads the owed replies before its own. A reaper thread reads owed replies when nobody else
-//! does within about a millisecond, so a reply that asks for follow-up work (a lock with
-//! waiters) is handled promptly.
+//! reads the owed replies before its own. Reads and unposted writes first wait for the
+//! replies of posted writes. A reaper thread reads owed replies when nobody else does within
+//! about a millisecond, so a reply that asks for follow-up work (a lock with waiters) is
+//! handled promptly.
+//!
+//! A posted write keeps its bytes until its reply says the daemon applied them. When the
+//! lane breaks, the writes whose replies it owed are written again, in order, on other
+//! connections (with the usual retries) before anything else of this transport is sent:
+//! every request goes through the lane's lock first. A write the daemon refused, or one
+//! that could not be written again, is recorded for its owner (regionfs: the inode), which
+//! learns it at its next `fsync` or close ([`TcpTransport::settle_posted_writes`]).
 //!
 //! Completions run on whatever thread reads the reply, with the lane locked: they must be
 //! short and must not call back into the transport.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::net::TcpStream;
 use std::os::fd::AsFd;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use regions_proto::frame::Op;
 
-use super::{Conn, Failure, TcpTransport, atomic_header, read_atomic_reply, send};
+use super::{
+    Conn, Failure, TcpTransport, atomic_header, plan_requests, read_atomic_reply, recv_header,
+    recv_message, send, skip_payload,
+};
 use crate::error::{RegionsError, Result};
-use crate::transport::{Completion, Span, TransportStats};
+use crate::transport::{Completion, PostedWrite, Span, TransportStats};
 
 /// How often the reaper looks at the lane while replies are owed.
 const REAP_TICK: Duration = Duration::from_micros(500);
@@ -32,6 +43,14 @@ const PARK_AFTER_TICKS: u32 = 100;
 const REAP_POLL: Duration = Duration::from_millis(50);
 /// How long an idle reaper waits before checking that its transport still exists.
 const REAP_IDLE: Duration = Duration::from_secs(1);
+/// Bytes of posted writes whose replies may be owed at once; a poster past it reads replies.
+const WRITE_WINDOW: usize = 8 << 20;
+/// Posted write requests whose replies may be owed at once (their replies must fit in the
+/// daemon's socket buffer while nobody reads them, or the daemon stops reading requests).
+const MAX_OWED_WRITES: usize = 256;
+/// A lane connection idle this long is replaced before a post (daemons close connections
+/// idle for minutes; a post on one the daemon closed would only be written again).
+const LANE_IDLE_MAX: Duration = Duration::from_secs(30);
 
 /// The connection of posted requests and the replies it owes.
 #[derive(Default)]
@@ -46,6 +65,17 @@ struct LaneState {
     /// A second handle on `conn`'s socket, polled by the reaper without the lock.
     watch: Option<Arc<TcpStream>>,
     owed: VecDeque<Owed>,
+    /// Bytes and requests of the posted writes among `owed`.
+    owed_write_bytes: usize,
+    owed_writes: usize,
+    /// Posted writes lost with a lane connection, oldest first: written again before
+    /// anything else goes to the daemon ([`TcpTransport::rewrite_lost`]).
+    rewrite: VecDeque<Arc<PostedWrite>>,
+    /// Per owner: the first posted write that did not land (refused by the daemon, or not
+    /// written again), until the owner settles.
+    failed: HashMap<u64, RegionsError>,
+    /// When the lane connection last carried a request.
+    last_used: Option<Instant>,
     reaper: bool,
     /// The reaper waits for a post (else it looks every tick).
     reaper_parked: bool,
@@ -54,49 +84,176 @@ struct LaneState {
 /// A posted request's reply, not read yet.
 struct Owed {
     id: u64,
-    done: Completion,
+    then: Then,
+}
+
+/// What a posted request's reply settles.
+enum Then {
+    /// An atomic: the old value (or the error) goes to the completion.
+    Atomic(Completion),
+    /// One request (of `bytes` bytes) of a posted write.
+    Write {
+        write: Arc<PostedWrite>,
+        bytes: usize,
+    },
 }
 
 impl LaneState {
-    /// The lane connection broke: every owed reply is lost.
+    /// The lane connection broke: every owed reply is lost. Owed atomics fail; owed writes
+    /// are to be written again ([`TcpTransport::rewrite_lost`]).
     fn fail(&mut self, addr: &str, reason: &str) {
-        self.conn = None;
+        if let Some(conn) = self.conn.take() {
+            // Reset, not close: requests the daemon has not read yet are dropped with the
+            // connection rather than applied after they are written again elsewhere.
+            let off = nix::sys::socket::sockopt::Linger;
+            let _ = nix::sys::socket::setsockopt(
+                &conn.stream,
+                off,
+                &libc::linger {
+                    l_onoff: 1,
+                    l_linger: 0,
+                },
+            );
+        }
         self.watch = None;
-        for owed in self.owed.drain(..) {
-            (owed.done)(Err(RegionsError::DaemonUnreachable {
-                addr: addr.to_owned(),
-                attempts: 1,
-                elapsed_ms: 0,
-                reason: format!("{reason} (before the reply to a posted request)"),
-            }));
+        for owed in std::mem::take(&mut self.owed) {
+            match owed.then {
+                Then::Atomic(done) => done(Err(RegionsError::DaemonUnreachable {
+                    addr: addr.to_owned(),
+                    attempts: 1,
+                    elapsed_ms: 0,
+                    reason: format!("{reason} (before the reply to a posted request)"),
+                })),
+                Then::Write { write, bytes } => {
+                    self.write_answered(bytes);
+                    self.keep_for_rewrite(write);
+                }
+            }
         }
     }
 
-    /// Reads the oldest owed reply and completes it.
+    /// Counts a posted write request as answered.
+    fn write_answered(&mut self, bytes: usize) {
+        self.owed_write_bytes = self.owed_write_bytes.saturating_sub(bytes);
+        self.owed_writes = self.owed_writes.saturating_sub(1);
+    }
+
+    /// Queues `write` to be written again (once, however many requests it took).
+    fn keep_for_rewrite(&mut self, write: Arc<PostedWrite>) {
+        if !self.rewrite.back().is_some_and(|w| Arc::ptr_eq(w, &write)) {
+            self.rewrite.push_back(write);
+        }
+    }
+
+    /// Records that posted `write` did not land, and why (its owner's first failure counts).
+    fn note_failed(&mut self, write: &PostedWrite, reason: String) {
+        self.failed
+            .entry(write.owner)
+            .or_insert_with(|| RegionsError::WriteLost {
+                ino: write.spans.first().map_or(0, |s| s.ino),
+                offset: write.spans.first().map_or(0, |s| s.region_offset),
+                len: write.data.len() as u64,
+                errno: libc::EIO,
+                reason,
+            });
+    }
+
+    /// Reads the oldest owed reply and settles it.
     fn reap_one(&mut self, transport_addr: &str) -> std::result::Result<(), String> {
-        let (Some(conn), Some(owed)) = (self.conn.as_mut(), self.owed.pop_front()) else {
+        let Some(conn) = self.conn.as_mut() else {
+            if self.owed.is_empty() {
+                return Ok(());
+            }
+            // Cannot happen (`fail` clears both), but never drop an owed request unsettled.
+            return Err("the lane lost its connection".into());
+        };
+        let Some(owed) = self.owed.pop_front() else {
             return Ok(());
         };
-        match read_atomic_reply(&mut conn.stream, owed.id, transport_addr) {
-            Ok(v) => {
-                (owed.done)(Ok(v));
-                Ok(())
+        match owed.then {
+            Then::Atomic(done) => {
+                match read_atomic_reply(&mut conn.stream, owed.id, transport_addr) {
+                    Ok(v) => {
+                        done(Ok(v));
+                        Ok(())
+                    }
+                    Err(Failure::Final(e)) => {
+                        done(Err(e));
+                        Ok(())
+                    }
+                    Err(Failure::Retry(reason)) => {
+                        // The owed request's outcome is unknown: its completion says so.
+                        done(Err(RegionsError::DaemonUnreachable {
+                            addr: transport_addr.to_owned(),
+                            attempts: 1,
+                            elapsed_ms: 0,
+                            reason: reason.clone(),
+                        }));
+                        Err(reason)
+                    }
+                }
             }
-            Err(Failure::Final(e)) => {
-                (owed.done)(Err(e));
-                Ok(())
-            }
-            Err(Failure::Retry(reason)) => {
-                // The owed request's outcome is unknown: its completion says so.
-                (owed.done)(Err(RegionsError::DaemonUnreachable {
-                    addr: transport_addr.to_owned(),
-                    attempts: 1,
-                    elapsed_ms: 0,
-                    reason: reason.clone(),
-                }));
-                Err(reason)
+            Then::Write { write, bytes } => match read_write_reply(&mut conn.stream, owed.id) {
+                Ok(None) => {
+                    self.write_answered(bytes);
+                    Ok(())
+                }
+                Ok(Some((errno, message))) => {
+                    // Refused (the chunk no longer backs the region: a truncate raced it).
+                    tracing::warn!(addr = %transport_addr, owner = write.owner, errno, %message, "a daemon refused a posted write");
+                    self.write_answered(bytes);
+                    self.note_failed(
+                        &write,
+                        format!("daemon {transport_addr} refused it: {message}"),
+                    );
+                    Ok(())
+                }
+                Err(reason) => {
+                    self.write_answered(bytes);
+                    self.keep_for_rewrite(write);
+                    Err(reason)
+                }
+            },
+        }
+    }
+
+    /// Reads every owed reply (`Err`: the lane broke, and its owed requests failed).
+    fn reap_all(&mut self, addr: &str) -> std::result::Result<(), String> {
+        while !self.owed.is_empty() {
+            if let Err(reason) = self.reap_one(addr) {
+                self.fail(addr, &reason);
+                return Err(reason);
             }
         }
+        Ok(())
+    }
+}
+
+/// Reads the reply to write request `id`: `None` when the daemon applied it, else its errno
+/// and message (`Err`: the lane is broken).
+fn read_write_reply(
+    stream: &mut TcpStream,
+    id: u64,
+) -> std::result::Result<Option<(u32, String)>, String> {
+    let reply = recv_header(stream).map_err(failure_reason)?;
+    if reply.request_id != id {
+        return Err(format!(
+            "reply to request {} while waiting for {id}",
+            reply.request_id
+        ));
+    }
+    if reply.status != 0 {
+        let message = recv_message(stream, &reply).map_err(failure_reason)?;
+        return Ok(Some((reply.status, message)));
+    }
+    skip_payload(stream, &reply).map_err(failure_reason)?;
+    Ok(None)
+}
+
+fn failure_reason(f: Failure) -> String {
+    match f {
+        Failure::Retry(reason) => reason,
+        Failure::Final(e) => e.to_string(),
     }
 }
 
@@ -125,16 +282,7 @@ impl TcpTransport {
             });
         }
         let mut st = self.lane.lock();
-        if st.conn.is_none() {
-            let conn = match self.idle.lock().ok().and_then(|mut idle| idle.pop()) {
-                Some(conn) => conn,
-                None => self
-                    .connect(self.retry.deadline, self.retry.deadline)
-                    .map_err(|f| self.failure_error(f))?,
-            };
-            st.watch = conn.stream.try_clone().ok().map(Arc::new);
-            st.conn = Some(conn);
-        }
+        self.open_lane(&mut st)?;
         let (header, payload) = atomic_header(self, op, at, operands);
         let sent = match st.conn.as_mut() {
             Some(conn) => send(&mut conn.stream, &header, &[&payload]),
@@ -152,8 +300,29 @@ impl TcpTransport {
         TransportStats::add(&self.stats.remote_requests, 1);
         st.owed.push_back(Owed {
             id: header.request_id,
-            done,
+            then: Then::Atomic(done),
         });
+        self.wake_reaper(&mut st);
+        Ok(())
+    }
+
+    /// Connects the lane if it has no connection.
+    fn open_lane(&self, st: &mut LaneState) -> Result<()> {
+        if st.conn.is_none() {
+            let conn = match self.idle.lock().ok().and_then(|mut idle| idle.pop()) {
+                Some(conn) => conn,
+                None => self
+                    .connect(self.retry.deadline, self.retry.deadline)
+                    .map_err(|f| self.failure_error(f))?,
+            };
+            st.watch = conn.stream.try_clone().ok().map(Arc::new);
+            st.conn = Some(conn);
+        }
+        Ok(())
+    }
+
+    /// Starts the reaper, or wakes it, after a post.
+    fn wake_reaper(&self, st: &mut LaneState) {
         if !st.reaper {
             st.reaper = true;
             let lane = Arc::downgrade(&self.lane);
@@ -162,7 +331,7 @@ impl TcpTransport {
                 .name("regions-reaper".into())
                 .spawn(move || reap(lane, addr));
             if let Err(e) = spawned {
-                // Owed replies are still read by the next atomic on this transport.
+                // Owed replies are still read by the next request on this transport.
                 tracing::warn!(error = %e, "cannot start the reply reaper");
                 st.reaper = false;
             }
@@ -170,7 +339,106 @@ impl TcpTransport {
         if st.reaper_parked {
             self.lane.owed_changed.notify_one();
         }
-        Ok(())
+    }
+
+    /// Sends a write of `owner`'s without waiting for its replies; see the module docs.
+    /// `false`: not sent (the daemon failed recently, or the lane cannot connect): the caller
+    /// writes the usual way.
+    pub(super) fn post_write_on_lane(&self, owner: u64, spans: &[Span], src: &[u8]) -> bool {
+        if self.is_down() {
+            return false;
+        }
+        let mut st = self.lane.lock();
+        self.rewrite_lost(&mut st);
+        if st.owed.is_empty() && st.last_used.is_some_and(|at| at.elapsed() > LANE_IDLE_MAX) {
+            st.conn = None;
+            st.watch = None;
+        }
+        if let Err(e) = self.open_lane(&mut st) {
+            // Unreachable for the whole retry bound: the caller's own write fails at once
+            // instead of waiting that long again.
+            tracing::debug!(addr = %self.addr, error = %e, "cannot connect the lane");
+            self.mark_down();
+            return false;
+        }
+        let write = Arc::new(PostedWrite {
+            owner,
+            spans: spans.to_vec(),
+            data: src.to_vec(),
+        });
+        st.last_used = Some(Instant::now());
+        for r in plan_requests(&write.spans, Some(&write.data)) {
+            let mut header = r.header;
+            header.request_id = self.id();
+            header.capability = self.cap_id;
+            let payload: Vec<&[u8]> = r.payload.iter().map(|p| &p[..]).collect();
+            let bytes = header.payload_len as usize;
+            let sent = match st.conn.as_mut() {
+                Some(conn) => send(&mut conn.stream, &header, &payload),
+                None => Err(std::io::Error::other("the lane has no connection")),
+            };
+            if let Err(e) = sent {
+                // This write and every write owed go again on other connections, now.
+                st.fail(&self.addr, &e.to_string());
+                st.keep_for_rewrite(Arc::clone(&write));
+                self.rewrite_lost(&mut st);
+                return true;
+            }
+            TransportStats::add(&self.stats.remote_requests, 1);
+            st.owed_write_bytes += bytes;
+            st.owed_writes += 1;
+            st.owed.push_back(Owed {
+                id: header.request_id,
+                then: Then::Write {
+                    write: Arc::clone(&write),
+                    bytes,
+                },
+            });
+        }
+        TransportStats::add(&self.stats.remote_bytes_written, src.len() as u64);
+        // Flow control: at most a window of bytes and of replies owed.
+        while st.owed_write_bytes > WRITE_WINDOW || st.owed_writes > MAX_OWED_WRITES {
+            if let Err(reason) = st.reap_one(&self.addr) {
+                st.fail(&self.addr, &reason);
+                self.rewrite_lost(&mut st);
+                break;
+            }
+        }
+        self.wake_reaper(&mut st);
+        true
+    }
+
+    /// Writes again, in order, the posted writes a broken lane lost (on other connections,
+    /// with the usual retries); one that still fails is recorded for its owner. Runs under
+    /// the lane lock, which every request of this transport takes first, so nothing sent
+    /// later overtakes them.
+    fn rewrite_lost(&self, st: &mut LaneState) {
+        while let Some(w) = st.rewrite.pop_front() {
+            if let Err(e) = self.write_spans(&w.spans, &w.data) {
+                tracing::warn!(addr = %self.addr, owner = w.owner, error = %e, "a posted write was lost and writing it again failed");
+                st.note_failed(&w, e.to_string());
+            }
+        }
+    }
+
+    /// Waits until every posted write has its reply, or was written again (so that what
+    /// follows is applied after them).
+    pub(super) fn wait_posted_writes(&self) {
+        let mut st = self.lane.lock();
+        if st.owed_writes == 0 && st.rewrite.is_empty() {
+            return;
+        }
+        if st.owed_writes > 0 && st.reap_all(&self.addr).is_err() {
+            // `reap_all` failed the lane: its owed writes are queued to be written again.
+        }
+        self.rewrite_lost(&mut st);
+    }
+
+    /// Waits for the posted writes ([`Self::wait_posted_writes`]) and returns, once, the
+    /// first of `owner`'s that did not land since it last asked.
+    pub(super) fn settle_posted_writes(&self, owner: u64) -> Option<RegionsError> {
+        self.wait_posted_writes();
+        self.lane.lock().failed.remove(&owner)
     }
 
     /// Runs an atomic behind the posted ones when replies are owed (`None`: none are; use
@@ -263,7 +531,7 @@ fn reap(lane: Weak<Lane>, addr: String) {
         }
         let Some(watch) = st.watch.clone() else {
             // Owed replies without a connection cannot happen (`fail` clears both).
-            st.owed.clear();
+            st.fail(&addr, "the lane lost its connection");
             continue;
         };
         drop(st);
@@ -273,12 +541,14 @@ fn reap(lane: Weak<Lane>, addr: String) {
         let mut st = lane.lock();
         // Another reader may have taken the reply meanwhile; read only what is there.
         let same = st.watch.as_ref().is_some_and(|w| Arc::ptr_eq(w, &watch));
-        if same
-            && st.owed.front().map(|o| o.id) == Some(oldest)
-            && readable(&watch, Duration::ZERO)
-            && let Err(reason) = st.reap_one(&addr)
-        {
-            st.fail(&addr, &reason);
+        if same && st.owed.front().map(|o| o.id) == Some(oldest) {
+            // Every reply already there, not one per tick.
+            while !st.owed.is_empty() && readable(&watch, Duration::ZERO) {
+                if let Err(reason) = st.reap_one(&addr) {
+                    st.fail(&addr, &reason);
+                    break;
+                }
+            }
         }
     }
 }
@@ -375,6 +645,132 @@ mod tests {
             pool_offset: 0,
             len: 8,
         }
+    }
+
+    /// Serves one connection of a daemon stand-in for writes: answers HELLO, then applies
+    /// WRITE requests in order, refusing (ESTALE) those at pool offsets in `refuse`, and
+    /// hangs up at request number `hang_up_after` (from 1) without applying it; pushes
+    /// applied offsets.
+    fn serve_writes(
+        s: &mut TcpStream,
+        refuse: &[u64],
+        hang_up_after: Option<usize>,
+        applied: &mut Vec<u64>,
+    ) {
+        serve_hello(s);
+        let mut seen = 0;
+        while let Some((h, payload)) = read_request(s) {
+            seen += 1;
+            if hang_up_after.is_some_and(|n| seen >= n) {
+                return;
+            }
+            if h.op == Op::Write && refuse.contains(&h.offset) {
+                let msg = b"stale map";
+                let mut reply = Header::new(h.op, h.request_id);
+                reply.flags |= FLAG_REPLY;
+                reply.status = libc::ESTALE as u32;
+                reply.payload_len = msg.len() as u32;
+                let mut out = bytes::BytesMut::new();
+                reply.encode(&mut out);
+                out.extend_from_slice(msg);
+                s.write_all(&out).unwrap();
+                continue;
+            }
+            if h.op == Op::Write {
+                assert_eq!(payload.len() as u64, h.length);
+                applied.push(h.offset);
+            }
+            write_reply(s, &h, &[]);
+        }
+    }
+
+    fn at(offset: u64) -> Span {
+        Span {
+            ino: 0,
+            region_offset: offset,
+            pool: 0,
+            pool_offset: offset,
+            len: 64 << 10,
+        }
+    }
+
+    const K: u64 = 64 << 10;
+
+    #[test]
+    fn a_refused_posted_write_is_reported_to_its_owner_once() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let daemon = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut applied = Vec::new();
+            serve_writes(&mut s, &[K], None, &mut applied);
+            applied
+        });
+        let t = TcpTransport::new(&addr, &secret(), RetryPolicy::default(), Arc::default());
+        let data = vec![7u8; K as usize];
+        // Owner 1: 0, K (refused), 2K; owner 2: 3K, in between.
+        assert!(t.post_write(1, &[at(0)], &data));
+        assert!(t.post_write(1, &[at(K)], &data));
+        assert!(t.post_write(2, &[at(3 * K)], &data));
+        assert!(t.post_write(1, &[at(2 * K)], &data));
+        assert!(t.settle_writes(2).is_none(), "owner 2's landed");
+        let lost = t
+            .settle_writes(1)
+            .expect("owner 1 hears of its refused write");
+        assert_eq!(lost.errno(), libc::EIO, "{lost}");
+        assert!(lost.to_string().contains("stale map"), "{lost}");
+        assert!(t.settle_writes(1).is_none(), "reported once");
+        assert!(t.post_write(1, &[at(4 * K)], &data), "posting goes on");
+        assert!(t.settle_writes(1).is_none());
+        drop(t);
+        assert_eq!(daemon.join().unwrap(), vec![0, 3 * K, 2 * K, 4 * K]);
+    }
+
+    #[test]
+    fn posted_writes_lost_with_the_lane_are_written_again_in_order_before_anything_else() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        // The lane's connection applies two writes and hangs up at the third without
+        // applying it; the next connection applies what comes.
+        let daemon = std::thread::spawn(move || {
+            let mut applied = Vec::new();
+            let (mut s, _) = listener.accept().unwrap();
+            serve_writes(&mut s, &[], Some(3), &mut applied);
+            drop(s);
+            let (mut s, _) = listener.accept().unwrap();
+            serve_writes(&mut s, &[], None, &mut applied);
+            applied
+        });
+        let t = TcpTransport::new(&addr, &secret(), RetryPolicy::default(), Arc::default());
+        let data = vec![1u8; K as usize];
+        assert!(t.post_write(9, &[at(0)], &data));
+        assert!(t.post_write(9, &[at(K)], &data));
+        assert!(t.post_write(9, &[at(2 * K)], &data));
+        // A plain write goes after the lost posted ones are written again.
+        t.write(&[at(5 * K)], &data).unwrap();
+        assert!(t.settle_writes(9).is_none(), "written again: nothing lost");
+        drop(t);
+        assert_eq!(daemon.join().unwrap(), vec![0, K, 2 * K, 5 * K]);
+    }
+
+    #[test]
+    fn a_posted_write_that_cannot_be_written_again_is_reported() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let daemon = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            serve_writes(&mut s, &[], Some(1), &mut Vec::new());
+            // The daemon is gone: no one listens any more.
+        });
+        let retry = RetryPolicy {
+            deadline: Duration::from_millis(300),
+            backoff: Duration::from_millis(20),
+        };
+        let t = TcpTransport::new(&addr, &secret(), retry, Arc::default());
+        assert!(t.post_write(4, &[at(0)], &vec![2u8; K as usize]));
+        daemon.join().unwrap();
+        let lost = t.settle_writes(4).expect("the lost write is reported");
+        assert_eq!(lost.errno(), libc::EIO, "{lost}");
     }
 
     #[test]
