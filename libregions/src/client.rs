@@ -9,7 +9,7 @@ use crate::connection::{ClientConfig, Connection};
 use crate::error::{RegionsError, Result};
 use crate::manager_client::ManagerClient;
 use crate::region::Region;
-use crate::transport::StatsSnapshot;
+use crate::transport::{StatsSnapshot, Transport};
 
 pub use regions_proto::ROOT_INO;
 
@@ -220,6 +220,21 @@ impl Client {
         self.shared
             .manager
             .mkdir(&self.shared.caller, parent, name, mode)
+    }
+
+    /// Waits until every write posted through this client's transports landed (or failed
+    /// for good; see [`Region::with_posted_writes`]).
+    pub fn wait_posted_writes(&self) {
+        for t in self.shared.transports() {
+            t.wait_writes();
+        }
+    }
+
+    /// Forgets a lost posted write of `owner`'s (its last descriptor closed).
+    pub fn forget_lost_writes(&self, owner: u64) {
+        for t in self.shared.transports() {
+            t.forget_failed_writes(owner);
+        }
     }
 
     /// Removes the region at `path`.

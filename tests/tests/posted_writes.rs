@@ -134,4 +134,9 @@ fn a_posted_write_that_never_lands_fails_fsync() {
         .expect_err("fsync succeeded over posted writes that were lost");
     assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
     assert!(t.elapsed() < Duration::from_secs(9), "{:?}", t.elapsed());
+    // And through the descriptor that wrote them, until the file is closed everywhere here.
+    let err = f
+        .sync_all()
+        .expect_err("a second fsync succeeded over lost posted writes");
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
 }

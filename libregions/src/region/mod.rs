@@ -83,8 +83,9 @@ pub struct Region {
 }
 
 /// Writes up to this size (per transport and call) are posted; larger ones take long enough
-/// on the wire that the round trip matters less than keeping a copy of their bytes.
-const POST_MAX: usize = 256 << 10;
+/// on the wire that the round trip matters less than keeping a copy of their bytes (and a
+/// daemon may hold a larger one waiting for buffer space).
+const POST_MAX: usize = 64 << 10;
 
 impl Region {
     /// A region a [`crate::Client`] opened as `caller` (the manager's open reply `info`).
@@ -138,21 +139,23 @@ impl Region {
         self
     }
 
-    /// Lets small writes to other hosts' memory return once they are sent, before the
-    /// daemon applied them (regionfs: a `write(2)` then costs no network round trip).
-    /// Everything later asked of the same daemons is applied after them, and a posted write
-    /// lost with its connection is written again first. `owner` names what is written (the
-    /// inode, for regionfs: every handle of a file reports every handle's lost writes):
-    /// [`Region::flush_posted`], which [`Region::publish`] and [`Region::close`] call, reports
-    /// a posted write that did not land (as NFS reports a failed write-behind at `fsync` or
-    /// `close`), and from then on this region publishes no size.
+    /// Lets small writes to a region held wholly on other hosts return once they are sent,
+    /// before the daemon applied them (regionfs: a `write(2)` then costs no network round
+    /// trip). Everything later asked of the same daemons through this client is applied
+    /// after them, and a posted write lost with its connection is written again first.
+    /// `owner` names what is written (the inode, for regionfs: every handle of a file
+    /// reports every handle's lost writes): [`Region::flush_posted`], which
+    /// [`Region::publish`] and [`Region::close`] call, reports a posted write that did not
+    /// land (as NFS reports a failed write-behind at `fsync` or `close`), every time until
+    /// [`crate::Client::forget_lost_writes`], and a region that reported one publishes no
+    /// size.
     pub fn with_posted_writes(mut self, owner: u64) -> Region {
         self.posting = Some(owner);
         self
     }
 
     /// Waits until every posted write of this region's owner landed; returns the first that
-    /// did not since the last call (and then every time: see [`Region::with_posted_writes`]).
+    /// did not (every time: see [`Region::with_posted_writes`]).
     pub fn flush_posted(&self) -> Result<()> {
         let Some(owner) = self.posting else {
             return Ok(());
@@ -540,9 +543,14 @@ impl Region {
             self.ensure_local(end);
             self.renew_if_due_for(offset, data.len() as u64, true)?;
             let state = self.state.read().map_err(|_| Self::poisoned())?;
+            // Only where no byte of it is on this host (which is also read through the
+            // segment, without the transport).
+            let posting = self
+                .posting
+                .filter(|_| !state.has_chunks_on(self.authority.host_id()));
             let runs = self.locate(&state, offset, data.len() as u64, true)?;
             self.each_run(&state, runs, data, |t, spans, piece: &[u8]| {
-                if let Some(owner) = self.posting
+                if let Some(owner) = posting
                     && piece.len() <= POST_MAX
                     && t.posts_writes()
                     && t.post_write(owner, spans, piece)

@@ -115,11 +115,15 @@ pub trait Transport: Send + Sync {
     }
     /// Waits until every posted write landed (or failed for good).
     fn wait_writes(&self) {}
-    /// [`Transport::wait_writes`], then returns, once, the first posted write of `owner`'s
-    /// that did not land since the last call.
+    /// [`Transport::wait_writes`], then returns the first posted write of `owner`'s that
+    /// did not land, every time until [`Transport::forget_failed_writes`].
     fn settle_writes(&self, owner: u64) -> Option<crate::error::RegionsError> {
         let _ = owner;
         None
+    }
+    /// Forgets `owner`'s failed posted write (no one writes for it any more).
+    fn forget_failed_writes(&self, owner: u64) {
+        let _ = owner;
     }
     /// Short name for logs ("tcp 127.0.0.1:7101", "local").
     fn describe(&self) -> String;

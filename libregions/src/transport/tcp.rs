@@ -803,6 +803,10 @@ impl Transport for TcpTransport {
         self.settle_posted_writes(owner)
     }
 
+    fn forget_failed_writes(&self, owner: u64) {
+        self.forget_posted_failure(owner);
+    }
+
     fn describe(&self) -> String {
         format!("tcp {}", self.addr)
     }

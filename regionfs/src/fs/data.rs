@@ -357,6 +357,12 @@ impl RegionFs {
             if let Err(e) = self.publish(&h) {
                 tracing::warn!(ino = h.ino, error = %e, "cannot record the new mtime of a written region at release; other hosts may keep stale cached pages");
             }
+            if self.handles_of(h.ino).is_empty() {
+                // Its last descriptor here closed (every writer's release reported a lost
+                // posted write, if any, which also keeps it from publishing a size): a later
+                // open starts afresh.
+                self.client.forget_lost_writes(h.ino);
+            }
             let io = r.io.lock().map(|i| *i).unwrap_or(IoMode::Direct);
             passthrough = io == IoMode::Passthrough;
             let mut inodes = self.lock_inodes();

@@ -183,11 +183,8 @@ impl RegionFs {
         }
         if change.size.is_some() {
             // Writes posted before the truncate land before it (a late one would land past
-            // the new size, or be refused once its chunk is gone). Transports are shared by
-            // every handle of this mount: one handle's region waits for all of them.
-            if let Some(Body::Region(r)) = self.handles_of(ino).first().map(|h| &h.body) {
-                r.region.wait_posted();
-            }
+            // the new size, or be refused once its chunk is gone).
+            self.client.wait_posted_writes();
         }
         let attr = match self.manager().setattr(&caller, ino, &change) {
             Ok(a) => a,

@@ -51,6 +51,8 @@ const MAX_OWED_WRITES: usize = 256;
 /// A lane connection idle this long is replaced before a post (daemons close connections
 /// idle for minutes; a post on one the daemon closed would only be written again).
 const LANE_IDLE_MAX: Duration = Duration::from_secs(30);
+/// How long a post waits to connect the lane before the write goes the usual way.
+const LANE_CONNECT: Duration = Duration::from_millis(500);
 
 /// The connection of posted requests and the replies it owes.
 #[derive(Default)]
@@ -72,13 +74,33 @@ struct LaneState {
     /// anything else goes to the daemon ([`TcpTransport::rewrite_lost`]).
     rewrite: VecDeque<Arc<PostedWrite>>,
     /// Per owner: the first posted write that did not land (refused by the daemon, or not
-    /// written again), until the owner settles.
-    failed: HashMap<u64, RegionsError>,
+    /// written again), until the owner forgets it ([`TcpTransport::forget_posted_failure`]).
+    failed: HashMap<u64, Lost>,
     /// When the lane connection last carried a request.
     last_used: Option<Instant>,
     reaper: bool,
     /// The reaper waits for a post (else it looks every tick).
     reaper_parked: bool,
+}
+
+/// A posted write that did not land: where, and why.
+struct Lost {
+    ino: u64,
+    offset: u64,
+    len: u64,
+    reason: String,
+}
+
+impl Lost {
+    fn error(&self) -> RegionsError {
+        RegionsError::WriteLost {
+            ino: self.ino,
+            offset: self.offset,
+            len: self.len,
+            errno: libc::EIO,
+            reason: self.reason.clone(),
+        }
+    }
 }
 
 /// A posted request's reply, not read yet.
@@ -103,8 +125,11 @@ impl LaneState {
     /// are to be written again ([`TcpTransport::rewrite_lost`]).
     fn fail(&mut self, addr: &str, reason: &str) {
         if let Some(conn) = self.conn.take() {
-            // Reset, not close: requests the daemon has not read yet are dropped with the
-            // connection rather than applied after they are written again elsewhere.
+            // Reset, not close, once the reaper's copy goes too: requests still in the
+            // daemon's socket buffer are then dropped rather than applied after they are
+            // written again elsewhere (one the daemon already read may still be applied
+            // late: posted writes are at most 64 KiB, which a daemon never holds waiting for
+            // buffer space, so that takes a daemon stalled for the whole retry bound).
             let off = nix::sys::socket::sockopt::Linger;
             let _ = nix::sys::socket::setsockopt(
                 &conn.stream,
@@ -147,15 +172,12 @@ impl LaneState {
 
     /// Records that posted `write` did not land, and why (its owner's first failure counts).
     fn note_failed(&mut self, write: &PostedWrite, reason: String) {
-        self.failed
-            .entry(write.owner)
-            .or_insert_with(|| RegionsError::WriteLost {
-                ino: write.spans.first().map_or(0, |s| s.ino),
-                offset: write.spans.first().map_or(0, |s| s.region_offset),
-                len: write.data.len() as u64,
-                errno: libc::EIO,
-                reason,
-            });
+        self.failed.entry(write.owner).or_insert_with(|| Lost {
+            ino: write.spans.first().map_or(0, |s| s.ino),
+            offset: write.spans.first().map_or(0, |s| s.region_offset),
+            len: write.data.len() as u64,
+            reason,
+        });
     }
 
     /// Reads the oldest owed reply and settles it.
@@ -282,7 +304,9 @@ impl TcpTransport {
             });
         }
         let mut st = self.lane.lock();
-        self.open_lane(&mut st)?;
+        // Behind posted writes a broken lane lost, like everything else.
+        self.rewrite_lost(&mut st);
+        self.open_lane(&mut st, self.retry.deadline)?;
         let (header, payload) = atomic_header(self, op, at, operands);
         let sent = match st.conn.as_mut() {
             Some(conn) => send(&mut conn.stream, &header, &[&payload]),
@@ -306,13 +330,13 @@ impl TcpTransport {
         Ok(())
     }
 
-    /// Connects the lane if it has no connection.
-    fn open_lane(&self, st: &mut LaneState) -> Result<()> {
+    /// Connects the lane (within `timeout`) if it has no connection.
+    fn open_lane(&self, st: &mut LaneState, timeout: Duration) -> Result<()> {
         if st.conn.is_none() {
             let conn = match self.idle.lock().ok().and_then(|mut idle| idle.pop()) {
                 Some(conn) => conn,
                 None => self
-                    .connect(self.retry.deadline, self.retry.deadline)
+                    .connect(timeout, self.retry.deadline)
                     .map_err(|f| self.failure_error(f))?,
             };
             st.watch = conn.stream.try_clone().ok().map(Arc::new);
@@ -350,15 +374,18 @@ impl TcpTransport {
         }
         let mut st = self.lane.lock();
         self.rewrite_lost(&mut st);
+        if st.failed.contains_key(&owner) {
+            // A write of its was lost: its later writes go the usual way (which refreshes a
+            // stale map), so that only the lost one is lost.
+            return false;
+        }
         if st.owed.is_empty() && st.last_used.is_some_and(|at| at.elapsed() > LANE_IDLE_MAX) {
             st.conn = None;
             st.watch = None;
         }
-        if let Err(e) = self.open_lane(&mut st) {
-            // Unreachable for the whole retry bound: the caller's own write fails at once
-            // instead of waiting that long again.
+        if let Err(e) = self.open_lane(&mut st, LANE_CONNECT) {
+            // The caller's write goes the usual way, with the usual retries.
             tracing::debug!(addr = %self.addr, error = %e, "cannot connect the lane");
-            self.mark_down();
             return false;
         }
         let write = Arc::new(PostedWrite {
@@ -434,11 +461,16 @@ impl TcpTransport {
         self.rewrite_lost(&mut st);
     }
 
-    /// Waits for the posted writes ([`Self::wait_posted_writes`]) and returns, once, the
-    /// first of `owner`'s that did not land since it last asked.
+    /// Waits for the posted writes ([`Self::wait_posted_writes`]) and returns the first of
+    /// `owner`'s that did not land, until [`Self::forget_posted_failure`].
     pub(super) fn settle_posted_writes(&self, owner: u64) -> Option<RegionsError> {
         self.wait_posted_writes();
-        self.lane.lock().failed.remove(&owner)
+        self.lane.lock().failed.get(&owner).map(Lost::error)
+    }
+
+    /// Forgets the failed posted write of `owner`'s (its last writer closed).
+    pub(super) fn forget_posted_failure(&self, owner: u64) {
+        self.lane.lock().failed.remove(&owner);
     }
 
     /// Runs an atomic behind the posted ones when replies are owed (`None`: none are; use
@@ -697,7 +729,7 @@ mod tests {
     const K: u64 = 64 << 10;
 
     #[test]
-    fn a_refused_posted_write_is_reported_to_its_owner_once() {
+    fn a_refused_posted_write_is_reported_to_its_owner_until_forgotten() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let daemon = std::thread::spawn(move || {
@@ -719,11 +751,21 @@ mod tests {
             .expect("owner 1 hears of its refused write");
         assert_eq!(lost.errno(), libc::EIO, "{lost}");
         assert!(lost.to_string().contains("stale map"), "{lost}");
-        assert!(t.settle_writes(1).is_none(), "reported once");
-        assert!(t.post_write(1, &[at(4 * K)], &data), "posting goes on");
+        assert!(t.settle_writes(1).is_some(), "reported again");
+        assert!(
+            !t.post_write(1, &[at(4 * K)], &data),
+            "owner 1's later writes go the usual way"
+        );
+        assert!(
+            t.post_write(2, &[at(5 * K)], &data),
+            "owner 2 keeps posting"
+        );
+        t.forget_failed_writes(1);
+        assert!(t.settle_writes(1).is_none(), "forgotten");
+        assert!(t.post_write(1, &[at(4 * K)], &data), "posting again");
         assert!(t.settle_writes(1).is_none());
         drop(t);
-        assert_eq!(daemon.join().unwrap(), vec![0, 3 * K, 2 * K, 4 * K]);
+        assert_eq!(daemon.join().unwrap(), vec![0, 3 * K, 2 * K, 5 * K, 4 * K]);
     }
 
     #[test]
