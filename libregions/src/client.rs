@@ -222,12 +222,16 @@ impl Client {
             .mkdir(&self.shared.caller, parent, name, mode)
     }
 
-    /// Waits until every write posted through this client's transports landed (or failed
-    /// for good; see [`Region::with_posted_writes`]).
-    pub fn wait_posted_writes(&self) {
+    /// Waits until every write posted through this client landed, and returns the first of
+    /// `owner`'s that did not (until [`Client::forget_lost_writes`]).
+    pub fn settle_posted_writes(&self, owner: u64) -> Result<()> {
+        let mut first = None;
         for t in self.shared.transports() {
-            t.wait_writes();
+            if let Some(e) = t.settle_writes(owner) {
+                first.get_or_insert(e);
+            }
         }
+        first.map_or(Ok(()), Err)
     }
 
     /// Forgets a lost posted write of `owner`'s (its last descriptor closed).

@@ -97,6 +97,7 @@ fn a_posted_write_that_never_lands_fails_fsync() {
         .write(true)
         .open(m1.path("doomed"))
         .unwrap();
+    let reader = std::fs::File::open(m1.path("doomed")).unwrap();
     let mut storage = Vec::new();
     aligned(&mut storage, BLOCK).fill(0x5a);
     // Posting works while the daemon lives (the lane connection is up).
@@ -134,9 +135,14 @@ fn a_posted_write_that_never_lands_fails_fsync() {
         .expect_err("fsync succeeded over posted writes that were lost");
     assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
     assert!(t.elapsed() < Duration::from_secs(9), "{:?}", t.elapsed());
-    // And through the descriptor that wrote them, until the file is closed everywhere here.
+    // And through the descriptor that wrote them, and a read-only one, until the file is
+    // closed everywhere here.
     let err = f
         .sync_all()
         .expect_err("a second fsync succeeded over lost posted writes");
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    let err = reader
+        .sync_all()
+        .expect_err("fsync of a read-only descriptor hid the lost posted writes");
     assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
 }

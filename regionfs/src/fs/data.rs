@@ -283,7 +283,8 @@ impl RegionFs {
             Body::Pseudo(_) => return Ok(()),
         };
         if !r.write {
-            return Ok(());
+            // A lost posted write of the file is reported through any descriptor.
+            return Ok(self.client.settle_posted_writes(h.ino)?);
         }
         // This handle's posted writes land (or fail) before any size covers them.
         r.region.flush_posted()?;
@@ -342,27 +343,33 @@ impl RegionFs {
 
     /// The last reference to an open file went away.
     pub fn release(&self, fh: u64) -> FsResult<Released> {
-        let h = self
-            .handles
-            .write()
-            .ok()
-            .and_then(|mut m| {
-                let removed = m.remove(&fh);
-                metrics::gauge!("regions_fuse_open_handles").set(m.len() as f64);
-                removed
-            })
-            .ok_or_else(|| FsError::BadHandle(format!("file handle {fh} is not open")))?;
-        let mut passthrough = false;
-        if let Body::Region(r) = &h.body {
-            if let Err(e) = self.publish(&h) {
-                tracing::warn!(ino = h.ino, error = %e, "cannot record the new mtime of a written region at release; other hosts may keep stale cached pages");
+        let h = self.handle(fh)?;
+        if matches!(h.body, Body::Region(_))
+            && let Err(e) = self.publish(&h)
+        {
+            tracing::warn!(ino = h.ino, error = %e, "cannot record the new mtime of a written region at release; other hosts may keep stale cached pages");
+        }
+        // Published (or refused) while still listed, so that a concurrent release of the
+        // file's other handle does not take it for the last one before this one reported a
+        // lost posted write.
+        {
+            let mut m = self
+                .handles
+                .write()
+                .map_err(|_| FsError::BadHandle(format!("file handle {fh}: lock poisoned")))?;
+            if m.remove(&fh).is_none() {
+                return Err(FsError::BadHandle(format!("file handle {fh} is not open")));
             }
-            if self.handles_of(h.ino).is_empty() {
-                // Its last descriptor here closed (every writer's release reported a lost
-                // posted write, if any, which also keeps it from publishing a size): a later
-                // open starts afresh.
+            metrics::gauge!("regions_fuse_open_handles").set(m.len() as f64);
+            if matches!(h.body, Body::Region(_)) && !m.values().any(|x| x.ino == h.ino) {
+                // Its last descriptor here closed, and each writer's release reported a lost
+                // posted write, if any (which also keeps it from publishing a size): a later
+                // open starts afresh. Under the lock: no open of the file comes between.
                 self.client.forget_lost_writes(h.ino);
             }
+        }
+        let mut passthrough = false;
+        if let Body::Region(r) = &h.body {
             let io = r.io.lock().map(|i| *i).unwrap_or(IoMode::Direct);
             passthrough = io == IoMode::Passthrough;
             let mut inodes = self.lock_inodes();

@@ -183,8 +183,9 @@ impl RegionFs {
         }
         if change.size.is_some() {
             // Writes posted before the truncate land before it (a late one would land past
-            // the new size, or be refused once its chunk is gone).
-            self.client.wait_posted_writes();
+            // the new size, or be refused once its chunk is gone); if one of the file's was
+            // lost, no size covers it.
+            self.client.settle_posted_writes(ino)?;
         }
         let attr = match self.manager().setattr(&caller, ino, &change) {
             Ok(a) => a,
