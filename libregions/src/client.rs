@@ -225,13 +225,12 @@ impl Client {
     /// Waits until every write posted through this client landed, and returns the first of
     /// `owner`'s that did not (until [`Client::forget_lost_writes`]).
     pub fn settle_posted_writes(&self, owner: u64) -> Result<()> {
-        let mut first = None;
-        for t in self.shared.transports() {
-            if let Some(e) = t.settle_writes(owner) {
-                first.get_or_insert(e);
-            }
-        }
-        first.map_or(Ok(()), Err)
+        let transports = self
+            .shared
+            .transports()
+            .into_iter()
+            .map(|t| t as Arc<dyn Transport>);
+        crate::transport::first_lost_write(transports, owner).map_or(Ok(()), Err)
     }
 
     /// Forgets a lost posted write of `owner`'s (its last descriptor closed).

@@ -160,13 +160,7 @@ impl Region {
         let Some(owner) = self.posting else {
             return Ok(());
         };
-        let mut first = None;
-        for t in self.authority.transports() {
-            if let Some(e) = t.settle_writes(owner) {
-                first.get_or_insert(e);
-            }
-        }
-        if let Some(e) = first {
+        if let Some(e) = crate::transport::first_lost_write(self.authority.transports(), owner) {
             self.lost_write.store(true, Ordering::Relaxed);
             self.tail_unsure.store(true, Ordering::Relaxed);
             return Err(e);

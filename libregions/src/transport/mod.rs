@@ -38,17 +38,19 @@ pub struct PostedWrite {
     pub data: Vec<u8>,
 }
 
-impl PostedWrite {
-    /// Each span's place in its region and its bytes.
-    pub fn pieces(&self) -> impl Iterator<Item = (u64, &[u8])> {
-        let mut at = 0usize;
-        self.spans.iter().map(move |s| {
-            let n = s.len as usize;
-            let piece = (s.region_offset, &self.data[at..at + n]);
-            at += n;
-            piece
-        })
+/// Settles the posted writes on every one of `transports` and returns the first of
+/// `owner`'s that did not land ([`Transport::settle_writes`]).
+pub(crate) fn first_lost_write(
+    transports: impl IntoIterator<Item = std::sync::Arc<dyn Transport>>,
+    owner: u64,
+) -> Option<crate::error::RegionsError> {
+    let mut first = None;
+    for t in transports {
+        if let Some(e) = t.settle_writes(owner) {
+            first.get_or_insert(e);
+        }
     }
+    first
 }
 
 /// Where the outcome of a posted atomic goes. It runs on whichever thread reads the reply
