@@ -255,75 +255,215 @@ fn markdirty_zero_never_fetches_and_msync_publishes() {
 }
 
 /// `rclearcache` over a region that a sequential reader streams through (read-ahead installs
-/// ahead of it all the time): every page still reads right and the reader never gets stuck on
-/// a page dropped while it was being installed.
+/// ahead of it all the time): every page still reads right, the reader never gets stuck on a
+/// page dropped while it was being installed, and once the clearing stops a last pass over the
+/// region finishes (a page left marked present but dropped would fault forever, since no later
+/// `rclearcache` resets it).
 #[test]
 fn clearcache_during_read_ahead_never_strands_a_reader() {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
     let s = setup();
     let len = 48 << 20;
-    // Passes over the region: at least MIN_PASSES, and on until CLEARS rclearcache calls
-    // ran during them (at most MAX_PASSES).
-    const MIN_PASSES: usize = 10;
-    const MAX_PASSES: usize = 400;
-    const CLEARS: usize = 50;
+    // Cycles of passes: while rclearcache runs every millisecond (at least three calls), on
+    // until part of the way through a pass, then the rest of it and a whole pass with no
+    // clearing.
+    const CYCLES: usize = 20;
     create(&s.m2.path("ra"), &pattern(len));
     let file = std::fs::File::open(s.m1.path("ra")).unwrap();
     let m = mapping::map_fd(file.as_fd()).expect("map");
+    // Odd: clear; even: the reader asks for quiet, and the clearer acknowledges it in `quiet`
+    // between two calls.
+    let phase = Arc::new(AtomicUsize::new(0));
+    let quiet = Arc::new(AtomicUsize::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let clears = Arc::new(AtomicUsize::new(0));
     let progress = Arc::new(AtomicUsize::new(0));
-    let (done_tx, done_rx) = channel::<Result<usize, String>>();
+    let (done_tx, done_rx) = channel::<Result<(), String>>();
     let reader = {
-        let (m, progress, clears) = (Arc::clone(&m), Arc::clone(&progress), Arc::clone(&clears));
+        let (m, progress, phase, quiet, clears) = (
+            Arc::clone(&m),
+            Arc::clone(&progress),
+            Arc::clone(&phase),
+            Arc::clone(&quiet),
+            Arc::clone(&clears),
+        );
         std::thread::spawn(move || {
-            let mut pass = 0;
-            while pass < MIN_PASSES || (clears.load(Relaxed) < CLEARS && pass < MAX_PASSES) {
-                for off in (0..len).step_by(4096) {
-                    progress.store(pass * len + off, Relaxed);
+            let pass = |n: usize, from: usize, to: usize| -> Result<(), String> {
+                for off in (from..to).step_by(4096) {
+                    progress.store(n * len + off, Relaxed);
                     let got = read_word(&m, off);
                     if got != word(off) {
-                        let _ = done_tx.send(Err(format!(
-                            "pass {pass}: word at {off:#x} reads {got:#x}, not {:#x}",
+                        return Err(format!(
+                            "pass {n}: word at {off:#x} reads {got:#x}, not {:#x}",
                             word(off)
-                        )));
-                        return;
+                        ));
                     }
                 }
-                pass += 1;
-            }
-            let _ = done_tx.send(Ok(pass));
+                Ok(())
+            };
+            let cycles = || -> Result<(), String> {
+                for cycle in 0..CYCLES {
+                    // Passes while the clearer runs (at least three of its calls), on until
+                    // part of the way through one more.
+                    let mid = (len / 4 + (cycle * 7 % 16) * (len / 32)) & !4095;
+                    phase.store(2 * cycle + 1, Relaxed);
+                    let before = clears.load(Relaxed);
+                    while clears.load(Relaxed) < before + 3 {
+                        pass(2 * cycle, 0, len)?;
+                    }
+                    pass(2 * cycle, 0, mid)?;
+                    phase.store(2 * cycle + 2, Relaxed);
+                    let asked = Instant::now();
+                    while quiet.load(Relaxed) != 2 * cycle + 2 {
+                        if asked.elapsed() > Duration::from_secs(20) {
+                            return Err("the clearer never went quiet".into());
+                        }
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    // The last drops, by the reader itself, with no later rclearcache to mend
+                    // what they leave: the rest of the region (so that reading on faults and
+                    // starts read-ahead), then a few times the range just ahead of the reader,
+                    // where read-ahead is installing right then. Then the rest of the pass, and
+                    // a whole pass.
+                    m.clearcache(m.base().wrapping_add(mid), len - mid)
+                        .map_err(|e| format!("rclearcache: {e}"))?;
+                    let mut at = mid;
+                    for _ in 0..3 {
+                        let next = (at + (2 << 20)).min(len);
+                        pass(2 * cycle, at, next)?;
+                        let (from, to) =
+                            ((next + (2 << 20)).min(len), (next + (18 << 20)).min(len));
+                        if to > from {
+                            m.clearcache(m.base().wrapping_add(from), to - from)
+                                .map_err(|e| format!("rclearcache: {e}"))?;
+                        }
+                        at = next;
+                    }
+                    pass(2 * cycle, at, len)?;
+                    pass(2 * cycle + 1, 0, len)?;
+                }
+                Ok(())
+            };
+            let _ = done_tx.send(cycles());
         })
     };
     let clearer = {
-        let (m, stop, clears) = (Arc::clone(&m), Arc::clone(&stop), Arc::clone(&clears));
+        let (m, stop, clears, phase, quiet, progress) = (
+            Arc::clone(&m),
+            Arc::clone(&stop),
+            Arc::clone(&clears),
+            Arc::clone(&phase),
+            Arc::clone(&quiet),
+            Arc::clone(&progress),
+        );
         std::thread::spawn(move || {
             while !stop.load(Relaxed) {
-                m.clearcache(m.base(), m.len()).expect("clearcache");
-                clears.fetch_add(1, Relaxed);
-                std::thread::sleep(Duration::from_millis(2));
+                let now = phase.load(Relaxed);
+                if now % 2 == 1 {
+                    // The whole mapping, or the few MiB just ahead of the reader (where
+                    // read-ahead installs right now: a short drop lands inside an install).
+                    let n = clears.fetch_add(1, Relaxed);
+                    let (from, to) = if n % 2 == 0 {
+                        (0, len)
+                    } else {
+                        let at = (progress.load(Relaxed) % len) & !4095;
+                        ((at + (4 << 20)).min(len), (at + (20 << 20)).min(len))
+                    };
+                    m.clearcache(m.base().wrapping_add(from), to - from)
+                        .expect("clearcache");
+                } else {
+                    quiet.store(now, Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(1));
             }
         })
     };
-    let result = done_rx.recv_timeout(Duration::from_secs(90));
+    let result = done_rx.recv_timeout(Duration::from_secs(60));
     stop.store(true, Relaxed);
     clearer.join().expect("clearer thread");
     let n = clears.load(Relaxed);
-    let passes = match result {
-        Ok(Ok(passes)) => passes,
+    match result {
+        Ok(Ok(())) => {}
         Ok(Err(e)) => panic!("{e}"),
         Err(_) => panic!(
-            "the reader did not finish its passes in 90 s: stuck on a fault at byte {} of the \
+            "the reader did not finish its passes in 60 s: stuck on a fault at byte {} of the \
              passes ({n} rclearcache calls)",
             progress.load(Relaxed)
         ),
-    };
+    }
     reader.join().expect("reader thread");
-    assert!(
-        n >= CLEARS,
-        "only {n} rclearcache calls ran during {passes} passes of the reader"
-    );
+    assert!(n >= 3 * CYCLES, "only {n} rclearcache calls ran");
+    mapping::unmap(m.base()).unwrap();
+}
+
+/// Pages `rclearcache` drops while read-ahead installs them can be marked dirty, written and
+/// written back right after: `rmarkdirty` of a range, a write to every page and `rmsync`
+/// finish, and a fresh reader on the holder sees exactly those writes.
+#[test]
+fn markdirty_and_msync_after_clearcache_under_read_ahead() {
+    let s = setup();
+    let len = 24 << 20;
+    const CYCLES: u64 = 10;
+    create(&s.m2.path("rw"), &pattern(len));
+    let (_file, m) = map_read_write(s.m1.path("rw"));
+    let (done_tx, done_rx) = channel::<Result<(), String>>();
+    let writer = {
+        let m = std::sync::Arc::clone(&m);
+        std::thread::spawn(move || {
+            let run = || -> Result<(), String> {
+                for cycle in 1..=CYCLES {
+                    // Read and write on, dropping the range just ahead (where read-ahead
+                    // installs) every MiB, while read-ahead runs.
+                    m.clearcache(m.base(), len)
+                        .map_err(|e| format!("rclearcache: {e}"))?;
+                    for at in (0..len).step_by(1 << 20) {
+                        for off in (at..at + (1 << 20)).step_by(4096) {
+                            read_word(&m, off);
+                            // SAFETY: an aligned word inside the live read-write mapping.
+                            unsafe {
+                                std::ptr::write_volatile(
+                                    m.base().add(off).cast::<u64>(),
+                                    cycle + 1000,
+                                )
+                            };
+                        }
+                        let (from, to) = ((at + (2 << 20)).min(len), (at + (14 << 20)).min(len));
+                        if to > from {
+                            m.clearcache(m.base().wrapping_add(from), to - from)
+                                .map_err(|e| format!("rclearcache: {e}"))?;
+                        }
+                    }
+                    m.markdirty(m.base(), len, false)
+                        .map_err(|e| format!("rmarkdirty: {e}"))?;
+                    for off in (0..len).step_by(4096) {
+                        // SAFETY: an aligned word inside the live read-write mapping.
+                        unsafe { std::ptr::write_volatile(m.base().add(off).cast::<u64>(), cycle) };
+                    }
+                    m.msync(m.base(), len).map_err(|e| format!("rmsync: {e}"))?;
+                }
+                Ok(())
+            };
+            let _ = done_tx.send(run());
+        })
+    };
+    match done_rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => panic!("{e}"),
+        Err(_) => panic!("read, rclearcache, rmarkdirty, writes and rmsync did not finish in 60 s"),
+    }
+    writer.join().expect("writer thread");
+    let reader = Region::open_path(&s.m2.path("rw"), false).expect("fresh reader");
+    let mut got = vec![0u8; len];
+    assert_eq!(reader.read_at(0, &mut got).unwrap(), len);
+    for off in (0..len).step_by(4096) {
+        let first = u64::from_le_bytes(got[off..off + 8].try_into().unwrap());
+        assert_eq!(first, CYCLES, "the last write to the page at {off:#x}");
+        for w in (off + 8..off + 4096).step_by(8) {
+            let v = u64::from_le_bytes(got[w..w + 8].try_into().unwrap());
+            assert_eq!(v, word(w), "untouched word at {w:#x}");
+        }
+    }
     mapping::unmap(m.base()).unwrap();
 }
 

@@ -44,8 +44,8 @@ pub const DEFAULT_PREFETCH_PAGES: usize = 16;
 const MIN_RESERVATION: usize = 256 << 20;
 /// Background read-ahead of sequential access, in prefetch windows ...
 const READ_AHEAD: usize = 256;
-/// ... fetched in jobs of this many windows.
-const READ_AHEAD_PIECE: usize = 16;
+/// ... fetched in jobs of at most this many windows, aligned to that size in the address space.
+const READ_AHEAD_PIECE: usize = 32;
 /// Pages per chunk.
 const CHUNK_PAGES: usize = (CHUNK_SIZE as usize) / PAGE;
 
@@ -56,6 +56,9 @@ const CLEAN: u8 = 2;
 const DIRTY: u8 = 3;
 const SYNCING: u8 = 4;
 const LOST: u8 = 5;
+/// Being fetched, and dropped by `rclearcache` meanwhile: the fetcher drops what it installed
+/// and makes the pages missing again.
+const DROPPED: u8 = 6;
 
 static PREFETCH: AtomicUsize = AtomicUsize::new(0);
 
@@ -722,49 +725,80 @@ impl Mapping {
         });
         let pages = self.pages.read().map_err(|_| poisoned())?;
         if let Err(e) = fetched {
-            for &(a, b) in runs {
-                for s in &pages[a..b] {
-                    s.store(MISSING, Ordering::Release);
-                }
-                // Threads that faulted on these pages while they were claimed wait for this
-                // fetch: wake them so that they fault again and get served (or SIGBUS).
-                faults.wake(self.base + a * PAGE, (b - a) * PAGE);
-            }
+            // Threads that faulted on these pages while they were claimed wait for this
+            // fetch: they fault again and get served (or SIGBUS).
+            self.release_claims(faults, &pages, runs);
             return Err(e);
         }
         let mut at = 0usize;
         for (k, &(a, b)) in runs.iter().enumerate() {
             let n = (b - a) * PAGE;
-            // Publish the state before the install wakes the faulting threads. (Kept CLEAN
-            // during the install rather than FETCHING: rclearcache resets CLEAN pages after
-            // it drops them, so a page it drops under an install is fetched again.)
-            for s in &pages[a..b] {
-                s.store(CLEAN, Ordering::Release);
-            }
-            if let Err((done, e)) =
-                faults.install(self.base + a * PAGE, &buf[at..at + n], self.write)
-            {
+            // The pages stay FETCHING through the install: a thread that faults on one of
+            // them meanwhile waits for the install's wake-up instead of faulting again and
+            // again. They become CLEAN once they are there.
+            let installed = faults.install(self.base + a * PAGE, &buf[at..at + n], self.write);
+            let upto = match &installed {
+                Ok(()) => b,
+                Err((done, _)) => a + done / PAGE,
+            };
+            self.settle_install(faults, &pages, a, upto, CLEAN);
+            if let Err((_, e)) = installed {
                 tracing::warn!(ino = self.ino(), error = %e, "cannot install fetched pages");
                 // The pages not installed, in this run and the ones after it, are missing
                 // again, and their waiters fault again.
-                let installed = a + done / PAGE;
-                for (j, &(a, b)) in runs[k..].iter().enumerate() {
-                    let (from, was) = if j == 0 {
-                        (installed, CLEAN)
-                    } else {
-                        (a, FETCHING)
-                    };
-                    for s in &pages[from..b] {
-                        let _ =
-                            s.compare_exchange(was, MISSING, Ordering::AcqRel, Ordering::Acquire);
-                    }
-                    faults.wake(self.base + a * PAGE, (b - a) * PAGE);
-                }
+                let mut rest = vec![(upto, b)];
+                rest.extend_from_slice(&runs[k + 1..]);
+                self.release_claims(faults, &pages, &rest);
                 return Err(io_err("installing fetched pages", e));
             }
             at += n;
         }
         Ok(())
+    }
+
+    /// Gives back claimed pages that were not installed (FETCHING, or DROPPED by `rclearcache`):
+    /// missing again, and the threads waiting there fault again.
+    fn release_claims(&self, faults: &Faults, pages: &[AtomicU8], runs: &[(usize, usize)]) {
+        for &(a, b) in runs {
+            for s in &pages[a..b] {
+                give_back(s);
+            }
+            faults.wake(self.base + a * PAGE, (b - a) * PAGE);
+        }
+    }
+
+    /// Ends the claim on pages `[a, upto)` that were just installed: FETCHING pages become
+    /// `to`; pages `rclearcache` dropped meanwhile (DROPPED) are dropped again (some may have
+    /// been installed after its drop, from bytes fetched before it) and become missing. Then
+    /// wakes the threads waiting there, which find the pages there or fault again.
+    fn settle_install(&self, faults: &Faults, pages: &[AtomicU8], a: usize, upto: usize, to: u8) {
+        let mut p = a;
+        while p < upto {
+            if pages[p]
+                .compare_exchange(FETCHING, to, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+                || pages[p].load(Ordering::Acquire) != DROPPED
+            {
+                p += 1;
+                continue;
+            }
+            let mut end = p + 1;
+            while end < upto && pages[end].load(Ordering::Acquire) == DROPPED {
+                end += 1;
+            }
+            // Nobody else touches DROPPED pages: drop first, then give them back, so that an
+            // install after they are missing again is never dropped.
+            if let Err(e) = sys::drop_pages((self.base + p * PAGE) as *mut u8, (end - p) * PAGE) {
+                tracing::warn!(ino = self.ino(), error = %e, "cannot drop pages rclearcache dropped under an install");
+            }
+            for s in &pages[p..end] {
+                let _ = s.compare_exchange(DROPPED, MISSING, Ordering::AcqRel, Ordering::Acquire);
+            }
+            p = end;
+        }
+        // A thread that faulted between the install's wake-up and now saw the page FETCHING
+        // or DROPPED and waits for this.
+        faults.wake(self.base + a * PAGE, upto.saturating_sub(a) * PAGE);
     }
 
     /// Serves a missing fault at page `p`.
@@ -787,26 +821,38 @@ impl Mapping {
             || (state == FETCHING && p < frontier && p + READ_AHEAD * window >= frontier);
         if sequential && window > 1 {
             let start = frontier.max(window_end);
-            let ahead = (window * READ_AHEAD).min(total.saturating_sub(start));
-            if ahead > 0 {
-                self.frontier.store(start + ahead, Ordering::Relaxed);
-                // In pieces, so that the read-ahead threads fetch in parallel.
-                let piece = window * READ_AHEAD_PIECE;
+            // In pieces, so that the read-ahead threads fetch in parallel, each aligned to its
+            // size in the address space: two threads installing into one page table contend
+            // for its lock.
+            let piece = window * READ_AHEAD_PIECE;
+            let abs = self.base / PAGE;
+            let end =
+                ((abs + start + window * READ_AHEAD).div_ceil(piece) * piece - abs).min(total);
+            // One fault takes the frontier forward (another one at the same time, or an
+            // `rclearcache` pulling it back, wins instead).
+            if end > start
+                && self
+                    .frontier
+                    .compare_exchange(frontier, end, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+            {
                 let mut at = start;
-                while at < start + ahead {
-                    let n = piece.min(start + ahead - at);
+                while at < end {
+                    let next = (((abs + at) / piece + 1) * piece - abs).min(end);
                     faults.submit(Job::Prefetch {
                         addr: self.base + at * PAGE,
-                        len: n * PAGE,
+                        len: (next - at) * PAGE,
                     });
-                    at += n;
+                    at = next;
                 }
             }
         }
         match state {
             MISSING => {}
-            // Another thread is fetching it: its install wakes this one.
-            FETCHING => return,
+            // Another thread is fetching it: its install (or its end) wakes this one.
+            FETCHING | DROPPED => return,
+            // There (a stale event), or dropped by `rclearcache`, which marks it missing before
+            // it lets anything else use the page.
             _ => return faults.wake(self.base + p * PAGE, PAGE),
         }
         self.next_sequential.store(window_end, Ordering::Relaxed);
@@ -837,15 +883,81 @@ impl Mapping {
 
     /// Serves a write to a write-protected page `p`: it becomes dirty.
     fn fault_write(&self, faults: &Faults, p: usize) {
-        if let Ok(pages) = self.pages.read()
-            && let Some(s) = pages.get(p)
-        {
-            s.store(DIRTY, Ordering::Release);
+        let at = self.base + p * PAGE;
+        let Ok(pages) = self.pages.read() else {
+            // Poisoned by a panic elsewhere: let the store land (it is not tracked).
+            if let Err(e) = faults.unprotect(at, PAGE) {
+                tracing::warn!(error = %e, "cannot lift write protection");
+                faults.wake(at, PAGE);
+            }
+            return;
+        };
+        let Some(s) = pages.get(p) else {
+            return faults.wake(at, PAGE);
+        };
+        match s.load(Ordering::Acquire) {
+            CLEAN | SYNCING | DIRTY => {
+                if let Err(e) = self.make_dirty(faults, &pages, p, p + 1) {
+                    tracing::warn!(ino = self.ino(), error = %e, "cannot lift write protection");
+                    faults.wake(at, PAGE);
+                }
+            }
+            // Claimed by a fetch (installed and not yet settled, or a stale event): the settle
+            // wakes the store, which then finds the page CLEAN (or missing, if `rclearcache`
+            // dropped it: letting the store land now would lose it to that drop).
+            FETCHING | DROPPED => {}
+            // Dropped meanwhile (the event is stale: the retried store faults as missing), or
+            // there with bytes an install brought in while `rclearcache` ran: drop it, so the
+            // retried store fetches it afresh.
+            MISSING => {
+                if s.compare_exchange(MISSING, FETCHING, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    if let Err(e) = sys::drop_pages(at as *mut u8, PAGE) {
+                        tracing::warn!(ino = self.ino(), error = %e, "cannot drop a stale page");
+                    }
+                    give_back(s);
+                }
+                faults.wake(at, PAGE);
+            }
+            // LOST: its mapping raises SIGBUS.
+            _ => faults.wake(at, PAGE),
         }
-        if let Err(e) = faults.unprotect(self.base + p * PAGE, PAGE) {
-            tracing::warn!(ino = self.ino(), error = %e, "cannot lift write protection");
-            faults.wake(self.base + p * PAGE, PAGE);
+    }
+
+    /// Lets stores to pages `[a, b)` (there, and CLEAN, SYNCING or DIRTY) land and records
+    /// them dirty. The protection is lifted first and the pages marked DIRTY after: an `msync`
+    /// meanwhile either finds a page dirty or protects it again before it is marked (a store
+    /// then faults once more). A page that went through `rclearcache` meanwhile is protected
+    /// again.
+    fn make_dirty(
+        &self,
+        faults: &Faults,
+        pages: &[AtomicU8],
+        a: usize,
+        b: usize,
+    ) -> std::io::Result<()> {
+        faults.unprotect(self.base + a * PAGE, (b - a) * PAGE)?;
+        for (p, s) in pages.iter().enumerate().take(b).skip(a) {
+            loop {
+                let v = s.load(Ordering::Acquire);
+                match v {
+                    DIRTY => break,
+                    CLEAN | SYNCING => {
+                        if s.compare_exchange(v, DIRTY, Ordering::AcqRel, Ordering::Acquire)
+                            .is_ok()
+                        {
+                            break;
+                        }
+                    }
+                    _ => {
+                        let _ = faults.protect(self.base + p * PAGE, PAGE);
+                        break;
+                    }
+                }
+            }
         }
+        Ok(())
     }
 
     /// Fetches the missing remote pages of `[addr, addr + len)`; with `sync` before returning,
@@ -880,7 +992,14 @@ impl Mapping {
             if !self.is_remote(a) {
                 continue;
             }
-            let addr = self.region.chunk((a / CHUNK_PAGES) as u64)?.addr;
+            let addr = match self.region.chunk((a / CHUNK_PAGES) as u64) {
+                Ok(loc) => loc.addr,
+                Err(e) => {
+                    let pages = self.pages.read().map_err(|_| poisoned())?;
+                    self.release_claims(&faults, &pages, &batch);
+                    return Err(e);
+                }
+            };
             if batch_addr.as_ref().is_some_and(|x| *x != addr) {
                 self.fetch_runs(&faults, &std::mem::take(&mut batch))?;
             }
@@ -909,8 +1028,8 @@ impl Mapping {
             self.fetch_range(first, last)?;
         }
         let zeros = vec![0u8; CHUNK_SIZE as usize];
-        let pages = self.pages.read().map_err(|_| poisoned())?;
-        let last = last.min(pages.len());
+        let mut pages = self.pages.read().map_err(|_| poisoned())?;
+        let mut last = last.min(pages.len());
         let mut p = first;
         while p < last {
             if !self.is_remote(p) {
@@ -923,7 +1042,7 @@ impl Mapping {
                     .compare_exchange(MISSING, FETCHING, Ordering::AcqRel, Ordering::Acquire)
                     .is_ok()
             {
-                // A run of missing pages inside this chunk: zero pages, writable, dirty.
+                // A run of missing pages inside this chunk: zero pages, dirty and writable.
                 let chunk_end = ((p / CHUNK_PAGES + 1) * CHUNK_PAGES).min(last);
                 let mut end = p + 1;
                 while end < chunk_end
@@ -933,43 +1052,47 @@ impl Mapping {
                 {
                     end += 1;
                 }
-                for s in &pages[p..end] {
-                    s.store(DIRTY, Ordering::Release);
+                // Installed write-protected, FETCHING through the install (threads faulting
+                // there wait for it), then DIRTY, and then writable (like any page made dirty:
+                // a page `rclearcache` dropped meanwhile is never left writable and untracked);
+                // the pages not installed are missing again, and their waiters fault again.
+                let installed =
+                    faults.install(self.base + p * PAGE, &zeros[..(end - p) * PAGE], true);
+                let upto = match &installed {
+                    Ok(()) => end,
+                    Err((done, _)) => p + done / PAGE,
+                };
+                self.settle_install(&faults, &pages, p, upto, DIRTY);
+                if upto > p {
+                    self.make_dirty(&faults, &pages, p, upto)
+                        .map_err(|e| io_err("making zero pages writable", e))?;
                 }
-                if let Err((done, e)) =
-                    faults.install(self.base + p * PAGE, &zeros[..(end - p) * PAGE], false)
-                {
-                    // The pages not installed are missing again (not DIRTY pages that are not
-                    // there), and their waiters fault again.
-                    for s in &pages[p + done / PAGE..end] {
-                        let _ =
-                            s.compare_exchange(DIRTY, MISSING, Ordering::AcqRel, Ordering::Acquire);
-                    }
+                for s in &pages[upto..end] {
+                    give_back(s);
+                }
+                if let Err((_, e)) = installed {
                     faults.wake(self.base + p * PAGE, (end - p) * PAGE);
                     return Err(io_err("installing zero pages", e));
                 }
                 p = end;
                 continue;
             }
-            loop {
-                let s = state.load(Ordering::Acquire);
-                match s {
-                    CLEAN | SYNCING => {
-                        if state
-                            .compare_exchange(s, DIRTY, Ordering::AcqRel, Ordering::Acquire)
-                            .is_ok()
-                        {
-                            faults
-                                .unprotect(self.base + p * PAGE, PAGE)
-                                .map_err(|e| io_err("marking a page dirty", e))?;
-                            break;
-                        }
-                    }
-                    FETCHING => std::thread::yield_now(),
-                    _ => break,
+            match state.load(Ordering::Acquire) {
+                CLEAN | SYNCING => {
+                    self.make_dirty(&faults, &pages, p, p + 1)
+                        .map_err(|e| io_err("marking a page dirty", e))?;
+                    p += 1;
                 }
+                // Wait for its fetcher, without the state lock (the fetcher needs it, and a
+                // growth waiting for it would keep the fetcher from it).
+                FETCHING | DROPPED => {
+                    drop(pages);
+                    std::thread::yield_now();
+                    pages = self.pages.read().map_err(|_| poisoned())?;
+                    last = last.min(pages.len());
+                }
+                _ => p += 1,
             }
-            p += 1;
         }
         Ok(())
     }
@@ -983,6 +1106,11 @@ impl Mapping {
             return Ok(());
         };
         let _one = self.writeback.lock().map_err(|_| poisoned())?;
+        self.write_back(&faults, first, last)
+    }
+
+    /// [`Mapping::msync`] of pages `[first, last)`, with `writeback` held.
+    fn write_back(&self, faults: &Faults, first: usize, last: usize) -> Result<()> {
         let pages = self.pages.read().map_err(|_| poisoned())?;
         let last = last.min(pages.len());
         let mut c = first / CHUNK_PAGES;
@@ -1017,9 +1145,10 @@ impl Mapping {
                 if let Err(e) = faults.protect(self.base + a * PAGE, n) {
                     result = Err(io_err("write-protecting pages for msync", e));
                 }
-                // SAFETY: the pages are present (dirty pages were installed and never dropped
-                // while dirty) and mapped readable; concurrent writers at worst leave the page
-                // dirty for the next msync.
+                // SAFETY: the pages are present and mapped readable (a page becomes DIRTY only
+                // while it is there, and `rclearcache`, the only other dropper, holds
+                // `writeback` until it has marked what it dropped missing); concurrent writers
+                // at worst leave the page dirty for the next msync.
                 unsafe { sys::copy_out((self.base + a * PAGE) as *const u8, &mut buf[at..at + n]) };
                 at += n;
             }
@@ -1063,11 +1192,16 @@ impl Mapping {
     /// first), so the next access fetches them afresh; pages lost to an earlier failure become
     /// fetchable again.
     pub fn clearcache(&self, addr: *const u8, len: usize) -> Result<()> {
-        self.msync(addr, len)?;
         let (first, last) = self.page_range(addr, len)?;
         let Ok(faults) = uffd::faults() else {
             return Ok(());
         };
+        // Held until the dropped pages are marked: no write-back reads a page while it is
+        // dropped and not yet missing.
+        let _one = self.writeback.lock().map_err(|_| poisoned())?;
+        self.write_back(&faults, first, last)?;
+        // Read-ahead of a sequential reader starts again from the first dropped page.
+        self.frontier.fetch_min(first, Ordering::Relaxed);
         let pages = self.pages.read().map_err(|_| poisoned())?;
         let last = last.min(pages.len());
         let mut p = first;
@@ -1082,24 +1216,48 @@ impl Mapping {
             }
             let at = (self.base + p * PAGE) as *mut u8;
             let n = (end - p) * PAGE;
+            // Pages being fetched are DROPPED before the drop (their fetcher may finish between
+            // the drop and the marking below), and again after it (for fetches claimed
+            // meanwhile).
+            for s in &pages[p..end] {
+                let _ = s.compare_exchange(FETCHING, DROPPED, Ordering::AcqRel, Ordering::Acquire);
+            }
             let any_lost = pages[p..end]
                 .iter()
                 .any(|s| s.load(Ordering::Acquire) == LOST);
+            // A failed re-mapping or drop changes nothing; a failed registration after the
+            // re-mapping leaves memory that would read as zeros: every access raises SIGBUS
+            // instead, as for lost pages, and the pages are marked lost.
+            let mut registered = Ok(());
             if any_lost {
                 sys::map_anon_fixed(at, n, self.write)
                     .map_err(|e| io_err("re-mapping lost pages", e))?;
-                faults
-                    .register(at as usize, n, self.write)
-                    .map_err(|e| io_err("re-registering lost pages", e))?;
+                registered = faults.register(at as usize, n, self.write);
+                if registered.is_err() {
+                    faults.lose(at as usize, n);
+                }
             } else {
                 sys::drop_pages(at, n).map_err(|e| io_err("dropping cached pages", e))?;
             }
+            let gone = if registered.is_ok() { MISSING } else { LOST };
+            // Cached pages are missing now; pages being fetched are DROPPED, and their fetcher
+            // drops what it installed and marks them missing.
             for s in &pages[p..end] {
-                let v = s.load(Ordering::Acquire);
-                if matches!(v, CLEAN | LOST | DIRTY) {
-                    s.store(MISSING, Ordering::Release);
+                loop {
+                    let v = s.load(Ordering::Acquire);
+                    let to = match v {
+                        CLEAN | LOST | DIRTY => gone,
+                        FETCHING => DROPPED,
+                        _ => break,
+                    };
+                    if s.compare_exchange(v, to, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
+                    {
+                        break;
+                    }
                 }
             }
+            registered.map_err(|e| io_err("re-registering lost pages", e))?;
             p = end;
         }
         Ok(())
@@ -1131,6 +1289,16 @@ fn with_fetch_buffer<T>(len: usize, f: impl FnOnce(&mut [u8]) -> T) -> T {
         // Re-entered (cannot happen on the fetch paths; be safe anyway).
         Err(_) => f(&mut vec![0u8; len]),
     })
+}
+
+/// Gives back a claim on a page that was not installed: FETCHING (or DROPPED, if
+/// `rclearcache` ran meanwhile) becomes MISSING. Only the claimant calls it, once.
+fn give_back(s: &AtomicU8) {
+    if s.compare_exchange(FETCHING, MISSING, Ordering::AcqRel, Ordering::Acquire)
+        .is_err()
+    {
+        let _ = s.compare_exchange(DROPPED, MISSING, Ordering::AcqRel, Ordering::Acquire);
+    }
 }
 
 fn poisoned() -> RegionsError {

@@ -22,8 +22,8 @@ use super::sys::{self, PAGE};
 const QUEUE: usize = 256;
 /// Default number of fault-serving threads (env `REGIONS_FAULT_THREADS`).
 const DEFAULT_WORKERS: usize = 4;
-/// Threads serving background read-ahead.
-const PREFETCHERS: usize = 4;
+/// Default number of threads serving background read-ahead (env `REGIONS_READ_AHEAD_THREADS`).
+const DEFAULT_PREFETCHERS: usize = 4;
 
 /// Work for the fault threads.
 pub(crate) enum Job {
@@ -94,7 +94,12 @@ fn start() -> io::Result<Arc<Faults>> {
         leader: Mutex::new(()),
     });
     let rx = Arc::new(Mutex::new(rx));
-    for i in 0..PREFETCHERS {
+    let prefetchers = std::env::var("REGIONS_READ_AHEAD_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|n| (1..=64).contains(n))
+        .unwrap_or(DEFAULT_PREFETCHERS);
+    for i in 0..prefetchers {
         let rx = Arc::clone(&rx);
         std::thread::Builder::new()
             .name(format!("regions-ahead-{i}"))
@@ -301,6 +306,9 @@ impl Faults {
 
     /// Wakes threads waiting on faults in `[addr, addr + len)`.
     pub(crate) fn wake(&self, addr: usize, len: usize) {
+        if len == 0 {
+            return;
+        }
         if let Err(e) = self.uffd.wake(addr as *mut libc::c_void, len) {
             tracing::debug!(addr, len, error = %e, "userfaultfd wake failed");
         }
