@@ -178,6 +178,9 @@ fn manager_url(text: &str) -> String {
 }
 
 fn run_mount(args: MountArgs) -> anyhow::Result<()> {
+    regions_proto::fd_limit::raise_and_report(
+        "the mount holds one per open file of this host's memory",
+    );
     if let Some(addr) = args.fs.metrics_listen {
         regions_proto::metrics::serve(addr)?;
     }

@@ -60,6 +60,15 @@ pub enum DaemonError {
     /// Not enough memory for a pool.
     #[error("{0}")]
     NoSpace(String),
+    /// A resource of this host is used up (open files, memory maps): the region that needed it
+    /// has no memory here until some is freed.
+    #[error("{message}")]
+    Limit {
+        /// `EMFILE` (open files) or `ENOSPC` (maps, memory).
+        errno: i32,
+        /// Which limit, its value, and what to do.
+        message: String,
+    },
     /// A system call failed.
     #[error("{what}: {source}")]
     Sys {
@@ -142,7 +151,7 @@ impl DaemonError {
             DaemonError::Revoked(_) => libc::EKEYREVOKED,
             DaemonError::NoSpace(_) => libc::ENOSPC,
             DaemonError::Sys { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
-            DaemonError::Manager { errno, .. } => *errno,
+            DaemonError::Manager { errno, .. } | DaemonError::Limit { errno, .. } => *errno,
             DaemonError::Secret(_) => libc::EACCES,
             DaemonError::Bind { .. } => libc::EADDRINUSE,
             DaemonError::SocketDir { .. } => libc::ENOENT,

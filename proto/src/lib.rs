@@ -18,6 +18,7 @@ pub mod auth;
 pub mod capability;
 pub mod config;
 pub mod errno;
+pub mod fd_limit;
 pub mod frame;
 pub mod handshake;
 pub mod layout;

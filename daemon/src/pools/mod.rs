@@ -140,6 +140,18 @@ pub struct Pools {
     next_epoch: AtomicU64,
     /// Capability revocations the transport enforces (they arrive with the chunk events).
     revocations: Revocations,
+    /// Pool chunks the manager assigned that this host could not back because a resource ran
+    /// out (open files, memory maps), by (gid, chunk): requests there fail at once with that
+    /// error instead of waiting for an assignment that will not come. Cleared when the chunk
+    /// is released or assigned again.
+    refused: Mutex<HashMap<(u32, usize), Refusal>>,
+}
+
+/// Why a pool chunk has no backing: the errno and message of a [`DaemonError::Limit`].
+#[derive(Clone, Debug)]
+struct Refusal {
+    errno: i32,
+    message: Arc<str>,
 }
 
 /// Checks that an event's numbers are chunk aligned and non-empty.
@@ -172,6 +184,31 @@ impl Pools {
 
     fn lock_apply(&self) -> MutexGuard<'_, ()> {
         self.apply
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether this host may open another segment while it holds `held`: the open-file limit
+    /// less a reserve for connections (the host agent and the transport keep accepting).
+    fn check_open_file_room(held: u64) -> Result<()> {
+        let limit = regions_proto::fd_limit::open_file_limit();
+        let reserve = regions_proto::fd_limit::reserve(limit);
+        if held.saturating_add(reserve) < limit {
+            return Ok(());
+        }
+        Err(DaemonError::Limit {
+            errno: libc::EMFILE,
+            message: format!(
+                "this host cannot hold memory of another region: its daemon's open-file limit \
+                 (RLIMIT_NOFILE) is {limit}, it holds {held} regions (one descriptor each) and \
+                 keeps {reserve} for connections; raise the daemon's limit (LimitNOFILE=, \
+                 ulimit -n) or delete regions"
+            ),
+        })
+    }
+
+    fn lock_refused(&self) -> MutexGuard<'_, HashMap<(u32, usize), Refusal>> {
+        self.refused
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
@@ -313,6 +350,26 @@ impl Pools {
             });
         }
         let result = self.assign_locked(&pool, pool_offset, ino, region_offset, len);
+        // Chunks left unbacked by a limit answer requests with it; the others forget it.
+        let first = (pool_offset / CHUNK_SIZE) as usize;
+        let mut refused = self.lock_refused();
+        for chunk in first..first + (len / CHUNK_SIZE) as usize {
+            match &result {
+                Err(DaemonError::Limit { errno, message }) if pool.read_slot(chunk).is_none() => {
+                    refused.insert(
+                        (gid, chunk),
+                        Refusal {
+                            errno: *errno,
+                            message: message.as_str().into(),
+                        },
+                    );
+                }
+                _ => {
+                    refused.remove(&(gid, chunk));
+                }
+            }
+        }
+        drop(refused);
         self.changes.bump();
         result
     }
@@ -341,6 +398,7 @@ impl Pools {
         let segment = match segments.get(&ino) {
             Some(entry) => Arc::clone(&entry.segment),
             None => {
+                Self::check_open_file_room(segments.len() as u64)?;
                 let segment = Arc::new(Segment::create(ino)?);
                 segments.insert(
                     ino,
@@ -402,7 +460,17 @@ impl Pools {
                     if let Err(e2) = unsafe { pool.window.unmap(run_offset, run_len) } {
                         tracing::error!(gid = pool.gid, error = %e2, "cannot restore PROT_NONE after a failed map");
                     }
-                    failure = Some(e);
+                    failure = Some(match e.errno() {
+                        libc::ENOMEM => DaemonError::Limit {
+                            errno: libc::ENOSPC,
+                            message: format!(
+                                "this host cannot map more region memory ({e}): its memory \
+                                 maps (vm.max_map_count, one or more per region) or its memory \
+                                 are used up; raise vm.max_map_count or delete regions"
+                            ),
+                        },
+                        _ => e,
+                    });
                 }
             }
         }
@@ -444,6 +512,7 @@ impl Pools {
         for i in 0..(len / CHUNK_SIZE) as usize {
             let expect = (ino, region_offset + i as u64 * CHUNK_SIZE);
             self.release_chunk(&pool, first + i, Some(expect));
+            self.lock_refused().remove(&(gid, first + i));
         }
         self.changes.bump();
         Ok(())
@@ -650,6 +719,7 @@ impl Pools {
         chunks.dedup();
         Ok(Resolved {
             changes: &self.changes,
+            refused: &self.refused,
             pools,
             spans,
             chunks: chunks.into_iter().map(|(_, i, c)| (i, c)).collect(),
@@ -661,6 +731,7 @@ impl Pools {
 #[derive(Debug)]
 pub struct Resolved<'a> {
     changes: &'a Changes,
+    refused: &'a Mutex<HashMap<(u32, usize), Refusal>>,
     pools: Vec<Arc<Pool>>,
     /// Per range: (index in `pools`, offset, len, the chunk delta the request states).
     spans: Vec<(usize, u64, u64, Option<u32>)>,
@@ -703,6 +774,18 @@ impl Resolved<'_> {
                 });
             };
             drop(guards);
+            let gid = self.pools[index].gid;
+            if let Some(r) = self
+                .refused
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .get(&(gid, chunk))
+            {
+                return Err(DaemonError::Limit {
+                    errno: r.errno,
+                    message: r.message.to_string(),
+                });
+            }
             if Instant::now() >= deadline {
                 return Err(DaemonError::Unassigned {
                     gid: self.pools[index].gid,

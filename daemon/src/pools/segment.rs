@@ -41,7 +41,35 @@ impl Segment {
             name.as_str(),
             MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
         )
-        .map_err(|e| DaemonError::sys(format!("memfd_create for region {ino}"), e))?;
+        .map_err(|e| match e {
+            nix::errno::Errno::EMFILE | nix::errno::Errno::ENFILE => DaemonError::Limit {
+                errno: libc::EMFILE,
+                message: format!(
+                    "this host cannot hold memory of region {ino}: the daemon is out of file \
+                     descriptors ({e}; RLIMIT_NOFILE {}, or the system's fs.file-max); raise the \
+                     limit or delete regions",
+                    regions_proto::fd_limit::open_file_limit()
+                ),
+            },
+            e => DaemonError::sys(format!("memfd_create for region {ino}"), e),
+        })?;
+        // Descriptors are handed out lowest first: this one's number is how many the daemon
+        // has open. Past the limit less the reserve, the host agent and the transport could no
+        // longer accept connections: refuse the region instead.
+        let limit = regions_proto::fd_limit::open_file_limit();
+        let reserve = regions_proto::fd_limit::reserve(limit);
+        let number = fd.as_raw_fd() as u64;
+        if number.saturating_add(reserve) >= limit {
+            return Err(DaemonError::Limit {
+                errno: libc::EMFILE,
+                message: format!(
+                    "this host cannot hold memory of region {ino}: its daemon has {number} \
+                     descriptors open, its open-file limit (RLIMIT_NOFILE) is {limit} and it \
+                     keeps {reserve} for connections; raise the daemon's limit (LimitNOFILE=, \
+                     ulimit -n) or delete regions"
+                ),
+            });
+        }
         nix::sys::stat::fchmod(&fd, nix::sys::stat::Mode::from_bits_truncate(0o600)).map_err(
             |e| DaemonError::sys(format!("chmod 0600 of the segment of region {ino}"), e),
         )?;
