@@ -239,6 +239,10 @@ fn run_status(args: StatusArgs) -> anyhow::Result<()> {
 }
 
 fn run_up(args: UpArgs) -> anyhow::Result<()> {
+    regions_proto::fd_limit::raise_and_report(
+        "this process's daemon holds one per region with memory here (and refuses new ones a \
+         sixteenth short of it), its mount one per open file",
+    );
     // Before the manager and the daemon start, so that their metrics are recorded too.
     if let Some(addr) = args.fs.metrics_listen {
         regions_proto::metrics::serve(addr)?;

@@ -46,10 +46,6 @@ impl Daemon {
     /// manager through it).
     pub async fn start(config: Config) -> Result<Daemon> {
         config.validate()?;
-        regions_proto::fd_limit::raise_and_report(
-            "the daemon holds one per region with memory on this host, and refuses new ones \
-             a sixteenth short of it",
-        );
         if tokio::runtime::Handle::current().runtime_flavor()
             == tokio::runtime::RuntimeFlavor::CurrentThread
         {

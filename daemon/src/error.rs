@@ -64,7 +64,7 @@ pub enum DaemonError {
     /// has no memory here until some is freed.
     #[error("{message}")]
     Limit {
-        /// `EMFILE` (open files) or `ENOSPC` (maps, memory).
+        /// `ENOSPC`: this host has no room for the region's memory.
         errno: i32,
         /// Which limit, its value, and what to do.
         message: String,

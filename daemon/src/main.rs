@@ -6,6 +6,10 @@ use regions_daemon::config::Args;
 use regions_daemon::{Config, Daemon};
 use tokio::signal::unix::{SignalKind, signal};
 
+/// What the daemon's open files stand for (logged with its open-file limit at start).
+const DAEMON_DESCRIPTORS: &str = "the daemon holds one per region with memory on this host \
+     and refuses new ones a sixteenth short of it";
+
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -15,6 +19,7 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args: Args = regions_proto::config::parse();
+    regions_proto::fd_limit::raise_and_report(DAEMON_DESCRIPTORS);
     regions_daemon::transport::admission::return_large_buffers_to_the_os();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -429,7 +429,10 @@ impl Registration {
                         return Ok(());
                     }
                 }
-                _ = tick.tick() => self.heartbeat().await?,
+                _ = tick.tick() => {
+                    self.pools.retry_refused();
+                    self.heartbeat().await?
+                }
                 message = stream.message() => match message {
                     Ok(Some(event)) => self.apply(event, &mut after).await,
                     Ok(None) => {

@@ -89,16 +89,17 @@ impl RegionsError {
         }
     }
 
-    /// Whether a daemon refused the access because what the caller holds is out of date: the
-    /// range is not allocated yet or backs another region now (`EFAULT`, `ESTALE`: a stale
-    /// map), or the capability was revoked by a change to the region (`EKEYREVOKED`). Fetching
-    /// the map and the capability again (which checks permission again) and retrying once is
-    /// the cure.
+    /// Whether a daemon refused the access because what the caller holds may be out of date:
+    /// the range is not allocated yet or backs another region now (`EFAULT`, `ESTALE`: a stale
+    /// map), the capability was revoked by a change to the region (`EKEYREVOKED`), or the
+    /// chunk has no memory on that host for lack of room (`ENOSPC`: it may be another region's
+    /// chunk by now). Fetching the map and the capability again (which checks permission
+    /// again) and retrying once is the cure; an `ENOSPC` that stays is the caller's.
     pub fn calls_for_refresh(&self) -> bool {
         matches!(
             self,
             RegionsError::Daemon { errno, .. }
-                if matches!(*errno, libc::EFAULT | libc::ESTALE | libc::EKEYREVOKED)
+                if matches!(*errno, libc::EFAULT | libc::ESTALE | libc::EKEYREVOKED | libc::ENOSPC)
         )
     }
 

@@ -5,7 +5,7 @@
 
 use std::fs::File;
 use std::io::{Read, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use regions::agent::AgentClient;
@@ -56,6 +56,20 @@ fn create(path: &Path, data: &[u8]) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Writes `data` at the start of the existing `path` (no truncation: the region keeps the
+/// memory it was given, or refused).
+fn overwrite(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    let mut f = std::fs::OpenOptions::new().write(true).open(path)?;
+    f.write_all(data)?;
+    f.sync_all()?;
+    Ok(())
+}
+
+type WriteFn = fn(&Path, &[u8]) -> std::io::Result<()>;
+
+/// Size of the region made with `set_len` (two chunks).
+const SIZED: u64 = 256 << 10;
+
 fn content(i: usize) -> Vec<u8> {
     format!("region {i} ").repeat(20).into_bytes()
 }
@@ -103,20 +117,26 @@ fn a_host_out_of_open_files_refuses_new_regions_and_keeps_serving() {
         let path = mount.path(&format!("f{made}"));
         match create(&path, &content(made)) {
             Ok(()) => made += 1,
-            Err(e) => {
-                let _ = std::fs::remove_file(&path);
-                break e;
-            }
+            Err(e) => break e,
         }
     };
+    let _ = std::fs::remove_file(mount.path(&format!("f{made}")));
+    // A region given its size at once keeps the chunks the manager assigned it, refused here:
+    // its writes fail until the host has room again.
+    let sized = mount.path("sized");
+    File::create(&sized)
+        .and_then(|f| f.set_len(SIZED))
+        .expect("a region sized at once (the refusal comes with its first access)");
+    let early = overwrite(&sized, &content(made)).expect_err("no room for the sized region");
+    assert_eq!(early.raw_os_error(), Some(libc::ENOSPC), "{early}");
     assert!(
         made >= 10,
         "only {made} regions before the refusal ({refusal})"
     );
     assert_eq!(
         refusal.raw_os_error(),
-        Some(libc::EMFILE),
-        "a region over the limit fails with EMFILE, not {refusal}"
+        Some(libc::ENOSPC),
+        "a region over the limit fails with ENOSPC, not {refusal}"
     );
     let log = cluster.daemon(1).unwrap().log();
     assert!(
@@ -140,29 +160,38 @@ fn a_host_out_of_open_files_refuses_new_regions_and_keeps_serving() {
         assert_eq!(got, content(i), "region f{i}");
     }
 
-    // Deleting regions makes room: new ones work again (a segment closes a moment after its
-    // region is deleted, when the manager's release reaches the daemon).
+    // Deleting regions makes room (a segment closes a moment after its region is deleted,
+    // when the manager's release reaches the daemon): the refused region gets its memory, and
+    // new regions work again.
     for i in 0..10 {
         std::fs::remove_file(mount.path(&format!("f{i}"))).expect("delete");
     }
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let again = mount.path("again");
-    loop {
-        match create(&again, &content(999)) {
-            Ok(()) => break,
-            Err(e) => {
-                let _ = std::fs::remove_file(&again);
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "no room 10 s after deleting regions: {e}"
-                );
-                std::thread::sleep(Duration::from_millis(100));
+    // The sized region, whose chunks were refused, is backed by the daemon's own retry.
+    let mut want_sized = content(made);
+    want_sized.resize(SIZED as usize, 0);
+    let cases: [(PathBuf, Vec<u8>, Vec<u8>, WriteFn); 2] = [
+        (sized, content(made), want_sized, overwrite),
+        (mount.path("again"), content(999), content(999), create),
+    ];
+    for (path, data, want, write) in cases {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match write(&path, &data) {
+                Ok(()) => break,
+                Err(e) => {
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "no room for {} 10 s after deleting regions: {e}",
+                        path.display()
+                    );
+                    std::thread::sleep(Duration::from_millis(100));
+                }
             }
         }
+        let mut got = Vec::new();
+        File::open(&path)
+            .and_then(|mut f| f.read_to_end(&mut got))
+            .expect("read the region back");
+        assert_eq!(got, want, "{}", path.display());
     }
-    let mut got = Vec::new();
-    File::open(&again)
-        .and_then(|mut f| f.read_to_end(&mut got))
-        .expect("read the new region");
-    assert_eq!(got, content(999));
 }

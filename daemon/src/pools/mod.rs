@@ -142,14 +142,18 @@ pub struct Pools {
     revocations: Revocations,
     /// Pool chunks the manager assigned that this host could not back because a resource ran
     /// out (open files, memory maps), by (gid, chunk): requests there fail at once with that
-    /// error instead of waiting for an assignment that will not come. Cleared when the chunk
-    /// is released or assigned again.
+    /// error instead of waiting for an assignment that will not come, and the assignment is
+    /// tried again when room may have come (a release, and every heartbeat). Cleared when the
+    /// chunk is backed, released, resynced or its pool removed.
     refused: Mutex<HashMap<(u32, usize), Refusal>>,
 }
 
-/// Why a pool chunk has no backing: the errno and message of a [`DaemonError::Limit`].
+/// A pool chunk with no backing: what the manager assigned it to, and the errno and message of
+/// the [`DaemonError::Limit`] that stopped it.
 #[derive(Clone, Debug)]
 struct Refusal {
+    ino: u64,
+    region_offset: u64,
     errno: i32,
     message: Arc<str>,
 }
@@ -197,7 +201,7 @@ impl Pools {
             return Ok(());
         }
         Err(DaemonError::Limit {
-            errno: libc::EMFILE,
+            errno: libc::ENOSPC,
             message: format!(
                 "this host cannot hold memory of another region: its daemon's open-file limit \
                  (RLIMIT_NOFILE) is {limit}, it holds {held} regions (one descriptor each) and \
@@ -311,6 +315,7 @@ impl Pools {
     /// from now on; the window goes away when the last request using it ends.
     pub fn remove_pool(&self, gid: u32) {
         let _serial = self.lock_apply();
+        self.lock_refused().retain(|&(g, _), _| g != gid);
         let removed = self
             .pools
             .write()
@@ -349,29 +354,90 @@ impl Pools {
                 size: pool.size(),
             });
         }
-        let result = self.assign_locked(&pool, pool_offset, ino, region_offset, len);
-        // Chunks left unbacked by a limit answer requests with it; the others forget it.
+        let result = self.assign_recorded(&pool, pool_offset, ino, region_offset, len);
+        self.changes.bump();
+        result
+    }
+
+    /// [`Self::assign_locked`], then the chunks a limit left unbacked answer requests with it
+    /// (and are tried again later); the others forget any earlier refusal. Under `apply`.
+    fn assign_recorded(
+        &self,
+        pool: &Pool,
+        pool_offset: u64,
+        ino: u64,
+        region_offset: u64,
+        len: u64,
+    ) -> Result<()> {
+        let result = self.assign_locked(pool, pool_offset, ino, region_offset, len);
         let first = (pool_offset / CHUNK_SIZE) as usize;
         let mut refused = self.lock_refused();
-        for chunk in first..first + (len / CHUNK_SIZE) as usize {
+        for (i, chunk) in (first..first + (len / CHUNK_SIZE) as usize).enumerate() {
             match &result {
                 Err(DaemonError::Limit { errno, message }) if pool.read_slot(chunk).is_none() => {
                     refused.insert(
-                        (gid, chunk),
+                        (pool.gid, chunk),
                         Refusal {
+                            ino,
+                            region_offset: region_offset + i as u64 * CHUNK_SIZE,
                             errno: *errno,
                             message: message.as_str().into(),
                         },
                     );
                 }
                 _ => {
-                    refused.remove(&(gid, chunk));
+                    refused.remove(&(pool.gid, chunk));
                 }
             }
         }
-        drop(refused);
-        self.changes.bump();
         result
+    }
+
+    /// Tries again to back the chunks a limit left unbacked (room may have come: regions
+    /// deleted, the limit raised). Cheap when there are none.
+    pub fn retry_refused(&self) {
+        if self.lock_refused().is_empty() {
+            return;
+        }
+        let _serial = self.lock_apply();
+        self.retry_refused_locked();
+    }
+
+    /// [`Self::retry_refused`] under `apply`.
+    fn retry_refused_locked(&self) {
+        let mut waiting: Vec<((u32, usize), Refusal)> = self
+            .lock_refused()
+            .iter()
+            .map(|(k, r)| (*k, r.clone()))
+            .collect();
+        if waiting.is_empty() {
+            return;
+        }
+        waiting.sort_unstable_by_key(|(k, _)| *k);
+        let mut backed = 0;
+        for ((gid, chunk), r) in waiting {
+            let Some(pool) = self.pool(gid) else {
+                self.lock_refused().remove(&(gid, chunk));
+                continue;
+            };
+            let at = chunk as u64 * CHUNK_SIZE;
+            match self.assign_recorded(&pool, at, r.ino, r.region_offset, CHUNK_SIZE) {
+                Ok(()) => backed += 1,
+                // Still no room: the rest would fail the same way.
+                Err(DaemonError::Limit { .. }) => break,
+                Err(e) => {
+                    tracing::warn!(gid, chunk, ino = r.ino, error = %e, "cannot back a refused chunk");
+                    self.lock_refused().remove(&(gid, chunk));
+                }
+            }
+        }
+        if backed > 0 {
+            tracing::info!(
+                backed,
+                "backed chunks refused earlier for lack of resources"
+            );
+            self.changes.bump();
+        }
     }
 
     fn assign_locked(
@@ -514,6 +580,8 @@ impl Pools {
             self.release_chunk(&pool, first + i, Some(expect));
             self.lock_refused().remove(&(gid, first + i));
         }
+        // What this release freed may be the room a refused chunk waits for.
+        self.retry_refused_locked();
         self.changes.bump();
         Ok(())
     }
@@ -607,6 +675,8 @@ impl Pools {
         }
         {
             let _serial = self.lock_apply();
+            // The manager's table is the truth now: refusals come back with its assignments.
+            self.lock_refused().retain(|&(g, _), _| g != gid);
             for chunk in 0..pool.chunks.len() {
                 let current = *pool.read_slot(chunk);
                 if let Some(b) = current

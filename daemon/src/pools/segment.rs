@@ -43,7 +43,7 @@ impl Segment {
         )
         .map_err(|e| match e {
             nix::errno::Errno::EMFILE | nix::errno::Errno::ENFILE => DaemonError::Limit {
-                errno: libc::EMFILE,
+                errno: libc::ENOSPC,
                 message: format!(
                     "this host cannot hold memory of region {ino}: the daemon is out of file \
                      descriptors ({e}; RLIMIT_NOFILE {}, or the system's fs.file-max); raise the \
@@ -61,7 +61,7 @@ impl Segment {
         let number = fd.as_raw_fd() as u64;
         if number.saturating_add(reserve) >= limit {
             return Err(DaemonError::Limit {
-                errno: libc::EMFILE,
+                errno: libc::ENOSPC,
                 message: format!(
                     "this host cannot hold memory of region {ino}: its daemon has {number} \
                      descriptors open, its open-file limit (RLIMIT_NOFILE) is {limit} and it \

@@ -926,10 +926,10 @@ impl Mapping {
     }
 
     /// Lets stores to pages `[a, b)` (there, and CLEAN, SYNCING or DIRTY) land and records
-    /// them dirty. The protection is lifted first and the pages marked DIRTY after: an `msync`
-    /// meanwhile either finds a page dirty or protects it again before it is marked (a store
-    /// then faults once more). A page that went through `rclearcache` meanwhile is protected
-    /// again.
+    /// them dirty: marked DIRTY first, then the protection lifted, then marked again where an
+    /// `msync` took the mark meanwhile (a writable page is always DIRTY), and only then are the
+    /// waiting writers woken, so that every store they make is seen by the next `msync`. A
+    /// page that went through `rclearcache` meanwhile is protected again.
     fn make_dirty(
         &self,
         faults: &Faults,
@@ -937,27 +937,32 @@ impl Mapping {
         a: usize,
         b: usize,
     ) -> std::io::Result<()> {
-        faults.unprotect(self.base + a * PAGE, (b - a) * PAGE)?;
-        for (p, s) in pages.iter().enumerate().take(b).skip(a) {
-            loop {
-                let v = s.load(Ordering::Acquire);
-                match v {
-                    DIRTY => break,
-                    CLEAN | SYNCING => {
-                        if s.compare_exchange(v, DIRTY, Ordering::AcqRel, Ordering::Acquire)
-                            .is_ok()
-                        {
-                            break;
-                        }
-                    }
-                    _ => {
-                        let _ = faults.protect(self.base + p * PAGE, PAGE);
-                        break;
+        let mark = |p: usize, s: &AtomicU8| loop {
+            let v = s.load(Ordering::Acquire);
+            match v {
+                DIRTY => return true,
+                CLEAN | SYNCING => {
+                    if s.compare_exchange(v, DIRTY, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
+                    {
+                        return true;
                     }
                 }
+                _ => {
+                    let _ = faults.protect(self.base + p * PAGE, PAGE);
+                    return false;
+                }
             }
+        };
+        for (p, s) in pages.iter().enumerate().take(b).skip(a) {
+            mark(p, s);
         }
-        Ok(())
+        let lifted = faults.unprotect_quietly(self.base + a * PAGE, (b - a) * PAGE);
+        for (p, s) in pages.iter().enumerate().take(b).skip(a) {
+            mark(p, s);
+        }
+        faults.wake(self.base + a * PAGE, (b - a) * PAGE);
+        lifted
     }
 
     /// Fetches the missing remote pages of `[addr, addr + len)`; with `sync` before returning,

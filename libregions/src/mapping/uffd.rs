@@ -328,6 +328,14 @@ impl Faults {
             .map_err(|e| io::Error::other(format!("lifting write protection: {e}")))
     }
 
+    /// Lifts write protection on `[addr, addr + len)` without waking the waiting writers (the
+    /// caller wakes them once it has recorded the pages dirty).
+    pub(crate) fn unprotect_quietly(&self, addr: usize, len: usize) -> io::Result<()> {
+        self.uffd
+            .remove_write_protection(addr as *mut libc::c_void, len, false)
+            .map_err(|e| io::Error::other(format!("lifting write protection: {e}")))
+    }
+
     /// Makes accesses to `[addr, addr + len)` raise SIGBUS, and wakes the threads waiting
     /// there so that they do.
     pub(crate) fn lose(&self, addr: usize, len: usize) {
