@@ -27,7 +27,7 @@ mod uffd;
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use regions_proto::layout::{CHUNK_SIZE, VADDR_WINDOW_END, VADDR_WINDOW_START};
@@ -45,7 +45,7 @@ const MIN_RESERVATION: usize = 256 << 20;
 /// Background read-ahead of sequential access, in prefetch windows ...
 const READ_AHEAD: usize = 256;
 /// ... fetched in jobs of at most this many windows, aligned to that size in the address space.
-const READ_AHEAD_PIECE: usize = 32;
+const READ_AHEAD_PIECE: usize = 16;
 /// Pages per chunk.
 const CHUNK_PAGES: usize = (CHUNK_SIZE as usize) / PAGE;
 
@@ -114,6 +114,13 @@ pub struct Mapping {
     next_sequential: AtomicUsize,
     /// End of the pages handed to background read-ahead.
     frontier: AtomicUsize,
+    /// Held while protection and page states change together: `make_dirty` marking pages and
+    /// lifting their protection, `msync` marking, protecting and copying them out,
+    /// `rclearcache` dropping and marking them (never across network calls).
+    protect: Mutex<()>,
+    /// Fault events handled so far (a handler counts one before it reads the page's state):
+    /// a settle wakes the range only when some came since its install began.
+    parked: AtomicU64,
     /// Serialises growth and unmapping.
     resize: Mutex<bool>,
     /// Held while dirty pages are written back: a synchronous `msync` waits for a background
@@ -354,6 +361,8 @@ pub fn map_region(region: Arc<Region>) -> Result<Arc<Mapping>> {
         segment: Mutex::new(None),
         next_sequential: AtomicUsize::new(usize::MAX),
         frontier: AtomicUsize::new(0),
+        parked: AtomicU64::new(0),
+        protect: Mutex::new(()),
         resize: Mutex::new(false),
         writeback: Mutex::new(()),
     });
@@ -642,10 +651,6 @@ impl Mapping {
         Ok((start / PAGE, end.div_ceil(PAGE)))
     }
 
-    fn state(&self, pages: &[AtomicU8], p: usize) -> u8 {
-        pages.get(p).map_or(LOST, |s| s.load(Ordering::Acquire))
-    }
-
     /// Claims the missing pages of `[first, last)` for fetching; returns the claimed runs.
     fn claim(pages: &[AtomicU8], first: usize, last: usize) -> Vec<(usize, usize)> {
         let mut runs: Vec<(usize, usize)> = Vec::new();
@@ -736,12 +741,13 @@ impl Mapping {
             // The pages stay FETCHING through the install: a thread that faults on one of
             // them meanwhile waits for the install's wake-up instead of faulting again and
             // again. They become CLEAN once they are there.
+            let parked = self.parked.load(Ordering::SeqCst);
             let installed = faults.install(self.base + a * PAGE, &buf[at..at + n], self.write);
             let upto = match &installed {
                 Ok(()) => b,
                 Err((done, _)) => a + done / PAGE,
             };
-            self.settle_install(faults, &pages, a, upto, CLEAN);
+            self.settle_install(faults, &pages, (a, upto), to_settle(CLEAN, parked));
             if let Err((_, e)) = installed {
                 tracing::warn!(ino = self.ino(), error = %e, "cannot install fetched pages");
                 // The pages not installed, in this run and the ones after it, are missing
@@ -768,14 +774,23 @@ impl Mapping {
     }
 
     /// Ends the claim on pages `[a, upto)` that were just installed: FETCHING pages become
-    /// `to`; pages `rclearcache` dropped meanwhile (DROPPED) are dropped again (some may have
-    /// been installed after its drop, from bytes fetched before it) and become missing. Then
-    /// wakes the threads waiting there, which find the pages there or fault again.
-    fn settle_install(&self, faults: &Faults, pages: &[AtomicU8], a: usize, upto: usize, to: u8) {
+    /// `settle.to`; pages `rclearcache` dropped meanwhile (DROPPED) are dropped again (some may
+    /// have been installed after its drop, from bytes fetched before it) and become missing.
+    /// Then wakes the threads waiting there (which find the pages there or fault again), when
+    /// there can be any: the install woke every thread that faulted before it ended, so only
+    /// one parked by a fault handler since `settle.parked` (read before the install) waits.
+    fn settle_install(
+        &self,
+        faults: &Faults,
+        pages: &[AtomicU8],
+        (a, upto): (usize, usize),
+        settle: Settle,
+    ) {
+        let mut dropped = false;
         let mut p = a;
         while p < upto {
             if pages[p]
-                .compare_exchange(FETCHING, to, Ordering::AcqRel, Ordering::Acquire)
+                .compare_exchange(FETCHING, settle.to, Ordering::SeqCst, Ordering::SeqCst)
                 .is_ok()
                 || pages[p].load(Ordering::Acquire) != DROPPED
             {
@@ -794,11 +809,14 @@ impl Mapping {
             for s in &pages[p..end] {
                 let _ = s.compare_exchange(DROPPED, MISSING, Ordering::AcqRel, Ordering::Acquire);
             }
+            dropped = true;
             p = end;
         }
-        // A thread that faulted between the install's wake-up and now saw the page FETCHING
-        // or DROPPED and waits for this.
-        faults.wake(self.base + a * PAGE, upto.saturating_sub(a) * PAGE);
+        // A handler parks its thread after counting it (SeqCst, before it reads the state):
+        // one that saw FETCHING or DROPPED before the marks above is counted by now.
+        if dropped || self.parked.load(Ordering::SeqCst) != settle.parked {
+            faults.wake(self.base + a * PAGE, upto.saturating_sub(a) * PAGE);
+        }
     }
 
     /// Serves a missing fault at page `p`.
@@ -809,7 +827,10 @@ impl Mapping {
         };
         let window = prefetch_pages();
         let total = pages.len();
-        let state = self.state(&pages, p);
+        // Counted before the state is read: a settle that marks the page after this read
+        // sees the count and wakes the thread parked below.
+        self.parked.fetch_add(1, Ordering::SeqCst);
+        let state = pages.get(p).map_or(LOST, |s| s.load(Ordering::SeqCst));
         let c = p / CHUNK_PAGES;
         let chunk_end = ((c + 1) * CHUNK_PAGES).min(total);
         let window_end = (p + window).min(chunk_end);
@@ -822,12 +843,14 @@ impl Mapping {
         if sequential && window > 1 {
             let start = frontier.max(window_end);
             // In pieces, so that the read-ahead threads fetch in parallel, each aligned to its
-            // size in the address space: two threads installing into one page table contend
-            // for its lock.
+            // size in the address space: threads installing into one page table contend for
+            // its lock, and aligned pieces of 1 MiB put at most two there.
             let piece = window * READ_AHEAD_PIECE;
             let abs = self.base / PAGE;
-            let end =
-                ((abs + start + window * READ_AHEAD).div_ceil(piece) * piece - abs).min(total);
+            // Up to READ_AHEAD windows ahead of this fault, not of the frontier: a reader
+            // that keeps catching up with installs in flight must not push read-ahead on
+            // without bound (each such fault would add as much again).
+            let end = ((abs + p + window * READ_AHEAD).div_ceil(piece) * piece - abs).min(total);
             // One fault takes the frontier forward (another one at the same time, or an
             // `rclearcache` pulling it back, wins instead).
             if end > start
@@ -872,12 +895,19 @@ impl Mapping {
                 error = %e,
                 "cannot fetch a page of a mapped region; the access gets SIGBUS"
             );
+            // Lost only if nobody claimed it again since the failed fetch gave it back (that
+            // claimant serves the thread, or fails the same way), under `protect`: no page
+            // that someone made dirty meanwhile is wiped.
             if let Ok(pages) = self.pages.read()
                 && let Some(s) = pages.get(p)
             {
-                s.store(LOST, Ordering::Release);
+                let _one = self.lock_protect();
+                if s.compare_exchange(MISSING, LOST, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    faults.lose(self.base + p * PAGE, PAGE);
+                }
             }
-            faults.lose(self.base + p * PAGE, PAGE);
         }
     }
 
@@ -895,7 +925,9 @@ impl Mapping {
         let Some(s) = pages.get(p) else {
             return faults.wake(at, PAGE);
         };
-        match s.load(Ordering::Acquire) {
+        // Counted before the state is read (see `fault_missing`).
+        self.parked.fetch_add(1, Ordering::SeqCst);
+        match s.load(Ordering::SeqCst) {
             CLEAN | SYNCING | DIRTY => {
                 if let Err(e) = self.make_dirty(faults, &pages, p, p + 1) {
                     tracing::warn!(ino = self.ino(), error = %e, "cannot lift write protection");
@@ -925,11 +957,11 @@ impl Mapping {
         }
     }
 
-    /// Lets stores to pages `[a, b)` (there, and CLEAN, SYNCING or DIRTY) land and records
-    /// them dirty: marked DIRTY first, then the protection lifted, then marked again where an
-    /// `msync` took the mark meanwhile (a writable page is always DIRTY), and only then are the
-    /// waiting writers woken, so that every store they make is seen by the next `msync`. A
-    /// page that went through `rclearcache` meanwhile is protected again.
+    /// Lets stores to pages `[a, b)` that are CLEAN, SYNCING or DIRTY land, and records them
+    /// dirty: under `protect`, each is marked DIRTY and only those have their protection lifted
+    /// (no `msync` can protect and copy a page in between, and no `rclearcache` can drop one:
+    /// both take `protect` too, so a page in these states is there); then the waiting writers
+    /// are woken, so every store they make is seen by the next `msync`.
     fn make_dirty(
         &self,
         faults: &Faults,
@@ -937,32 +969,31 @@ impl Mapping {
         a: usize,
         b: usize,
     ) -> std::io::Result<()> {
-        let mark = |p: usize, s: &AtomicU8| loop {
-            let v = s.load(Ordering::Acquire);
-            match v {
-                DIRTY => return true,
-                CLEAN | SYNCING => {
-                    if s.compare_exchange(v, DIRTY, Ordering::AcqRel, Ordering::Acquire)
-                        .is_ok()
-                    {
-                        return true;
-                    }
+        let mut result = Ok(());
+        {
+            let _one = self.lock_protect();
+            let mut p = a;
+            while p < b {
+                let mut end = p;
+                while end < b && mark_dirty(&pages[end]) {
+                    end += 1;
                 }
-                _ => {
-                    let _ = faults.protect(self.base + p * PAGE, PAGE);
-                    return false;
+                if end > p
+                    && let Err(e) = faults.unprotect_quietly(self.base + p * PAGE, (end - p) * PAGE)
+                {
+                    result = Err(e);
                 }
+                p = end + 1;
             }
-        };
-        for (p, s) in pages.iter().enumerate().take(b).skip(a) {
-            mark(p, s);
-        }
-        let lifted = faults.unprotect_quietly(self.base + a * PAGE, (b - a) * PAGE);
-        for (p, s) in pages.iter().enumerate().take(b).skip(a) {
-            mark(p, s);
         }
         faults.wake(self.base + a * PAGE, (b - a) * PAGE);
-        lifted
+        result
+    }
+
+    fn lock_protect(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.protect
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Fetches the missing remote pages of `[addr, addr + len)`; with `sync` before returning,
@@ -1061,19 +1092,20 @@ impl Mapping {
                 // there wait for it), then DIRTY, and then writable (like any page made dirty:
                 // a page `rclearcache` dropped meanwhile is never left writable and untracked);
                 // the pages not installed are missing again, and their waiters fault again.
+                let parked = self.parked.load(Ordering::SeqCst);
                 let installed =
                     faults.install(self.base + p * PAGE, &zeros[..(end - p) * PAGE], true);
                 let upto = match &installed {
                     Ok(()) => end,
                     Err((done, _)) => p + done / PAGE,
                 };
-                self.settle_install(&faults, &pages, p, upto, DIRTY);
+                self.settle_install(&faults, &pages, (p, upto), to_settle(DIRTY, parked));
+                for s in &pages[upto..end] {
+                    give_back(s);
+                }
                 if upto > p {
                     self.make_dirty(&faults, &pages, p, upto)
                         .map_err(|e| io_err("making zero pages writable", e))?;
-                }
-                for s in &pages[upto..end] {
-                    give_back(s);
                 }
                 if let Err((_, e)) = installed {
                     faults.wake(self.base + p * PAGE, (end - p) * PAGE);
@@ -1127,6 +1159,9 @@ impl Mapping {
             if !self.is_remote(a) {
                 continue;
             }
+            // Marked, protected and copied out under `protect`: no `make_dirty` lifts the
+            // protection between the protect and the copy.
+            let one = self.lock_protect();
             let mut runs: Vec<(usize, usize)> = Vec::new();
             for (p, s) in pages.iter().enumerate().take(b).skip(a) {
                 if s.compare_exchange(DIRTY, SYNCING, Ordering::AcqRel, Ordering::Acquire)
@@ -1138,7 +1173,27 @@ impl Mapping {
                     }
                 }
             }
+            // Protect first: a write from now on faults and marks the page dirty again. Runs
+            // that cannot be protected stay DIRTY (still writable) and are not written now.
+            runs.retain(
+                |&(a, b)| match faults.protect(self.base + a * PAGE, (b - a) * PAGE) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        for s in &pages[a..b] {
+                            let _ = s.compare_exchange(
+                                SYNCING,
+                                DIRTY,
+                                Ordering::AcqRel,
+                                Ordering::Acquire,
+                            );
+                        }
+                        result = Err(io_err("write-protecting pages for msync", e));
+                        false
+                    }
+                },
+            );
             if runs.is_empty() {
+                drop(one);
                 continue;
             }
             let total: usize = runs.iter().map(|(a, b)| (b - a) * PAGE).sum();
@@ -1146,17 +1201,14 @@ impl Mapping {
             let mut at = 0;
             for &(a, b) in &runs {
                 let n = (b - a) * PAGE;
-                // Protect first: a write from now on faults and marks the page dirty again.
-                if let Err(e) = faults.protect(self.base + a * PAGE, n) {
-                    result = Err(io_err("write-protecting pages for msync", e));
-                }
-                // SAFETY: the pages are present and mapped readable (a page becomes DIRTY only
-                // while it is there, and `rclearcache`, the only other dropper, holds
-                // `writeback` until it has marked what it dropped missing); concurrent writers
-                // at worst leave the page dirty for the next msync.
+                // SAFETY: the pages are present and mapped readable: a page is marked CLEAN,
+                // SYNCING or DIRTY only while it is there as long as `protect` is held (every
+                // path that drops such pages holds it), and it is held here; writers are held
+                // off by the protection just set.
                 unsafe { sys::copy_out((self.base + a * PAGE) as *const u8, &mut buf[at..at + n]) };
                 at += n;
             }
+            drop(one);
             let c0 = (a) / CHUNK_PAGES;
             // A stale map or a revoked capability: fetch both again and retry once.
             let written = self.region.with_fresh_map(|| {
@@ -1193,6 +1245,48 @@ impl Mapping {
         self.msync(addr, len)
     }
 
+    /// Drops pages `[a, b)` (none DIRTY) and marks them, under `writeback` and `protect`.
+    fn drop_run(&self, faults: &Faults, pages: &[AtomicU8], a: usize, b: usize) -> Result<()> {
+        let at = (self.base + a * PAGE) as *mut u8;
+        let n = (b - a) * PAGE;
+        let any_lost = pages[a..b]
+            .iter()
+            .any(|s| s.load(Ordering::Acquire) == LOST);
+        // A failed re-mapping or drop changes nothing; a failed registration after the
+        // re-mapping leaves memory that would read as zeros: every access raises SIGBUS
+        // instead, as for lost pages, and the pages are marked lost.
+        let mut registered = Ok(());
+        if any_lost {
+            sys::map_anon_fixed(at, n, self.write)
+                .map_err(|e| io_err("re-mapping lost pages", e))?;
+            registered = faults.register(at as usize, n, self.write);
+            if registered.is_err() {
+                faults.lose(at as usize, n);
+            }
+        } else {
+            sys::drop_pages(at, n).map_err(|e| io_err("dropping cached pages", e))?;
+        }
+        let gone = if registered.is_ok() { MISSING } else { LOST };
+        // Cached pages are missing now; pages being fetched are DROPPED, and their fetcher
+        // drops what it installed and marks them missing.
+        for s in &pages[a..b] {
+            loop {
+                let v = s.load(Ordering::Acquire);
+                let to = match v {
+                    CLEAN | LOST | DIRTY => gone,
+                    FETCHING => DROPPED,
+                    _ => break,
+                };
+                if s.compare_exchange(v, to, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    break;
+                }
+            }
+        }
+        registered.map_err(|e| io_err("re-registering lost pages", e))
+    }
+
     /// Drops the cached remote pages of `[addr, addr + len)` (dirty ones are written back
     /// first), so the next access fetches them afresh; pages lost to an earlier failure become
     /// fetchable again.
@@ -1219,50 +1313,29 @@ impl Mapping {
             while end < last && self.is_remote(end) {
                 end += 1;
             }
-            let at = (self.base + p * PAGE) as *mut u8;
-            let n = (end - p) * PAGE;
-            // Pages being fetched are DROPPED before the drop (their fetcher may finish between
-            // the drop and the marking below), and again after it (for fetches claimed
-            // meanwhile).
+            // Dropped and marked under `protect`: a page marked CLEAN, SYNCING or DIRTY is
+            // there for whoever holds it. Pages being fetched are DROPPED before the drop
+            // (their fetcher may finish between the drop and the marking below), and again
+            // after it (for fetches claimed meanwhile). A page stored to since the write-back
+            // above (DIRTY again) is kept, dirty, for the next msync.
+            let one = self.lock_protect();
             for s in &pages[p..end] {
                 let _ = s.compare_exchange(FETCHING, DROPPED, Ordering::AcqRel, Ordering::Acquire);
             }
-            let any_lost = pages[p..end]
-                .iter()
-                .any(|s| s.load(Ordering::Acquire) == LOST);
-            // A failed re-mapping or drop changes nothing; a failed registration after the
-            // re-mapping leaves memory that would read as zeros: every access raises SIGBUS
-            // instead, as for lost pages, and the pages are marked lost.
-            let mut registered = Ok(());
-            if any_lost {
-                sys::map_anon_fixed(at, n, self.write)
-                    .map_err(|e| io_err("re-mapping lost pages", e))?;
-                registered = faults.register(at as usize, n, self.write);
-                if registered.is_err() {
-                    faults.lose(at as usize, n);
+            let mut q = p;
+            while q < end {
+                if pages[q].load(Ordering::Acquire) == DIRTY {
+                    q += 1;
+                    continue;
                 }
-            } else {
-                sys::drop_pages(at, n).map_err(|e| io_err("dropping cached pages", e))?;
-            }
-            let gone = if registered.is_ok() { MISSING } else { LOST };
-            // Cached pages are missing now; pages being fetched are DROPPED, and their fetcher
-            // drops what it installed and marks them missing.
-            for s in &pages[p..end] {
-                loop {
-                    let v = s.load(Ordering::Acquire);
-                    let to = match v {
-                        CLEAN | LOST | DIRTY => gone,
-                        FETCHING => DROPPED,
-                        _ => break,
-                    };
-                    if s.compare_exchange(v, to, Ordering::AcqRel, Ordering::Acquire)
-                        .is_ok()
-                    {
-                        break;
-                    }
+                let mut e = q;
+                while e < end && pages[e].load(Ordering::Acquire) != DIRTY {
+                    e += 1;
                 }
+                self.drop_run(&faults, &pages, q, e)?;
+                q = e;
             }
-            registered.map_err(|e| io_err("re-registering lost pages", e))?;
+            drop(one);
             p = end;
         }
         Ok(())
@@ -1294,6 +1367,36 @@ fn with_fetch_buffer<T>(len: usize, f: impl FnOnce(&mut [u8]) -> T) -> T {
         // Re-entered (cannot happen on the fetch paths; be safe anyway).
         Err(_) => f(&mut vec![0u8; len]),
     })
+}
+
+/// Marks a CLEAN, SYNCING or DIRTY page DIRTY; `false` for any other state (left alone).
+fn mark_dirty(s: &AtomicU8) -> bool {
+    loop {
+        let v = s.load(Ordering::Acquire);
+        match v {
+            DIRTY => return true,
+            CLEAN | SYNCING => {
+                if s.compare_exchange(v, DIRTY, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    return true;
+                }
+            }
+            _ => return false,
+        }
+    }
+}
+
+/// How to end a claim after an install: the state installed pages take, and the fault count
+/// read before the install began.
+#[derive(Clone, Copy, Debug)]
+struct Settle {
+    to: u8,
+    parked: u64,
+}
+
+fn to_settle(to: u8, parked: u64) -> Settle {
+    Settle { to, parked }
 }
 
 /// Gives back a claim on a page that was not installed: FETCHING (or DROPPED, if

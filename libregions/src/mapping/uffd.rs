@@ -94,29 +94,28 @@ fn start() -> io::Result<Arc<Faults>> {
         leader: Mutex::new(()),
     });
     let rx = Arc::new(Mutex::new(rx));
-    let prefetchers = std::env::var("REGIONS_READ_AHEAD_THREADS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|n| (1..=64).contains(n))
-        .unwrap_or(DEFAULT_PREFETCHERS);
-    for i in 0..prefetchers {
+    for i in 0..threads_from_env("REGIONS_READ_AHEAD_THREADS", DEFAULT_PREFETCHERS) {
         let rx = Arc::clone(&rx);
         std::thread::Builder::new()
             .name(format!("regions-ahead-{i}"))
             .spawn(move || worker(&rx))?;
     }
-    let readers = std::env::var("REGIONS_FAULT_THREADS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|n| (1..=64).contains(n))
-        .unwrap_or(DEFAULT_WORKERS);
-    for i in 0..readers {
+    for i in 0..threads_from_env("REGIONS_FAULT_THREADS", DEFAULT_WORKERS) {
         let reader = Arc::clone(&faults);
         std::thread::Builder::new()
             .name(format!("regions-fault-{i}"))
             .spawn(move || read_loop(&reader))?;
     }
     Ok(faults)
+}
+
+/// A thread count from environment variable `name` (1 to 64), else `default`.
+fn threads_from_env(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|n| (1..=64).contains(n))
+        .unwrap_or(default)
 }
 
 impl Faults {
