@@ -192,21 +192,24 @@ impl Pools {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Whether this host may open another segment while it holds `held`: the open-file limit
-    /// less a reserve for connections (the host agent and the transport keep accepting).
-    fn check_open_file_room(held: u64) -> Result<()> {
+    /// Whether this host may keep a new segment (descriptor `number`) while it holds `held`
+    /// others: the open-file limit less a reserve for connections (the host agent and the
+    /// transport keep accepting). Descriptors are handed out lowest first, so `number` counts
+    /// the daemon's open descriptors, and `held` counts them when lower ones were closed.
+    fn check_open_file_room(held: u64, number: u64) -> Result<()> {
         let limit = regions_proto::fd_limit::open_file_limit();
         let reserve = regions_proto::fd_limit::reserve(limit);
-        if held.saturating_add(reserve) < limit {
+        let open = held.max(number);
+        if open.saturating_add(reserve) < limit {
             return Ok(());
         }
         Err(DaemonError::Limit {
             errno: libc::ENOSPC,
             message: format!(
-                "this host cannot hold memory of another region: its daemon's open-file limit \
-                 (RLIMIT_NOFILE) is {limit}, it holds {held} regions (one descriptor each) and \
-                 keeps {reserve} for connections; raise the daemon's limit (LimitNOFILE=, \
-                 ulimit -n) or delete regions"
+                "this host cannot hold memory of another region: its daemon has {open} \
+                 descriptors open (one per region it holds), its open-file limit \
+                 (RLIMIT_NOFILE) is {limit} and it keeps {reserve} for connections; raise the \
+                 daemon's limit (LimitNOFILE=, ulimit -n) or delete regions"
             ),
         })
     }
@@ -464,8 +467,12 @@ impl Pools {
         let segment = match segments.get(&ino) {
             Some(entry) => Arc::clone(&entry.segment),
             None => {
-                Self::check_open_file_room(segments.len() as u64)?;
-                let segment = Arc::new(Segment::create(ino)?);
+                let segment = Segment::create(ino)?;
+                Self::check_open_file_room(
+                    segments.len() as u64,
+                    segment.as_fd().as_raw_fd() as u64,
+                )?;
+                let segment = Arc::new(segment);
                 segments.insert(
                     ino,
                     SegmentEntry {

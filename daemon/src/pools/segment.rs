@@ -53,23 +53,6 @@ impl Segment {
             },
             e => DaemonError::sys(format!("memfd_create for region {ino}"), e),
         })?;
-        // Descriptors are handed out lowest first: this one's number is how many the daemon
-        // has open. Past the limit less the reserve, the host agent and the transport could no
-        // longer accept connections: refuse the region instead.
-        let limit = regions_proto::fd_limit::open_file_limit();
-        let reserve = regions_proto::fd_limit::reserve(limit);
-        let number = fd.as_raw_fd() as u64;
-        if number.saturating_add(reserve) >= limit {
-            return Err(DaemonError::Limit {
-                errno: libc::ENOSPC,
-                message: format!(
-                    "this host cannot hold memory of region {ino}: its daemon has {number} \
-                     descriptors open, its open-file limit (RLIMIT_NOFILE) is {limit} and it \
-                     keeps {reserve} for connections; raise the daemon's limit (LimitNOFILE=, \
-                     ulimit -n) or delete regions"
-                ),
-            });
-        }
         nix::sys::stat::fchmod(&fd, nix::sys::stat::Mode::from_bits_truncate(0o600)).map_err(
             |e| DaemonError::sys(format!("chmod 0600 of the segment of region {ino}"), e),
         )?;

@@ -747,7 +747,7 @@ impl Mapping {
                 Ok(()) => b,
                 Err((done, _)) => a + done / PAGE,
             };
-            self.settle_install(faults, &pages, (a, upto), to_settle(CLEAN, parked));
+            self.settle_install(faults, &pages, a, upto, CLEAN, parked);
             if let Err((_, e)) = installed {
                 tracing::warn!(ino = self.ino(), error = %e, "cannot install fetched pages");
                 // The pages not installed, in this run and the ones after it, are missing
@@ -774,23 +774,25 @@ impl Mapping {
     }
 
     /// Ends the claim on pages `[a, upto)` that were just installed: FETCHING pages become
-    /// `settle.to`; pages `rclearcache` dropped meanwhile (DROPPED) are dropped again (some may
-    /// have been installed after its drop, from bytes fetched before it) and become missing.
-    /// Then wakes the threads waiting there (which find the pages there or fault again), when
-    /// there can be any: the install woke every thread that faulted before it ended, so only
-    /// one parked by a fault handler since `settle.parked` (read before the install) waits.
+    /// `to`; pages `rclearcache` dropped meanwhile (DROPPED) are dropped again (some may have
+    /// been installed after its drop, from bytes fetched before it) and become missing. Then
+    /// wakes the threads waiting there (which find the pages there or fault again), when there
+    /// can be any: the install woke every thread that faulted before it ended, so only one
+    /// parked by a fault handler since `parked` (the count read before the install) waits.
     fn settle_install(
         &self,
         faults: &Faults,
         pages: &[AtomicU8],
-        (a, upto): (usize, usize),
-        settle: Settle,
+        a: usize,
+        upto: usize,
+        to: u8,
+        parked: u64,
     ) {
         let mut dropped = false;
         let mut p = a;
         while p < upto {
             if pages[p]
-                .compare_exchange(FETCHING, settle.to, Ordering::SeqCst, Ordering::SeqCst)
+                .compare_exchange(FETCHING, to, Ordering::SeqCst, Ordering::SeqCst)
                 .is_ok()
                 || pages[p].load(Ordering::Acquire) != DROPPED
             {
@@ -814,7 +816,7 @@ impl Mapping {
         }
         // A handler parks its thread after counting it (SeqCst, before it reads the state):
         // one that saw FETCHING or DROPPED before the marks above is counted by now.
-        if dropped || self.parked.load(Ordering::SeqCst) != settle.parked {
+        if dropped || self.parked.load(Ordering::SeqCst) != parked {
             faults.wake(self.base + a * PAGE, upto.saturating_sub(a) * PAGE);
         }
     }
@@ -929,9 +931,9 @@ impl Mapping {
         self.parked.fetch_add(1, Ordering::SeqCst);
         match s.load(Ordering::SeqCst) {
             CLEAN | SYNCING | DIRTY => {
+                // (It wakes the writer whatever happens.)
                 if let Err(e) = self.make_dirty(faults, &pages, p, p + 1) {
                     tracing::warn!(ino = self.ino(), error = %e, "cannot lift write protection");
-                    faults.wake(at, PAGE);
                 }
             }
             // Claimed by a fetch (installed and not yet settled, or a stale event): the settle
@@ -1099,7 +1101,7 @@ impl Mapping {
                     Ok(()) => end,
                     Err((done, _)) => p + done / PAGE,
                 };
-                self.settle_install(&faults, &pages, (p, upto), to_settle(DIRTY, parked));
+                self.settle_install(&faults, &pages, p, upto, DIRTY, parked);
                 for s in &pages[upto..end] {
                     give_back(s);
                 }
@@ -1385,18 +1387,6 @@ fn mark_dirty(s: &AtomicU8) -> bool {
             _ => return false,
         }
     }
-}
-
-/// How to end a claim after an install: the state installed pages take, and the fault count
-/// read before the install began.
-#[derive(Clone, Copy, Debug)]
-struct Settle {
-    to: u8,
-    parked: u64,
-}
-
-fn to_settle(to: u8, parked: u64) -> Settle {
-    Settle { to, parked }
 }
 
 /// Gives back a claim on a page that was not installed: FETCHING (or DROPPED, if
