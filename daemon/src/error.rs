@@ -69,6 +69,18 @@ pub enum DaemonError {
         /// Which limit, its value, and what to do.
         message: String,
     },
+    /// A write past what a small region's object can hold: the region must move to a segment
+    /// of its own first.
+    #[error(
+        "{len} bytes do not fit in this small region's slot of {max} bytes; the region must be \
+         given a larger slot or a segment of its own"
+    )]
+    ObjectTooLarge {
+        /// Bytes the access needed.
+        len: u64,
+        /// Bytes the object can hold.
+        max: u64,
+    },
     /// A system call failed.
     #[error("{what}: {source}")]
     Sys {
@@ -150,6 +162,7 @@ impl DaemonError {
             DaemonError::Stale(_) => libc::ESTALE,
             DaemonError::Revoked(_) => libc::EKEYREVOKED,
             DaemonError::NoSpace(_) => libc::ENOSPC,
+            DaemonError::ObjectTooLarge { .. } => libc::EFBIG,
             DaemonError::Sys { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
             DaemonError::Manager { errno, .. } | DaemonError::Limit { errno, .. } => *errno,
             DaemonError::Secret(_) => libc::EACCES,
@@ -190,6 +203,11 @@ mod tests {
         let unassigned = DaemonError::Unassigned { gid: 1, offset: 0 };
         assert_eq!(unassigned.errno(), libc::EFAULT);
         assert_eq!(DaemonError::Invalid("x".into()).errno(), libc::EINVAL);
+        let too_large = DaemonError::ObjectTooLarge {
+            len: 9000,
+            max: 8160,
+        };
+        assert_eq!(too_large.errno(), libc::EFBIG);
         let sys = DaemonError::sys("mmap", std::io::Error::from_raw_os_error(libc::ENOMEM));
         assert_eq!(sys.errno(), libc::ENOMEM);
         let status = regions_proto::errno::status(libc::EACCES, "no");

@@ -28,6 +28,7 @@ pub mod config;
 pub mod daemon;
 pub mod error;
 pub mod manager_client;
+pub mod objects;
 pub mod pools;
 pub mod registration;
 pub mod stats;

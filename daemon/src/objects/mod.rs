@@ -1,0 +1,843 @@
+//! Small regions as objects packed into size-class blocks, and the compaction that gives the
+//! memory of sparse blocks back (CoRM, docs/ARCHITECTURE.md "Small regions as objects").
+//!
+//! Every object sits in a slot of a block of its size class, behind a header:
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 0..8 | version word: even when stable, odd while a write is in progress |
+//! | 8..16 | the owning region's inode |
+//! | 16..20 | the region's generation |
+//! | 20..24 | the object id: random, unique in its block, never 0 |
+//! | 24..28 | bytes in use (the largest end written) |
+//! | 28..32 | zero |
+//!
+//! A pointer to an object ([`ObjectRef`]) is (block address, slot hint, object id). When sparse
+//! blocks of a class are merged, the source's objects are copied into the destination, in the
+//! same slot where it is free and in another free slot where not (keeping their ids), the
+//! source's block address is remapped onto the destination's memory, and the source's memory
+//! is punched out of the block file. A pointer whose slot no longer holds its id is corrected
+//! by id ([`ObjectStore::read`] and [`ObjectStore::write`] return the corrected pointer;
+//! [`ObjectStore::correct`] moves a pointer to the object's own block address), and an address
+//! no pointer names any more is unmapped and reused (CoRM §3.3).
+//!
+//! Consistency: allocation, freeing and compaction take the store's lock exclusively, reads and
+//! writes share it, so no read or write overlaps a move. Writers of one object exclude each
+//! other with the version word's odd bit, and a read copies again until the version was even
+//! and unchanged around its copy, so it never returns a torn mix of two writes.
+
+mod block;
+pub mod classes;
+mod memory;
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use block::Block;
+use classes::{BLOCK_SIZE, class_for, slot_size, slot_sizes, slots_per_block};
+use memory::BlockMemory;
+
+use crate::error::{DaemonError, Result};
+
+/// Bytes of an object's header.
+pub const HEADER: u64 = 32;
+const VERSION_AT: u32 = 0;
+const INO_AT: u32 = 8;
+const GENERATION_AT: u32 = 16;
+const LEN_AT: u32 = 24;
+/// A class is compacted once more than this share of its slots is free.
+const FRAGMENTATION_THRESHOLD: f64 = 0.2;
+/// Merges one compaction of a class makes at most (bounds how long it holds the store).
+const MERGES_PER_PASS: usize = 64;
+
+/// Where an object is: what a small region's map entry holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ObjectRef {
+    /// The block address (its index in the window of block addresses).
+    pub address: u32,
+    /// The slot the object was in when the pointer was made (a hint after compaction).
+    pub slot: u32,
+    /// The object's id in its block.
+    pub id: u32,
+}
+
+/// The region an object belongs to; every access names it and is refused for another.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Owner {
+    /// The region's inode.
+    pub ino: u64,
+    /// The region's generation.
+    pub generation: u32,
+}
+
+/// One size class as `.regions/pools` shows it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ClassStats {
+    /// Bytes of one slot (header and object).
+    pub slot_size: u32,
+    /// Blocks of the class.
+    pub blocks: u32,
+    /// Objects in them.
+    pub objects: u64,
+    /// Header and in-use bytes of those objects.
+    pub live_bytes: u64,
+    /// Bytes of the blocks (an upper bound of their memory: untouched pages use none).
+    pub block_bytes: u64,
+    /// Share of the class's slots that are free.
+    pub fragmentation: f64,
+    /// Blocks merged into others.
+    pub compactions: u64,
+    /// Objects that changed slot when their block was merged (their pointers are indirect).
+    pub moved_objects: u64,
+}
+
+/// What a compaction did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Compaction {
+    /// Blocks merged into others (their memory freed).
+    pub blocks_freed: u32,
+    /// Objects copied into another block.
+    pub objects_merged: u64,
+    /// Of those, objects that took another slot.
+    pub objects_moved: u64,
+    /// Memory the block file held before less after.
+    pub bytes_freed: u64,
+}
+
+impl std::ops::AddAssign for Compaction {
+    fn add_assign(&mut self, o: Compaction) {
+        self.blocks_freed += o.blocks_freed;
+        self.objects_merged += o.objects_merged;
+        self.objects_moved += o.objects_moved;
+        self.bytes_freed += o.bytes_freed;
+    }
+}
+
+/// The objects of one daemon: blocks in one memfd, shown through a window of block addresses.
+pub struct ObjectStore {
+    memory: BlockMemory,
+    inner: RwLock<Inner>,
+    /// Whether a free that leaves its class fragmented compacts it.
+    auto_compact: std::sync::atomic::AtomicBool,
+}
+
+#[derive(Default)]
+struct ClassState {
+    /// Blocks of the class with a free slot, by file block.
+    open: BTreeSet<u32>,
+    /// The block the class allocates in first.
+    current: Option<u32>,
+    blocks: u32,
+    objects: u64,
+    compactions: u64,
+    moved: u64,
+    /// Frees since the class was last compacted.
+    frees_since_compaction: u32,
+}
+
+struct Inner {
+    /// Blocks by file block.
+    blocks: HashMap<u32, Block>,
+    /// The file block each mapped address shows.
+    by_address: HashMap<u32, u32>,
+    /// The one pointer handed out for each object, as (address, id).
+    handed: HashSet<(u32, u32)>,
+    /// Pointers handed out that name each address.
+    pointers: HashMap<u32, u64>,
+    free_addresses: Vec<u32>,
+    next_address: u32,
+    free_file_blocks: Vec<u32>,
+    next_file_block: u32,
+    /// File blocks the memory budget allows.
+    max_blocks: u32,
+    classes: Vec<ClassState>,
+}
+
+impl ObjectStore {
+    /// A store of at most `capacity` bytes of blocks (rounded down to whole blocks).
+    pub fn new(capacity: u64) -> Result<ObjectStore> {
+        let max_blocks = u32::try_from(capacity / BLOCK_SIZE)
+            .map_err(|_| DaemonError::Invalid(format!("object store of {capacity} bytes")))?;
+        // Twice the blocks: merged blocks keep their addresses while pointers name them.
+        let addresses = max_blocks.saturating_mul(2).max(2);
+        Ok(ObjectStore {
+            memory: BlockMemory::new(addresses)?,
+            inner: RwLock::new(Inner {
+                blocks: HashMap::new(),
+                by_address: HashMap::new(),
+                handed: HashSet::new(),
+                pointers: HashMap::new(),
+                free_addresses: Vec::new(),
+                next_address: 0,
+                free_file_blocks: Vec::new(),
+                next_file_block: 0,
+                max_blocks,
+                classes: slot_sizes().iter().map(|_| ClassState::default()).collect(),
+            }),
+            auto_compact: std::sync::atomic::AtomicBool::new(true),
+        })
+    }
+
+    /// Whether frees compact a class they leave fragmented (on by default; off, only
+    /// [`ObjectStore::compact`] and a full store compact).
+    pub fn set_auto_compaction(&self, on: bool) {
+        self.auto_compact.store(on, Ordering::Relaxed);
+    }
+
+    fn read_inner(&self) -> RwLockReadGuard<'_, Inner> {
+        self.inner
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn write_inner(&self) -> RwLockWriteGuard<'_, Inner> {
+        self.inner
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A new object of `len` bytes (zeros) for `owner`.
+    pub fn alloc(&self, owner: Owner, len: u32) -> Result<ObjectRef> {
+        let class = class_for(len).ok_or(DaemonError::ObjectTooLarge {
+            len: u64::from(len),
+            max: u64::from(classes::max_object()),
+        })?;
+        let mut inner = self.write_inner();
+        let file_block = match inner.open_block(class) {
+            Some(b) => b,
+            None => {
+                if inner.blocks.len() as u32 >= inner.max_blocks {
+                    // Out of blocks: compact every class, then try again.
+                    for c in 0..inner.classes.len() {
+                        inner.compact_class(&self.memory, c, usize::MAX)?;
+                    }
+                }
+                match inner.open_block(class) {
+                    Some(b) => b,
+                    None => inner.new_block(&self.memory, class)?,
+                }
+            }
+        };
+        let block = inner
+            .blocks
+            .get_mut(&file_block)
+            .ok_or_else(|| DaemonError::Invalid("open block vanished".into()))?;
+        let id = block.fresh_id(&mut rand::rng());
+        let slot = block
+            .take(None, id)
+            .ok_or_else(|| DaemonError::Invalid("open block is full".into()))?;
+        let address = block.address;
+        let full = block.is_full();
+        let state = &mut inner.classes[class];
+        state.objects += 1;
+        if full {
+            state.open.remove(&file_block);
+        }
+        inner.hand_out(address, id);
+        let size = slot_size(class);
+        let at = slot * size;
+        let mut head = [0u8; HEADER as usize];
+        head[INO_AT as usize..][..8].copy_from_slice(&owner.ino.to_le_bytes());
+        head[GENERATION_AT as usize..][..4].copy_from_slice(&owner.generation.to_le_bytes());
+        head[20..24].copy_from_slice(&id.to_le_bytes());
+        head[LEN_AT as usize..][..4].copy_from_slice(&len.to_le_bytes());
+        // SAFETY: the address is mapped (its block is live) and cannot be remapped while this
+        // thread holds the store exclusively; the slot lies inside the block. The version word
+        // is left as it was (even: a freed slot's writers have finished), so a reader that
+        // kept a stale pointer sees it change.
+        unsafe {
+            let version = self
+                .version(address, at)
+                .map_or(0, |v| v.load(Ordering::Acquire));
+            self.memory.write(address, at, &head);
+            self.memory.write(
+                address,
+                at + HEADER as u32,
+                &vec![0u8; (size - HEADER as u32) as usize],
+            );
+            if let Some(v) = self.version(address, at) {
+                v.store((version | 1) + 1, Ordering::Release);
+            }
+        }
+        Ok(ObjectRef { address, slot, id })
+    }
+
+    /// The version word of the slot at byte `at` of block address `address`.
+    ///
+    /// # Safety
+    ///
+    /// The address must be mapped and stable while the reference is used.
+    unsafe fn version(&self, address: u32, at: u32) -> Option<&AtomicU64> {
+        // SAFETY: as the caller guarantees.
+        unsafe { self.memory.word(address, at + VERSION_AT) }
+    }
+
+    /// Frees the object `ptr` of `owner`. Gives back the pages no object lies on any more,
+    /// and compacts its class when that leaves it fragmented (both best effort: the object is
+    /// freed whatever they do).
+    pub fn free(&self, owner: Owner, ptr: ObjectRef) -> Result<()> {
+        let mut inner = self.write_inner();
+        let (file_block, slot) = inner.resolve(ptr)?;
+        let (address, class) = {
+            let b = &inner.blocks[&file_block];
+            (b.address, b.class)
+        };
+        let at = slot * slot_size(class);
+        self.check_owner(address, at, owner)?;
+        // SAFETY: mapped and stable under the exclusive lock; the slot is inside the block.
+        unsafe {
+            self.memory
+                .write(address, at + 8, &[0u8; HEADER as usize - 8])
+        };
+        inner.forget_pointer(&self.memory, file_block, ptr.id);
+        let block = inner
+            .blocks
+            .get_mut(&file_block)
+            .ok_or_else(|| DaemonError::Invalid("resolved block vanished".into()))?;
+        block.release(slot);
+        let empty = block.live() == 0;
+        let (from, to) = block.free_pages_around(slot);
+        let state = &mut inner.classes[class];
+        state.objects -= 1;
+        state.open.insert(file_block);
+        if empty {
+            inner.free_block(&self.memory, file_block);
+            return Ok(());
+        }
+        // Pages no object lies on any more go back to the kernel (they read as zeros).
+        if let Err(e) = self.memory.punch_range(file_block, from, to) {
+            tracing::warn!(error = %e, "cannot give back the pages of a freed object");
+        }
+        let state = &mut inner.classes[class];
+        state.frees_since_compaction += 1;
+        // Compacted again once the class is fragmented and has freed half a block's slots
+        // since its last compaction (which may have found nothing to merge).
+        if self.auto_compact.load(Ordering::Relaxed)
+            && state.frees_since_compaction >= slots_per_block(class).div_ceil(2)
+            && inner.fragmentation(class) > FRAGMENTATION_THRESHOLD
+            && let Err(e) = inner.compact_class(&self.memory, class, MERGES_PER_PASS)
+        {
+            tracing::warn!(class, error = %e, "compaction after a free failed");
+        }
+        Ok(())
+    }
+
+    /// Checks that the object at byte `at` of `address` belongs to `owner`.
+    fn check_owner(&self, address: u32, at: u32, owner: Owner) -> Result<()> {
+        let mut head = [0u8; 12];
+        // SAFETY: the caller holds the store (shared or exclusive), so the address is mapped and
+        // stable; the header lies inside the block.
+        unsafe { self.memory.read(address, at + INO_AT, &mut head) };
+        let ino = u64::from_le_bytes(head[..8].try_into().unwrap_or_default());
+        let generation = u32::from_le_bytes(head[8..].try_into().unwrap_or_default());
+        if ino != owner.ino || generation != owner.generation {
+            return Err(DaemonError::Stale(format!(
+                "the object holds region {ino} generation {generation}, not region {} \
+                 generation {}: refresh the region's map",
+                owner.ino, owner.generation
+            )));
+        }
+        Ok(())
+    }
+
+    /// Copies `dst.len()` bytes of `owner`'s object `ptr` from `offset` (bytes never written
+    /// read as zeros). Returns the corrected pointer when `ptr` was indirect.
+    pub fn read(
+        &self,
+        owner: Owner,
+        ptr: ObjectRef,
+        offset: u32,
+        dst: &mut [u8],
+    ) -> Result<Option<ObjectRef>> {
+        let inner = self.read_inner();
+        let (address, at, corrected) = self.locate(&inner, owner, ptr, offset, dst.len(), false)?;
+        // SAFETY: the address is mapped and cannot be remapped while this thread holds the
+        // store shared (`inner` lives to the end of the function); the word is the slot's own.
+        let Some(word) = (unsafe { self.version(address, at) }) else {
+            return Err(DaemonError::Invalid("misaligned object header".into()));
+        };
+        loop {
+            let before = word.load(Ordering::Acquire);
+            if before & 1 == 1 {
+                std::thread::yield_now();
+                continue;
+            }
+            // SAFETY: as above; `locate` checked that the range lies inside the slot.
+            unsafe { self.memory.read(address, at + HEADER as u32 + offset, dst) };
+            std::sync::atomic::fence(Ordering::Acquire);
+            if word.load(Ordering::Acquire) == before {
+                return Ok(corrected);
+            }
+        }
+    }
+
+    /// Copies `src` into `owner`'s object `ptr` at `offset`. Returns the corrected pointer when
+    /// `ptr` was indirect. A write past the object's slot fails with `EFBIG`: the region must
+    /// move to a segment of its own first.
+    pub fn write(
+        &self,
+        owner: Owner,
+        ptr: ObjectRef,
+        offset: u32,
+        src: &[u8],
+    ) -> Result<Option<ObjectRef>> {
+        let inner = self.read_inner();
+        let (address, at, corrected) = self.locate(&inner, owner, ptr, offset, src.len(), true)?;
+        // SAFETY: as in `read`: mapped and stable while `inner` is held; the slot's own word.
+        let Some(word) = (unsafe { self.version(address, at) }) else {
+            return Err(DaemonError::Invalid("misaligned object header".into()));
+        };
+        // SAFETY: as above, for the slot's in-use length word.
+        let Some(len) = (unsafe { self.memory.word(address, at + LEN_AT) }) else {
+            return Err(DaemonError::Invalid("misaligned object header".into()));
+        };
+        // Take the odd bit: other writers of the object wait, readers copy again.
+        let mut v = word.load(Ordering::Acquire);
+        loop {
+            if v & 1 == 1 {
+                std::thread::yield_now();
+                v = word.load(Ordering::Acquire);
+                continue;
+            }
+            match word.compare_exchange_weak(v, v + 1, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(now) => v = now,
+            }
+        }
+        // The odd version must be visible before any byte of the write (a reader that sees a
+        // new byte then sees the version changed).
+        std::sync::atomic::fence(Ordering::Release);
+        // SAFETY: as above; `locate` checked that the range lies inside the slot.
+        unsafe { self.memory.write(address, at + HEADER as u32 + offset, src) };
+        // The in-use length and the zero word after it are one little-endian u64.
+        len.fetch_max(u64::from(offset) + src.len() as u64, Ordering::AcqRel);
+        word.store(v + 2, Ordering::Release);
+        Ok(corrected)
+    }
+
+    /// The address and slot byte of `owner`'s object `ptr` for an access of `n` bytes at
+    /// `offset`, and the corrected pointer if `ptr` was indirect.
+    fn locate(
+        &self,
+        inner: &Inner,
+        owner: Owner,
+        ptr: ObjectRef,
+        offset: u32,
+        n: usize,
+        writing: bool,
+    ) -> Result<(u32, u32, Option<ObjectRef>)> {
+        let (file_block, slot) = inner.resolve(ptr)?;
+        let block = &inner.blocks[&file_block];
+        let size = slot_size(block.class);
+        // Through the pointer's own address: it maps the same block.
+        let at = slot * size;
+        self.check_owner(ptr.address, at, owner)?;
+        let capacity = u64::from(size) - HEADER;
+        let end = u64::from(offset) + n as u64;
+        if end > capacity {
+            if !writing {
+                return Err(DaemonError::Invalid(format!(
+                    "a read of {n} bytes at {offset} runs past the {capacity} bytes of region \
+                     {}'s object",
+                    owner.ino
+                )));
+            }
+            return Err(DaemonError::ObjectTooLarge {
+                len: end,
+                max: capacity,
+            });
+        }
+        let corrected = (slot != ptr.slot).then_some(ObjectRef {
+            address: ptr.address,
+            slot,
+            id: ptr.id,
+        });
+        Ok((ptr.address, at, corrected))
+    }
+
+    /// The pointer to `owner`'s object `ptr` at its block's own address and slot (the pointer
+    /// correction of CoRM §3.2): the old pointer must not be used afterwards. An address that
+    /// no pointer names any more is released.
+    pub fn correct(&self, owner: Owner, ptr: ObjectRef) -> Result<ObjectRef> {
+        let mut inner = self.write_inner();
+        let (file_block, slot) = inner.resolve(ptr)?;
+        let block = &inner.blocks[&file_block];
+        let address = block.address;
+        self.check_owner(address, slot * slot_size(block.class), owner)?;
+        let fresh = ObjectRef {
+            address,
+            slot,
+            id: ptr.id,
+        };
+        // The object's one pointer (whichever address it named) now names its own address.
+        if !inner.handed.contains(&(address, ptr.id)) {
+            inner.forget_pointer(&self.memory, file_block, ptr.id);
+            inner.hand_out(address, ptr.id);
+        }
+        Ok(fresh)
+    }
+
+    /// Merges sparse blocks of every class (or of `class`) while any two fit in one.
+    pub fn compact(&self, class: Option<usize>) -> Result<Compaction> {
+        let mut inner = self.write_inner();
+        let before = self.memory.allocated_bytes();
+        let mut done = Compaction::default();
+        let classes = match class {
+            Some(c) if c < inner.classes.len() => c..c + 1,
+            Some(c) => return Err(DaemonError::Invalid(format!("no size class {c}"))),
+            None => 0..inner.classes.len(),
+        };
+        for c in classes {
+            done += inner.compact_class(&self.memory, c, usize::MAX)?;
+        }
+        done.bytes_freed = before.saturating_sub(self.memory.allocated_bytes());
+        Ok(done)
+    }
+
+    /// Per size class: blocks, objects, live bytes, fragmentation, compactions.
+    pub fn stats(&self) -> Vec<ClassStats> {
+        let inner = self.read_inner();
+        let mut out: Vec<ClassStats> = inner
+            .classes
+            .iter()
+            .enumerate()
+            .map(|(c, s)| ClassStats {
+                slot_size: slot_size(c),
+                blocks: s.blocks,
+                objects: s.objects,
+                block_bytes: u64::from(s.blocks) * BLOCK_SIZE,
+                fragmentation: inner.fragmentation(c),
+                compactions: s.compactions,
+                moved_objects: s.moved,
+                ..ClassStats::default()
+            })
+            .collect();
+        for block in inner.blocks.values() {
+            let size = slot_size(block.class);
+            for (slot, _) in block.objects() {
+                // SAFETY: the block's address is mapped and stable under the shared lock; the
+                // word is inside the slot.
+                let len = unsafe { self.memory.word(block.address, slot * size + LEN_AT) }
+                    .map_or(0, |w| w.load(Ordering::Acquire));
+                out[block.class].live_bytes += HEADER + len;
+            }
+        }
+        out
+    }
+
+    /// Bytes of memory the blocks hold (pages actually allocated).
+    pub fn allocated_bytes(&self) -> u64 {
+        self.memory.allocated_bytes()
+    }
+
+    /// Block addresses mapped: every block's own and the merged blocks' still named by a
+    /// pointer.
+    pub fn addresses_in_use(&self) -> usize {
+        self.read_inner().by_address.len()
+    }
+}
+
+impl Inner {
+    /// A block of `class` with a free slot: the one the class allocated in last, else the
+    /// fullest (so sparse blocks empty out and can be merged or freed).
+    fn open_block(&mut self, class: usize) -> Option<u32> {
+        let state = &self.classes[class];
+        if let Some(b) = state.current.filter(|b| state.open.contains(b)) {
+            return Some(b);
+        }
+        let best = state
+            .open
+            .iter()
+            .copied()
+            .max_by_key(|b| self.blocks.get(b).map_or(0, Block::live))?;
+        self.classes[class].current = Some(best);
+        Some(best)
+    }
+
+    /// A new empty block of `class`, mapped at a free address.
+    fn new_block(&mut self, memory: &BlockMemory, class: usize) -> Result<u32> {
+        if self.blocks.len() as u32 >= self.max_blocks {
+            return Err(DaemonError::NoSpace(format!(
+                "this host's memory for small regions is full ({} blocks of {} KiB, all live \
+                 after compaction): delete regions or give the daemon more --memory",
+                self.max_blocks,
+                BLOCK_SIZE >> 10
+            )));
+        }
+        let address = self.take_address(memory)?;
+        let file_block = self.free_file_blocks.pop().unwrap_or_else(|| {
+            self.next_file_block += 1;
+            self.next_file_block - 1
+        });
+        // SAFETY: the address is free (nobody holds a pointer naming it) and this thread
+        // holds the store exclusively.
+        if let Err(e) = unsafe { memory.map(address, file_block) } {
+            self.free_addresses.push(address);
+            self.free_file_blocks.push(file_block);
+            return Err(e);
+        }
+        self.by_address.insert(address, file_block);
+        self.blocks.insert(file_block, Block::new(class, address));
+        let state = &mut self.classes[class];
+        state.blocks += 1;
+        state.open.insert(file_block);
+        state.current = Some(file_block);
+        Ok(file_block)
+    }
+
+    fn take_address(&mut self, memory: &BlockMemory) -> Result<u32> {
+        if let Some(a) = self.free_addresses.pop() {
+            return Ok(a);
+        }
+        if self.next_address >= memory.addresses() {
+            return Err(DaemonError::NoSpace(format!(
+                "all {} block addresses for small regions are in use (merged blocks keep \
+                 theirs while pointers name them): correct the pointers of small regions \
+                 (their maps name merged blocks) or delete regions",
+                memory.addresses()
+            )));
+        }
+        self.next_address += 1;
+        Ok(self.next_address - 1)
+    }
+
+    /// The file block and slot of the object `ptr` names.
+    fn resolve(&self, ptr: ObjectRef) -> Result<(u32, u32)> {
+        let gone = || {
+            DaemonError::Stale(format!(
+                "no object {:#x} at block address {}: it was freed; refresh the region's map",
+                ptr.id, ptr.address
+            ))
+        };
+        let file_block = *self.by_address.get(&ptr.address).ok_or_else(gone)?;
+        let block = self.blocks.get(&file_block).ok_or_else(gone)?;
+        if ptr.id != 0 && block.id_at(ptr.slot) == ptr.id {
+            return Ok((file_block, ptr.slot));
+        }
+        let slot = block
+            .slot_of(ptr.id)
+            .filter(|_| ptr.id != 0)
+            .ok_or_else(gone)?;
+        Ok((file_block, slot))
+    }
+
+    /// Records the pointer handed out for object `id`, naming `address`.
+    fn hand_out(&mut self, address: u32, id: u32) {
+        if self.handed.insert((address, id)) {
+            *self.pointers.entry(address).or_default() += 1;
+        }
+    }
+
+    /// Forgets the pointer handed out for object `id` of `file_block`, whichever of the block's
+    /// addresses it names; unmaps that address if it was a merged block's and no pointer names
+    /// it any more.
+    fn forget_pointer(&mut self, memory: &BlockMemory, file_block: u32, id: u32) {
+        let Some(block) = self.blocks.get(&file_block) else {
+            return;
+        };
+        let Some(address) = block.addresses().find(|a| self.handed.contains(&(*a, id))) else {
+            return;
+        };
+        self.handed.remove(&(address, id));
+        let left = match self.pointers.get_mut(&address) {
+            Some(n) => {
+                *n = n.saturating_sub(1);
+                *n
+            }
+            None => 0,
+        };
+        if left == 0 {
+            self.pointers.remove(&address);
+            self.release_alias(memory, address);
+        }
+    }
+
+    /// Unmaps `address` if it is an alias no pointer names. (An unmap that fails leaves the
+    /// address showing the block until a new block is mapped over it: harmless.)
+    fn release_alias(&mut self, memory: &BlockMemory, address: u32) {
+        if self.pointers.get(&address).is_some_and(|n| *n > 0) {
+            return;
+        }
+        let Some(file_block) = self.by_address.get(&address).copied() else {
+            return;
+        };
+        let Some(block) = self.blocks.get_mut(&file_block) else {
+            return;
+        };
+        if block.address == address {
+            return;
+        }
+        block.aliases.retain(|a| *a != address);
+        self.by_address.remove(&address);
+        // SAFETY: no pointer names the address, and this thread holds the store exclusively.
+        if let Err(e) = unsafe { memory.unmap(address) } {
+            tracing::warn!(address, error = %e, "cannot unmap a released block address");
+        }
+        self.free_addresses.push(address);
+    }
+
+    /// Frees an empty block: its memory, its addresses and its file block. (An unmap or punch
+    /// that fails is logged: the address or file block is reused all the same, as a new map
+    /// replaces whatever was there.)
+    fn free_block(&mut self, memory: &BlockMemory, file_block: u32) {
+        let Some(block) = self.blocks.remove(&file_block) else {
+            return;
+        };
+        let state = &mut self.classes[block.class];
+        state.blocks -= 1;
+        state.open.remove(&file_block);
+        if state.current == Some(file_block) {
+            state.current = None;
+        }
+        for address in block.addresses() {
+            self.by_address.remove(&address);
+            self.pointers.remove(&address);
+            // SAFETY: the block is empty, so no pointer names its addresses, and this thread
+            // holds the store exclusively.
+            if let Err(e) = unsafe { memory.unmap(address) } {
+                tracing::warn!(address, error = %e, "cannot unmap a freed block's address");
+            }
+            self.free_addresses.push(address);
+        }
+        if let Err(e) = memory.punch(file_block) {
+            tracing::warn!(file_block, error = %e, "cannot free an empty block's memory");
+        }
+        self.free_file_blocks.push(file_block);
+    }
+
+    /// Share of `class`'s slots that are free.
+    fn fragmentation(&self, class: usize) -> f64 {
+        let s = &self.classes[class];
+        let slots = u64::from(s.blocks) * u64::from(slots_per_block(class));
+        if slots == 0 {
+            0.0
+        } else {
+            1.0 - s.objects as f64 / slots as f64
+        }
+    }
+
+    /// Merges blocks of `class`, sparsest first into the fullest that can take them, at most
+    /// `limit` times, until no two fit in one.
+    fn compact_class(
+        &mut self,
+        memory: &BlockMemory,
+        class: usize,
+        limit: usize,
+    ) -> Result<Compaction> {
+        let mut done = Compaction::default();
+        self.classes[class].frees_since_compaction = 0;
+        while (done.blocks_freed as usize) < limit {
+            let mut open: Vec<(u32, u32)> = self.classes[class]
+                .open
+                .iter()
+                .filter_map(|b| self.blocks.get(b).map(|x| (x.live(), *b)))
+                .collect();
+            if open.len() < 2 {
+                break;
+            }
+            open.sort_unstable();
+            let slots = slots_per_block(class);
+            // Sparsest source first; its destination the fullest block with room for it (the
+            // last with at most `slots - live` objects) that shares no id with it. When the
+            // sparsest fits nowhere, no other block does.
+            let mut pair = None;
+            for (i, &(live, src)) in open.iter().enumerate() {
+                let fits = open.partition_point(|&(l, _)| l <= slots - live);
+                pair = open[i + 1..fits.max(i + 1)]
+                    .iter()
+                    .rev()
+                    .find(|&&(_, dst)| self.blocks[&dst].can_absorb(&self.blocks[&src]))
+                    .map(|&(_, dst)| (src, dst));
+                if pair.is_some() || fits <= i + 1 {
+                    break;
+                }
+            }
+            let Some((src, dst)) = pair else { break };
+            done += self.merge(memory, src, dst)?;
+        }
+        Ok(done)
+    }
+
+    /// Copies the objects of block `src` into block `dst` (same slot where free, else another,
+    /// ids kept), maps every address of `src` onto `dst`'s memory and frees `src`'s memory.
+    /// Nothing changes in the books until every address is remapped: if a map fails, the
+    /// addresses already moved are mapped back and the error returned with both blocks as
+    /// they were.
+    fn merge(&mut self, memory: &BlockMemory, src: u32, dst: u32) -> Result<Compaction> {
+        let missing = || DaemonError::Invalid("compaction of a missing block".into());
+        let from = self.blocks.get(&src).ok_or_else(missing)?;
+        let mut into = self.blocks.get(&dst).ok_or_else(missing)?.clone();
+        let class = from.class;
+        let size = slot_size(class);
+        let mut done = Compaction {
+            blocks_freed: 1,
+            ..Compaction::default()
+        };
+        let mut buf = vec![0u8; size as usize];
+        for (slot, id) in from.objects() {
+            let Some(to) = into.take(Some(slot), id) else {
+                return Err(DaemonError::Invalid(
+                    "compaction chose a destination without room".into(),
+                ));
+            };
+            // SAFETY: both addresses are mapped and, under the exclusive lock, nobody else
+            // accesses them; both slots lie inside their blocks, and the destination slot is
+            // free in the books (an abandoned merge leaves bytes only in free slots).
+            unsafe {
+                memory.read(from.address, slot * size, &mut buf);
+                memory.write(into.address, to * size, &buf);
+            }
+            done.objects_merged += 1;
+            if to != slot {
+                done.objects_moved += 1;
+            }
+        }
+        let addresses: Vec<u32> = from.addresses().collect();
+        for (k, &address) in addresses.iter().enumerate() {
+            // SAFETY: under the exclusive lock nobody accesses the address while it changes
+            // from the source's memory to the destination's, which now holds every object the
+            // source held.
+            if let Err(e) = unsafe { memory.map(address, dst) } {
+                for &back in &addresses[..k] {
+                    // SAFETY: as above; the address goes back to the source's memory.
+                    if let Err(e) = unsafe { memory.map(back, src) } {
+                        tracing::error!(address = back, error = %e, "cannot map a block address back after a failed compaction");
+                    }
+                }
+                return Err(e);
+            }
+        }
+        // Every address shows the destination: the books follow.
+        let full = into.is_full();
+        into.aliases.extend_from_slice(&addresses);
+        self.blocks.insert(dst, into);
+        self.blocks.remove(&src);
+        for &address in &addresses {
+            self.by_address.insert(address, dst);
+        }
+        if let Err(e) = memory.punch(src) {
+            tracing::warn!(file_block = src, error = %e, "cannot free a merged block's memory");
+        }
+        self.free_file_blocks.push(src);
+        let state = &mut self.classes[class];
+        state.blocks -= 1;
+        state.open.remove(&src);
+        if full {
+            state.open.remove(&dst);
+        }
+        if state.current == Some(src) {
+            state.current = Some(dst);
+        }
+        state.compactions += 1;
+        state.moved += done.objects_moved;
+        // Addresses of the source that no pointer names are released at once.
+        for address in addresses {
+            self.release_alias(memory, address);
+        }
+        Ok(done)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,401 @@
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+use super::*;
+
+const OWNER: Owner = Owner {
+    ino: 42,
+    generation: 3,
+};
+
+fn owner(i: usize) -> Owner {
+    Owner {
+        ino: 1000 + i as u64,
+        generation: 1,
+    }
+}
+
+#[test]
+fn objects_read_back_what_was_written_and_zeros_elsewhere() {
+    let store = ObjectStore::new(4 << 20).unwrap();
+    let a = store.alloc(OWNER, 100).unwrap();
+    let b = store.alloc(OWNER, 100).unwrap();
+    assert_eq!(a.address, b.address, "one block for the class");
+    assert_ne!(a.id, b.id);
+    assert_eq!(store.write(OWNER, a, 10, b"hello").unwrap(), None);
+    let mut buf = [9u8; 20];
+    store.read(OWNER, a, 0, &mut buf).unwrap();
+    assert_eq!(&buf[..10], &[0; 10]);
+    assert_eq!(&buf[10..15], b"hello");
+    assert_eq!(&buf[15..], &[0; 5]);
+    store.read(OWNER, b, 0, &mut buf).unwrap();
+    assert_eq!(buf, [0; 20], "the neighbour is untouched");
+    // Writes may reach the end of the slot, not past it.
+    let cap = slot_size(class_for(100).unwrap()) - HEADER as u32;
+    store.write(OWNER, a, cap - 1, b"x").unwrap();
+    let e = store.write(OWNER, a, cap, b"x").unwrap_err();
+    assert_eq!(e.errno(), libc::EFBIG);
+    let e = store.alloc(OWNER, classes::max_object() + 1).unwrap_err();
+    assert_eq!(e.errno(), libc::EFBIG);
+    // A read past the slot is a bad request, not a full object.
+    let mut big = vec![0u8; cap as usize + 1];
+    assert_eq!(
+        store.read(OWNER, a, 0, &mut big).unwrap_err().errno(),
+        libc::EINVAL
+    );
+    let stats = store.stats();
+    let c = class_for(100).unwrap();
+    assert_eq!(stats[c].objects, 2);
+    assert_eq!(stats[c].blocks, 1);
+    assert_eq!(stats[c].live_bytes, 2 * HEADER + u64::from(cap) + 100);
+}
+
+#[test]
+fn another_region_and_freed_objects_are_refused() {
+    let store = ObjectStore::new(4 << 20).unwrap();
+    let a = store.alloc(OWNER, 64).unwrap();
+    let other = Owner {
+        ino: 42,
+        generation: 4,
+    };
+    let mut buf = [0u8; 8];
+    assert_eq!(
+        store.read(other, a, 0, &mut buf).unwrap_err().errno(),
+        libc::ESTALE
+    );
+    assert_eq!(
+        store.write(owner(1), a, 0, b"x").unwrap_err().errno(),
+        libc::ESTALE
+    );
+    assert_eq!(store.free(other, a).unwrap_err().errno(), libc::ESTALE);
+    store.free(OWNER, a).unwrap();
+    assert_eq!(
+        store.read(OWNER, a, 0, &mut buf).unwrap_err().errno(),
+        libc::ESTALE
+    );
+    // The block was emptied: its memory and address went back.
+    assert_eq!(store.addresses_in_use(), 0);
+    assert_eq!(store.allocated_bytes(), 0);
+    // A new object in the freed slot has another id: the old pointer stays refused.
+    let b = store.alloc(OWNER, 64).unwrap();
+    let stale = ObjectRef { id: a.id, ..b };
+    assert!(b.id != a.id);
+    assert!(store.read(OWNER, stale, 0, &mut buf).is_err());
+}
+
+/// Objects of one class over several blocks, most of them freed without compaction, then
+/// compacted: fewer blocks and less memory, every survivor readable through its old pointer
+/// (moved ones reported corrected), and the merged blocks' addresses released once every
+/// pointer is corrected.
+#[test]
+fn compaction_merges_sparse_blocks_and_keeps_every_object() {
+    let store = ObjectStore::new(64 << 20).unwrap();
+    store.set_auto_compaction(false);
+    let class = class_for(1000).unwrap();
+    let per_block = slots_per_block(class) as usize;
+    let n = per_block * 10;
+    let mut objects: Vec<(Owner, ObjectRef)> = (0..n)
+        .map(|i| {
+            let o = owner(i);
+            let p = store.alloc(o, 1000).unwrap();
+            store.write(o, p, 0, &vec![(i % 251) as u8; 1000]).unwrap();
+            (o, p)
+        })
+        .collect();
+    assert_eq!(store.stats()[class].blocks, 10);
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
+    objects.shuffle(&mut rng);
+    for (o, p) in objects.drain(..n * 3 / 4) {
+        store.free(o, p).unwrap();
+    }
+    let before = store.allocated_bytes();
+    let frag = store.stats()[class].fragmentation;
+    assert!(frag > 0.7, "fragmentation {frag}");
+    let done = store.compact(None).unwrap();
+    let stats = &store.stats()[class];
+    let ideal = (n / 4).div_ceil(per_block) as u32;
+    assert_eq!(stats.blocks, ideal, "{done:?}");
+    assert_eq!(done.blocks_freed, 10 - ideal);
+    assert_eq!(done.objects_moved, stats.moved_objects);
+    assert!(store.allocated_bytes() < before);
+    assert_eq!(done.bytes_freed, before - store.allocated_bytes());
+    // Every survivor through its old pointer; the moved ones are corrected.
+    let mut corrected = 0;
+    let mut buf = vec![0u8; 1000];
+    for (o, p) in &mut objects {
+        let i = (o.ino - 1000) as usize;
+        if let Some(fixed) = store.read(*o, *p, 0, &mut buf).unwrap() {
+            assert_eq!(fixed.id, p.id);
+            corrected += 1;
+        }
+        assert!(buf.iter().all(|b| *b == (i % 251) as u8), "object {i}");
+        *p = store.correct(*o, *p).unwrap();
+        assert_eq!(store.read(*o, *p, 0, &mut buf).unwrap(), None, "direct now");
+    }
+    assert!(corrected > 0 && corrected as u64 <= done.objects_moved);
+    assert_eq!(
+        store.addresses_in_use(),
+        ideal as usize,
+        "every merged block's address is released once no pointer names it"
+    );
+    // Writes through corrected pointers land; freeing everything frees everything.
+    for (o, p) in &objects {
+        store.write(*o, *p, 0, b"after").unwrap();
+    }
+    for (o, p) in objects {
+        store.free(o, p).unwrap();
+    }
+    assert_eq!(store.allocated_bytes(), 0);
+    assert_eq!(store.addresses_in_use(), 0);
+}
+
+/// Readers and writers of many objects while others are freed and allocated and blocks are
+/// compacted: a read never returns a torn mix or another object's bytes, and no write is lost.
+#[test]
+fn reads_and_writes_during_compaction_are_consistent() {
+    let store = Arc::new(ObjectStore::new(64 << 20).unwrap());
+    let class_len = 500u32;
+    // Kept objects between fillers, which are then freed: the kept objects' blocks are sparse,
+    // so they are merged (and some kept objects moved) while the workers use them.
+    let mut keep = Vec::new();
+    let mut fillers = Vec::new();
+    for i in 0..1600 {
+        let o = owner(i);
+        let p = store.alloc(o, class_len).unwrap();
+        if i % 4 == 0 {
+            keep.push((o, p));
+        } else {
+            fillers.push((o, p));
+        }
+    }
+    store.set_auto_compaction(false);
+    for (o, p) in fillers {
+        store.free(o, p).unwrap();
+    }
+    store.set_auto_compaction(true);
+    let stop = Arc::new(AtomicBool::new(false));
+    // Churn: allocate and free around the kept objects so their blocks get merged.
+    let churn = {
+        let (store, stop) = (Arc::clone(&store), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            let mut rng = rand::rngs::SmallRng::seed_from_u64(1);
+            let mut live: Vec<(Owner, ObjectRef)> = Vec::new();
+            let mut rounds = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                for k in 0..200 {
+                    let o = owner(100_000 + k);
+                    live.push((o, store.alloc(o, class_len).unwrap()));
+                }
+                live.shuffle(&mut rng);
+                for (o, p) in live.drain(..190) {
+                    store.free(o, p).unwrap();
+                }
+                store.compact(None).unwrap();
+                rounds += 1;
+            }
+            rounds
+        })
+    };
+    let workers: Vec<_> = keep
+        .chunks(100)
+        .map(|mine| {
+            let mine = mine.to_vec();
+            let (store, stop) = (Arc::clone(&store), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut rng = rand::rngs::SmallRng::seed_from_u64(mine[0].0.ino);
+                let mut last = vec![0u8; mine.len()];
+                let mut buf = vec![0u8; class_len as usize];
+                let mut ops = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let k = rng.random_range(0..mine.len());
+                    let (o, p) = mine[k];
+                    if rng.random_bool(0.5) {
+                        let v = last[k].wrapping_add(1).max(1);
+                        store.write(o, p, 0, &vec![v; class_len as usize]).unwrap();
+                        last[k] = v;
+                    } else {
+                        store.read(o, p, 0, &mut buf).unwrap();
+                        assert!(
+                            buf.iter().all(|b| *b == last[k]),
+                            "object of region {} read torn or stale bytes",
+                            o.ino
+                        );
+                    }
+                    ops += 1;
+                }
+                (mine, last, ops)
+            })
+        })
+        .collect();
+    let class = class_for(class_len).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let early = store.stats()[class].compactions;
+    std::thread::sleep(std::time::Duration::from_millis(1300));
+    let late = store.stats()[class].compactions;
+    stop.store(true, Ordering::Relaxed);
+    let rounds = churn.join().unwrap();
+    let mut buf = vec![0u8; class_len as usize];
+    let mut total = 0;
+    for w in workers {
+        let (mine, last, ops) = w.join().unwrap();
+        total += ops;
+        for ((o, p), v) in mine.iter().zip(last) {
+            store.read(*o, *p, 0, &mut buf).unwrap();
+            assert!(
+                buf.iter().all(|b| *b == v),
+                "a write to region {} was lost",
+                o.ino
+            );
+        }
+    }
+    let stats = &store.stats()[class];
+    assert!(rounds > 3 && total > 1000, "rounds {rounds}, ops {total}");
+    assert!(stats.moved_objects > 0, "{stats:?}");
+    assert!(
+        late > early,
+        "blocks were merged while the workers ran ({early} then {late})"
+    );
+}
+
+/// Two writers of one object never interleave: every read sees one writer's bytes whole.
+#[test]
+fn concurrent_writers_of_one_object_do_not_tear_it() {
+    let store = Arc::new(ObjectStore::new(4 << 20).unwrap());
+    let len = classes::max_object() as usize;
+    let p = store.alloc(OWNER, len as u32).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let writers: Vec<_> = [1u8, 2u8]
+        .into_iter()
+        .map(|v| {
+            let (store, stop) = (Arc::clone(&store), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                // Every write changes every byte: a read that overlaps one sees a mix.
+                let bytes = [vec![v; len], vec![v + 10; len]];
+                let mut k = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    store.write(OWNER, p, 0, &bytes[k % 2]).unwrap();
+                    k += 1;
+                }
+            })
+        })
+        .collect();
+    let mut buf = vec![0u8; len];
+    let start = std::time::Instant::now();
+    let mut torn = 0;
+    while start.elapsed() < std::time::Duration::from_millis(700) {
+        store.read(OWNER, p, 0, &mut buf).unwrap();
+        if !buf.iter().all(|b| *b == buf[0]) {
+            torn += 1;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    assert_eq!(torn, 0, "torn reads");
+    for w in writers {
+        w.join().unwrap();
+    }
+}
+
+/// A full store compacts before it refuses, and then refuses with ENOSPC.
+#[test]
+fn a_full_store_compacts_then_refuses() {
+    let store = ObjectStore::new(2 * BLOCK_SIZE).unwrap();
+    store.set_auto_compaction(false);
+    let class = class_for(8000).unwrap();
+    let per = slots_per_block(class) as usize;
+    let all: Vec<_> = (0..2 * per)
+        .map(|i| store.alloc(owner(i), 8000).unwrap())
+        .collect();
+    assert_eq!(
+        store.alloc(owner(99), 8000).unwrap_err().errno(),
+        libc::ENOSPC
+    );
+    // Half of each block freed: the next allocation of another class merges them.
+    for (i, p) in all.iter().enumerate() {
+        if i % 2 == 0 {
+            store.free(owner(i), *p).unwrap();
+        }
+    }
+    store.alloc(owner(100), 10).unwrap();
+    assert_eq!(store.stats()[class].blocks, 1);
+    let mut buf = [0u8; 4];
+    for (i, p) in all.iter().enumerate().filter(|(i, _)| i % 2 == 1) {
+        store.read(owner(i), *p, 0, &mut buf).unwrap();
+    }
+}
+
+/// Pointers through a merged block's address: freeing through it, correcting it twice, and
+/// freeing through the old pointer after a correction all keep the books right, and the
+/// address is released once no object's pointer names it.
+#[test]
+fn pointers_through_merged_addresses_stay_counted() {
+    let store = ObjectStore::new(16 << 20).unwrap();
+    store.set_auto_compaction(false);
+    let class = class_for(4000).unwrap();
+    let per = slots_per_block(class) as usize;
+    // Two blocks, each left with two objects: mergeable.
+    let all: Vec<_> = (0..2 * per)
+        .map(|i| (owner(i), store.alloc(owner(i), 4000).unwrap()))
+        .collect();
+    for (i, (o, p)) in all.iter().enumerate() {
+        if i % per >= 2 {
+            store.free(*o, *p).unwrap();
+        }
+    }
+    let kept: Vec<_> = all
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| i % per < 2)
+        .map(|(_, x)| *x)
+        .collect();
+    assert_eq!(store.compact(Some(class)).unwrap().blocks_freed, 1);
+    assert_eq!(
+        store.addresses_in_use(),
+        2,
+        "the merged block's address is still named"
+    );
+    // The merged block's two objects are adjacent in `kept`: the first is corrected twice
+    // while the second still names the merged address, the second is freed through it.
+    let mut fixed = Vec::new();
+    let mut alias = None;
+    let mut freed_through_alias = false;
+    for (o, p) in kept {
+        if alias == Some(p.address) {
+            store.free(o, p).unwrap();
+            freed_through_alias = true;
+            continue;
+        }
+        let f = store.correct(o, p).unwrap();
+        if f.address != p.address && alias.is_none() {
+            assert_eq!(
+                store.correct(o, p).unwrap(),
+                f,
+                "a second correction changes nothing"
+            );
+            assert_eq!(
+                store.addresses_in_use(),
+                2,
+                "the other object still names it"
+            );
+            alias = Some(p.address);
+        }
+        fixed.push((o, f));
+    }
+    assert!(freed_through_alias);
+    assert_eq!(
+        store.addresses_in_use(),
+        1,
+        "no pointer names the merged address now"
+    );
+    let mut buf = [0u8; 8];
+    for (o, p) in &fixed {
+        assert_eq!(store.read(*o, *p, 0, &mut buf).unwrap(), None);
+    }
+    for (o, p) in fixed {
+        store.free(o, p).unwrap();
+    }
+    assert_eq!(store.addresses_in_use(), 0);
+    assert_eq!(store.allocated_bytes(), 0);
+}
