@@ -1,11 +1,15 @@
-//! A host run out of open files on purpose (one descriptor per region segment): new regions
-//! there fail with `EMFILE` and a message naming the limit, while the daemon and its host
-//! agent keep serving everything else, and deleting regions makes room again. Its own test
-//! binary: it lowers this process's open-file limit, which the daemon inherits.
+//! A host run out of open files on purpose (one descriptor per region segment), as an attack
+//! by an unprivileged user (`nobody` creating files through the mount): new regions there fail
+//! with `ENOSPC` and a message naming the limit, while the daemon and its host agent keep
+//! serving everyone else, and deleting regions makes room again. Its own test binary: it
+//! lowers this process's open-file limit, which the daemon inherits.
 
 use std::fs::File;
 use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Duration;
 
 use regions::agent::AgentClient;
@@ -67,6 +71,52 @@ fn overwrite(path: &Path, data: &[u8]) -> std::io::Result<()> {
 
 type WriteFn = fn(&Path, &[u8]) -> std::io::Result<()>;
 
+/// The unprivileged user the attack runs as.
+const NOBODY: u32 = 65534;
+
+/// Creates `dir/f0`, `dir/f1`, … with [`content`] as `nobody` (each written and fsynced) until
+/// one fails or `most` exist; returns how many were made and the errno of the failure (0: none).
+fn create_as_nobody(dir: &Path, most: usize) -> (usize, i32) {
+    let script = r#"
+import os, sys
+d, most = sys.argv[1], int(sys.argv[2])
+made, err = 0, 0
+while made < most:
+    try:
+        fd = os.open(os.path.join(d, "f%d" % made), os.O_CREAT | os.O_WRONLY, 0o644)
+        try:
+            os.write(fd, (("region %d " % made) * 20).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        err = e.errno
+        break
+    made += 1
+print(made, err)
+"#;
+    let mut cmd = Command::new("python3");
+    cmd.arg("-c")
+        .arg(script)
+        .arg(dir)
+        .arg(most.to_string())
+        .uid(NOBODY)
+        .gid(NOBODY);
+    let out = regions_tests::output_within(&mut cmd, Duration::from_secs(120))
+        .expect("run python3 as nobody (CI installs python3)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "the attack as nobody failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut words = stdout.split_whitespace().map(|w| w.parse::<i64>());
+    match (words.next(), words.next()) {
+        (Some(Ok(made)), Some(Ok(err))) => (made as usize, err as i32),
+        _ => panic!("the attack printed {stdout:?}"),
+    }
+}
+
 /// Size of the region made with `set_len` (two chunks).
 const SIZED: u64 = 256 << 10;
 
@@ -84,6 +134,9 @@ fn a_host_out_of_open_files_refuses_new_regions_and_keeps_serving() {
     // reads the environment concurrently. (Its processes log at info, to show the raise.)
     unsafe { std::env::set_var("RUST_LOG", "info") };
     let cluster = Cluster::start(1, "1G").expect("cluster");
+    // nobody reaches the mount below the cluster directory (without listing it).
+    std::fs::set_permissions(cluster.dir.path(), std::fs::Permissions::from_mode(0o711))
+        .expect("chmod the cluster directory");
     let pid = cluster.daemon(1).expect("daemon").pid;
     assert_eq!(
         limits(pid),
@@ -108,19 +161,17 @@ fn a_host_out_of_open_files_refuses_new_regions_and_keeps_serving() {
     // Now room for a few dozen more segments: the limit less the reserve (64 here).
     let limit = open_fds(pid) + 64 + 30;
     set_limit(pid, limit, limit);
-    let mut made = 0;
-    let refusal = loop {
-        assert!(
-            made < 400,
-            "{made} regions made under a limit of {limit} descriptors"
-        );
-        let path = mount.path(&format!("f{made}"));
-        match create(&path, &content(made)) {
-            Ok(()) => made += 1,
-            Err(e) => break e,
-        }
-    };
-    let _ = std::fs::remove_file(mount.path(&format!("f{made}")));
+    // The attack: nobody creates regions in a directory anyone may write to until the host
+    // refuses one.
+    let shared = mount.path("tmp");
+    std::fs::create_dir(&shared).expect("mkdir");
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).expect("chmod");
+    let (made, refusal) = create_as_nobody(&shared, 400);
+    assert!(
+        made < 400,
+        "{made} regions made under a limit of {limit} descriptors"
+    );
+    let _ = std::fs::remove_file(shared.join(format!("f{made}")));
     // A region given its size at once keeps the chunks the manager assigned it, refused here:
     // its writes fail until the host has room again.
     let sized = mount.path("sized");
@@ -131,12 +182,12 @@ fn a_host_out_of_open_files_refuses_new_regions_and_keeps_serving() {
     assert_eq!(early.raw_os_error(), Some(libc::ENOSPC), "{early}");
     assert!(
         made >= 10,
-        "only {made} regions before the refusal ({refusal})"
+        "only {made} regions before the refusal (errno {refusal})"
     );
     assert_eq!(
-        refusal.raw_os_error(),
-        Some(libc::ENOSPC),
-        "a region over the limit fails with ENOSPC, not {refusal}"
+        refusal,
+        libc::ENOSPC,
+        "a region over the limit fails with ENOSPC, not errno {refusal}"
     );
     let log = cluster.daemon(1).unwrap().log();
     assert!(
@@ -145,16 +196,24 @@ fn a_host_out_of_open_files_refuses_new_regions_and_keeps_serving() {
         &log[log.len().saturating_sub(3000)..]
     );
 
-    // Everything else still works: new host-agent connections, the regions already there.
+    // Everything else still works for everyone: new host-agent connections, the regions
+    // already there (root's and the attacker's).
     for _ in 0..20 {
         let stats = AgentClient::connect(&cluster.daemon(1).unwrap().socket)
             .and_then(|mut a| a.stats())
             .expect("a new host-agent connection is served");
         assert!(stats.segments >= made as u64);
     }
+    for i in 0..5 {
+        let mut got = Vec::new();
+        File::open(mount.path(&format!("before{i}")))
+            .and_then(|mut f| f.read_to_end(&mut got))
+            .expect("a region from before reads");
+        assert_eq!(got, content(i), "region before{i}");
+    }
     for i in (0..made).step_by(7) {
         let mut got = Vec::new();
-        File::open(mount.path(&format!("f{i}")))
+        File::open(shared.join(format!("f{i}")))
             .and_then(|mut f| f.read_to_end(&mut got))
             .expect("an existing region reads");
         assert_eq!(got, content(i), "region f{i}");
@@ -164,7 +223,7 @@ fn a_host_out_of_open_files_refuses_new_regions_and_keeps_serving() {
     // when the manager's release reaches the daemon): the refused region gets its memory, and
     // new regions work again.
     for i in 0..10 {
-        std::fs::remove_file(mount.path(&format!("f{i}"))).expect("delete");
+        std::fs::remove_file(shared.join(format!("f{i}"))).expect("delete");
     }
     // The sized region, whose chunks were refused, is backed by the daemon's own retry.
     let mut want_sized = content(made);
