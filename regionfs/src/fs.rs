@@ -261,12 +261,15 @@ struct InodeState {
 }
 
 /// What this mount knows of a directory.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 struct DirInfo {
     /// Its parent (for "..").
     parent: Option<u64>,
     /// Its permission bits.
     mode: u32,
+    /// Names of its entries the kernel was told to cache, and when: what a chmod that takes
+    /// away search permission must make the kernel forget at once.
+    cached: HashMap<std::ffi::OsString, Instant>,
 }
 
 /// Mtime and size of an attribute.

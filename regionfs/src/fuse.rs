@@ -156,9 +156,11 @@ impl FuseFs {
         }
     }
 
-    /// TTL of entry `name` of `parent` (0: looked up, and checked, every time).
+    /// TTL of entry `name` of `parent` (0: looked up, and checked, every time), for a reply
+    /// that hands the entry to the kernel.
     fn entry_ttl(&self, parent: u64, name: &OsStr) -> Duration {
         if self.core.entry_cacheable(parent, name) {
+            self.core.note_cached_entry(parent, name, TTL);
             TTL
         } else {
             Duration::ZERO
@@ -405,7 +407,8 @@ impl Filesystem for FuseFs {
             .core
             .mknod(&ctx(req), parent.0, name, mode, umask, rdev)
         {
-            Ok(a) => reply.entry(
+            Ok(a) => reply.entry_with_ttls(
+                &self.entry_ttl(parent.0, name),
                 &TTL,
                 &file_attr(&a),
                 Generation(self.core.generation(a.ino)),
@@ -425,7 +428,8 @@ impl Filesystem for FuseFs {
     ) {
         let _timed = Timed::start("mkdir");
         match self.core.mkdir(&ctx(req), parent.0, name, mode, umask) {
-            Ok(a) => reply.entry(
+            Ok(a) => reply.entry_with_ttls(
+                &self.entry_ttl(parent.0, name),
                 &TTL,
                 &file_attr(&a),
                 Generation(self.core.generation(a.ino)),
@@ -460,7 +464,8 @@ impl Filesystem for FuseFs {
     ) {
         let _timed = Timed::start("symlink");
         match self.core.symlink(&ctx(req), parent.0, link_name, target) {
-            Ok(a) => reply.entry(
+            Ok(a) => reply.entry_with_ttls(
+                &self.entry_ttl(parent.0, link_name),
                 &TTL,
                 &file_attr(&a),
                 Generation(self.core.generation(a.ino)),
@@ -509,7 +514,8 @@ impl Filesystem for FuseFs {
     ) {
         let _timed = Timed::start("link");
         match self.core.link(&ctx(req), ino.0, newparent.0, newname) {
-            Ok(a) => reply.entry(
+            Ok(a) => reply.entry_with_ttls(
+                &self.entry_ttl(newparent.0, newname),
                 &TTL,
                 &file_attr(&a),
                 Generation(self.core.generation(a.ino)),
@@ -788,7 +794,7 @@ impl Filesystem for FuseFs {
                     f |= FopenFlags::FOPEN_DIRECT_IO;
                 }
                 reply.created(
-                    &TTL,
+                    &self.entry_ttl(parent.0, name),
                     &file_attr(&a),
                     Generation(self.core.generation(a.ino)),
                     FileHandle(o.fh),

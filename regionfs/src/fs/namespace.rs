@@ -100,6 +100,26 @@ impl RegionFs {
             .unwrap_or(true)
     }
 
+    /// Records that the kernel caches entry `name` of `parent` for `ttl` (a chmod that takes
+    /// away search permission makes it forget the entry at once: see
+    /// [`Fs::forget_entries_later`]). Records older than the TTL are dropped as others come.
+    pub fn note_cached_entry(&self, parent: u64, name: &OsStr, ttl: Duration) {
+        /// Names kept per directory; past it, the directory's listing from the manager covers
+        /// the rest.
+        const MOST: usize = 4096;
+        let Ok(mut dirs) = self.dirs.lock() else {
+            return;
+        };
+        let cached = &mut dirs.entry(parent).or_default().cached;
+        let now = Instant::now();
+        if cached.len() >= MOST {
+            cached.retain(|_, at| now.duration_since(*at) < ttl);
+        }
+        if cached.len() < MOST {
+            cached.insert(name.to_os_string(), now);
+        }
+    }
+
     /// chmod, chown, truncate, utimens. `fh` is the open file the change
     /// came through, if any.
     pub fn setattr(
@@ -230,16 +250,29 @@ impl RegionFs {
     /// A directory stopped being searchable by everyone: the kernel must
     /// look its entries up again (so that the manager checks each caller).
     /// Done on a thread of its own, since the kernel holds the directory's
-    /// lock until this setattr is answered.
+    /// lock until this setattr is answered: the entries this mount gave the
+    /// kernel to cache are dropped first, as soon as the lock is free (the
+    /// window in which another user may still pass through a cached entry is
+    /// the wake-up of that thread), then every entry the manager lists.
     pub(super) fn forget_entries_later(&self, dir: u64) {
         let Some(kernel) = self.kernel.get().cloned() else {
             return;
         };
+        let known: Vec<std::ffi::OsString> = self
+            .dirs
+            .lock()
+            .ok()
+            .and_then(|mut d| d.get_mut(&dir).map(|i| std::mem::take(&mut i.cached)))
+            .map(|c| c.into_keys().collect())
+            .unwrap_or_default();
         let client = self.client.clone();
         let caller = self.identity.internal();
         let spawned = std::thread::Builder::new()
             .name("regionfs-inval".into())
             .spawn(move || {
+                for name in &known {
+                    let _ = kernel.invalidate_entry(dir, name);
+                }
                 let mut offset = 0;
                 loop {
                     let reply = match client.manager().readdir(&caller, dir, offset, READDIR_BATCH) {
