@@ -329,6 +329,9 @@ pub struct RegionFs {
     inodes: Mutex<HashMap<u64, InodeState>>,
     /// Directories the kernel learned through this mount.
     dirs: Mutex<HashMap<u64, DirInfo>>,
+    /// Names recorded in every `DirInfo::cached` (kept under a bound: see
+    /// `note_cached_entry`).
+    cached_names: std::sync::atomic::AtomicUsize,
     /// Directories removed through this mount, for fstat of an open one.
     removed_dirs: Mutex<HashMap<u64, v1::Attr>>,
     /// Regions whose last name this mount removed while it had them open nowhere: the
@@ -392,6 +395,7 @@ impl RegionFs {
             next_fh: AtomicU64::new(1),
             inodes: Mutex::new(HashMap::new()),
             dirs: Mutex::new(HashMap::new()),
+            cached_names: std::sync::atomic::AtomicUsize::new(0),
             removed_dirs: Mutex::new(HashMap::new()),
             unlinked: Mutex::new(HashSet::new()),
             pseudo_paths: Mutex::new(HashMap::new()),

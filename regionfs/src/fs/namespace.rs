@@ -102,21 +102,34 @@ impl RegionFs {
 
     /// Records that the kernel caches entry `name` of `parent` for `ttl` (a chmod that takes
     /// away search permission makes it forget the entry at once: see
-    /// [`Fs::forget_entries_later`]). Records older than the TTL are dropped as others come.
+    /// `forget_entries_later`). Records older than the TTL are useless (the kernel
+    /// looks those entries up again), so once the mount holds many, they are swept.
     pub fn note_cached_entry(&self, parent: u64, name: &OsStr, ttl: Duration) {
-        /// Names kept per directory; past it, the directory's listing from the manager covers
-        /// the rest.
-        const MOST: usize = 4096;
+        /// Records kept before a sweep (a sweep keeps only those younger than the TTL).
+        const SWEEP_AT: usize = 1 << 16;
         let Ok(mut dirs) = self.dirs.lock() else {
             return;
         };
-        let cached = &mut dirs.entry(parent).or_default().cached;
         let now = Instant::now();
-        if cached.len() >= MOST {
-            cached.retain(|_, at| now.duration_since(*at) < ttl);
+        if self.cached_names.load(Ordering::Relaxed) >= SWEEP_AT {
+            let mut left = 0;
+            for info in dirs.values_mut() {
+                info.cached.retain(|_, at| now.duration_since(*at) < ttl);
+                left += info.cached.len();
+            }
+            self.cached_names.store(left, Ordering::Relaxed);
         }
-        if cached.len() < MOST {
-            cached.insert(name.to_os_string(), now);
+        // Past the bound (more fresh entries than it allows), the directory's listing from
+        // the manager covers what is not recorded.
+        if self.cached_names.load(Ordering::Relaxed) < SWEEP_AT
+            && dirs
+                .entry(parent)
+                .or_default()
+                .cached
+                .insert(name.to_os_string(), now)
+                .is_none()
+        {
+            self.cached_names.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -263,7 +276,15 @@ impl RegionFs {
             .lock()
             .ok()
             .and_then(|mut d| d.get_mut(&dir).map(|i| std::mem::take(&mut i.cached)))
-            .map(|c| c.into_keys().collect())
+            .map(|c| {
+                let n = c.len();
+                let _ = self
+                    .cached_names
+                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| {
+                        Some(t.saturating_sub(n))
+                    });
+                c.into_keys().collect()
+            })
             .unwrap_or_default();
         let client = self.client.clone();
         let caller = self.identity.internal();

@@ -730,3 +730,23 @@ fn search_and_exec_permissions() {
             .unwrap();
     e.fs.release(o.fh).unwrap();
 }
+
+/// The record of entries handed to the kernel stays bounded: once it holds many, entries
+/// older than the TTL (which the kernel no longer caches) are swept.
+#[test]
+fn cached_entry_records_are_swept() {
+    let e = env();
+    let d = e.fs.mkdir(&root(), ROOT_INO, os("big"), 0o755, 0).unwrap();
+    for i in 0..(1 << 16) + 10 {
+        e.fs.note_cached_entry(d.ino, os(&format!("n{i}")), Duration::ZERO);
+    }
+    let held = e.fs.cached_names.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(held < 100, "{held} records kept");
+    // Fresh ones are kept.
+    e.fs.note_cached_entry(d.ino, os("fresh"), Duration::from_secs(1));
+    assert!(
+        e.fs.dirs.lock().unwrap()[&d.ino]
+            .cached
+            .contains_key(OsStr::new("fresh"))
+    );
+}
