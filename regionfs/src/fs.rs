@@ -332,6 +332,8 @@ pub struct RegionFs {
     /// Names recorded in every `DirInfo::cached` (kept under a bound: see
     /// `note_cached_entry`).
     cached_names: std::sync::atomic::AtomicUsize,
+    /// When those records were last swept.
+    cached_swept: Mutex<Instant>,
     /// Directories removed through this mount, for fstat of an open one.
     removed_dirs: Mutex<HashMap<u64, v1::Attr>>,
     /// Regions whose last name this mount removed while it had them open nowhere: the
@@ -396,6 +398,7 @@ impl RegionFs {
             inodes: Mutex::new(HashMap::new()),
             dirs: Mutex::new(HashMap::new()),
             cached_names: std::sync::atomic::AtomicUsize::new(0),
+            cached_swept: Mutex::new(Instant::now()),
             removed_dirs: Mutex::new(HashMap::new()),
             unlinked: Mutex::new(HashSet::new()),
             pseudo_paths: Mutex::new(HashMap::new()),

@@ -105,13 +105,20 @@ impl RegionFs {
     /// `forget_entries_later`). Records older than the TTL are useless (the kernel
     /// looks those entries up again), so once the mount holds many, they are swept.
     pub fn note_cached_entry(&self, parent: u64, name: &OsStr, ttl: Duration) {
-        /// Records kept before a sweep (a sweep keeps only those younger than the TTL).
+        /// Records kept before a sweep (a sweep keeps only those younger than the TTL), and at
+        /// most.
         const SWEEP_AT: usize = 1 << 16;
         let Ok(mut dirs) = self.dirs.lock() else {
             return;
         };
         let now = Instant::now();
-        if self.cached_names.load(Ordering::Relaxed) >= SWEEP_AT {
+        // At most one sweep per TTL: entries come faster than that only from huge listings,
+        // and then the manager's listing covers what is not recorded.
+        if self.cached_names.load(Ordering::Relaxed) >= SWEEP_AT
+            && let Ok(mut swept) = self.cached_swept.lock()
+            && now.duration_since(*swept) >= ttl
+        {
+            *swept = now;
             let mut left = 0;
             for info in dirs.values_mut() {
                 info.cached.retain(|_, at| now.duration_since(*at) < ttl);

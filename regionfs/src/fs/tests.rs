@@ -732,7 +732,8 @@ fn search_and_exec_permissions() {
 }
 
 /// The record of entries handed to the kernel stays bounded: once it holds many, entries
-/// older than the TTL (which the kernel no longer caches) are swept.
+/// older than the TTL (which the kernel no longer caches) are swept, at most once per TTL, and
+/// none is recorded past the bound meanwhile.
 #[test]
 fn cached_entry_records_are_swept() {
     let e = env();
@@ -742,11 +743,14 @@ fn cached_entry_records_are_swept() {
     }
     let held = e.fs.cached_names.load(std::sync::atomic::Ordering::Relaxed);
     assert!(held < 100, "{held} records kept");
-    // Fresh ones are kept.
-    e.fs.note_cached_entry(d.ino, os("fresh"), Duration::from_secs(1));
-    assert!(
-        e.fs.dirs.lock().unwrap()[&d.ino]
-            .cached
-            .contains_key(OsStr::new("fresh"))
-    );
+    // Fresh ones are kept: past the bound, nothing more is recorded and no sweep runs again
+    // within the TTL.
+    for i in 0..(1 << 16) + 10 {
+        e.fs.note_cached_entry(d.ino, os(&format!("m{i}")), Duration::from_secs(60));
+    }
+    let held = e.fs.cached_names.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(held, 1 << 16);
+    let dirs = e.fs.dirs.lock().unwrap();
+    assert!(dirs[&d.ino].cached.contains_key(OsStr::new("m0")));
+    assert!(!dirs[&d.ino].cached.contains_key(OsStr::new("m70000")));
 }
