@@ -330,7 +330,7 @@ pub struct RegionFs {
     /// Directories the kernel learned through this mount.
     dirs: Mutex<HashMap<u64, DirInfo>>,
     /// Names recorded in every `DirInfo::cached` (kept under a bound: see
-    /// `note_cached_entry`).
+    /// `entry_cacheable_noting`).
     cached_names: std::sync::atomic::AtomicUsize,
     /// When those records were last swept.
     cached_swept: Mutex<Instant>,

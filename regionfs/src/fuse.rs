@@ -159,8 +159,7 @@ impl FuseFs {
     /// TTL of entry `name` of `parent` (0: looked up, and checked, every time), for a reply
     /// that hands the entry to the kernel.
     fn entry_ttl(&self, parent: u64, name: &OsStr) -> Duration {
-        if self.core.entry_cacheable(parent, name) {
-            self.core.note_cached_entry(parent, name, TTL);
+        if self.core.entry_cacheable_noting(parent, name, TTL) {
             TTL
         } else {
             Duration::ZERO

@@ -107,6 +107,16 @@ impl Block {
         Some(slot)
     }
 
+    /// Takes `slot` for object `id` if it is free; whether it was.
+    pub fn take_exactly(&mut self, slot: u32, id: u32) -> bool {
+        if !self.free.remove(&slot) {
+            return false;
+        }
+        self.slots[slot as usize] = id;
+        self.ids.insert(id, slot);
+        true
+    }
+
     /// Frees `slot`; returns the id that was there (0 if it was free).
     pub fn release(&mut self, slot: u32) -> u32 {
         let Some(id) = self.slots.get(slot as usize).copied().filter(|id| *id != 0) else {
@@ -183,6 +193,8 @@ mod tests {
         let id2 = a.fresh_id(&mut rng);
         assert_ne!(id2, id);
         assert_eq!(a.take(Some(3), id2), Some(0));
+        assert!(!a.take_exactly(0, 77), "slot 0 is taken");
+        assert!(!a.take_exactly(99, 77), "no slot 99");
         assert_eq!(a.live(), 2);
         let mut b = Block::new(last, 1);
         b.take(Some(3), 999).unwrap();

@@ -775,12 +775,27 @@ impl Inner {
             ..Compaction::default()
         };
         let mut buf = vec![0u8; size as usize];
-        for (slot, id) in from.objects() {
-            let Some(to) = into.take(Some(slot), id) else {
+        // Objects whose slot is free in the destination keep it; then the others take what
+        // is left (so none takes a slot another could have kept).
+        let objects = from.objects();
+        let mut placed: Vec<(u32, u32)> = Vec::with_capacity(objects.len());
+        let mut moving = Vec::new();
+        for &(slot, id) in &objects {
+            if into.take_exactly(slot, id) {
+                placed.push((slot, slot));
+            } else {
+                moving.push((slot, id));
+            }
+        }
+        for (slot, id) in moving {
+            let Some(to) = into.take(None, id) else {
                 return Err(DaemonError::Invalid(
                     "compaction chose a destination without room".into(),
                 ));
             };
+            placed.push((slot, to));
+        }
+        for (slot, to) in placed {
             // SAFETY: both addresses are mapped and, under the exclusive lock, nobody else
             // accesses them; both slots lie inside their blocks, and the destination slot is
             // free in the books (an abandoned merge leaves bytes only in free slots).
@@ -799,10 +814,14 @@ impl Inner {
             // from the source's memory to the destination's, which now holds every object the
             // source held.
             if let Err(e) = unsafe { memory.map(address, dst) } {
-                for &back in &addresses[..k] {
+                // Back to the source's memory, the failed one too (a failed MAP_FIXED may
+                // have removed the old mapping); an address that cannot be mapped back is
+                // taken out of the books, so that pointers naming it get ESTALE, never a hole.
+                for &back in &addresses[..=k] {
                     // SAFETY: as above; the address goes back to the source's memory.
                     if let Err(e) = unsafe { memory.map(back, src) } {
-                        tracing::error!(address = back, error = %e, "cannot map a block address back after a failed compaction");
+                        tracing::error!(address = back, error = %e, "cannot map a block address back after a failed compaction; its pointers are refused");
+                        self.by_address.remove(&back);
                     }
                 }
                 return Err(e);

@@ -100,20 +100,25 @@ impl RegionFs {
             .unwrap_or(true)
     }
 
-    /// Records that the kernel caches entry `name` of `parent` for `ttl` (a chmod that takes
-    /// away search permission makes it forget the entry at once: see
-    /// `forget_entries_later`). Records older than the TTL are useless (the kernel
-    /// looks those entries up again), so once the mount holds many, they are swept.
-    pub fn note_cached_entry(&self, parent: u64, name: &OsStr, ttl: Duration) {
+    /// Whether the kernel may cache entry `name` of `parent` (as
+    /// [`RegionFs::entry_cacheable`]), recording it if so, under one lock (a chmod of
+    /// `parent` either comes before, and the entry is not cacheable, or after, and takes the
+    /// record): a chmod that takes away search permission makes the kernel forget the recorded
+    /// entries at once (see `forget_entries_later`). Records older than `ttl` are useless
+    /// (the kernel looks those entries up again): once the mount holds many, they are swept,
+    /// at most once per `ttl`, and none is recorded past the bound meanwhile (the manager's
+    /// listing covers the rest). Only directories this mount knows (by their mode) record.
+    pub fn entry_cacheable_noting(&self, parent: u64, name: &OsStr, ttl: Duration) -> bool {
         /// Records kept before a sweep (a sweep keeps only those younger than the TTL), and at
         /// most.
         const SWEEP_AT: usize = 1 << 16;
+        if pseudo::is_pseudo(parent) || (parent == ROOT_INO && name == pseudo::DIR_NAME) {
+            return false;
+        }
         let Ok(mut dirs) = self.dirs.lock() else {
-            return;
+            return true;
         };
         let now = Instant::now();
-        // At most one sweep per TTL: entries come faster than that only from huge listings,
-        // and then the manager's listing covers what is not recorded.
         if self.cached_names.load(Ordering::Relaxed) >= SWEEP_AT
             && let Ok(mut swept) = self.cached_swept.lock()
             && now.duration_since(*swept) >= ttl
@@ -126,18 +131,18 @@ impl RegionFs {
             }
             self.cached_names.store(left, Ordering::Relaxed);
         }
-        // Past the bound (more fresh entries than it allows), the directory's listing from
-        // the manager covers what is not recorded.
+        let Some(info) = dirs.get_mut(&parent) else {
+            return true;
+        };
+        if info.mode & 0o111 != 0o111 {
+            return false;
+        }
         if self.cached_names.load(Ordering::Relaxed) < SWEEP_AT
-            && dirs
-                .entry(parent)
-                .or_default()
-                .cached
-                .insert(name.to_os_string(), now)
-                .is_none()
+            && info.cached.insert(name.to_os_string(), now).is_none()
         {
             self.cached_names.fetch_add(1, Ordering::Relaxed);
         }
+        true
     }
 
     /// chmod, chown, truncate, utimens. `fh` is the open file the change
@@ -820,8 +825,15 @@ impl RegionFs {
         if !open {
             self.lock_inodes().remove(&ino);
         }
-        if let Ok(mut d) = self.dirs.lock() {
-            d.remove(&ino);
+        if let Ok(mut d) = self.dirs.lock()
+            && let Some(info) = d.remove(&ino)
+        {
+            let n = info.cached.len();
+            let _ = self
+                .cached_names
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| {
+                    Some(t.saturating_sub(n))
+                });
         }
         if let Ok(mut r) = self.removed_dirs.lock() {
             r.remove(&ino);

@@ -694,7 +694,7 @@ fn search_and_exec_permissions() {
     assert!(e.fs.entry_cacheable(d.ino, os("f")));
     // An entry the kernel was told to cache that the manager no longer lists (a name
     // another host removed meanwhile): forgotten all the same, from this mount's record.
-    e.fs.note_cached_entry(d.ino, os("gone"), Duration::from_secs(1));
+    assert!(e.fs.entry_cacheable_noting(d.ino, os("gone"), Duration::from_secs(1)));
     e.kernel.take();
     let chmod = |mode| SetAttrIn {
         mode: Some(mode),
@@ -733,24 +733,36 @@ fn search_and_exec_permissions() {
 
 /// The record of entries handed to the kernel stays bounded: once it holds many, entries
 /// older than the TTL (which the kernel no longer caches) are swept, at most once per TTL, and
-/// none is recorded past the bound meanwhile.
+/// none is recorded past the bound meanwhile. A directory forgotten by the kernel takes its
+/// records with it.
 #[test]
 fn cached_entry_records_are_swept() {
     let e = env();
     let d = e.fs.mkdir(&root(), ROOT_INO, os("big"), 0o755, 0).unwrap();
+    let held = || e.fs.cached_names.load(std::sync::atomic::Ordering::Relaxed);
+    let note = |name: &str, ttl| e.fs.entry_cacheable_noting(d.ino, os(name), ttl);
     for i in 0..(1 << 16) + 10 {
-        e.fs.note_cached_entry(d.ino, os(&format!("n{i}")), Duration::ZERO);
+        assert!(note(&format!("n{i}"), Duration::ZERO));
     }
-    let held = e.fs.cached_names.load(std::sync::atomic::Ordering::Relaxed);
-    assert!(held < 100, "{held} records kept");
-    // Fresh ones are kept: past the bound, nothing more is recorded and no sweep runs again
-    // within the TTL.
-    for i in 0..(1 << 16) + 10 {
-        e.fs.note_cached_entry(d.ino, os(&format!("m{i}")), Duration::from_secs(60));
+    assert!(held() < 100, "{} records kept", held());
+    // Past the bound nothing more is recorded, and no sweep runs again within the TTL (a
+    // sweep would keep these: they are fresh).
+    let before = held();
+    for i in 0..(1 << 16) {
+        note(&format!("m{i}"), Duration::from_secs(60));
     }
-    let held = e.fs.cached_names.load(std::sync::atomic::Ordering::Relaxed);
-    assert_eq!(held, 1 << 16);
-    let dirs = e.fs.dirs.lock().unwrap();
-    assert!(dirs[&d.ino].cached.contains_key(OsStr::new("m0")));
-    assert!(!dirs[&d.ino].cached.contains_key(OsStr::new("m70000")));
+    assert_eq!(held(), 1 << 16);
+    let recorded = (1 << 16) - before;
+    {
+        let dirs = e.fs.dirs.lock().unwrap();
+        let cached = &dirs[&d.ino].cached;
+        assert!(cached.contains_key(OsStr::new("m0")));
+        assert!(cached.contains_key(OsStr::new(&format!("m{}", recorded - 1))));
+        assert!(!cached.contains_key(OsStr::new(&format!("m{recorded}"))));
+    }
+    e.fs.forget(d.ino);
+    assert_eq!(held(), 0, "the forgotten directory's records are gone");
+    // A directory this mount does not know records nothing (its mode is unknown).
+    assert!(e.fs.entry_cacheable_noting(999_999, os("x"), Duration::from_secs(1)));
+    assert_eq!(held(), 0);
 }
