@@ -727,17 +727,16 @@ impl Inner {
     ) -> Result<Compaction> {
         let mut done = Compaction::default();
         self.classes[class].frees_since_compaction = 0;
-        while (done.blocks_freed as usize) < limit {
-            let mut open: Vec<(u32, u32)> = self.classes[class]
-                .open
-                .iter()
-                .filter_map(|b| self.blocks.get(b).map(|x| (x.live(), *b)))
-                .collect();
-            if open.len() < 2 {
-                break;
-            }
-            open.sort_unstable();
-            let slots = slots_per_block(class);
+        // The class's blocks with room, by objects held: sorted once, then kept sorted as
+        // merges change them (a merge removes its source and fills its destination).
+        let mut open: Vec<(u32, u32)> = self.classes[class]
+            .open
+            .iter()
+            .filter_map(|b| self.blocks.get(b).map(|x| (x.live(), *b)))
+            .collect();
+        open.sort_unstable();
+        let slots = slots_per_block(class);
+        while (done.blocks_freed as usize) < limit && open.len() >= 2 {
             // Sparsest source first; its destination the fullest block with room for it (the
             // last with at most `slots - live` objects) that shares no id with it. When the
             // sparsest fits nowhere, no other block does.
@@ -746,15 +745,26 @@ impl Inner {
                 let fits = open.partition_point(|&(l, _)| l <= slots - live);
                 pair = open[i + 1..fits.max(i + 1)]
                     .iter()
-                    .rev()
-                    .find(|&&(_, dst)| self.blocks[&dst].can_absorb(&self.blocks[&src]))
-                    .map(|&(_, dst)| (src, dst));
+                    .rposition(|&(_, dst)| self.blocks[&dst].can_absorb(&self.blocks[&src]))
+                    .map(|k| (i, i + 1 + k));
                 if pair.is_some() || fits <= i + 1 {
                     break;
                 }
             }
-            let Some((src, dst)) = pair else { break };
+            let Some((i, j)) = pair else { break };
+            let ((_, src), (_, dst)) = (open[i], open[j]);
             done += self.merge(memory, src, dst)?;
+            // Both leave their places (i < j); the destination comes back with its new count
+            // if it still has room.
+            open.remove(j);
+            open.remove(i);
+            if let Some(b) = self.blocks.get(&dst)
+                && !b.is_full()
+            {
+                let at = (b.live(), dst);
+                let k = open.partition_point(|x| *x < at);
+                open.insert(k, at);
+            }
         }
         Ok(done)
     }
