@@ -10,11 +10,11 @@
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use nix::fcntl::{FallocateFlags, fallocate};
-use nix::sys::memfd::{MFdFlags, memfd_create};
+use nix::sys::memfd::MFdFlags;
 
 use super::classes::BLOCK_SIZE;
 use crate::error::{DaemonError, Result};
+use crate::pools::memfd;
 use crate::pools::window::Window;
 
 /// The block memfd and the window of block addresses.
@@ -30,17 +30,11 @@ pub(super) struct BlockMemory {
 impl BlockMemory {
     /// A memfd (empty) and a window of `addresses` block addresses (nothing mapped).
     pub(super) fn new(addresses: u32) -> Result<BlockMemory> {
-        let file = memfd_create("regions-blocks", MFdFlags::MFD_CLOEXEC).map_err(|e| match e {
-            nix::errno::Errno::EMFILE | nix::errno::Errno::ENFILE => DaemonError::Limit {
-                errno: libc::ENOSPC,
-                message: format!(
-                    "the daemon cannot make its block memory for small regions: out of file \
-                     descriptors ({e}; RLIMIT_NOFILE {}); raise the limit or delete regions",
-                    regions_proto::fd_limit::open_file_limit()
-                ),
-            },
-            e => DaemonError::sys("memfd_create for small-region blocks", e),
-        })?;
+        let file = memfd::create(
+            "regions-blocks",
+            MFdFlags::MFD_CLOEXEC,
+            "the block memory for small regions",
+        )?;
         let window = Window::reserve(u64::from(addresses) * BLOCK_SIZE)?;
         Ok(BlockMemory {
             file,
@@ -110,19 +104,12 @@ impl BlockMemory {
         if to <= from {
             return Ok(());
         }
-        let at = i64::from(file_block) * BLOCK_SIZE as i64 + i64::from(from);
-        fallocate(
+        memfd::punch(
             &self.file,
-            FallocateFlags::FALLOC_FL_PUNCH_HOLE | FallocateFlags::FALLOC_FL_KEEP_SIZE,
-            at,
-            i64::from(to - from),
+            u64::from(file_block) * BLOCK_SIZE + u64::from(from),
+            u64::from(to - from),
+            &format!("small-region block {file_block}"),
         )
-        .map_err(|e| {
-            DaemonError::sys(
-                format!("freeing bytes {from:#x}..{to:#x} of small-region block {file_block}"),
-                e,
-            )
-        })
     }
 
     /// Copies `src` to byte `offset` of block address `address`.
@@ -169,13 +156,7 @@ impl BlockMemory {
 
     /// Bytes of memory the block file holds (pages actually allocated).
     pub(super) fn allocated_bytes(&self) -> u64 {
-        match nix::sys::stat::fstat(&self.file) {
-            Ok(st) => u64::try_from(st.st_blocks).unwrap_or(0) * 512,
-            Err(e) => {
-                tracing::warn!(error = %e, "fstat of the small-region block file failed");
-                0
-            }
-        }
+        memfd::allocated_bytes(&self.file, "the small-region block file")
     }
 }
 

@@ -13,6 +13,7 @@
 //! back to the kernel) only when no pool chunk maps it any more, and a segment with no chunk left
 //! is closed.
 
+pub mod memfd;
 pub mod segment;
 pub mod window;
 

@@ -10,8 +10,10 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use nix::fcntl::{FallocateFlags, FcntlArg, SealFlag, fallocate, fcntl};
-use nix::sys::memfd::{MFdFlags, memfd_create};
+use nix::fcntl::{FcntlArg, SealFlag, fcntl};
+use nix::sys::memfd::MFdFlags;
+
+use super::memfd;
 
 use crate::error::{DaemonError, Result};
 
@@ -36,23 +38,11 @@ impl Segment {
     /// further seal (no process holding a descriptor can shrink it under the
     /// daemon's mappings, forbid future writes or freeze its size).
     pub fn create(ino: u64) -> Result<Segment> {
-        let name = format!("regions-segment-{ino}");
-        let fd = memfd_create(
-            name.as_str(),
+        let fd = memfd::create(
+            &format!("regions-segment-{ino}"),
             MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
-        )
-        .map_err(|e| match e {
-            nix::errno::Errno::EMFILE | nix::errno::Errno::ENFILE => DaemonError::Limit {
-                errno: libc::ENOSPC,
-                message: format!(
-                    "this host cannot hold memory of region {ino}: the daemon is out of file \
-                     descriptors ({e}; RLIMIT_NOFILE {}, or the system's fs.file-max); raise the \
-                     limit or delete regions",
-                    regions_proto::fd_limit::open_file_limit()
-                ),
-            },
-            e => DaemonError::sys(format!("memfd_create for region {ino}"), e),
-        })?;
+            &format!("memory of region {ino}"),
+        )?;
         nix::sys::stat::fchmod(&fd, nix::sys::stat::Mode::from_bits_truncate(0o600)).map_err(
             |e| DaemonError::sys(format!("chmod 0600 of the segment of region {ino}"), e),
         )?;
@@ -119,33 +109,12 @@ impl Segment {
     /// Frees the pages of `[offset, offset + len)`: they read as zeros afterwards and their
     /// memory goes back to the kernel. The size does not change.
     pub fn punch(&self, offset: u64, len: u64) -> Result<()> {
-        if len == 0 {
-            return Ok(());
-        }
-        let bad = || {
-            DaemonError::Invalid(format!(
-                "cannot punch {offset:#x}+{len:#x} in the segment of region {}",
-                self.ino
-            ))
-        };
-        let off = i64::try_from(offset).map_err(|_| bad())?;
-        let n = i64::try_from(len).map_err(|_| bad())?;
-        off.checked_add(n).ok_or_else(bad)?;
-        fallocate(
+        memfd::punch(
             &self.fd,
-            FallocateFlags::FALLOC_FL_PUNCH_HOLE | FallocateFlags::FALLOC_FL_KEEP_SIZE,
-            off,
-            n,
+            offset,
+            len,
+            &format!("the segment of region {}", self.ino),
         )
-        .map_err(|e| {
-            DaemonError::sys(
-                format!(
-                    "punching {offset:#x}+{len:#x} in the segment of region {}",
-                    self.ino
-                ),
-                e,
-            )
-        })
     }
 
     /// The memfd's length as the kernel sees it (at least [`Segment::size`]).
@@ -158,13 +127,7 @@ impl Segment {
 
     /// Bytes of memory the memfd holds (pages actually allocated).
     pub fn allocated_bytes(&self) -> u64 {
-        match nix::sys::stat::fstat(&self.fd) {
-            Ok(st) => u64::try_from(st.st_blocks).unwrap_or(0) * 512,
-            Err(e) => {
-                tracing::warn!(ino = self.ino, error = %e, "fstat of a segment failed");
-                0
-            }
-        }
+        memfd::allocated_bytes(&self.fd, &format!("the segment of region {}", self.ino))
     }
 
     /// A new descriptor of the memfd sharing the daemon's open file (tests and diagnostics).
