@@ -90,14 +90,12 @@ impl RegionFs {
     /// everyone may search are looked up (and checked by the manager) every
     /// time, as are those of the `.regions` tree.
     pub fn entry_cacheable(&self, parent: u64, name: &OsStr) -> bool {
-        if pseudo::is_pseudo(parent) || (parent == ROOT_INO && name == pseudo::DIR_NAME) {
-            return false;
-        }
-        self.dirs
-            .lock()
-            .ok()
-            .and_then(|d| d.get(&parent).map(|i| i.mode & 0o111 == 0o111))
-            .unwrap_or(true)
+        let dirs = self.dirs.lock();
+        cacheable_in(
+            parent,
+            name,
+            dirs.as_ref().ok().and_then(|d| d.get(&parent)),
+        )
     }
 
     /// Whether the kernel may cache entry `name` of `parent` (as
@@ -112,11 +110,8 @@ impl RegionFs {
         /// Records kept before a sweep (a sweep keeps only those younger than the TTL), and at
         /// most.
         const SWEEP_AT: usize = 1 << 16;
-        if pseudo::is_pseudo(parent) || (parent == ROOT_INO && name == pseudo::DIR_NAME) {
-            return false;
-        }
         let Ok(mut dirs) = self.dirs.lock() else {
-            return true;
+            return cacheable_in(parent, name, None);
         };
         let now = Instant::now();
         if self.cached_names.load(Ordering::Relaxed) >= SWEEP_AT
@@ -131,18 +126,28 @@ impl RegionFs {
             }
             self.cached_names.store(left, Ordering::Relaxed);
         }
-        let Some(info) = dirs.get_mut(&parent) else {
-            return true;
-        };
-        if info.mode & 0o111 != 0o111 {
+        let known = dirs.get_mut(&parent);
+        if !cacheable_in(parent, name, known.as_deref()) {
             return false;
         }
+        let Some(info) = known else {
+            return true;
+        };
         if self.cached_names.load(Ordering::Relaxed) < SWEEP_AT
             && info.cached.insert(name.to_os_string(), now).is_none()
         {
             self.cached_names.fetch_add(1, Ordering::Relaxed);
         }
         true
+    }
+
+    /// Takes `n` records (dropped with their directory's) off the count.
+    fn uncount_cached(&self, n: usize) {
+        let _ = self
+            .cached_names
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| {
+                Some(t.saturating_sub(n))
+            });
     }
 
     /// chmod, chown, truncate, utimens. `fh` is the open file the change
@@ -289,12 +294,7 @@ impl RegionFs {
             .ok()
             .and_then(|mut d| d.get_mut(&dir).map(|i| std::mem::take(&mut i.cached)))
             .map(|c| {
-                let n = c.len();
-                let _ = self
-                    .cached_names
-                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| {
-                        Some(t.saturating_sub(n))
-                    });
+                self.uncount_cached(c.len());
                 c.into_keys().collect()
             })
             .unwrap_or_default();
@@ -828,12 +828,7 @@ impl RegionFs {
         if let Ok(mut d) = self.dirs.lock()
             && let Some(info) = d.remove(&ino)
         {
-            let n = info.cached.len();
-            let _ = self
-                .cached_names
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| {
-                    Some(t.saturating_sub(n))
-                });
+            self.uncount_cached(info.cached.len());
         }
         if let Ok(mut r) = self.removed_dirs.lock() {
             r.remove(&ino);
@@ -842,4 +837,14 @@ impl RegionFs {
             u.remove(&ino);
         }
     }
+}
+
+/// Whether the kernel may cache entry `name` of `parent`, given what the mount knows of
+/// `parent` (`None`: nothing, so its entries are cached): not in the `.regions` tree, and only
+/// in directories everyone may search.
+fn cacheable_in(parent: u64, name: &OsStr, dir: Option<&DirInfo>) -> bool {
+    if pseudo::is_pseudo(parent) || (parent == ROOT_INO && name == pseudo::DIR_NAME) {
+        return false;
+    }
+    dir.is_none_or(|i| i.mode & 0o111 == 0o111)
 }
