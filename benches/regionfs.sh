@@ -156,7 +156,7 @@ case "$CACHE1" in passthrough|writeback) ;; *) echo "regionfs.sh: --cache is pas
 # ---------------------------------------------------------------- environment
 
 missing=()
-for b in regions-manager regions-daemon regionfs; do
+for b in regions-manager regions-daemon regionfs regions-fuse-floor; do
     [ -x "$BIN/$b" ] || missing+=("$b")
 done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -203,9 +203,10 @@ MNT1=$WORK/mnt1
 MNT2=$WORK/mnt2
 TMPFS=$WORK/tmpfs
 SSHFS=$WORK/sshfs          # sshfs mount of $TMPFS/export
+FLOOR=$WORK/floor          # the FUSE floor (regions-fuse-floor: files in memory)
 SSHDIR=$WORK/ssh           # sshd config, host key, client key
 LOGS=$WORK/logs
-mkdir -p "$MNT1" "$MNT2" "$TMPFS" "$SSHFS" "$SSHDIR" "$LOGS" "$WORK/manager"
+mkdir -p "$MNT1" "$MNT2" "$TMPFS" "$SSHFS" "$FLOOR" "$SSHDIR" "$LOGS" "$WORK/manager"
 chmod 700 "$SSHDIR"
 PIDS=()          # started processes, in start order
 MOUNT_PIDS=()    # the regionfs and sshfs mount processes among them
@@ -241,7 +242,7 @@ cleanup() {
         wait_gone "$pid" 10 || { warn "mount process $pid did not stop; killing it"; kill -KILL "$pid" 2>/dev/null; }
     done
     local m
-    for m in "$SSHFS" "$MNT1" "$MNT2" "$TMPFS"; do
+    for m in "$SSHFS" "$FLOOR" "$MNT1" "$MNT2" "$TMPFS"; do
         if is_mounted "$m"; then
             umount -l "$m" 2>/dev/null || warn "cannot unmount $m"
         fi
@@ -267,10 +268,10 @@ cleanup() {
         wait_gone "$pid" 10 || kill -KILL "$pid" 2>/dev/null
     done
     [ "$MADE_RUN_SSHD" = 1 ] && rmdir /run/sshd 2>/dev/null
-    if is_mounted "$SSHFS" || is_mounted "$MNT1" || is_mounted "$MNT2" || is_mounted "$TMPFS"; then
+    if is_mounted "$SSHFS" || is_mounted "$FLOOR" || is_mounted "$MNT1" || is_mounted "$MNT2" || is_mounted "$TMPFS"; then
         warn "something is still mounted under $WORK; leaving it in place"
     elif [ "$rc" = 1 ] || [ "$KEEP_LOGS" = 1 ]; then
-        rm -rf "$WORK/manager" "$MNT1" "$MNT2" "$TMPFS" "$SSHFS" "$SSHDIR" "$WORK/bin"
+        rm -rf "$WORK/manager" "$MNT1" "$MNT2" "$TMPFS" "$SSHFS" "$FLOOR" "$SSHDIR" "$WORK/bin"
         warn "logs kept in $LOGS"
     else
         rm -rf "$WORK"
@@ -357,6 +358,18 @@ wait_ready "$WORK/mount2.ready" "$LAST_PID" "$LOGS/mount2.log"
 is_mounted "$MNT1" && is_mounted "$MNT2" || fail "the mounts are not in /proc/mounts"
 
 mount -t tmpfs -o "size=$(( (SIZE * 4 + MMAP_SIZE * 2) / MiB + 128 ))m" regions-bench-tmpfs "$TMPFS"
+
+# The FUSE floor: the same kernel settings as regionfs, files in memfds, nothing else
+# (tests/src/bin/fuse_floor.rs). What it cannot reach, no FUSE file system reaches here.
+start_node floor "$BIN/regions-fuse-floor" "$FLOOR"
+MOUNT_PIDS+=("$LAST_PID")
+n=100
+while [ $n -gt 0 ] && ! grep -q ready "$LOGS/floor.log" 2>/dev/null; do
+    kill -0 "$LAST_PID" 2>/dev/null || { tail -n 20 "$LOGS/floor.log" >&2; fail "the FUSE floor exited"; }
+    sleep 0.1
+    n=$((n - 1))
+done
+is_mounted "$FLOOR" || fail "the FUSE floor did not mount at $FLOOR (log $LOGS/floor.log)"
 
 # ---------------------------------------------------------------- sshfs
 
@@ -829,6 +842,40 @@ else
 fi
 rm -rf "$MNT1/seq"
 
+# ---------------------------------------------------------------- 9: the FUSE floor
+
+# The same reads, faults, writes and small files on the FUSE floor (files in memory behind
+# FUSE with regionfs's kernel settings): where a target of the tmpfs table is above what any
+# FUSE file system reaches on this machine, regions is held to within 10% of this instead.
+FF=$FLOOR/data
+say "9. the FUSE floor ($FLOOR): the reads of 1-3, the random mmap faults of 4, the writes of 5, the small files of 7"
+copy_in "$TF" "$FF" >/dev/null
+drop_caches
+r=$(fio_read "$FF" read 1M 0); R[seq_cold_f]=${r% *}
+r=$(fio_read "$FF" randread 16k "$RAND_SECS"); R[rand_warm_f]=${r% *}; R[rand_warm_f_iops]=${r#* }
+drop_caches
+r=$(fio_read "$FF" randread 16k "o$RAND_SECS"); R[rand_cold_f]=${r% *}; R[rand_cold_f_iops]=${r#* }
+mmap_run mr_rand_f read "$FF" rand "$RAND_PAGES"
+say "   reads: seq cold $(gbs "${R[seq_cold_f]}"), random 16 KiB warm $(mbs "${R[rand_warm_f]}" "${R[rand_warm_f_iops]}"), cold $(mbs "${R[rand_cold_f]}" "${R[rand_cold_f_iops]}"); mmap random fault p50 $(us "$(kv "${R[mr_rand_f]}" p50_us)")"
+rm -f "$FF"
+for test in "${WTESTS[@]}"; do
+    f=$FLOOR/w
+    case $test in
+        create) rm -f "$f"; args=(write 0 "o$SEQ_CAP" --create_on_open=1 --fsync_on_close=1) ;;
+        seqbuf) args=(write 0 "o$SEQ_CAP") ;;
+        randbuf) args=(randwrite 0 "$RAND_SECS") ;;
+        seqdir) args=(write 1 "o$SEQ_CAP") ;;
+        randdir) args=(randwrite 1 "$RAND_SECS") ;;
+    esac
+    drop_caches
+    r=$(fio_write "$f" "${args[@]}")
+    R[w_${test}_floor]=${r% *}
+    R[w_${test}_floor_iops]=${r#* }
+done
+rm -f "$FLOOR/w"
+say "   16 KiB writes: $(for t in "${WTESTS[@]}"; do printf '%s %s; ' "$t" "$(mbs "${R[w_${t}_floor]}" "${R[w_${t}_floor_iops]}")"; done)"
+small_run floor "$FLOOR/small"
+
 # ---------------------------------------------------------------- checks
 
 say "checking what reads back"
@@ -978,6 +1025,54 @@ for k in create read coldread unlink; do
     fi
 done
 
+# Against the FUSE floor: the same measurements; a target of the tmpfs table that the floor
+# itself does not reach is met within 10% of the floor.
+TABLE=FROWS
+FROWS=()
+floor_row() { # name regions floor baseline min(or "") baseline_name|/s gb|mb|per_s [regions_iops floor_iops]
+    local name=$1 r=$2 f=$3 t=$4 min=$5 base=$6 fmt=$7 ri=${8:-0} fl_i=${9:-0} vr vf target met_
+    case $fmt in
+        gb) vr=$(gbs "$r"); vf=$(gbs "$f") ;;
+        mb) vr=$(mbs "$r" "$ri"); vf=$(mbs "$f" "$fl_i") ;;
+        *) vr=$(per_s "$r"); vf=$(per_s "$f") ;;
+    esac
+    if [ -z "$min" ]; then
+        row "$name" "$vr" "$vf" "$(ratio "$r" "$f")" "-" info
+        return
+    fi
+    if [ "$base" = /s ]; then
+        target=">= ${min}/s or 0.9x floor"
+        met_=$(awk -v r="$r" -v f="$f" -v m="$min" 'BEGIN { print (r >= m || (f > 0 && f < m && r / f >= 0.9)) ? "yes" : "NO" }')
+    else
+        target=">= ${min}x $base or 0.9x floor"
+        met_=$(awk -v r="$r" -v f="$f" -v t="$t" -v m="$min" 'BEGIN { print ((t > 0 && r / t >= m) || (f > 0 && t > 0 && f / t < m && r / f >= 0.9)) ? "yes" : "NO" }')
+    fi
+    row "$name" "$vr" "$vf" "$(ratio "$r" "$f")" "$target" "$met_"
+}
+floor_row "seq read 1 MiB, remote, cold" "${R[seq_cold_r]}" "${R[seq_cold_f]}" "${R[tcp_stream]}" 0.85 TCP gb
+floor_row "seq read 1 MiB, local region" "${R[seq_local_r]}" "${R[seq_cold_f]}" "${R[seq_local_t]}" 0.9 tmpfs gb
+floor_row "rand read 16 KiB, remote, cold" "${R[rand_cold_r]}" "${R[rand_cold_f]}" "${R[rand_cold_t]}" 0.5 tmpfs mb "${R[rand_cold_r_iops]}" "${R[rand_cold_f_iops]}"
+floor_row "rand read 16 KiB, remote, warm" "${R[rand_warm_r]}" "${R[rand_warm_f]}" "${R[rand_warm_t]}" "" "" mb "${R[rand_warm_r_iops]}" "${R[rand_warm_f_iops]}"
+floor_row "rand read 16 KiB, local region" "${R[rand_local_r]}" "${R[rand_warm_f]}" "${R[rand_local_t]}" 0.9 tmpfs mb "${R[rand_local_r_iops]}" "${R[rand_warm_f_iops]}"
+a=$(kv "${R[mr_rand_r]}" p50_us); b=$(kv "${R[mr_rand_f]}" p50_us)
+row "mmap read fault, random p50 (remote)" "$(us "$a")" "$(us "$b")" "$(ratio "$a" "$b")" "-" info
+for t in this other; do
+    for test in "${WTESTS[@]}"; do
+        min=0.5 base=tmpfs bt=${R[w_${test}_tmpfs]}
+        if [ "$t" = other ]; then
+            case $test in
+                seqdir) min=0.8 base=TCP bt=${R[tcp_stream]} ;;
+                randdir) min="" ;;
+            esac
+        fi
+        floor_row "write 16 KiB, $t host: ${WNAME[$test]}" "${R[w_${test}_$t]}" "${R[w_${test}_floor]}" "$bt" "$min" "$base" mb \
+            "${R[w_${test}_${t}_iops]}" "${R[w_${test}_floor_iops]}"
+    done
+done
+floor_row "small files: create+write+close" "${R[sf_create_regions]}" "${R[sf_create_floor]}" "" 5000 /s per_s
+floor_row "small files: open+read+close" "${R[sf_read_regions]}" "${R[sf_read_floor]}" "" 10000 /s per_s
+floor_row "small files: unlink" "${R[sf_unlink_regions]}" "${R[sf_unlink_floor]}" "" 5000 /s per_s
+
 # print_table BASELINE_NAME ARRAY
 print_table() {
     local base=$1 line a b c d e f
@@ -1011,12 +1106,15 @@ print_table tmpfs ROWS
 echo
 print_table sshfs SROWS
 echo
+print_table "FUSE floor" FROWS
+echo
 echo "ratio = regions / tmpfs or sshfs (for latencies lower is better). tmpfs 'cold' is warm: its pages never leave memory."
 echo "cold random: one pass at most (no block read twice), so every read misses the page cache unless readahead brought it in."
 echo "mmap in order: default readahead and fault-around, so most touches do not fault (p50); p99 and mean carry the faults."
 echo "mmap random: MADV_RANDOM, one fault per page; writes end with msync (regions ${R[mw_seq_r]##*msync_ms=} ms in order, ${R[mw_rand_r]##*msync_ms=} ms random)."
 echo "writes: 16 KiB psync, one job, each run ends with an fsync inside its time; create = new file, extending writes (fio create_on_open, fsync_on_close);"
 echo "  seq runs one pass over ${SIZE_MIB} MiB (at most ${SEQ_CAP} s), random runs ${RAND_SECS} s, one run each; drop_caches before each; this host = hostalloc=1, other host = hostalloc=2, both through MNT1."
+echo "FUSE floor: regions-fuse-floor (tests/src/bin/fuse_floor.rs), every file a memfd answered at once, regionfs's kernel settings; same runs as above, after them; 'met' when the tmpfs target is met, or when the floor itself is under it and regions is within 10% of the floor."
 echo "sshfs: root@127.0.0.1 over loopback (sshd of the run, default ciphers), of a directory of the same tmpfs; reads are of the same file as 1 and 2, cold."
 echo "small files: $SMALL_N files of $SMALL_SIZE bytes (benches/small_files.c), one process per phase, drop_caches before create and cold read, default placement on MNT1; 'open+read+close' right after the create, 'cold' after drop_caches."
 echo "  manager requests of the small-file phases on MNT1: $SMALL_MGR"

@@ -79,6 +79,11 @@ struct FsArgs {
     /// Threads serving FUSE requests (at least 2).
     #[arg(long, env = "REGIONFS_THREADS", default_value_t = 4)]
     threads: usize,
+    /// Bytes of a region held on other hosts that one background fill streams into the page
+    /// cache once the region is read at random (K, M, G suffixes; 0 turns fills off; default:
+    /// a quarter of this host's memory). Fills stop when the host runs short of memory.
+    #[arg(long, env = "REGIONFS_FILL_BUDGET", value_parser = regions_proto::config::parse_size)]
+    fill_budget: Option<u64>,
     /// Write the mountpoint path to this file once the mount answers.
     #[arg(long, env = "REGIONS_READY_FILE")]
     ready_file: Option<PathBuf>,
@@ -315,6 +320,7 @@ fn serve(
 ) -> anyhow::Result<()> {
     let options = FsOptions {
         cache: args.cache,
+        fill_budget: args.fill_budget,
         ..FsOptions::default()
     };
     let core = Arc::new(RegionFs::new(client, options)?);

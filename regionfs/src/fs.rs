@@ -87,6 +87,10 @@ pub struct FsOptions {
     pub busy_retry: Duration,
     /// Delete non-persistent regions when their creating process exits.
     pub watch_owners: bool,
+    /// Bytes one background fill stores at most in the page cache (a region on other hosts
+    /// read at random is streamed in behind the reader; see `fs/fill.rs`). `None`: a quarter
+    /// of this host's memory; `Some(0)`: no background fill.
+    pub fill_budget: Option<u64>,
 }
 
 impl Default for FsOptions {
@@ -95,6 +99,7 @@ impl Default for FsOptions {
             cache: CacheMode::Writeback,
             busy_retry: Duration::from_millis(300),
             watch_owners: true,
+            fill_budget: None,
         }
     }
 }
@@ -258,6 +263,16 @@ struct InodeState {
     /// When this mount created the region (cleared when an extended
     /// attribute is set or removed through it).
     created_here: Option<Instant>,
+    /// Where the last read that reached this mount ended, and how many reads in a row began
+    /// elsewhere (scattered reads start a background fill: `fs/fill.rs`).
+    read_next: u64,
+    scattered: u32,
+    /// Write opens of this mount and changes under way: no background fill meanwhile.
+    writers: u32,
+    /// The inode's background fill (running or ended).
+    fill: Option<Arc<fill::Fill>>,
+    /// The mtime and size a fill last ran for: it does not run again until they change.
+    filled: Option<(v1::Timespec, u64)>,
 }
 
 /// What this mount knows of a directory.
@@ -356,6 +371,8 @@ pub struct RegionFs {
     closer: Closer,
     /// When the manager last answered [`RegionFs::check_handles`], and its lease.
     contact: LeaseContact,
+    /// Background fills of the page cache.
+    fills: fill::Fills,
 }
 
 /// `Err(Fenced)` once the manager has not answered this mount's handle checks for most of a
@@ -389,6 +406,7 @@ impl RegionFs {
         } else {
             None
         };
+        let fills = fill::Fills::new(options.fill_budget);
         Ok(RegionFs {
             client,
             identity,
@@ -410,6 +428,7 @@ impl RegionFs {
             generations: Mutex::new(HashMap::new()),
             closer: Closer::start(),
             contact: LeaseContact::new(),
+            fills,
         })
     }
 
@@ -492,6 +511,15 @@ impl RegionFs {
         if size == 0 {
             return;
         }
+        // A fill's store between the invalidation and the store below would leave the old
+        // last page cached with zeros past the old end.
+        let _hold = match self.hold_fills(ino) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::debug!(ino, error = %e, "cannot raise the kernel's size of a grown region now");
+                return;
+            }
+        };
         let from = (old / PAGE) * PAGE;
         if let Err(e) = kernel.invalidate(ino, from as i64, 0) {
             tracing::debug!(ino, error = %e, "cannot invalidate the old end of a grown region");
@@ -613,6 +641,7 @@ fn reap(manager: &ManagerClient, identity: &Identity, o: &Owned) {
 }
 
 mod data;
+mod fill;
 mod handles;
 mod ioctls;
 mod meta;

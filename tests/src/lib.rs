@@ -700,7 +700,8 @@ impl MountProcess {
         )
     }
 
-    fn start_wrapped_with_args(
+    /// [`MountProcess::start_in`] with extra `regionfs mount` arguments.
+    pub fn start_wrapped_with_args(
         wrapper: &[std::ffi::OsString],
         manager: SocketAddr,
         secret_file: &Path,
@@ -920,6 +921,7 @@ pub fn has_errno(status: &tonic::Status) -> bool {
 
 pub mod heap_runs;
 pub mod memory_cgroup;
+pub mod metrics_page;
 pub mod netns;
 
 /// The repository's root directory.

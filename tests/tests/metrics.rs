@@ -4,64 +4,17 @@
 //! HTTP GET to check that the counters of exactly that work moved.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use regions_tests::metrics_page::{free_addr, sample, scrape};
 use regions_tests::{DaemonProcess, ManagerProcess, MountProcess, write_secret};
 
-/// Bound on one scrape (connect, request, response).
-const SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Bound on waiting for a value to show (gauges refresh every second).
 const WAIT: Duration = Duration::from_secs(20);
 const MIB: f64 = (1 << 20) as f64;
-
-/// A loopback address with a port that was free a moment ago.
-fn free_addr() -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().to_string()
-}
-
-/// `GET /metrics` over a plain TCP connection; the body of a 200 answer.
-fn scrape(addr: &str) -> anyhow::Result<String> {
-    let addr: SocketAddr = addr.parse()?;
-    let mut stream = TcpStream::connect_timeout(&addr, SCRAPE_TIMEOUT)?;
-    stream.set_read_timeout(Some(SCRAPE_TIMEOUT))?;
-    stream.set_write_timeout(Some(SCRAPE_TIMEOUT))?;
-    stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: regions\r\nConnection: close\r\n\r\n")?;
-    let mut answer = String::new();
-    stream.read_to_string(&mut answer)?;
-    let (head, body) = answer
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| anyhow::anyhow!("no HTTP header in {answer:?}"))?;
-    anyhow::ensure!(head.starts_with("HTTP/1.1 200"), "not a 200 answer: {head}");
-    Ok(body.to_owned())
-}
-
-/// The sum of the samples of `name` whose labels include every pair of `want`.
-fn sample(page: &str, name: &str, want: &[(&str, &str)]) -> f64 {
-    page.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|line| {
-            let (series, value) = line.rsplit_once(' ')?;
-            let (metric, labels) = match series.split_once('{') {
-                Some((m, rest)) => (m, rest.trim_end_matches('}')),
-                None => (series, ""),
-            };
-            let matches = metric == name
-                && want.iter().all(|(k, v)| {
-                    let pair = format!("{k}=\"{v}\"");
-                    labels.split(',').any(|kv| kv == pair)
-                });
-            if matches {
-                value.parse::<f64>().ok()
-            } else {
-                None
-            }
-        })
-        .sum()
-}
 
 /// Scrapes `addr` until `ok` holds for the page (at most [`WAIT`]); fails with the last page.
 fn wait_for(what: &str, addr: &str, ok: impl Fn(&str) -> bool) -> String {

@@ -30,6 +30,15 @@ impl RegionFs {
             )));
         }
         let now = stamp(&attr);
+        // A fill of the bytes from before a change must not store after the pages are dropped.
+        let filling = self
+            .lock_inodes()
+            .get(&ino)
+            .filter(|st| st.seen != Some(now))
+            .and_then(|st| st.fill.clone());
+        if let Some(f) = filling {
+            f.wait_stopped(ino)?;
+        }
         // Close-to-open: keep the cached pages only if nothing changed.
         let (keep, grown_from) = {
             let mut inodes = self.lock_inodes();
@@ -52,11 +61,20 @@ impl RegionFs {
             // Attributes only: the open without keep_cache drops the pages.
             let _ = k.invalidate(ino, -1, 0);
         }
+        // A writer holds background fills off from before it can write until its release.
+        let hold = if write {
+            Some(self.hold_fills(ino)?)
+        } else {
+            None
+        };
         if let Some(old) = grown_from {
             self.push_size(ino, old, attr.size, Some(&region));
         }
         let (io, fd) = self.choose_io(ino, write, &region, &attr)?;
         let fh = self.add_region_handle(ino, caller, region, write, io);
+        if let Some(hold) = hold {
+            hold.keep();
+        }
         tracing::trace!(ino, fh, write, keep, io = io.name(), "open");
         Ok(Opened {
             fh,
@@ -80,7 +98,7 @@ impl RegionFs {
             return false;
         }
         let busy = !self.handles_of(attr.ino).is_empty();
-        {
+        let fill = {
             let mut inodes = self.lock_inodes();
             let Some(st) = inodes.get_mut(&attr.ino) else {
                 return false;
@@ -91,6 +109,13 @@ impl RegionFs {
             st.kernel_size = attr.size;
             st.seen = None;
             st.attr = None;
+            st.fill.clone()
+        };
+        // A fill its last reader left running must not store into the new inode.
+        if let Some(f) = fill
+            && let Err(e) = f.wait_stopped(attr.ino)
+        {
+            tracing::warn!(ino = attr.ino, error = %e, "a background fill did not stop");
         }
         if let Ok(mut g) = self.generations.lock() {
             *g.entry(attr.ino).or_insert(0) += 1;
@@ -157,21 +182,27 @@ impl RegionFs {
                         r.region.note_size(local);
                     }
                 }
-                READ_BUF.with(|cell| {
-                    let mut guard = cell.try_borrow_mut();
-                    let mut own = Vec::new();
-                    // Re-entrance cannot happen here, but fall back to a
-                    // fresh buffer rather than panic if it ever does.
-                    let buf = match guard.as_mut() {
-                        Ok(b) => &mut **b,
-                        Err(_) => &mut own,
-                    };
-                    if buf.len() < size as usize {
-                        buf.resize(size as usize, 0);
-                    }
-                    let n = r.region.read_at(offset, &mut buf[..size as usize])?;
-                    Ok(reply(&buf[..n]))
-                })
+                READ_BUF
+                    .with(|cell| {
+                        let mut guard = cell.try_borrow_mut();
+                        let mut own = Vec::new();
+                        // Re-entrance cannot happen here, but fall back to a
+                        // fresh buffer rather than panic if it ever does.
+                        let buf = match guard.as_mut() {
+                            Ok(b) => &mut **b,
+                            Err(_) => &mut own,
+                        };
+                        if buf.len() < size as usize {
+                            buf.resize(size as usize, 0);
+                        }
+                        let n = r.region.read_at(offset, &mut buf[..size as usize])?;
+                        Ok::<_, FsError>(reply(&buf[..n]))
+                    })
+                    .inspect(|_| {
+                        if r.io.lock().is_ok_and(|io| *io == IoMode::Cached) {
+                            self.note_read(fh, &h, offset, u64::from(size));
+                        }
+                    })
             }
         }
     }
@@ -372,8 +403,19 @@ impl RegionFs {
         if let Body::Region(r) = &h.body {
             let io = r.io.lock().map(|i| *i).unwrap_or(IoMode::Direct);
             passthrough = io == IoMode::Passthrough;
+            let last = self.handles_of(h.ino).is_empty();
             let mut inodes = self.lock_inodes();
             if let Some(st) = inodes.get_mut(&h.ino) {
+                if r.write {
+                    st.writers = st.writers.saturating_sub(1);
+                }
+                if let Some(f) = &st.fill
+                    && (last || f.fh == fh)
+                {
+                    // Nobody here reads it any more, or its handle is gone: the fill ends
+                    // after its store in flight (and stays recorded until it has ended).
+                    f.stop();
+                }
                 match io {
                     IoMode::Cached => st.cached_opens = st.cached_opens.saturating_sub(1),
                     IoMode::Passthrough => {

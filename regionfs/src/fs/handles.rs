@@ -153,6 +153,9 @@ impl RegionFs {
                 pid,
                 "the manager closed this open when the host's lease ended: it answers EIO now"
             );
+            let _hold = self
+                .hold_fills(ino)
+                .inspect_err(|e| tracing::warn!(ino, error = %e, "a background fill of a fenced open did not stop"));
             if let Some(kernel) = self.kernel.get()
                 && let Err(e) = kernel.invalidate(ino, 0, 0)
             {

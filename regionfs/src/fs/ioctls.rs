@@ -10,6 +10,22 @@ impl RegionFs {
         let Body::Region(r) = &h.body else {
             return Err(FsError::UnknownIoctl(cmd));
         };
+        if cmd == ioctl::RCLEARCACHE || cmd == ioctl::RMARKDIRTY {
+            // These drop cached pages (and the second writes the region): no background fill
+            // stores across them.
+            let _hold = self.hold_fills(h.ino)?;
+            return self.region_ioctl(&h, r, cmd, input);
+        }
+        self.region_ioctl(&h, r, cmd, input)
+    }
+
+    fn region_ioctl(
+        &self,
+        h: &Handle,
+        r: &RegionHandle,
+        cmd: u32,
+        input: &[u8],
+    ) -> FsResult<Vec<u8>> {
         match cmd {
             ioctl::RCLEARCACHE => {
                 let range = ioctl::Range::parse(input)?;
@@ -44,7 +60,7 @@ impl RegionFs {
             }
             ioctl::RPREFETCH => {
                 let range = ioctl::Range::parse(input)?;
-                self.prefetch(&h, r, range)?;
+                self.prefetch(h, r, range)?;
                 Ok(Vec::new())
             }
             ioctl::RINFO => {
@@ -87,7 +103,7 @@ impl RegionFs {
                     ));
                 }
                 if m.zero {
-                    self.zero_range(&h, r, m.range)?;
+                    self.zero_range(h, r, m.range)?;
                 }
                 Ok(Vec::new())
             }

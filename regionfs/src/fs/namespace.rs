@@ -160,6 +160,23 @@ impl RegionFs {
         ctime: bool,
         fh: Option<u64>,
     ) -> FsResult<v1::Attr> {
+        if change.size.is_none() || pseudo::is_pseudo(ino) {
+            return self.change_attrs(ctx, ino, change, ctime, fh);
+        }
+        // No background fill stores across a size change (it could bring back bytes past a
+        // new end, or the old end itself).
+        let _hold = self.hold_fills(ino)?;
+        self.change_attrs(ctx, ino, change, ctime, fh)
+    }
+
+    fn change_attrs(
+        &self,
+        ctx: &RequestCtx,
+        ino: u64,
+        change: SetAttrIn,
+        ctime: bool,
+        fh: Option<u64>,
+    ) -> FsResult<v1::Attr> {
         if pseudo::is_pseudo(ino) {
             return Err(FsError::Denied(
                 "region metadata files cannot be changed".into(),
@@ -508,7 +525,12 @@ impl RegionFs {
         }
         {
             let mut inodes = self.lock_inodes();
-            inodes.entry(attr.ino).or_default().cached_opens += 1;
+            let st = inodes.entry(attr.ino).or_default();
+            st.cached_opens += 1;
+            if write {
+                // Released with the handle (a new region has no fill to stop).
+                st.writers += 1;
+            }
         }
         let fh = self.add_region_handle(attr.ino, caller, region, write, IoMode::Cached);
         Ok((
