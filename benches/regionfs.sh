@@ -10,7 +10,10 @@
 # (host 1 and host 2) and two `regionfs mount`s (host 1 at MNT1, host 2 at
 # MNT2), plus a tmpfs as the baseline, and an sshd on a free loopback port
 # (own config and throwaway keys in the temporary directory) with an sshfs
-# mount of a directory of that tmpfs (root@127.0.0.1), then measures:
+# mount of a directory of that tmpfs (root@127.0.0.1), and the FUSE floor
+# (regions-fuse-floor, tests/src/bin/fuse_floor.rs: every file a memfd behind
+# FUSE, answered at once, with regionfs's kernel settings; what it does not
+# reach, no FUSE file system reaches on this machine), then measures:
 #
 #   1. sequential 1 MiB reads (fio, psync, buffered) of a --size file held by
 #      host 2's daemon, read through MNT1: cold (after drop_caches) and warm;
@@ -38,6 +41,8 @@
 #      open+read+close (right after, and cold after drop_caches), unlink,
 #      in files/s, on MNT1 (default placement: this host), tmpfs and sshfs,
 #      with the manager requests of each phase on MNT1;
+#   (1-5 and 7 are also run on the FUSE floor, each right after its regions
+#   and tmpfs runs;)
 #   8. manager requests (namespace and region requests, counted from the
 #      manager's trace log, `file request` lines) for one sequential write
 #      (dd bs=1M conv=fsync) of 1 GiB into a new file through MNT1 (default
@@ -47,8 +52,9 @@
 # whole-file cmp through the other host, mmap checksums, fio verify headers
 # of 16 KiB buffered and O_DIRECT writes read back through MNT2, the small
 # files' contents, cmp of the manager step's file through MNT2), and prints
-# two tables: measurement | regions | tmpfs | ratio | target | met?, then
-# the same against sshfs.
+# three tables: measurement | regions | tmpfs | ratio | target | met?, then
+# the same against sshfs, then against the FUSE floor (where a target of
+# the first table is above the floor itself, it is met within 10% of it).
 #
 # --quick: a 256 MiB file (unless --size), 2 s random runs, sequential
 # write runs capped at 5 s, no repeats: about 2-3 minutes on 2 cores. The
@@ -188,7 +194,7 @@ fi
 # 1's, their copies in tmpfs, and host 1's page cache holds the remote file
 # once warm; the write runs add a file on each host, one in tmpfs and one
 # behind sshfs (deleted before the steps that follow).
-need_kib=$(( (SIZE * 8 + MMAP_SIZE * 4) / 1024 + 256 * 1024 ))
+need_kib=$(( (SIZE * 9 + MMAP_SIZE * 4) / 1024 + 256 * 1024 ))
 [ "$SIZE_MIB" -ge 1024 ] || need_kib=$(( need_kib + 1024 * 1024 ))
 avail_kib=$(awk '/^MemAvailable:/ {print $2}' /proc/meminfo)
 if [ "$avail_kib" -lt "$need_kib" ]; then
@@ -593,6 +599,10 @@ copy_in "$TMPFS/mmapw" "$MNT1/remote/mmapw" >/dev/null
 # The tmpfs baseline of writes: the same copy within tmpfs.
 R[write_tmpfs]=$(copy_in "$TMPFS/data" "$TMPFS/data.copy")
 rm -f "$TMPFS/data.copy"
+# The FUSE floor's copy: each read and fault below is measured on it right after regions and
+# tmpfs, and so are the writes and small files (the third table).
+FF=$FLOOR/data
+copy_in "$TMPFS/data" "$FF" >/dev/null
 
 # Placement, as the manager and the open file see it.
 hosts_of() { getfattr --only-values -n user.regions.hosts "$1" 2>/dev/null || echo "?"; }
@@ -619,6 +629,8 @@ r=$(fio_read "$RF" read 1M 0); R[seq_cold_r]=${r% *}
 R[res_warm]=$(resident_pct "$RF")
 drop_caches
 r=$(fio_read "$TF" read 1M 0); R[seq_cold_t]=${r% *}
+drop_caches
+r=$(fio_read "$FF" read 1M 0); R[seq_cold_f]=${r% *}
 # The ceiling of any cold remote read here: a bare loopback TCP stream of
 # memfd memory into a 1 MiB buffer (no FUSE, no page cache, no protocol).
 R[tcp_stream]=$("$WORK/bin/tcp_stream" "$SIZE_MIB") || fail "tcp_stream"
@@ -632,6 +644,8 @@ R[res_warm2]=$(resident_pct "$RF")
 read -r R[seq_warm_r] _ R[seq_warm_t] _ < <(fio_pair "$RF" "$TF" read 1M 0)
 say "2. random 16 KiB reads, warm (${RAND_SECS} s each, median of $WARM_REPS, interleaved)"
 read -r R[rand_warm_r] R[rand_warm_r_iops] R[rand_warm_t] R[rand_warm_t_iops] < <(fio_pair "$RF" "$TF" randread 16k "$RAND_SECS")
+fio_read "$FF" read 1M 0 >/dev/null
+r=$(fio_read "$FF" randread 16k "$RAND_SECS"); R[rand_warm_f]=${r% *}; R[rand_warm_f_iops]=${r#* }
 [ "${R[res_warm2]}" = "?" ] || [ "${R[res_warm2]}" -ge 95 ] || warn "only ${R[res_warm2]}% of the remote file was cached for the warm runs"
 
 say "2. random 16 KiB reads, cold (one pass, at most ${RAND_SECS} s), regions then tmpfs"
@@ -640,6 +654,8 @@ r=$(fio_read "$RF" randread 16k "o$RAND_SECS"); R[rand_cold_r]=${r% *}; R[rand_c
 R[res_rand]=$(resident_pct "$RF")
 drop_caches
 r=$(fio_read "$TF" randread 16k "o$RAND_SECS"); R[rand_cold_t]=${r% *}; R[rand_cold_t_iops]=${r#* }
+drop_caches
+r=$(fio_read "$FF" randread 16k "o$RAND_SECS"); R[rand_cold_f]=${r% *}; R[rand_cold_f_iops]=${r#* }
 
 # ---------------------------------------------------------------- 3: local region
 
@@ -648,6 +664,9 @@ say "3. local region (host 1) through MNT1: sequential 1 MiB, random 16 KiB (int
 drop_caches
 read -r R[seq_local_r] _ R[seq_local_t] _ < <(fio_pair "$LF" "$TF" read 1M 0)
 read -r R[rand_local_r] R[rand_local_r_iops] R[rand_local_t] R[rand_local_t_iops] < <(fio_pair "$LF" "$TF" randread 16k "$RAND_SECS")
+drop_caches
+r=$(fio_read "$FF" read 1M 0); R[seq_local_f]=${r% *}
+r=$(fio_read "$FF" randread 16k "$RAND_SECS"); R[rand_local_f]=${r% *}; R[rand_local_f_iops]=${r#* }
 
 # ---------------------------------------------------------------- 4: mmap faults
 
@@ -665,6 +684,8 @@ mmap_run mr_seq_r read "$RF" seq "$MMAP_PAGES"
 mmap_run mr_seq_t read "$TF" seq "$MMAP_PAGES"
 mmap_run mr_rand_r read "$RF" rand "$RAND_PAGES"
 mmap_run mr_rand_t read "$TF" rand "$RAND_PAGES"
+mmap_run mr_rand_f read "$FF" rand "$RAND_PAGES"
+rm -f "$FF"
 mmap_run mw_seq_r write "$MNT1/remote/mmapw" seq "$MMAP_PAGES"
 mmap_run mw_seq_t write "$TMPFS/mmapw" seq "$MMAP_PAGES"
 mmap_run mw_rand_r write "$MNT1/remote/mmapw" rand "$RAND_PAGES"
@@ -674,8 +695,8 @@ mmap_run mw_rand_t write "$TMPFS/mmapw" rand "$RAND_PAGES"
 
 # Write targets: a region on this host (MNT1/local: hostalloc=1) and on the
 # other host (MNT1/remote: hostalloc=2), both through MNT1; tmpfs; sshfs.
-declare -A WF=([this]="$MNT1/local/w" [other]="$MNT1/remote/w" [tmpfs]="$TMPFS/w" [sshfs]="$SSHFS/w")
-WTARGETS=(this other tmpfs sshfs)
+declare -A WF=([this]="$MNT1/local/w" [other]="$MNT1/remote/w" [floor]="$FLOOR/w" [tmpfs]="$TMPFS/w" [sshfs]="$SSHFS/w")
+WTARGETS=(this other floor tmpfs sshfs)
 WTESTS=(create seqbuf randbuf seqdir randdir)
 declare -A WNAME=([create]="create (new file, fsync on close)" [seqbuf]="seq, buffered" [randbuf]="random, buffered"
                   [seqdir]="seq, O_DIRECT" [randdir]="random, O_DIRECT")
@@ -696,7 +717,7 @@ for test in "${WTESTS[@]}"; do
         R[w_${test}_$t]=${r% *}
         R[w_${test}_${t}_iops]=${r#* }
     done
-    say "   ${WNAME[$test]}: this host $(mbs "${R[w_${test}_this]}" "${R[w_${test}_this_iops]}"), other host $(mbs "${R[w_${test}_other]}" "${R[w_${test}_other_iops]}"), tmpfs $(mbs "${R[w_${test}_tmpfs]}" "${R[w_${test}_tmpfs_iops]}"), sshfs $(mbs "${R[w_${test}_sshfs]}" "${R[w_${test}_sshfs_iops]}")"
+    say "   ${WNAME[$test]}: this host $(mbs "${R[w_${test}_this]}" "${R[w_${test}_this_iops]}"), other host $(mbs "${R[w_${test}_other]}" "${R[w_${test}_other_iops]}"), FUSE floor $(mbs "${R[w_${test}_floor]}" "${R[w_${test}_floor_iops]}"), tmpfs $(mbs "${R[w_${test}_tmpfs]}" "${R[w_${test}_tmpfs_iops]}"), sshfs $(mbs "${R[w_${test}_sshfs]}" "${R[w_${test}_sshfs_iops]}")"
     if [ "$test" = create ]; then
         for t in this other; do
             sz=$(stat -c %s "${WF[$t]}")
@@ -790,6 +811,7 @@ small_run() {
     say "   $name: create $(per_s "${R[sf_create_$name]}"), read $(per_s "${R[sf_read_$name]}"), cold read $(per_s "${R[sf_coldread_$name]}"), unlink $(per_s "${R[sf_unlink_$name]}")"
 }
 small_run regions "$MNT1/small"
+small_run floor "$FLOOR/small"
 say "   manager requests, regions: $SMALL_MGR"
 small_run tmpfs "$TMPFS/small"
 small_run sshfs "$SSHFS/small"
@@ -841,40 +863,6 @@ else
     done
 fi
 rm -rf "$MNT1/seq"
-
-# ---------------------------------------------------------------- 9: the FUSE floor
-
-# The same reads, faults, writes and small files on the FUSE floor (files in memory behind
-# FUSE with regionfs's kernel settings): where a target of the tmpfs table is above what any
-# FUSE file system reaches on this machine, regions is held to within 10% of this instead.
-FF=$FLOOR/data
-say "9. the FUSE floor ($FLOOR): the reads of 1-3, the random mmap faults of 4, the writes of 5, the small files of 7"
-copy_in "$TF" "$FF" >/dev/null
-drop_caches
-r=$(fio_read "$FF" read 1M 0); R[seq_cold_f]=${r% *}
-r=$(fio_read "$FF" randread 16k "$RAND_SECS"); R[rand_warm_f]=${r% *}; R[rand_warm_f_iops]=${r#* }
-drop_caches
-r=$(fio_read "$FF" randread 16k "o$RAND_SECS"); R[rand_cold_f]=${r% *}; R[rand_cold_f_iops]=${r#* }
-mmap_run mr_rand_f read "$FF" rand "$RAND_PAGES"
-say "   reads: seq cold $(gbs "${R[seq_cold_f]}"), random 16 KiB warm $(mbs "${R[rand_warm_f]}" "${R[rand_warm_f_iops]}"), cold $(mbs "${R[rand_cold_f]}" "${R[rand_cold_f_iops]}"); mmap random fault p50 $(us "$(kv "${R[mr_rand_f]}" p50_us)")"
-rm -f "$FF"
-for test in "${WTESTS[@]}"; do
-    f=$FLOOR/w
-    case $test in
-        create) rm -f "$f"; args=(write 0 "o$SEQ_CAP" --create_on_open=1 --fsync_on_close=1) ;;
-        seqbuf) args=(write 0 "o$SEQ_CAP") ;;
-        randbuf) args=(randwrite 0 "$RAND_SECS") ;;
-        seqdir) args=(write 1 "o$SEQ_CAP") ;;
-        randdir) args=(randwrite 1 "$RAND_SECS") ;;
-    esac
-    drop_caches
-    r=$(fio_write "$f" "${args[@]}")
-    R[w_${test}_floor]=${r% *}
-    R[w_${test}_floor_iops]=${r#* }
-done
-rm -f "$FLOOR/w"
-say "   16 KiB writes: $(for t in "${WTESTS[@]}"; do printf '%s %s; ' "$t" "$(mbs "${R[w_${t}_floor]}" "${R[w_${t}_floor_iops]}")"; done)"
-small_run floor "$FLOOR/small"
 
 # ---------------------------------------------------------------- checks
 
@@ -1050,10 +1038,10 @@ floor_row() { # name regions floor baseline min(or "") baseline_name|/s gb|mb|pe
     row "$name" "$vr" "$vf" "$(ratio "$r" "$f")" "$target" "$met_"
 }
 floor_row "seq read 1 MiB, remote, cold" "${R[seq_cold_r]}" "${R[seq_cold_f]}" "${R[tcp_stream]}" 0.85 TCP gb
-floor_row "seq read 1 MiB, local region" "${R[seq_local_r]}" "${R[seq_cold_f]}" "${R[seq_local_t]}" 0.9 tmpfs gb
+floor_row "seq read 1 MiB, local region" "${R[seq_local_r]}" "${R[seq_local_f]}" "${R[seq_local_t]}" 0.9 tmpfs gb
 floor_row "rand read 16 KiB, remote, cold" "${R[rand_cold_r]}" "${R[rand_cold_f]}" "${R[rand_cold_t]}" 0.5 tmpfs mb "${R[rand_cold_r_iops]}" "${R[rand_cold_f_iops]}"
 floor_row "rand read 16 KiB, remote, warm" "${R[rand_warm_r]}" "${R[rand_warm_f]}" "${R[rand_warm_t]}" "" "" mb "${R[rand_warm_r_iops]}" "${R[rand_warm_f_iops]}"
-floor_row "rand read 16 KiB, local region" "${R[rand_local_r]}" "${R[rand_warm_f]}" "${R[rand_local_t]}" 0.9 tmpfs mb "${R[rand_local_r_iops]}" "${R[rand_warm_f_iops]}"
+floor_row "rand read 16 KiB, local region" "${R[rand_local_r]}" "${R[rand_local_f]}" "${R[rand_local_t]}" 0.9 tmpfs mb "${R[rand_local_r_iops]}" "${R[rand_local_f_iops]}"
 a=$(kv "${R[mr_rand_r]}" p50_us); b=$(kv "${R[mr_rand_f]}" p50_us)
 row "mmap read fault, random p50 (remote)" "$(us "$a")" "$(us "$b")" "$(ratio "$a" "$b")" "-" info
 for t in this other; do
@@ -1114,7 +1102,7 @@ echo "mmap in order: default readahead and fault-around, so most touches do not 
 echo "mmap random: MADV_RANDOM, one fault per page; writes end with msync (regions ${R[mw_seq_r]##*msync_ms=} ms in order, ${R[mw_rand_r]##*msync_ms=} ms random)."
 echo "writes: 16 KiB psync, one job, each run ends with an fsync inside its time; create = new file, extending writes (fio create_on_open, fsync_on_close);"
 echo "  seq runs one pass over ${SIZE_MIB} MiB (at most ${SEQ_CAP} s), random runs ${RAND_SECS} s, one run each; drop_caches before each; this host = hostalloc=1, other host = hostalloc=2, both through MNT1."
-echo "FUSE floor: regions-fuse-floor (tests/src/bin/fuse_floor.rs), every file a memfd answered at once, regionfs's kernel settings; same runs as above, after them; 'met' when the tmpfs target is met, or when the floor itself is under it and regions is within 10% of the floor."
+echo "FUSE floor: regions-fuse-floor (tests/src/bin/fuse_floor.rs), every file a memfd answered at once, regionfs's kernel settings; each run right after its regions and tmpfs runs; 'met' when the tmpfs target is met, or when the floor itself is under it and regions is within 10% of the floor."
 echo "sshfs: root@127.0.0.1 over loopback (sshd of the run, default ciphers), of a directory of the same tmpfs; reads are of the same file as 1 and 2, cold."
 echo "small files: $SMALL_N files of $SMALL_SIZE bytes (benches/small_files.c), one process per phase, drop_caches before create and cold read, default placement on MNT1; 'open+read+close' right after the create, 'cold' after drop_caches."
 echo "  manager requests of the small-file phases on MNT1: $SMALL_MGR"
