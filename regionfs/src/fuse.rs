@@ -252,6 +252,45 @@ fn set_time(t: Option<TimeOrNow>) -> Option<SetTime> {
     })
 }
 
+/// What regionfs asks of the kernel at `init` whatever its cache mode (the FUSE floor of the
+/// mount benchmark, `tests/src/bin/fuse_floor.rs`, asks the same): readdirplus, parallel
+/// directory operations, asynchronous direct I/O, `mmap` of direct-I/O files, setuid/setgid
+/// clearing by the file system, 1 MiB writes, 8 MiB read-ahead and 64 background requests.
+pub fn configure_kernel(config: &mut KernelConfig) {
+    try_add(
+        config,
+        InitFlags::FUSE_DO_READDIRPLUS | InitFlags::FUSE_READDIRPLUS_AUTO,
+        "readdirplus",
+    );
+    try_add(
+        config,
+        InitFlags::FUSE_PARALLEL_DIROPS,
+        "parallel directory operations",
+    );
+    try_add(config, InitFlags::FUSE_ASYNC_DIO, "asynchronous direct I/O");
+    try_add(
+        config,
+        InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP,
+        "mmap of direct-I/O files",
+    );
+    // regionfs clears setuid/setgid on writes that ask for it (the
+    // WRITE's kill flag), so the kernel need not ask for the
+    // `security.capability` attribute before every write.
+    try_add(
+        config,
+        InitFlags::FUSE_HANDLE_KILLPRIV_V2,
+        "setuid/setgid clearing by the file system",
+    );
+    if let Err(max) = config.set_max_write(MAX_WRITE) {
+        let _ = config.set_max_write(max);
+    }
+    if let Err(max) = config.set_max_readahead(MAX_READAHEAD) {
+        let _ = config.set_max_readahead(max);
+    }
+    let _ = config.set_max_background(MAX_BACKGROUND);
+    let _ = config.set_congestion_threshold(MAX_BACKGROUND * 3 / 4);
+}
+
 fn try_add(config: &mut KernelConfig, flag: InitFlags, what: &str) -> bool {
     match config.add_capabilities(flag) {
         Ok(()) => true,
@@ -264,30 +303,7 @@ fn try_add(config: &mut KernelConfig, flag: InitFlags, what: &str) -> bool {
 
 impl Filesystem for FuseFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> io::Result<()> {
-        try_add(
-            config,
-            InitFlags::FUSE_DO_READDIRPLUS | InitFlags::FUSE_READDIRPLUS_AUTO,
-            "readdirplus",
-        );
-        try_add(
-            config,
-            InitFlags::FUSE_PARALLEL_DIROPS,
-            "parallel directory operations",
-        );
-        try_add(config, InitFlags::FUSE_ASYNC_DIO, "asynchronous direct I/O");
-        try_add(
-            config,
-            InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP,
-            "mmap of direct-I/O files",
-        );
-        // regionfs clears setuid/setgid on writes that ask for it (the
-        // WRITE's kill flag), so the kernel need not ask for the
-        // `security.capability` attribute before every write.
-        try_add(
-            config,
-            InitFlags::FUSE_HANDLE_KILLPRIV_V2,
-            "setuid/setgid clearing by the file system",
-        );
+        configure_kernel(config);
         match self.core.options().cache {
             CacheMode::Writeback => {
                 if try_add(
@@ -314,14 +330,6 @@ impl Filesystem for FuseFs {
                 }
             }
         }
-        if let Err(max) = config.set_max_write(MAX_WRITE) {
-            let _ = config.set_max_write(max);
-        }
-        if let Err(max) = config.set_max_readahead(MAX_READAHEAD) {
-            let _ = config.set_max_readahead(max);
-        }
-        let _ = config.set_max_background(MAX_BACKGROUND);
-        let _ = config.set_congestion_threshold(MAX_BACKGROUND * 3 / 4);
         Ok(())
     }
 

@@ -88,6 +88,26 @@ impl Default for MountOptions {
     }
 }
 
+/// Raises the kernel's read-ahead of the FUSE mount at `mountpoint` (its bdi's
+/// `read_ahead_kb`) to [`crate::fuse::MAX_READAHEAD`]: the kernel starts FUSE mounts at 128 KiB
+/// whatever `init` asked. Best effort (logged at debug level).
+pub fn raise_readahead(mountpoint: &Path) {
+    let Ok(meta) = std::fs::metadata(mountpoint) else {
+        return;
+    };
+    let dev = meta.dev();
+    let path = format!(
+        "/sys/class/bdi/{}:{}/read_ahead_kb",
+        rustix::fs::major(dev),
+        rustix::fs::minor(dev)
+    );
+    let kib = crate::fuse::MAX_READAHEAD / 1024;
+    match std::fs::write(&path, kib.to_string()) {
+        Ok(()) => tracing::debug!(%path, kib, "readahead raised"),
+        Err(e) => tracing::debug!(%path, error = %e, "cannot raise readahead"),
+    }
+}
+
 /// An absolute, lexically normalised path (no file-system access, so it
 /// works on a dead mount).
 pub fn absolute(path: &Path) -> io::Result<PathBuf> {
@@ -338,20 +358,7 @@ impl Mounted {
     /// Large sequential reads: raise the mount's readahead window (the
     /// FUSE handshake caps it at the device default).
     fn tune_readahead(&self) {
-        let Ok(meta) = std::fs::metadata(&self.mountpoint) else {
-            return;
-        };
-        let dev = meta.dev();
-        let path = format!(
-            "/sys/class/bdi/{}:{}/read_ahead_kb",
-            rustix::fs::major(dev),
-            rustix::fs::minor(dev)
-        );
-        let kib = crate::fuse::MAX_READAHEAD / 1024;
-        match std::fs::write(&path, kib.to_string()) {
-            Ok(()) => tracing::debug!(%path, kib, "readahead raised"),
-            Err(e) => tracing::debug!(%path, error = %e, "cannot raise readahead"),
-        }
+        raise_readahead(&self.mountpoint);
     }
 
     /// The mountpoint.

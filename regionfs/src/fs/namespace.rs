@@ -160,28 +160,17 @@ impl RegionFs {
         ctime: bool,
         fh: Option<u64>,
     ) -> FsResult<v1::Attr> {
-        if change.size.is_none() || pseudo::is_pseudo(ino) {
-            return self.change_attrs(ctx, ino, change, ctime, fh);
-        }
-        // No background fill stores across a size change (it could bring back bytes past a
-        // new end, or the old end itself).
-        let _hold = self.hold_fills(ino)?;
-        self.change_attrs(ctx, ino, change, ctime, fh)
-    }
-
-    fn change_attrs(
-        &self,
-        ctx: &RequestCtx,
-        ino: u64,
-        change: SetAttrIn,
-        ctime: bool,
-        fh: Option<u64>,
-    ) -> FsResult<v1::Attr> {
         if pseudo::is_pseudo(ino) {
             return Err(FsError::Denied(
                 "region metadata files cannot be changed".into(),
             ));
         }
+        // No background fill stores across a size change (it could bring back bytes past a
+        // new end, or the old end itself).
+        let _hold = match change.size {
+            Some(_) => Some(self.hold_fills(ino)?),
+            None => None,
+        };
         let mut change = change;
         let handle = fh.and_then(|fh| self.handle(fh).ok());
         // In writeback mode the kernel keeps mtime itself and sends it as an

@@ -24,16 +24,12 @@ use anyhow::{Context, bail};
 use fuser::{
     Config, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
     InitFlags, KernelConfig, LockOwner, MountOption, OpenFlags, ReplyAttr, ReplyCreate, ReplyData,
-    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, ReplyXattr,
-    Request, Session, SessionACL, TimeOrNow, WriteFlags,
+    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite,
+    ReplyXattr, Request, Session, SessionACL, TimeOrNow, WriteFlags,
 };
 
 /// regionfs's attribute and entry TTL.
 const TTL: Duration = Duration::from_secs(1);
-/// regionfs's largest write and read-ahead window.
-const MAX_WRITE: u32 = 1 << 20;
-const MAX_READAHEAD: u32 = 8 << 20;
-const MAX_BACKGROUND: u16 = 64;
 
 enum Body {
     Dir(BTreeMap<OsString, u64>),
@@ -112,7 +108,7 @@ impl Floor {
             uid: n.uid,
             gid: n.gid,
             rdev: 0,
-            blksize: MAX_WRITE,
+            blksize: regionfs::fuse::BLKSIZE,
             flags: 0,
         }
     }
@@ -179,6 +175,26 @@ impl Floor {
         Ok(())
     }
 
+    /// The entries of directory `ino` with their attributes, in name order.
+    fn list(&self, ino: u64) -> Result<Vec<(OsString, FileAttr)>, Errno> {
+        let children: Vec<(OsString, u64)> = {
+            let n = self.node(ino)?;
+            let n = n.read().map_err(|_| errno(libc::EIO))?;
+            match &n.body {
+                Body::Dir(c) => c.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+                Body::File(_) => return Err(errno(libc::ENOTDIR)),
+            }
+        };
+        Ok(children
+            .into_iter()
+            .filter_map(|(name, child)| {
+                let n = self.node(child).ok()?;
+                let n = n.read().ok()?;
+                Some((name, self.attr(child, &n)))
+            })
+            .collect())
+    }
+
     fn file(&self, ino: u64) -> Result<Arc<RwLock<Node>>, Errno> {
         self.node(ino)
     }
@@ -197,23 +213,8 @@ fn with_file<T>(
 
 impl Filesystem for Floor {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
-        for flag in [
-            InitFlags::FUSE_DO_READDIRPLUS | InitFlags::FUSE_READDIRPLUS_AUTO,
-            InitFlags::FUSE_PARALLEL_DIROPS,
-            InitFlags::FUSE_ASYNC_DIO,
-            InitFlags::FUSE_HANDLE_KILLPRIV_V2,
-            InitFlags::FUSE_WRITEBACK_CACHE,
-        ] {
-            let _ = config.add_capabilities(flag);
-        }
-        if let Err(max) = config.set_max_write(MAX_WRITE) {
-            let _ = config.set_max_write(max);
-        }
-        if let Err(max) = config.set_max_readahead(MAX_READAHEAD) {
-            let _ = config.set_max_readahead(max);
-        }
-        let _ = config.set_max_background(MAX_BACKGROUND);
-        let _ = config.set_congestion_threshold(MAX_BACKGROUND * 3 / 4);
+        regionfs::fuse::configure_kernel(config);
+        let _ = config.add_capabilities(InitFlags::FUSE_WRITEBACK_CACHE);
         Ok(())
     }
 
@@ -414,25 +415,31 @@ impl Filesystem for Floor {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        let listed = self.node(ino.0).and_then(|n| {
-            let n = n.read().map_err(|_| errno(libc::EIO))?;
-            match &n.body {
-                Body::Dir(c) => Ok(c.iter().map(|(k, v)| (k.clone(), *v)).collect::<Vec<_>>()),
-                Body::File(_) => Err(errno(libc::ENOTDIR)),
-            }
-        });
-        match listed {
+        match self.list(ino.0) {
             Ok(entries) => {
-                for (i, (name, child)) in entries.iter().enumerate().skip(offset as usize) {
-                    let dir = self
-                        .node(*child)
-                        .is_ok_and(|n| n.read().is_ok_and(|n| matches!(n.body, Body::Dir(_))));
-                    let kind = if dir {
-                        FileType::Directory
-                    } else {
-                        FileType::RegularFile
-                    };
-                    if reply.add(INodeNo(*child), (i + 1) as u64, kind, name) {
+                for (i, (name, attr)) in entries.iter().enumerate().skip(offset as usize) {
+                    if reply.add(attr.ino, (i + 1) as u64, attr.kind, name) {
+                        break;
+                    }
+                }
+                reply.ok();
+            }
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        match self.list(ino.0) {
+            Ok(entries) => {
+                for (i, (name, attr)) in entries.iter().enumerate().skip(offset as usize) {
+                    if reply.add(attr.ino, (i + 1) as u64, name, &TTL, attr, Generation(0)) {
                         break;
                     }
                 }
@@ -531,22 +538,13 @@ fn main() -> anyhow::Result<()> {
     let thread = std::thread::spawn(move || session.run());
     // The kernel's read-ahead of this mount, as regionfs sets its own.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let dev = loop {
-        if is_fuse(mountpoint) {
-            break std::fs::metadata(mountpoint)?.dev();
-        }
+    while !is_fuse(mountpoint) {
         if std::time::Instant::now() > deadline {
             bail!("the FUSE floor at {} did not answer", mountpoint.display());
         }
         std::thread::sleep(Duration::from_millis(10));
-    };
-    let ra = format!(
-        "/sys/class/bdi/{}:{}/read_ahead_kb",
-        libc::major(dev),
-        libc::minor(dev)
-    );
-    std::fs::write(&ra, (MAX_READAHEAD / 1024).to_string())
-        .with_context(|| format!("cannot write {ra}"))?;
+    }
+    regionfs::mount::raise_readahead(mountpoint);
     println!("ready");
     let mut sig = 0;
     // SAFETY: `set` is the initialised set above; sig is a valid out pointer.
