@@ -516,6 +516,13 @@ impl RegionFs {
         let _hold = match self.hold_fills(ino) {
             Ok(h) => h,
             Err(e) => {
+                // The kernel keeps the old size; so must this mount's record of it, so that the
+                // next reply showing the growth pushes it again (and a fill stays under it).
+                if let Some(st) = self.lock_inodes().get_mut(&ino)
+                    && st.kernel_size == size
+                {
+                    st.kernel_size = old;
+                }
                 tracing::debug!(ino, error = %e, "cannot raise the kernel's size of a grown region now");
                 return;
             }

@@ -10,9 +10,9 @@ impl RegionFs {
         let Body::Region(r) = &h.body else {
             return Err(FsError::UnknownIoctl(cmd));
         };
-        if cmd == ioctl::RCLEARCACHE || cmd == ioctl::RMARKDIRTY {
-            // These drop cached pages (and the second writes the region): no background fill
-            // stores across them.
+        if cmd == ioctl::RCLEARCACHE {
+            // It drops cached pages: no background fill stores across it. (RMARKDIRTY needs a
+            // descriptor open for writing, whose open holds fills off until its release.)
             let _hold = self.hold_fills(h.ino)?;
             return self.region_ioctl(&h, r, cmd, input);
         }

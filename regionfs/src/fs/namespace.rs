@@ -834,7 +834,14 @@ impl RegionFs {
         }
         let open = !self.handles_of(ino).is_empty();
         if !open {
-            self.lock_inodes().remove(&ino);
+            let state = self.lock_inodes().remove(&ino);
+            // A fill its last reader stopped may still have a store in flight: it must not
+            // land in an inode the kernel makes anew for this number.
+            if let Some(f) = state.and_then(|st| st.fill)
+                && let Err(e) = f.wait_stopped(ino)
+            {
+                tracing::warn!(ino, error = %e, "a background fill did not stop");
+            }
         }
         if let Ok(mut d) = self.dirs.lock()
             && let Some(info) = d.remove(&ino)
