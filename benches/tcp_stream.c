@@ -42,6 +42,27 @@ static void die(const char *what) {
     exit(1);
 }
 
+/* SIZE bytes of a memfd, mapped and touched (the way a daemon holds region memory). */
+static char *memory(long size) {
+    int fd = memfd_create("tcp_stream", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, size) != 0) die("memfd");
+    char *mem = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (mem == MAP_FAILED) die("mmap");
+    for (long i = 0; i < size; i += 4096) mem[i] = (char)i;
+    return mem;
+}
+
+/* A listening socket on a free loopback port; its address in *a. */
+static int listen_loopback(struct sockaddr_in *a) {
+    int ls = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    *a = (struct sockaddr_in){.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof *a;
+    if (ls < 0 || bind(ls, (void *)a, sizeof *a) || listen(ls, 1) ||
+        getsockname(ls, (void *)a, &len))
+        die("listen");
+    return ls;
+}
+
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
@@ -72,17 +93,9 @@ static int write_full(int fd, const char *p, size_t len) {
 
 static int rtt(long rounds) {
     long size = 64L << 20;
-    int fd = memfd_create("tcp_rtt", MFD_CLOEXEC);
-    if (fd < 0 || ftruncate(fd, size) != 0) die("memfd");
-    char *mem = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (mem == MAP_FAILED) die("mmap");
-    for (long i = 0; i < size; i += 4096) mem[i] = (char)i;
-    int ls = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t len = sizeof a;
-    if (ls < 0 || bind(ls, (void *)&a, sizeof a) || listen(ls, 1) ||
-        getsockname(ls, (void *)&a, &len))
-        die("listen");
+    char *mem = memory(size);
+    struct sockaddr_in a;
+    int ls = listen_loopback(&a);
     int one = 1;
     pid_t child = fork();
     if (child < 0) die("fork");
@@ -128,18 +141,9 @@ int main(int argc, char **argv) {
         return 2;
     }
     long size = atol(argv[1]) * IO;
-    int fd = memfd_create("tcp_stream", MFD_CLOEXEC);
-    if (fd < 0 || ftruncate(fd, size) != 0) die("memfd");
-    char *mem = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (mem == MAP_FAILED) die("mmap");
-    for (long i = 0; i < size; i += 4096) mem[i] = (char)i;
-
-    int ls = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t len = sizeof a;
-    if (ls < 0 || bind(ls, (void *)&a, sizeof a) || listen(ls, 1) ||
-        getsockname(ls, (void *)&a, &len))
-        die("listen");
+    char *mem = memory(size);
+    struct sockaddr_in a;
+    int ls = listen_loopback(&a);
     pid_t child = fork();
     if (child < 0) die("fork");
     if (child == 0) {
