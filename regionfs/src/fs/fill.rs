@@ -275,11 +275,6 @@ impl RegionFs {
             st.writers = st.writers.saturating_sub(1);
         }
     }
-
-    /// Fills running on this mount now.
-    pub fn fills_running(&self) -> usize {
-        self.fills.running.load(Ordering::Acquire)
-    }
 }
 
 /// Fills of one inode held off (see [`RegionFs::hold_fills`]); dropping it lets them start

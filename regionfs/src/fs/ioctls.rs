@@ -10,22 +10,12 @@ impl RegionFs {
         let Body::Region(r) = &h.body else {
             return Err(FsError::UnknownIoctl(cmd));
         };
-        if cmd == ioctl::RCLEARCACHE {
-            // It drops cached pages: no background fill stores across it. (RMARKDIRTY needs a
-            // descriptor open for writing, whose open holds fills off until its release.)
-            let _hold = self.hold_fills(h.ino)?;
-            return self.region_ioctl(&h, r, cmd, input);
-        }
-        self.region_ioctl(&h, r, cmd, input)
-    }
-
-    fn region_ioctl(
-        &self,
-        h: &Handle,
-        r: &RegionHandle,
-        cmd: u32,
-        input: &[u8],
-    ) -> FsResult<Vec<u8>> {
+        // RCLEARCACHE drops cached pages: no background fill stores across it. (RMARKDIRTY
+        // needs a descriptor open for writing, whose open holds fills off until its release.)
+        let _hold = match cmd {
+            ioctl::RCLEARCACHE => Some(self.hold_fills(h.ino)?),
+            _ => None,
+        };
         match cmd {
             ioctl::RCLEARCACHE => {
                 let range = ioctl::Range::parse(input)?;
@@ -60,7 +50,7 @@ impl RegionFs {
             }
             ioctl::RPREFETCH => {
                 let range = ioctl::Range::parse(input)?;
-                self.prefetch(h, r, range)?;
+                self.prefetch(&h, r, range)?;
                 Ok(Vec::new())
             }
             ioctl::RINFO => {
@@ -103,7 +93,7 @@ impl RegionFs {
                     ));
                 }
                 if m.zero {
-                    self.zero_range(h, r, m.range)?;
+                    self.zero_range(&h, r, m.range)?;
                 }
                 Ok(Vec::new())
             }
