@@ -9,28 +9,31 @@ use crate::error::Result;
 impl ManagerClient {
     /// Every host.
     pub fn list_hosts(&self) -> Result<Vec<v1::HostRecord>> {
-        self.call(self.cluster().list_hosts(v1::ListHostsRequest {}))
+        self.call(|mut s| async move { s.cluster.list_hosts(v1::ListHostsRequest {}).await })
             .map(|r| r.hosts)
     }
 
     /// Pools of `host_id` (0 = every host).
     pub fn list_pools(&self, host_id: u32) -> Result<Vec<v1::PoolRecord>> {
-        self.call(self.cluster().list_pools(v1::ListPoolsRequest { host_id }))
-            .map(|r| r.pools)
+        self.call(
+            |mut s| async move { s.cluster.list_pools(v1::ListPoolsRequest { host_id }).await },
+        )
+        .map(|r| r.pools)
     }
 
     /// Cluster counters.
     pub fn stats(&self) -> Result<v1::StatsReply> {
-        self.call(self.cluster().stats(v1::StatsRequest {}))
+        self.call(|mut s| async move { s.cluster.stats(v1::StatsRequest {}).await })
     }
 
     /// Owner `pid` on host `host_id` exited: the manager deletes every name of its
     /// non-persistent regions; returns them.
     pub fn release_owner(&self, host_id: u32, pid: u32) -> Result<Vec<u64>> {
-        self.call(
-            self.cluster()
-                .release_owner(v1::ReleaseOwnerRequest { host_id, pid }),
-        )
+        self.call(|mut s| async move {
+            s.cluster
+                .release_owner(v1::ReleaseOwnerRequest { host_id, pid })
+                .await
+        })
         .map(|r| r.inos)
     }
 }

@@ -1,6 +1,7 @@
 //! The manager's gRPC services as blocking calls, for node components that
-//! hold the cluster secret (regionfs, daemons, tests): one channel and one runtime
-//! ([`ManagerChannel`]) per client. This module holds the region calls (open, maps,
+//! hold the cluster secret (regionfs, daemons, tests): each thread that calls while others do
+//! uses a connection of its own ([`ManagerChannel`]), which its runtime drives on the calling
+//! thread. This module holds the region calls (open, maps,
 //! growth, close); [`namespace`] the file-system calls, [`cluster`] the cluster's.
 
 pub mod cluster;
@@ -41,22 +42,21 @@ pub struct ManagerChannel {
 impl ManagerChannel {
     /// Connects to the manager at `addr` (`http://host:port`, or `https://host:port` for TLS,
     /// trusting `tls_ca` (PEM) if given, else the system's roots) within `timeout`, on a
-    /// runtime of one worker thread named `thread_name` that the caller keeps for its blocking
-    /// calls. The one place node components build their manager channel.
+    /// current-thread runtime that the caller keeps for its blocking calls: the thread that
+    /// blocks on it writes the request and reads the reply itself (a hand-off to a runtime
+    /// thread costs two thread wake-ups a call). The one place node components build their
+    /// manager channel.
     pub fn open(
         addr: &str,
         secret: &Secret,
         tls_ca: Option<&Path>,
         timeout: Duration,
-        thread_name: &str,
     ) -> Result<(tokio::runtime::Runtime, ManagerChannel)> {
         let unreachable = |reason: String| RegionsError::ManagerUnreachable {
             addr: addr.to_owned(),
             reason,
         };
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name(thread_name)
+        let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|e| RegionsError::io("cannot start the gRPC runtime", e))?;
@@ -93,14 +93,36 @@ impl ManagerChannel {
     }
 }
 
-/// Blocking access to the manager. Calls must come from plain threads, not
-/// from inside an async runtime.
-pub struct ManagerClient {
-    addr: String,
-    runtime: tokio::runtime::Runtime,
+/// The clients of one connection's services (cheap to clone).
+#[derive(Clone)]
+struct Services {
     namespace: NamespaceClient<Authed>,
     regions: RegionsClient<Authed>,
     cluster: ClusterClient<Authed>,
+}
+
+/// One connection to the manager and the runtime that drives it. Only the thread that
+/// holds it (taken from [`ManagerClient`]'s idle list) runs its runtime: a call is
+/// written, waited for and read on the calling thread, with no hand-off to a runtime
+/// thread and no wait behind another thread's call.
+struct Connection {
+    runtime: tokio::runtime::Runtime,
+    services: Services,
+}
+
+/// Idle connections kept for later calls; more are opened while more threads call at once,
+/// and those beyond this many are closed when they come back.
+const IDLE_CONNECTIONS: usize = 16;
+
+/// Blocking access to the manager. Calls must come from plain threads, not
+/// from inside an async runtime. Threads that call at the same time use connections of
+/// their own.
+pub struct ManagerClient {
+    addr: String,
+    secret: Secret,
+    tls_ca: Option<std::path::PathBuf>,
+    timeout: Duration,
+    idle: std::sync::Mutex<Vec<Connection>>,
 }
 
 impl ManagerClient {
@@ -112,29 +134,70 @@ impl ManagerClient {
         tls_ca: Option<&Path>,
         timeout: Duration,
     ) -> Result<ManagerClient> {
-        let (runtime, channel) =
-            ManagerChannel::open(addr, secret, tls_ca, timeout, "regions-grpc")?;
-        Ok(ManagerClient {
+        let client = ManagerClient {
             addr: addr.to_owned(),
-            namespace: channel.namespace(),
-            regions: RegionsClient::new(channel.service())
-                .max_decoding_message_size(MAX_MESSAGE)
-                .max_encoding_message_size(MAX_MESSAGE),
-            cluster: channel.cluster(),
-            runtime,
-        })
+            secret: secret.clone(),
+            tls_ca: tls_ca.map(Path::to_path_buf),
+            timeout,
+            idle: std::sync::Mutex::new(Vec::new()),
+        };
+        // The first connection now: an unreachable manager or a bad address is told here.
+        let first = client.open_connection()?;
+        client.put_back(first);
+        Ok(client)
     }
 
     pub fn addr(&self) -> &str {
         &self.addr
     }
 
-    fn call<T>(
-        &self,
-        fut: impl Future<Output = Result<tonic::Response<T>, tonic::Status>>,
-    ) -> Result<T> {
-        self.runtime
-            .block_on(fut)
+    fn open_connection(&self) -> Result<Connection> {
+        let (runtime, channel) = ManagerChannel::open(
+            &self.addr,
+            &self.secret,
+            self.tls_ca.as_deref(),
+            self.timeout,
+        )?;
+        Ok(Connection {
+            runtime,
+            services: Services {
+                namespace: channel.namespace(),
+                regions: RegionsClient::new(channel.service())
+                    .max_decoding_message_size(MAX_MESSAGE)
+                    .max_encoding_message_size(MAX_MESSAGE),
+                cluster: channel.cluster(),
+            },
+        })
+    }
+
+    fn take_connection(&self) -> Result<Connection> {
+        let idle = self.idle.lock().ok().and_then(|mut i| i.pop());
+        match idle {
+            Some(c) => Ok(c),
+            None => self.open_connection(),
+        }
+    }
+
+    fn put_back(&self, connection: Connection) {
+        if let Ok(mut idle) = self.idle.lock()
+            && idle.len() < IDLE_CONNECTIONS
+        {
+            idle.push(connection);
+        }
+    }
+
+    /// Runs the call `rpc` makes of a connection's services on the calling thread.
+    fn call<T, F, Fut>(&self, rpc: F) -> Result<T>
+    where
+        F: FnOnce(Services) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let connection = self.take_connection()?;
+        let outcome = connection
+            .runtime
+            .block_on(rpc(connection.services.clone()));
+        self.put_back(connection);
+        outcome
             .map(tonic::Response::into_inner)
             .map_err(|status| match status.code() {
                 tonic::Code::Unavailable
@@ -152,31 +215,28 @@ impl ManagerClient {
             })
     }
 
-    /// The namespace service (clone is cheap).
-    pub fn namespace(&self) -> NamespaceClient<Authed> {
-        self.namespace.clone()
-    }
-
-    fn cluster(&self) -> ClusterClient<Authed> {
-        self.cluster.clone()
-    }
-
     pub fn open(&self, caller: &v1::Caller, ino: u64, write: bool) -> Result<v1::RegionInfo> {
-        let mut c = self.regions.clone();
-        self.call(c.open(v1::OpenRequest {
-            caller: Some(caller.clone()),
-            ino,
-            write,
-        }))
+        self.call(|mut s| async move {
+            s.regions
+                .open(v1::OpenRequest {
+                    caller: Some(caller.clone()),
+                    ino,
+                    write,
+                })
+                .await
+        })
     }
 
     /// Creates a region and opens it (one durable manager change).
     pub fn create_open(&self, create: v1::CreateRequest, write: bool) -> Result<v1::RegionInfo> {
-        let mut c = self.regions.clone();
-        self.call(c.create_open(v1::CreateOpenRequest {
-            create: Some(create),
-            write,
-        }))
+        self.call(|mut s| async move {
+            s.regions
+                .create_open(v1::CreateOpenRequest {
+                    create: Some(create),
+                    write,
+                })
+                .await
+        })
     }
 
     /// Grows region `ino` to at least `size` bytes (durably).
@@ -195,23 +255,29 @@ impl ManagerClient {
         capacity: u64,
         touch: bool,
     ) -> Result<v1::RegionInfo> {
-        let mut c = self.regions.clone();
-        self.call(c.extend(v1::ExtendRequest {
-            caller: Some(caller.clone()),
-            ino,
-            size,
-            capacity,
-            touch,
-        }))
+        self.call(|mut s| async move {
+            s.regions
+                .extend(v1::ExtendRequest {
+                    caller: Some(caller.clone()),
+                    ino,
+                    size,
+                    capacity,
+                    touch,
+                })
+                .await
+        })
     }
 
     pub fn truncate(&self, caller: &v1::Caller, ino: u64, size: u64) -> Result<v1::RegionInfo> {
-        let mut c = self.regions.clone();
-        self.call(c.truncate(v1::TruncateRequest {
-            caller: Some(caller.clone()),
-            ino,
-            size,
-        }))
+        self.call(|mut s| async move {
+            s.regions
+                .truncate(v1::TruncateRequest {
+                    caller: Some(caller.clone()),
+                    ino,
+                    size,
+                })
+                .await
+        })
     }
 
     pub fn get_map(
@@ -220,13 +286,16 @@ impl ManagerClient {
         ino: u64,
         known_version: u64,
     ) -> Result<v1::RegionInfo> {
-        let mut c = self.regions.clone();
-        self.call(c.get_map(v1::GetMapRequest {
-            caller: Some(caller.clone()),
-            ino,
-            known_version,
-            ..Default::default()
-        }))
+        self.call(|mut s| async move {
+            s.regions
+                .get_map(v1::GetMapRequest {
+                    caller: Some(caller.clone()),
+                    ino,
+                    known_version,
+                    ..Default::default()
+                })
+                .await
+        })
     }
 
     /// Which of `handles` the manager closed for the caller's host when its lease ended, and
@@ -236,22 +305,28 @@ impl ManagerClient {
         caller: &v1::Caller,
         handles: &[u64],
     ) -> Result<v1::CheckHandlesReply> {
-        let mut c = self.regions.clone();
-        self.call(c.check_handles(v1::CheckHandlesRequest {
-            caller: Some(caller.clone()),
-            handles: handles.to_vec(),
-        }))
+        self.call(|mut s| async move {
+            s.regions
+                .check_handles(v1::CheckHandlesRequest {
+                    caller: Some(caller.clone()),
+                    handles: handles.to_vec(),
+                })
+                .await
+        })
     }
 
     /// Closes `handle`; `wrote_within_size` says every byte written through it lies below
     /// the size it made durable (the manager then need not zero the region's tail).
     pub fn close(&self, caller: &v1::Caller, handle: u64, wrote_within_size: bool) -> Result<bool> {
-        let mut c = self.regions.clone();
-        self.call(c.close(v1::CloseRequest {
-            caller: Some(caller.clone()),
-            handle,
-            wrote_within_size,
-        }))
+        self.call(|mut s| async move {
+            s.regions
+                .close(v1::CloseRequest {
+                    caller: Some(caller.clone()),
+                    handle,
+                    wrote_within_size,
+                })
+                .await
+        })
         .map(|r| r.freed)
     }
 }

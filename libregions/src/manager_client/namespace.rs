@@ -57,34 +57,46 @@ fn remove_request(caller: &v1::Caller, parent: u64, name: &str) -> v1::RemoveReq
 impl ManagerClient {
     /// Looks up `name` in `parent`.
     pub fn lookup(&self, caller: &v1::Caller, parent: u64, name: &str) -> Result<v1::Attr> {
-        self.call(self.namespace().lookup(v1::LookupRequest {
-            caller: Some(caller.clone()),
-            parent,
-            name: name.to_owned(),
-        }))
+        self.call(|mut s| async move {
+            s.namespace
+                .lookup(v1::LookupRequest {
+                    caller: Some(caller.clone()),
+                    parent,
+                    name: name.to_owned(),
+                })
+                .await
+        })
     }
 
     /// The attributes of `ino`.
     pub fn getattr(&self, caller: &v1::Caller, ino: u64) -> Result<v1::Attr> {
-        self.call(self.namespace().get_attr(v1::GetAttrRequest {
-            caller: Some(caller.clone()),
-            ino,
-        }))
+        self.call(|mut s| async move {
+            s.namespace
+                .get_attr(v1::GetAttrRequest {
+                    caller: Some(caller.clone()),
+                    ino,
+                })
+                .await
+        })
     }
 
     /// Changes attributes of `ino`.
     pub fn setattr(&self, caller: &v1::Caller, ino: u64, change: &SetAttrIn) -> Result<v1::Attr> {
-        self.call(self.namespace().set_attr(v1::SetAttrRequest {
-            caller: Some(caller.clone()),
-            ino,
-            mode: change.mode,
-            uid: change.uid,
-            gid: change.gid,
-            size: change.size,
-            atime: change.atime.map(SetTime::to_proto),
-            mtime: change.mtime.map(SetTime::to_proto),
-            through_write_handle: change.through_write_handle,
-        }))
+        self.call(|mut s| async move {
+            s.namespace
+                .set_attr(v1::SetAttrRequest {
+                    caller: Some(caller.clone()),
+                    ino,
+                    mode: change.mode,
+                    uid: change.uid,
+                    gid: change.gid,
+                    size: change.size,
+                    atime: change.atime.map(SetTime::to_proto),
+                    mtime: change.mtime.map(SetTime::to_proto),
+                    through_write_handle: change.through_write_handle,
+                })
+                .await
+        })
     }
 
     /// Makes `name` in `parent` a symbolic link to `target`.
@@ -95,20 +107,28 @@ impl ManagerClient {
         name: &str,
         target: &[u8],
     ) -> Result<v1::Attr> {
-        self.call(self.namespace().symlink(v1::SymlinkRequest {
-            caller: Some(caller.clone()),
-            parent,
-            name: name.to_owned(),
-            target: target.to_vec(),
-        }))
+        self.call(|mut s| async move {
+            s.namespace
+                .symlink(v1::SymlinkRequest {
+                    caller: Some(caller.clone()),
+                    parent,
+                    name: name.to_owned(),
+                    target: target.to_vec(),
+                })
+                .await
+        })
     }
 
     /// The target of symbolic link `ino`.
     pub fn readlink(&self, caller: &v1::Caller, ino: u64) -> Result<Vec<u8>> {
-        self.call(self.namespace().read_link(v1::GetAttrRequest {
-            caller: Some(caller.clone()),
-            ino,
-        }))
+        self.call(|mut s| async move {
+            s.namespace
+                .read_link(v1::GetAttrRequest {
+                    caller: Some(caller.clone()),
+                    ino,
+                })
+                .await
+        })
         .map(|r| r.target)
     }
 
@@ -120,12 +140,16 @@ impl ManagerClient {
         new_parent: u64,
         new_name: &str,
     ) -> Result<v1::Attr> {
-        self.call(self.namespace().link(v1::LinkRequest {
-            caller: Some(caller.clone()),
-            ino,
-            new_parent,
-            new_name: new_name.to_owned(),
-        }))
+        self.call(|mut s| async move {
+            s.namespace
+                .link(v1::LinkRequest {
+                    caller: Some(caller.clone()),
+                    ino,
+                    new_parent,
+                    new_name: new_name.to_owned(),
+                })
+                .await
+        })
     }
 
     /// Makes a FIFO, socket or device node.
@@ -138,14 +162,18 @@ impl ManagerClient {
         mode: u32,
         rdev: u64,
     ) -> Result<v1::Attr> {
-        self.call(self.namespace().make_node(v1::MakeNodeRequest {
-            caller: Some(caller.clone()),
-            parent,
-            name: name.to_owned(),
-            kind: kind as i32,
-            mode,
-            rdev,
-        }))
+        self.call(|mut s| async move {
+            s.namespace
+                .make_node(v1::MakeNodeRequest {
+                    caller: Some(caller.clone()),
+                    parent,
+                    name: name.to_owned(),
+                    kind: kind as i32,
+                    mode,
+                    rdev,
+                })
+                .await
+        })
     }
 
     /// Creates a directory.
@@ -156,32 +184,41 @@ impl ManagerClient {
         name: &str,
         mode: u32,
     ) -> Result<v1::Attr> {
-        self.call(self.namespace().mkdir(v1::MkdirRequest {
-            caller: Some(caller.clone()),
-            parent,
-            name: name.to_owned(),
-            mode,
-        }))
+        self.call(|mut s| async move {
+            s.namespace
+                .mkdir(v1::MkdirRequest {
+                    caller: Some(caller.clone()),
+                    parent,
+                    name: name.to_owned(),
+                    mode,
+                })
+                .await
+        })
     }
 
     /// Creates a region (not opened; [`ManagerClient::create_open`] also opens it).
     pub fn create(&self, request: v1::CreateRequest) -> Result<v1::Attr> {
-        self.call(self.namespace().create(request))
+        self.call(|mut s| async move { s.namespace.create(request).await })
     }
 
     /// Removes a region's name.
     /// Removes a name; says which inode it named and how many names that has left.
     pub fn unlink(&self, caller: &v1::Caller, parent: u64, name: &str) -> Result<v1::Unlinked> {
-        self.call(
-            self.namespace()
-                .unlink(remove_request(caller, parent, name)),
-        )
+        self.call(|mut s| async move {
+            s.namespace
+                .unlink(remove_request(caller, parent, name))
+                .await
+        })
     }
 
     /// Removes an empty directory.
     pub fn rmdir(&self, caller: &v1::Caller, parent: u64, name: &str) -> Result<()> {
-        self.call(self.namespace().rmdir(remove_request(caller, parent, name)))
-            .map(|_| ())
+        self.call(|mut s| async move {
+            s.namespace
+                .rmdir(remove_request(caller, parent, name))
+                .await
+        })
+        .map(|_| ())
     }
 
     /// Renames (renameat2 flags).
@@ -192,14 +229,18 @@ impl ManagerClient {
         (new_parent, new_name): (u64, &str),
         flags: u32,
     ) -> Result<()> {
-        self.call(self.namespace().rename(v1::RenameRequest {
-            caller: Some(caller.clone()),
-            parent,
-            name: name.to_owned(),
-            new_parent,
-            new_name: new_name.to_owned(),
-            flags,
-        }))
+        self.call(|mut s| async move {
+            s.namespace
+                .rename(v1::RenameRequest {
+                    caller: Some(caller.clone()),
+                    parent,
+                    name: name.to_owned(),
+                    new_parent,
+                    new_name: new_name.to_owned(),
+                    flags,
+                })
+                .await
+        })
         .map(|_| ())
     }
 
@@ -211,21 +252,29 @@ impl ManagerClient {
         offset: u64,
         limit: u32,
     ) -> Result<v1::ReadDirReply> {
-        self.call(self.namespace().read_dir(v1::ReadDirRequest {
-            caller: Some(caller.clone()),
-            ino,
-            offset,
-            limit,
-        }))
+        self.call(|mut s| async move {
+            s.namespace
+                .read_dir(v1::ReadDirRequest {
+                    caller: Some(caller.clone()),
+                    ino,
+                    offset,
+                    limit,
+                })
+                .await
+        })
     }
 
     /// An extended attribute's value.
     pub fn getxattr(&self, caller: &v1::Caller, ino: u64, name: &str) -> Result<Vec<u8>> {
-        self.call(self.namespace().get_xattr(v1::GetXattrRequest {
-            caller: Some(caller.clone()),
-            ino,
-            name: name.to_owned(),
-        }))
+        self.call(|mut s| async move {
+            s.namespace
+                .get_xattr(v1::GetXattrRequest {
+                    caller: Some(caller.clone()),
+                    ino,
+                    name: name.to_owned(),
+                })
+                .await
+        })
         .map(|r| r.value)
     }
 
@@ -238,49 +287,69 @@ impl ManagerClient {
         value: &[u8],
         flags: u32,
     ) -> Result<()> {
-        self.call(self.namespace().set_xattr(v1::SetXattrRequest {
-            caller: Some(caller.clone()),
-            ino,
-            name: name.to_owned(),
-            value: value.to_vec(),
-            flags,
-        }))
+        self.call(|mut s| async move {
+            s.namespace
+                .set_xattr(v1::SetXattrRequest {
+                    caller: Some(caller.clone()),
+                    ino,
+                    name: name.to_owned(),
+                    value: value.to_vec(),
+                    flags,
+                })
+                .await
+        })
         .map(|_| ())
     }
 
     /// Extended attribute names.
     pub fn listxattr(&self, caller: &v1::Caller, ino: u64) -> Result<Vec<String>> {
-        self.call(self.namespace().list_xattr(v1::ListXattrRequest {
-            caller: Some(caller.clone()),
-            ino,
-        }))
+        self.call(|mut s| async move {
+            s.namespace
+                .list_xattr(v1::ListXattrRequest {
+                    caller: Some(caller.clone()),
+                    ino,
+                })
+                .await
+        })
         .map(|r| r.names)
     }
 
     /// Removes an extended attribute.
     pub fn removexattr(&self, caller: &v1::Caller, ino: u64, name: &str) -> Result<()> {
-        self.call(self.namespace().remove_xattr(v1::RemoveXattrRequest {
-            caller: Some(caller.clone()),
-            ino,
-            name: name.to_owned(),
-        }))
+        self.call(|mut s| async move {
+            s.namespace
+                .remove_xattr(v1::RemoveXattrRequest {
+                    caller: Some(caller.clone()),
+                    ino,
+                    name: name.to_owned(),
+                })
+                .await
+        })
         .map(|_| ())
     }
 
     /// Cluster capacity as the caller sees it.
     pub fn statfs(&self, caller: &v1::Caller) -> Result<v1::StatFsReply> {
-        self.call(self.namespace().stat_fs(v1::StatFsRequest {
-            caller: Some(caller.clone()),
-        }))
+        self.call(|mut s| async move {
+            s.namespace
+                .stat_fs(v1::StatFsRequest {
+                    caller: Some(caller.clone()),
+                })
+                .await
+        })
     }
 
     /// access(2) check.
     pub fn access(&self, caller: &v1::Caller, ino: u64, mask: u32) -> Result<()> {
-        self.call(self.namespace().access(v1::AccessRequest {
-            caller: Some(caller.clone()),
-            ino,
-            mask,
-        }))
+        self.call(|mut s| async move {
+            s.namespace
+                .access(v1::AccessRequest {
+                    caller: Some(caller.clone()),
+                    ino,
+                    mask,
+                })
+                .await
+        })
         .map(|_| ())
     }
 }
