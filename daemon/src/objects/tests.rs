@@ -233,8 +233,16 @@ fn reads_and_writes_during_compaction_are_consistent() {
     let class = class_for(class_len).unwrap();
     std::thread::sleep(std::time::Duration::from_millis(200));
     let early = store.stats()[class].compactions;
-    std::thread::sleep(std::time::Duration::from_millis(1300));
-    let late = store.stats()[class].compactions;
+    // Workers run until blocks were merged under them (bounded: a loaded machine may starve
+    // the churn thread for a while), and at least 1.3 s.
+    let started = std::time::Instant::now();
+    let mut late = early;
+    while started.elapsed() < std::time::Duration::from_secs(30)
+        && (late <= early || started.elapsed() < std::time::Duration::from_millis(1300))
+    {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        late = store.stats()[class].compactions;
+    }
     stop.store(true, Ordering::Relaxed);
     let rounds = churn.join().unwrap();
     let mut buf = vec![0u8; class_len as usize];
