@@ -1,8 +1,8 @@
-//! The manager's gRPC services as blocking calls, for node components that
-//! hold the cluster secret (regionfs, daemons, tests): each thread that calls while others do
-//! uses a connection of its own ([`ManagerChannel`]), which its runtime drives on the calling
-//! thread. This module holds the region calls (open, maps,
-//! growth, close); [`namespace`] the file-system calls, [`cluster`] the cluster's.
+//! The manager's gRPC services as blocking calls, for node components that hold the cluster
+//! secret (regionfs, the command, tests): each thread that calls while others do uses a
+//! connection of its own, which it drives itself ([`connections`]). This module holds the
+//! region calls (open, maps, growth, close); [`namespace`] the file-system calls, [`cluster`]
+//! the cluster's.
 
 pub mod cluster;
 pub mod namespace;
@@ -13,177 +13,40 @@ use std::future::Future;
 use std::path::Path;
 use std::time::Duration;
 
-use regions_proto::auth::{AttachSecret, Secret};
-use regions_proto::v1::{
-    self, cluster_client::ClusterClient, namespace_client::NamespaceClient,
-    regions_client::RegionsClient,
-};
-use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
+use regions_proto::auth::Secret;
+use regions_proto::v1;
 
 use crate::error::{RegionsError, Result};
 
-/// A gRPC service stack that attaches the cluster secret.
-pub type Authed = InterceptedService<Channel, AttachSecret>;
+mod connections;
 
-use regions_proto::MAX_GRPC_MESSAGE as MAX_MESSAGE;
-
-/// Deadline of every call.
-const CALL_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// An authenticated gRPC channel to the manager (the cluster secret on every call), for the
-/// node components' clients.
-#[derive(Clone)]
-pub struct ManagerChannel {
-    channel: Channel,
-    auth: AttachSecret,
-}
-
-impl ManagerChannel {
-    /// Connects to the manager at `addr` (`http://host:port`, or `https://host:port` for TLS,
-    /// trusting `tls_ca` (PEM) if given, else the system's roots) within `timeout`, on a
-    /// current-thread runtime that the caller keeps for its blocking calls: the thread that
-    /// blocks on it writes the request and reads the reply itself (a hand-off to a runtime
-    /// thread costs two thread wake-ups a call). The one place node components build their
-    /// manager channel.
-    pub fn open(
-        addr: &str,
-        secret: &Secret,
-        tls_ca: Option<&Path>,
-        timeout: Duration,
-    ) -> Result<(tokio::runtime::Runtime, ManagerChannel)> {
-        let unreachable = |reason: String| RegionsError::ManagerUnreachable {
-            addr: addr.to_owned(),
-            reason,
-        };
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| RegionsError::io("cannot start the gRPC runtime", e))?;
-        let endpoint = Endpoint::from_shared(addr.to_owned())
-            .map_err(|e| unreachable(e.to_string()))?
-            .connect_timeout(timeout)
-            .timeout(CALL_TIMEOUT)
-            .tcp_nodelay(true);
-        let endpoint = regions_proto::tls::client_endpoint(endpoint, addr, tls_ca)
-            .map_err(|e| RegionsError::Invalid(e.to_string()))?;
-        let channel = runtime
-            .block_on(endpoint.connect())
-            .map_err(|e| unreachable(e.to_string()))?;
-        let auth = AttachSecret::new(secret);
-        Ok((runtime, ManagerChannel { channel, auth }))
-    }
-
-    fn service(&self) -> Authed {
-        InterceptedService::new(self.channel.clone(), self.auth.clone())
-    }
-
-    /// A client of the namespace service on this channel.
-    pub fn namespace(&self) -> NamespaceClient<Authed> {
-        NamespaceClient::new(self.service())
-            .max_decoding_message_size(MAX_MESSAGE)
-            .max_encoding_message_size(MAX_MESSAGE)
-    }
-
-    /// A client of the cluster service on this channel.
-    pub fn cluster(&self) -> ClusterClient<Authed> {
-        ClusterClient::new(self.service())
-            .max_decoding_message_size(MAX_MESSAGE)
-            .max_encoding_message_size(MAX_MESSAGE)
-    }
-}
-
-/// The clients of one connection's services (cheap to clone).
-#[derive(Clone)]
-struct Services {
-    namespace: NamespaceClient<Authed>,
-    regions: RegionsClient<Authed>,
-    cluster: ClusterClient<Authed>,
-}
-
-/// One connection to the manager and the runtime that drives it. Only the thread that
-/// holds it (taken from [`ManagerClient`]'s idle list) runs its runtime: a call is
-/// written, waited for and read on the calling thread, with no hand-off to a runtime
-/// thread and no wait behind another thread's call.
-struct Connection {
-    runtime: tokio::runtime::Runtime,
-    services: Services,
-}
-
-/// Idle connections kept for later calls; more are opened while more threads call at once,
-/// and those beyond this many are closed when they come back.
-const IDLE_CONNECTIONS: usize = 16;
+pub use connections::Authed;
+use connections::{Connections, Services};
 
 /// Blocking access to the manager. Calls must come from plain threads, not
 /// from inside an async runtime. Threads that call at the same time use connections of
-/// their own.
+/// their own (see [`connections`]).
 pub struct ManagerClient {
-    addr: String,
-    secret: Secret,
-    tls_ca: Option<std::path::PathBuf>,
-    timeout: Duration,
-    idle: std::sync::Mutex<Vec<Connection>>,
+    connections: Connections,
 }
 
 impl ManagerClient {
-    /// Connects to the manager at `addr` (e.g. `http://127.0.0.1:7070`; see
-    /// [`ManagerChannel::open`] for `https://` and `tls_ca`).
+    /// Connects to the manager at `addr` (`http://host:port`, e.g. `http://127.0.0.1:7070`,
+    /// or `https://host:port` for TLS, trusting `tls_ca` (PEM) if given, else the system's
+    /// roots), each connection within `timeout`.
     pub fn connect(
         addr: &str,
         secret: &Secret,
         tls_ca: Option<&Path>,
         timeout: Duration,
     ) -> Result<ManagerClient> {
-        let client = ManagerClient {
-            addr: addr.to_owned(),
-            secret: secret.clone(),
-            tls_ca: tls_ca.map(Path::to_path_buf),
-            timeout,
-            idle: std::sync::Mutex::new(Vec::new()),
-        };
-        // The first connection now: an unreachable manager or a bad address is told here.
-        let first = client.open_connection()?;
-        client.put_back(first);
-        Ok(client)
-    }
-
-    pub fn addr(&self) -> &str {
-        &self.addr
-    }
-
-    fn open_connection(&self) -> Result<Connection> {
-        let (runtime, channel) = ManagerChannel::open(
-            &self.addr,
-            &self.secret,
-            self.tls_ca.as_deref(),
-            self.timeout,
-        )?;
-        Ok(Connection {
-            runtime,
-            services: Services {
-                namespace: channel.namespace(),
-                regions: RegionsClient::new(channel.service())
-                    .max_decoding_message_size(MAX_MESSAGE)
-                    .max_encoding_message_size(MAX_MESSAGE),
-                cluster: channel.cluster(),
-            },
+        Ok(ManagerClient {
+            connections: Connections::open(addr, secret, tls_ca, timeout)?,
         })
     }
 
-    fn take_connection(&self) -> Result<Connection> {
-        let idle = self.idle.lock().ok().and_then(|mut i| i.pop());
-        match idle {
-            Some(c) => Ok(c),
-            None => self.open_connection(),
-        }
-    }
-
-    fn put_back(&self, connection: Connection) {
-        if let Ok(mut idle) = self.idle.lock()
-            && idle.len() < IDLE_CONNECTIONS
-        {
-            idle.push(connection);
-        }
+    pub fn addr(&self) -> &str {
+        self.connections.addr()
     }
 
     /// Runs the call `rpc` makes of a connection's services on the calling thread.
@@ -192,11 +55,9 @@ impl ManagerClient {
         F: FnOnce(Services) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
-        let connection = self.take_connection()?;
-        let outcome = connection
-            .runtime
-            .block_on(rpc(connection.services.clone()));
-        self.put_back(connection);
+        let connection = self.connections.take()?;
+        let outcome = connection.run(rpc);
+        self.connections.put_back(connection);
         outcome
             .map(tonic::Response::into_inner)
             .map_err(|status| match status.code() {
@@ -207,7 +68,7 @@ impl ManagerClient {
                         .is_none() =>
                 {
                     RegionsError::ManagerUnreachable {
-                        addr: self.addr.clone(),
+                        addr: self.addr().to_owned(),
                         reason: status.message().to_owned(),
                     }
                 }
