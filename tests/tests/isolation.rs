@@ -16,12 +16,14 @@ use regions_tests::{Cluster, MountProcess};
 /// The unprivileged user the attacks run as.
 const NOBODY: u32 = 65534;
 
+/// Fields drop in order: the mounts before the cluster, whose directory holds their mount
+/// points (removed with it only once nothing is mounted there).
 struct Setup {
-    cluster: Cluster,
     mount: MountProcess,
     /// A mount on host 2, in clusters of two hosts: regions created through it live there,
     /// remote to the attacker on host 1.
     second: Option<MountProcess>,
+    cluster: Cluster,
     /// `regions-attack`, copied where `nobody` may run it.
     attack: PathBuf,
     socket: PathBuf,
