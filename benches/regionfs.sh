@@ -45,7 +45,7 @@
 #   (1-5 and 7 are also run on the FUSE floor, each right after its regions
 #   and tmpfs runs;)
 #   8. manager requests (namespace and region requests, counted from the
-#      manager's trace log, `file request` lines) for one sequential write
+#      manager's metrics page) for one sequential write
 #      (dd bs=1M conv=fsync) of 1 GiB into a new file through MNT1 (default
 #      placement: this host).
 #
@@ -181,6 +181,7 @@ command -v fio >/dev/null || need_pkgs+=(fio)
 command -v taskset >/dev/null || need_pkgs+=(util-linux)
 { command -v setfattr >/dev/null && command -v getfattr >/dev/null; } || need_pkgs+=(attr)
 command -v sshfs >/dev/null || need_pkgs+=(sshfs)
+command -v curl >/dev/null || need_pkgs+=(curl)
 [ -x "$SSHD" ] || need_pkgs+=(openssh-server)
 { command -v ssh >/dev/null && command -v ssh-keygen >/dev/null; } || need_pkgs+=(openssh-client)
 if [ ${#need_pkgs[@]} -gt 0 ]; then
@@ -338,10 +339,15 @@ SF=$WORK/bin/small_files
 DAEMON_MIB=$(( SIZE_MIB * 2 + MMAP_MIB * 2 + MGR_MIB + 512 ))
 
 say "starting the manager, daemons (${DAEMON_MIB}M each) and mounts in $WORK"
-# The manager logs one trace line "file request" per namespace or region
-# request (counted in step 8).
-start_node manager env RUST_LOG=warn,regions_manager::service=trace "$BIN/regions-manager" --listen 127.0.0.1:0 --data-dir "$WORK/manager" \
-    --secret-file "$WORK/secret" --ready-file "$WORK/manager.ready"
+free_port() {
+    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' 2>/dev/null ||
+        echo $(( 20000 + RANDOM % 30000 ))
+}
+# The manager's request counters (its metrics page) count the namespace and region requests
+# of steps 7 and 8 (logging each request instead would cost the requests themselves).
+MGR_METRICS=127.0.0.1:$(free_port)
+start_node manager "$BIN/regions-manager" --listen 127.0.0.1:0 --data-dir "$WORK/manager" \
+    --secret-file "$WORK/secret" --ready-file "$WORK/manager.ready" --metrics-listen "$MGR_METRICS"
 wait_ready "$WORK/manager.ready" "$LAST_PID" "$LOGS/manager.log"
 MANAGER=$(tr -d '[:space:]' <"$WORK/manager.ready")
 MANAGER_URL=http://$MANAGER
@@ -390,10 +396,6 @@ sshd_fail() {
     [ -s "$LOGS/sshfs.log" ] && { echo "sshfs log ($LOGS/sshfs.log):" >&2; tail -n 20 "$LOGS/sshfs.log" >&2; }
     KEEP_LOGS=1
     exit 2
-}
-free_port() {
-    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])' 2>/dev/null ||
-        echo $(( 20000 + RANDOM % 30000 ))
 }
 SSH_OPTS=(-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o BatchMode=yes
           -o IdentityFile="$SSHDIR/id" -o IdentitiesOnly=yes -o ConnectTimeout=5 -o LogLevel=ERROR)
@@ -783,14 +785,25 @@ rm -f "$TMPFS/export/data"
 
 # ---------------------------------------------------------------- 7: small files
 
-# Namespace and region requests the manager served, from its trace log
-# (one "file request" line each; the log has ANSI colours).
-mgr_log_requests() { sed 's/\x1b\[[0-9;]*m//g' "$LOGS/manager.log" | grep 'file request' || true; }
-mgr_requests() { mgr_log_requests | wc -l; }
-# mgr_ops A B: "op count, ..." of the requests after the A-th up to the B-th.
+# mgr_snapshot: a file of the manager's namespace and region request counts so far, one
+# "method count" line each (from its metrics page; not the mounts' CheckHandles, a liveness
+# question the manager does not count as a file request either); mgr_count FILE sums one;
+# mgr_ops A B says which requests came between snapshots A and B ("lookup 2, create_open 1").
+mgr_snapshot() {
+    local f
+    f=$(mktemp "$WORK/manager-requests.XXXXXX")
+    curl -fsS --max-time 5 "http://$MGR_METRICS/metrics" 2>/dev/null |
+        awk '/^regions_manager_grpc_requests_total[{]/ && /service="(Namespace|Regions)"/ {
+                 if (match($0, /method="[^"]*"/)) m = substr($0, RSTART + 8, RLENGTH - 9)
+                 if (m != "CheckHandles") print m, $NF
+             }' >"$f" || true
+    echo "$f"
+}
+mgr_count() { awk '{ s += $2 } END { print s + 0 }' "$1"; }
 mgr_ops() {
-    mgr_log_requests | awk -v a="$1" -v b="$2" 'NR > a && NR <= b' | grep -o 'op="[^"]*"' | sort | uniq -c | sort -rn |
-        awk '{ printf "%s%s %s", (NR > 1 ? ", " : ""), $2, $1 }' | sed 's/op=//g; s/"//g' || true
+    awk 'NR == FNR { a[$1] = $2; next } { d = $2 - a[$1]; if (d > 0) print d, $1 }' "$1" "$2" | sort -rn |
+        sed -E 's/([a-z])([A-Z])/\1_\2/g' | tr 'A-Z' 'a-z' |
+        awk '{ printf "%s%s %s", (NR > 1 ? ", " : ""), $2, $1 }' || true
 }
 
 say "7. small files: $SMALL_N files of $SMALL_SIZE bytes, one process per phase: MNT1 (default placement), tmpfs, sshfs"
@@ -802,13 +815,13 @@ small_run() {
     mkdir "$dir" || fail "mkdir $dir"
     for ph in create read coldread unlink; do
         case $ph in create|coldread) drop_caches ;; esac
-        m0=$(mgr_requests)
+        m0=$(mgr_snapshot)
         out=$("$SF" "$dir" "$SMALL_N" "$SMALL_SIZE" "${ph#cold}") || fail "small_files ${ph#cold} in $dir"
-        m1=$(mgr_requests)
+        m1=$(mgr_snapshot)
         key=${ph#cold}_per_s
         R[sf_${ph}_$name]=$(kv "$out" "$key")
         if [ "$name" = regions ]; then
-            SMALL_MGR+="${SMALL_MGR:+; }$ph $(awk -v n=$((m1 - m0)) -v f="$SMALL_N" 'BEGIN { printf "%.2f", n / f }') per file ($(mgr_ops "$m0" "$m1"))"
+            SMALL_MGR+="${SMALL_MGR:+; }$ph $(awk -v n=$(($(mgr_count "$m1") - $(mgr_count "$m0"))) -v f="$SMALL_N" 'BEGIN { printf "%.2f", n / f }') per file ($(mgr_ops "$m0" "$m1"))"
             if [ "$ph" = create ]; then
                 INFO_SMALL=$("$MF" info "$dir/f0" 2>&1 || true)
                 say "   small file on MNT1: hosts=$(hosts_of "$dir/f0"); RINFO $INFO_SMALL"
@@ -830,10 +843,10 @@ small_run sshfs "$SSHFS/small"
 say "8. manager requests: ${MGR_MIB} MiB written sequentially (dd bs=1M conv=fsync) into a new file through MNT1"
 mkdir "$MNT1/seq"
 sleep 1
-idle0=$(mgr_requests)
+idle0=$(mgr_snapshot)
 sleep 1
-before=$(mgr_requests)
-R[mgr_idle]=$((before - idle0))
+before=$(mgr_snapshot)
+R[mgr_idle]=$(($(mgr_count "$before") - $(mgr_count "$idle0")))
 # Source: the file of the run, as many times as it takes (a pipe: dd
 # reads whole 1 MiB blocks with iflag=fullblock, so it writes 1 MiB each).
 MGR_REPS=$(( (MGR_MIB + SIZE_MIB - 1) / SIZE_MIB ))
@@ -841,11 +854,11 @@ MGR_REPS=$(( (MGR_MIB + SIZE_MIB - 1) / SIZE_MIB ))
 for ((i = 0; i < MGR_REPS; i++)); do cat "$TF" 2>/dev/null || true; done |
     dd of="$MNT1/seq/data" bs=1M count="$MGR_MIB" iflag=fullblock conv=fsync status=none || fail "dd into $MNT1/seq/data"
 sleep 1
-after=$(mgr_requests)
-R[mgr_requests]=$((after - before))
+after=$(mgr_snapshot)
+R[mgr_requests]=$(($(mgr_count "$after") - $(mgr_count "$before")))
 MGR_OPS=$(mgr_ops "$before" "$after")
-if [ "$after" = 0 ]; then
-    warn "no \"file request\" line in the manager's log ($LOGS/manager.log): this manager does not trace its requests; no count"
+if [ "$(mgr_count "$after")" = 0 ]; then
+    warn "no request counts on the manager's metrics page (http://$MGR_METRICS/metrics); no count"
     R[mgr_per_gib]=""
     CHECKS_FAILED=$((CHECKS_FAILED + 1))
 else
