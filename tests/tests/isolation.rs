@@ -187,7 +187,7 @@ fn a_reader_of_a_local_segment_cannot_write_or_seal_it_by_any_route() {
     // And through the mount, as root, after dropping the page cache.
     let _ = std::fs::write("/proc/sys/vm/drop_caches", "3");
     assert_eq!(std::fs::read(s.mount.path("public")).unwrap(), content);
-    drop(s.cluster);
+    drop(s);
 }
 
 /// Runs the `write-segment` attack as nobody on a new 0666 region `shared` of 256 KiB of 7s;
