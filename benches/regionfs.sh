@@ -797,11 +797,12 @@ mgr_snapshot() {
                  if (match($0, /method="[^"]*"/)) m = substr($0, RSTART + 8, RLENGTH - 9)
                  if (m != "CheckHandles") print m, $NF
              }' >"$f" || true
+    [ -s "$f" ] || warn "no request counts on the manager's metrics page (http://$MGR_METRICS/metrics): the manager request counts below are wrong"
     echo "$f"
 }
 mgr_count() { awk '{ s += $2 } END { print s + 0 }' "$1"; }
 mgr_ops() {
-    awk 'NR == FNR { a[$1] = $2; next } { d = $2 - a[$1]; if (d > 0) print d, $1 }' "$1" "$2" | sort -rn |
+    awk 'FILENAME == ARGV[1] { a[$1] = $2; next } { d = $2 - a[$1]; if (d > 0) print d, $1 }' "$1" "$2" | sort -rn |
         sed -E 's/([a-z])([A-Z])/\1_\2/g' | tr 'A-Z' 'a-z' |
         awk '{ printf "%s%s %s", (NR > 1 ? ", " : ""), $2, $1 }' || true
 }

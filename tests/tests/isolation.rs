@@ -23,7 +23,7 @@ struct Setup {
     /// A mount on host 2, in clusters of two hosts: regions created through it live there,
     /// remote to the attacker on host 1.
     second: Option<MountProcess>,
-    cluster: Cluster,
+    _cluster: Cluster,
     /// `regions-attack`, copied where `nobody` may run it.
     attack: PathBuf,
     socket: PathBuf,
@@ -51,7 +51,7 @@ fn setup_hosts(hosts: u32, daemon_args: &[&str]) -> Setup {
     let socket = cluster.daemon(1).expect("daemon").socket.clone();
     let second = (hosts > 1).then(|| cluster.mount(2).expect("mount on host 2"));
     Setup {
-        cluster,
+        _cluster: cluster,
         mount,
         second,
         attack,

@@ -1,5 +1,5 @@
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -177,9 +177,12 @@ fn reads_and_writes_during_compaction_are_consistent() {
     }
     store.set_auto_compaction(true);
     let stop = Arc::new(AtomicBool::new(false));
+    // Churn rounds and worker operations so far (the wait below needs enough of both).
+    let progress = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
     // Churn: allocate and free around the kept objects so their blocks get merged.
     let churn = {
-        let (store, stop) = (Arc::clone(&store), Arc::clone(&stop));
+        let (store, stop, progress) =
+            (Arc::clone(&store), Arc::clone(&stop), Arc::clone(&progress));
         std::thread::spawn(move || {
             let mut rng = rand::rngs::SmallRng::seed_from_u64(1);
             let mut live: Vec<(Owner, ObjectRef)> = Vec::new();
@@ -190,11 +193,15 @@ fn reads_and_writes_during_compaction_are_consistent() {
                     live.push((o, store.alloc(o, class_len).unwrap()));
                 }
                 live.shuffle(&mut rng);
-                for (o, p) in live.drain(..190) {
+                // Now and then everything goes, so that blocks keep turning sparse (and get
+                // merged) for as long as the workers run, not only in the first rounds.
+                let freed = if rounds % 8 == 7 { live.len() } else { 190 };
+                for (o, p) in live.drain(..freed) {
                     store.free(o, p).unwrap();
                 }
                 store.compact(None).unwrap();
                 rounds += 1;
+                progress.0.fetch_add(1, Ordering::Relaxed);
             }
             rounds
         })
@@ -203,7 +210,8 @@ fn reads_and_writes_during_compaction_are_consistent() {
         .chunks(100)
         .map(|mine| {
             let mine = mine.to_vec();
-            let (store, stop) = (Arc::clone(&store), Arc::clone(&stop));
+            let (store, stop, progress) =
+                (Arc::clone(&store), Arc::clone(&stop), Arc::clone(&progress));
             std::thread::spawn(move || {
                 let mut rng = rand::rngs::SmallRng::seed_from_u64(mine[0].0.ino);
                 let mut last = vec![0u8; mine.len()];
@@ -225,21 +233,30 @@ fn reads_and_writes_during_compaction_are_consistent() {
                         );
                     }
                     ops += 1;
+                    progress.1.fetch_add(1, Ordering::Relaxed);
                 }
                 (mine, last, ops)
             })
         })
         .collect();
     let class = class_for(class_len).unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(200));
+    // The workers are under way (bounded wait) before merges are counted.
+    let begun = std::time::Instant::now();
+    while progress.1.load(Ordering::Relaxed) < 100 && begun.elapsed().as_secs() < 30 {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
     let early = store.stats()[class].compactions;
-    // Workers run until blocks were merged under them (bounded: a loaded machine may starve
-    // the churn thread for a while), and at least 1.3 s.
+    // Workers run until blocks were merged under them, over enough churn rounds and worker
+    // operations, and at least 1.3 s (bounded: a loaded machine may starve threads a while).
     let started = std::time::Instant::now();
     let mut late = early;
-    while started.elapsed() < std::time::Duration::from_secs(30)
-        && (late <= early || started.elapsed() < std::time::Duration::from_millis(1300))
-    {
+    let enough = |late: u64| {
+        late > early
+            && progress.0.load(Ordering::Relaxed) > 3
+            && progress.1.load(Ordering::Relaxed) > 1000
+            && started.elapsed() >= std::time::Duration::from_millis(1300)
+    };
+    while started.elapsed() < std::time::Duration::from_secs(30) && !enough(late) {
         std::thread::sleep(std::time::Duration::from_millis(50));
         late = store.stats()[class].compactions;
     }

@@ -3,9 +3,10 @@
 //! waited for and read on the calling thread (a hand-off to a runtime thread costs two thread
 //! wake-ups a call, most of a call on an idle virtual machine), and never waits behind another
 //! thread's call. Idle connections wait in a list. Nothing reads an idle connection's socket,
-//! so one whose manager went away meanwhile (a restart) still looks usable to its channel: its
+//! so one whose manager closed it meanwhile (a restart) still looks usable to its channel: its
 //! socket tells ([`Connection::peer_gone`]), and it is replaced before a call is written into
-//! it.
+//! it. (A manager that goes away during a call, or vanishes without closing the connection, as
+//! behind a cut cable, still fails that call: within the call's deadline.)
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
@@ -79,8 +80,8 @@ fn peer_gone(fd: BorrowedFd<'_>) -> bool {
         revents: 0,
     };
     // SAFETY: `p` is one initialised pollfd that lives through the call, and the count says
-    // one; a zero timeout never blocks. (nix's poll wrapper drops POLLRDHUP from what it
-    // reports, hence libc.)
+    // one; a zero timeout never blocks. (nix's poll wrapper reports no events at all when
+    // POLLRDHUP, a flag it does not know, is among them, hence libc.)
     let n = unsafe { libc::poll(&mut p, 1, 0) };
     n < 0
         || (n > 0
