@@ -186,7 +186,6 @@ fn reads_and_writes_during_compaction_are_consistent() {
         std::thread::spawn(move || {
             let mut rng = rand::rngs::SmallRng::seed_from_u64(1);
             let mut live: Vec<(Owner, ObjectRef)> = Vec::new();
-            let mut rounds = 0u64;
             while !stop.load(Ordering::Relaxed) {
                 for k in 0..200 {
                     let o = owner(100_000 + k);
@@ -195,15 +194,14 @@ fn reads_and_writes_during_compaction_are_consistent() {
                 live.shuffle(&mut rng);
                 // Now and then everything goes, so that blocks keep turning sparse (and get
                 // merged) for as long as the workers run, not only in the first rounds.
-                let freed = if rounds % 8 == 7 { live.len() } else { 190 };
+                let round = progress.0.load(Ordering::Relaxed);
+                let freed = if round % 8 == 7 { live.len() } else { 190 };
                 for (o, p) in live.drain(..freed) {
                     store.free(o, p).unwrap();
                 }
                 store.compact(None).unwrap();
-                rounds += 1;
                 progress.0.fetch_add(1, Ordering::Relaxed);
             }
-            rounds
         })
     };
     let workers: Vec<_> = keep
@@ -216,7 +214,6 @@ fn reads_and_writes_during_compaction_are_consistent() {
                 let mut rng = rand::rngs::SmallRng::seed_from_u64(mine[0].0.ino);
                 let mut last = vec![0u8; mine.len()];
                 let mut buf = vec![0u8; class_len as usize];
-                let mut ops = 0u64;
                 while !stop.load(Ordering::Relaxed) {
                     let k = rng.random_range(0..mine.len());
                     let (o, p) = mine[k];
@@ -232,10 +229,9 @@ fn reads_and_writes_during_compaction_are_consistent() {
                             o.ino
                         );
                     }
-                    ops += 1;
                     progress.1.fetch_add(1, Ordering::Relaxed);
                 }
-                (mine, last, ops)
+                (mine, last)
             })
         })
         .collect();
@@ -261,12 +257,10 @@ fn reads_and_writes_during_compaction_are_consistent() {
         late = store.stats()[class].compactions;
     }
     stop.store(true, Ordering::Relaxed);
-    let rounds = churn.join().unwrap();
+    churn.join().unwrap();
     let mut buf = vec![0u8; class_len as usize];
-    let mut total = 0;
     for w in workers {
-        let (mine, last, ops) = w.join().unwrap();
-        total += ops;
+        let (mine, last) = w.join().unwrap();
         for ((o, p), v) in mine.iter().zip(last) {
             store.read(*o, *p, 0, &mut buf).unwrap();
             assert!(
@@ -276,6 +270,10 @@ fn reads_and_writes_during_compaction_are_consistent() {
             );
         }
     }
+    let (rounds, total) = (
+        progress.0.load(Ordering::Relaxed),
+        progress.1.load(Ordering::Relaxed),
+    );
     let stats = &store.stats()[class];
     assert!(rounds > 3 && total > 1000, "rounds {rounds}, ops {total}");
     assert!(stats.moved_objects > 0, "{stats:?}");
