@@ -222,6 +222,36 @@ fn remote_region_maps_at_its_fixed_address_on_both_hosts() {
     assert!(mapping::lookup(m.base()).is_none());
 }
 
+/// Sequential first touch reads ahead in jobs that cross chunks: each goes to the daemon as
+/// one request per run of chunks that lie one after another in its pool, not one per chunk
+/// (which cost the daemon a reply, and system calls, per 128 KiB).
+#[test]
+fn sequential_touch_asks_the_daemon_once_per_run_of_chunks() {
+    let s = setup();
+    let len = 16 << 20;
+    let data = pattern(len);
+    create(&s.m2.path("stream"), &data);
+    let before = s.stats(2);
+    let file = std::fs::File::open(s.m1.path("stream")).unwrap();
+    let m = mapping::map_fd(file.as_fd()).expect("map on host 1");
+    let mut same = true;
+    for page in (0..len).step_by(4096) {
+        // SAFETY: the mapping holds at least `len` readable bytes.
+        let got = unsafe { std::ptr::read_volatile(m.base().add(page).cast::<u64>()) };
+        same &= got == word(page);
+    }
+    mapping::unmap(m.base()).unwrap();
+    assert!(same, "every page reads what host 2 wrote");
+    let after = s.stats(2);
+    let requests = after.transport_requests - before.transport_requests;
+    let chunks = (len / (128 << 10)) as u64;
+    assert!(
+        requests < chunks / 2,
+        "{requests} transport requests for {chunks} chunks read in order (one per chunk would \
+         be {chunks})"
+    );
+}
+
 #[test]
 fn markdirty_zero_never_fetches_and_msync_publishes() {
     let s = setup();

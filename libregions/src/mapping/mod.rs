@@ -695,7 +695,7 @@ impl Mapping {
             while x < b {
                 let c = x / CHUNK_PAGES;
                 let y = b.min((c + 1) * CHUNK_PAGES);
-                let (at, mut piece) = self.spans_of(c, &[(x, y)])?;
+                let (at, piece) = self.spans_of(c, &[(x, y)])?;
                 match &addr {
                     Some(known) if *known != at => {
                         return Err(RegionsError::Invalid("runs span daemons".into()));
@@ -703,7 +703,16 @@ impl Mapping {
                     Some(_) => {}
                     None => addr = Some(at),
                 }
-                spans.append(&mut piece);
+                // Chunks that lie one after another in the pool go as one request (the
+                // daemon sends each request's reply with its own system calls).
+                for span in piece {
+                    if !spans
+                        .last_mut()
+                        .is_some_and(|last: &mut Span| last.absorb(&span))
+                    {
+                        spans.push(span);
+                    }
+                }
                 x = y;
             }
         }

@@ -181,12 +181,17 @@ pub fn empty_memfd() -> io::Result<OwnedFd> {
 /// lets any process ask for whatever `vm.unprivileged_userfaultfd` says.
 const UFFD_USER_MODE_ONLY: libc::c_int = 1;
 
-/// A userfaultfd from the `userfaultfd(2)` system call, user-mode faults only, with the API
-/// handshake done for `features`: for processes that may not open `/dev/userfaultfd` (mode
+/// A non-blocking userfaultfd from the `userfaultfd(2)` system call, user-mode faults only,
+/// with the API handshake done for `features`: for processes that may not open `/dev/userfaultfd` (mode
 /// 0600, root's), which the `userfaultfd` crate tries first and does not fall back from.
 pub fn userfaultfd_user_mode(features: u64) -> io::Result<OwnedFd> {
     // SAFETY: a system call with flags only; it returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | UFFD_USER_MODE_ONLY) };
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_userfaultfd,
+            libc::O_CLOEXEC | libc::O_NONBLOCK | UFFD_USER_MODE_ONLY,
+        )
+    };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }

@@ -238,15 +238,8 @@ impl MapState {
             };
             match runs.last_mut() {
                 Some(run) if run.target == target => {
-                    match run.spans.last_mut() {
-                        Some(last)
-                            if last.pool == span.pool
-                                && last.pool_offset + last.len == span.pool_offset
-                                && last.region_offset + last.len == span.region_offset =>
-                        {
-                            last.len += n
-                        }
-                        _ => run.spans.push(span),
+                    if !run.spans.last_mut().is_some_and(|last| last.absorb(&span)) {
+                        run.spans.push(span);
                     }
                     run.len += n as usize;
                 }

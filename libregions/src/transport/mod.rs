@@ -27,6 +27,21 @@ pub struct Span {
     pub len: u64,
 }
 
+impl Span {
+    /// Grows this span by `next` when `next` continues it both in the region and in the
+    /// pool (then one request carries both); says whether it did.
+    pub fn absorb(&mut self, next: &Span) -> bool {
+        let continues = self.ino == next.ino
+            && self.pool == next.pool
+            && self.region_offset.checked_add(self.len) == Some(next.region_offset)
+            && self.pool_offset.checked_add(self.len) == Some(next.pool_offset);
+        if continues {
+            self.len += next.len;
+        }
+        continues
+    }
+}
+
 /// A write sent without waiting for its reply ([`Transport::post_write`]): its bytes, kept
 /// until the daemon said it applied them.
 #[derive(Debug)]
@@ -171,5 +186,40 @@ impl TransportStats {
 
     pub(crate) fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Span;
+
+    fn span(ino: u64, region_offset: u64, pool: u32, pool_offset: u64, len: u64) -> Span {
+        Span {
+            ino,
+            region_offset,
+            pool,
+            pool_offset,
+            len,
+        }
+    }
+
+    #[test]
+    fn a_span_absorbs_only_what_continues_it_in_region_and_pool() {
+        let mut a = span(7, 0, 1, 4096, 100);
+        assert!(a.absorb(&span(7, 100, 1, 4196, 50)));
+        assert_eq!(a, span(7, 0, 1, 4096, 150));
+        // A gap in the region, a gap in the pool, another pool, another region: kept apart.
+        for next in [
+            span(7, 151, 1, 4246, 10),
+            span(7, 150, 1, 4247, 10),
+            span(7, 150, 2, 4246, 10),
+            span(8, 150, 1, 4246, 10),
+        ] {
+            assert!(!a.absorb(&next), "{next:?}");
+            assert_eq!(a.len, 150);
+        }
+        // Offsets at the top of the range never wrap into a match.
+        let mut top = span(7, u64::MAX - 1, 1, 0, 2);
+        assert!(!top.absorb(&span(7, 0, 1, 2, 1)));
     }
 }
