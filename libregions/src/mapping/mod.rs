@@ -1157,18 +1157,29 @@ impl Mapping {
         self.write_back(&faults, first, last)
     }
 
-    /// [`Mapping::msync`] of pages `[first, last)`, with `writeback` held.
+    /// [`Mapping::msync`] of pages `[first, last)`, with `writeback` held. Chunk by chunk, the
+    /// dirty pages are marked SYNCING, protected and copied out (under `protect`); the copies
+    /// of consecutive chunks held by one daemon go out together, up to [`WRITE_BACK_BATCH`]
+    /// bytes, so that chunks lying one after another in its pool take one request.
     fn write_back(&self, faults: &Faults, first: usize, last: usize) -> Result<()> {
         let pages = self.pages.read().map_err(|_| poisoned())?;
         let last = last.min(pages.len());
         let mut c = first / CHUNK_PAGES;
         let mut result = Ok(());
+        let mut batch = WriteBatch::default();
         while c * CHUNK_PAGES < last {
             let a = (c * CHUNK_PAGES).max(first);
             let b = ((c + 1) * CHUNK_PAGES).min(last);
+            let chunk = c as u64;
             c += 1;
             if !self.is_remote(a) {
                 continue;
+            }
+            let daemon = self.region.chunk(chunk).ok().map(|loc| loc.addr);
+            if !batch.runs.is_empty()
+                && (batch.daemon != daemon || batch.buf.len() + (b - a) * PAGE > WRITE_BACK_BATCH)
+            {
+                self.write_batch(&pages, &mut batch, &mut result);
             }
             // Marked, protected and copied out under `protect`: no `make_dirty` lifts the
             // protection between the protect and the copy.
@@ -1203,41 +1214,59 @@ impl Mapping {
                     }
                 },
             );
-            if runs.is_empty() {
-                drop(one);
-                continue;
-            }
-            let total: usize = runs.iter().map(|(a, b)| (b - a) * PAGE).sum();
-            let mut buf = vec![0u8; total];
-            let mut at = 0;
             for &(a, b) in &runs {
+                let at = batch.buf.len();
                 let n = (b - a) * PAGE;
+                batch.buf.resize(at + n, 0);
                 // SAFETY: the pages are present and mapped readable: a page is marked CLEAN,
                 // SYNCING or DIRTY only while it is there as long as `protect` is held (every
                 // path that drops such pages holds it), and it is held here; writers are held
                 // off by the protection just set.
-                unsafe { sys::copy_out((self.base + a * PAGE) as *const u8, &mut buf[at..at + n]) };
-                at += n;
-            }
-            drop(one);
-            let c0 = (a) / CHUNK_PAGES;
-            // A stale map or a revoked capability: fetch both again and retry once.
-            let written = self.region.with_fresh_map(|| {
-                let (addr, spans) = self.spans_of(c0, &runs)?;
-                self.region.transport(&addr)?.write(&spans, &buf)
-            });
-            for &(a, b) in &runs {
-                for s in &pages[a..b] {
-                    let to = if written.is_ok() { CLEAN } else { DIRTY };
-                    // A write meanwhile made it DIRTY again: leave that.
-                    let _ = s.compare_exchange(SYNCING, to, Ordering::AcqRel, Ordering::Acquire);
+                unsafe {
+                    sys::copy_out(
+                        (self.base + a * PAGE) as *const u8,
+                        &mut batch.buf[at..at + n],
+                    )
+                };
+                // A run that continues the last one (across a chunk's end) joins it.
+                match batch.runs.last_mut() {
+                    Some((_, end)) if *end == a => *end = b,
+                    _ => batch.runs.push((a, b)),
                 }
             }
-            if let Err(e) = written {
-                result = Err(e);
+            drop(one);
+            if !runs.is_empty() {
+                batch.daemon = daemon;
             }
         }
+        self.write_batch(&pages, &mut batch, &mut result);
         result
+    }
+
+    /// Writes a [`WriteBatch`] (runs copied out by [`Self::write_back`], all on one daemon) in
+    /// one transport call, then marks its pages CLEAN, or DIRTY again if the write failed (a
+    /// store meanwhile made them DIRTY already: that stays). Leaves the batch empty.
+    fn write_batch(&self, pages: &[AtomicU8], batch: &mut WriteBatch, result: &mut Result<()>) {
+        if batch.runs.is_empty() {
+            return;
+        }
+        // A stale map or a revoked capability: fetch both again and retry once.
+        let written = self.region.with_fresh_map(|| {
+            let (addr, spans) = self.spans_across(&batch.runs)?;
+            self.region.transport(&addr)?.write(&spans, &batch.buf)
+        });
+        for &(a, b) in &batch.runs {
+            for s in &pages[a..b] {
+                let to = if written.is_ok() { CLEAN } else { DIRTY };
+                let _ = s.compare_exchange(SYNCING, to, Ordering::AcqRel, Ordering::Acquire);
+            }
+        }
+        if let Err(e) = written {
+            *result = Err(e);
+        }
+        batch.runs.clear();
+        batch.buf.clear();
+        batch.daemon = None;
     }
 
     /// [`Mapping::msync`] in the background (`rmsync(MS_ASYNC)`): returns at once; a later
@@ -1351,6 +1380,21 @@ impl Mapping {
         }
         Ok(())
     }
+}
+
+/// Most bytes one write-back request carries: four chunks. The pages are copied out first and
+/// sent after, so a batch should still be in the CPU's cache when it is sent (rmsync of
+/// 16 MiB: 12-19 ms in batches of 512 KiB, 18-50 ms one chunk at a time, 18-31 ms in batches
+/// of 4 MiB, interleaved runs).
+const WRITE_BACK_BATCH: usize = 512 << 10;
+
+/// Pages copied out for write-back and not written yet: runs of pages in order, their bytes in
+/// the same order, and the daemon that holds them (as the region's map said).
+#[derive(Default)]
+struct WriteBatch {
+    runs: Vec<(usize, usize)>,
+    buf: Vec<u8>,
+    daemon: Option<String>,
 }
 
 /// Largest fetch buffer a thread keeps between fetches: a read-ahead job at the largest
