@@ -213,6 +213,32 @@ fn read_write_readv_writev_round_trip() {
     assert_eq!(s.transport_connections, 1);
 }
 
+/// A WRITEV whose payload is larger than a connection's input buffer (256 KiB) and smaller
+/// than the piece its in-memory copy grows by (1 MiB): rmsync of scattered dirty pages sends
+/// such requests. The connection used to panic growing the buffer, and the write was lost.
+#[test]
+fn writev_payload_between_the_input_buffer_and_a_piece() {
+    let pools = pools();
+    let (srv, _) = server(Arc::clone(&pools), Duration::from_millis(50));
+    let mut c = Client::authenticated(srv.local_addr(), TOKEN);
+    // 90 ranges of 4 KiB, every other page of chunks 0..=5 (assigned): 360 KiB of payload.
+    let ranges: Vec<_> = (0..90u64).map(|i| rg(1, i * 8192, 4096)).collect();
+    let data = pattern(90 * 4096, 11);
+    let reply = c.call(&Request::WriteV {
+        ranges: ranges.clone(),
+        data: Bytes::from(data.clone()),
+    });
+    assert_eq!(status(&reply), 0, "{:?}", reply.error_message());
+    let reply = c.call(&Request::ReadV { ranges });
+    assert_eq!(status(&reply), 0);
+    assert!(
+        reply.payload[..] == data[..],
+        "the scattered pages read back"
+    );
+    // The connection still serves.
+    assert_eq!(status(&c.call(&Request::Ping)), 0);
+}
+
 #[test]
 fn errors_are_replies_with_errnos() {
     let (srv, _) = server(pools(), Duration::from_millis(50));

@@ -262,7 +262,16 @@ fn rmsync_writes_runs_of_chunks_in_few_requests() {
     create(&s.m2.path("synced"), &pattern(len));
     let (_file, m) = map_read_write(s.m1.path("synced"));
     let mut expected = pattern(len);
-    for page in (0..len).step_by(4096) {
+    // Every page of the first half; in the second, every other page and the pages on either
+    // side of each chunk's end (runs that meet across a chunk boundary, and gaps).
+    let chunk = 128 << 10;
+    let dirty = |page: usize| {
+        page < len / 2
+            || (page / 4096).is_multiple_of(2)
+            || page % chunk == chunk - 4096
+            || page.is_multiple_of(chunk)
+    };
+    for page in (0..len).step_by(4096).filter(|&p| dirty(p)) {
         let v = word(page) ^ 0xffff;
         // SAFETY: the mapping holds at least `len` writable bytes.
         unsafe { std::ptr::write_volatile(m.base().add(page).cast::<u64>(), v) };

@@ -514,7 +514,9 @@ impl Conn {
         self.input.consume(take);
         while payload.len() < len {
             if payload.len() == payload.capacity() {
-                let grown = (payload.capacity() * 2).clamp(PAYLOAD_PIECE, len);
+                // At least a piece, at most the payload (which may be less than a piece:
+                // `clamp` would panic there).
+                let grown = (payload.capacity() * 2).max(PAYLOAD_PIECE).min(len);
                 let more = grown - payload.capacity();
                 self.reserve(more)?;
                 payload.reserve_exact(more);

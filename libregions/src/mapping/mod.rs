@@ -688,35 +688,44 @@ impl Mapping {
     /// Spans of page runs that may cross chunks, all on one daemon (else `Invalid`): the
     /// daemon's address and the spans, in run order.
     fn spans_across(&self, runs: &[(usize, usize)]) -> Result<(String, Vec<Span>)> {
-        let mut addr: Option<String> = None;
-        let mut spans = Vec::new();
+        let mut groups = self.spans_by_daemon(runs)?;
+        if groups.len() > 1 {
+            return Err(RegionsError::Invalid("runs span daemons".into()));
+        }
+        Ok(groups
+            .pop()
+            .map(|(addr, spans, _)| (addr, spans))
+            .unwrap_or_default())
+    }
+
+    /// Spans of page runs that may cross chunks, grouped by daemon in run order: each group's
+    /// daemon address, its spans and their bytes. Chunks that lie one after another in a pool
+    /// go as one span, so as one request (the daemon answers each request with system calls
+    /// of its own).
+    fn spans_by_daemon(&self, runs: &[(usize, usize)]) -> Result<Vec<(String, Vec<Span>, usize)>> {
+        let mut groups: Vec<(String, Vec<Span>, usize)> = Vec::new();
         for &(a, b) in runs {
             let mut x = a;
             while x < b {
                 let c = x / CHUNK_PAGES;
                 let y = b.min((c + 1) * CHUNK_PAGES);
                 let (at, piece) = self.spans_of(c, &[(x, y)])?;
-                match &addr {
-                    Some(known) if *known != at => {
-                        return Err(RegionsError::Invalid("runs span daemons".into()));
-                    }
-                    Some(_) => {}
-                    None => addr = Some(at),
+                if groups.last().is_none_or(|g| g.0 != at) {
+                    groups.push((at, Vec::new(), 0));
                 }
-                // Chunks that lie one after another in the pool go as one request (the
-                // daemon sends each request's reply with its own system calls).
+                let Some(group) = groups.last_mut() else {
+                    break;
+                };
                 for span in piece {
-                    if !spans
-                        .last_mut()
-                        .is_some_and(|last: &mut Span| last.absorb(&span))
-                    {
-                        spans.push(span);
+                    group.2 += span.len as usize;
+                    if !group.1.last_mut().is_some_and(|last| last.absorb(&span)) {
+                        group.1.push(span);
                     }
                 }
                 x = y;
             }
         }
-        Ok((addr.unwrap_or_default(), spans))
+        Ok(groups)
     }
 
     /// Fetches the claimed `runs` (all on one daemon; they may cross chunks) in one transport
@@ -1145,8 +1154,8 @@ impl Mapping {
         Ok(())
     }
 
-    /// Writes the dirty remote pages of `[addr, addr + len)` back (vector writes, one request
-    /// per chunk) and write-protects them again so that later writes are seen. Local chunks are
+    /// Writes the dirty remote pages of `[addr, addr + len)` back (see [`Self::write_back`])
+    /// and write-protects them again so that later writes are seen. Local chunks are
     /// the region's memory itself and need nothing.
     pub fn msync(&self, addr: *const u8, len: usize) -> Result<()> {
         let (first, last) = self.page_range(addr, len)?;
@@ -1250,10 +1259,17 @@ impl Mapping {
         if batch.runs.is_empty() {
             return;
         }
-        // A stale map or a revoked capability: fetch both again and retry once.
+        // A stale map or a revoked capability: fetch both again and retry once. The batch was
+        // one daemon's when it was made; after a refresh its chunks may be on several.
         let written = self.region.with_fresh_map(|| {
-            let (addr, spans) = self.spans_across(&batch.runs)?;
-            self.region.transport(&addr)?.write(&spans, &batch.buf)
+            let mut at = 0;
+            for (addr, spans, len) in self.spans_by_daemon(&batch.runs)? {
+                self.region
+                    .transport(&addr)?
+                    .write(&spans, &batch.buf[at..at + len])?;
+                at += len;
+            }
+            Ok(())
         });
         for &(a, b) in &batch.runs {
             for s in &pages[a..b] {

@@ -102,17 +102,20 @@ fn start() -> io::Result<Arc<Faults>> {
             .name(format!("regions-ahead-{i}"))
             .spawn(move || worker(&rx))?;
     }
-    for i in 0..threads_from_env("REGIONS_FAULT_THREADS", DEFAULT_WORKERS) {
+    // Every fault thread's epoll instance first, so that a failure starts none of them.
+    let waits = (0..threads_from_env("REGIONS_FAULT_THREADS", DEFAULT_WORKERS))
+        .map(|_| {
+            let e = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
+            e.add(
+                &faults.uffd,
+                EpollEvent::new(EpollFlags::EPOLLIN | EpollFlags::EPOLLEXCLUSIVE, 0),
+            )?;
+            Ok(e)
+        })
+        .collect::<nix::Result<Vec<Epoll>>>()
+        .map_err(|e| io::Error::other(format!("an epoll instance for a fault thread: {e}")))?;
+    for (i, waits) in waits.into_iter().enumerate() {
         let reader = Arc::clone(&faults);
-        let waits = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)
-            .and_then(|e| {
-                e.add(
-                    &reader.uffd,
-                    EpollEvent::new(EpollFlags::EPOLLIN | EpollFlags::EPOLLEXCLUSIVE, 0),
-                )?;
-                Ok(e)
-            })
-            .map_err(|e| io::Error::other(format!("an epoll instance for a fault thread: {e}")))?;
         std::thread::Builder::new()
             .name(format!("regions-fault-{i}"))
             .spawn(move || read_loop(&reader, &waits))?;
@@ -135,6 +138,14 @@ impl Faults {
     fn next_event(&self, waits: &Epoll) -> Result<Option<Event>, String> {
         let mut ready = [EpollEvent::empty()];
         match waits.wait(&mut ready, EpollTimeout::NONE) {
+            Ok(n)
+                if n > 0
+                    && ready[0]
+                        .events()
+                        .intersects(EpollFlags::EPOLLERR | EpollFlags::EPOLLHUP) =>
+            {
+                return Err("the userfaultfd reports an error".into());
+            }
             Ok(_) | Err(Errno::EINTR) => {}
             Err(e) => return Err(format!("waiting for faults: {e}")),
         }

@@ -35,10 +35,13 @@ impl Span {
             && self.pool == next.pool
             && self.region_offset.checked_add(self.len) == Some(next.region_offset)
             && self.pool_offset.checked_add(self.len) == Some(next.pool_offset);
-        if continues {
-            self.len += next.len;
+        match self.len.checked_add(next.len) {
+            Some(len) if continues => {
+                self.len = len;
+                true
+            }
+            _ => false,
         }
-        continues
     }
 }
 
