@@ -60,12 +60,18 @@ fn arb_request() -> impl Strategy<Value = Request> {
     let data = prop::collection::vec(any::<u8>(), 0..300).prop_map(Bytes::from);
     let ranges = || {
         prop::collection::vec(
-            (arb_pool(), arb_offset(), 0u64..2000).prop_map(|(pool, offset, len)| Range {
-                pool: pool & MAX_POOL,
-                offset: offset.min(u64::MAX - len),
-                len,
-                delta: None,
-            }),
+            // Now and then long ranges: vector payloads past a connection's input buffer.
+            (
+                arb_pool(),
+                arb_offset(),
+                prop_oneof![9 => 0u64..2000, 1 => 60_000u64..300_000],
+            )
+                .prop_map(|(pool, offset, len)| Range {
+                    pool: pool & MAX_POOL,
+                    offset: offset.min(u64::MAX - len),
+                    len,
+                    delta: None,
+                }),
             0..6,
         )
     };
@@ -250,6 +256,8 @@ proptest! {
             .and_then(|v| v.parse().ok())
             .unwrap_or(128),
         failure_persistence: None,
+        // A failing case is shrunk for at most 60 s (a panic can leave timeouts behind).
+        max_shrink_time: 60_000,
         ..ProptestConfig::default()
     })]
 
@@ -258,6 +266,8 @@ proptest! {
         scripts in prop::collection::vec(arb_script(), 3..5),
     ) {
         install_panic_counter();
+        // Counted per case, so that shrinking sees which cases panic.
+        SERVER_PANICS.store(0, Ordering::SeqCst);
         let (srv, pools) = fixture();
         let addr = srv.local_addr();
         std::thread::scope(|s| {
