@@ -6,11 +6,11 @@
 //! (Threads that took turns at a blocking read, under a mutex, woke the next one on every
 //! fault: on a 2-CPU virtual machine that wake-up, to a CPU gone idle, tripled the median
 //! cold fault, 85 µs against 28 µs. Polling for the next fault before blocking was measured
-//! slower on 2 cores: the poller takes the CPU the daemon needs.) Fault threads fetch pages through the transport and install them (`UFFDIO_COPY`,
-//! write-protected so that the first write is seen), mark pages dirty on write-protect faults,
-//! and make a fault that cannot be served raise `SIGBUS` in the faulting thread (the page is
-//! replaced by a mapping of an empty memfd, then the thread is woken: its retried access lies
-//! past the end of that file).
+//! slower on 2 cores: the poller takes the CPU the daemon needs.) Fault threads fetch pages
+//! through the transport and install them (`UFFDIO_COPY`, write-protected so that the first
+//! write is seen), mark pages dirty on write-protect faults, and make a fault that cannot be
+//! served raise `SIGBUS` in the faulting thread (the page is replaced by a mapping of an empty
+//! memfd, then the thread is woken: its retried access lies past the end of that file).
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
