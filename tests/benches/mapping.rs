@@ -268,6 +268,21 @@ fn cpu_secs(pid: &str) -> f64 {
     (ticks(11) + ticks(12)) / hz
 }
 
+/// Page `p` of `region` as a transport span (no region named), and the address of the daemon
+/// holding it.
+fn page_span(region: &Region, p: usize) -> anyhow::Result<(String, Span)> {
+    let off = p * PAGE;
+    let loc = region.chunk((off / (128 << 10)) as u64)?;
+    let span = Span {
+        ino: 0,
+        region_offset: off as u64,
+        pool: loc.pool,
+        pool_offset: loc.pool_offset + (off % (128 << 10)) as u64,
+        len: PAGE as u64,
+    };
+    Ok((loc.addr, span))
+}
+
 fn touch(p: *const u8) -> u8 {
     // SAFETY: callers pass addresses inside live mappings.
     unsafe { std::ptr::read_volatile(p) }
@@ -326,16 +341,9 @@ fn main() -> anyhow::Result<()> {
     let mut floor_spans = Vec::new();
     let mut floor_addr = String::new();
     for &p in &order {
-        let off = p * PAGE;
-        let loc = floor_region.chunk((off / (128 << 10)) as u64)?;
-        floor_spans.push(Span {
-            ino: 0,
-            region_offset: off as u64,
-            pool: loc.pool,
-            pool_offset: loc.pool_offset + (off % (128 << 10)) as u64,
-            len: PAGE as u64,
-        });
-        floor_addr = loc.addr;
+        let (addr, span) = page_span(&floor_region, p)?;
+        floor_spans.push(span);
+        floor_addr = addr;
     }
     let mut composed = RawFaults::start(
         order.len(),
@@ -351,16 +359,8 @@ fn main() -> anyhow::Result<()> {
         sum += u64::from(touch(m.base().wrapping_add(p * PAGE)));
         uffd_us.push(t.elapsed().as_secs_f64() * 1e6);
 
-        let off = p * PAGE;
-        let loc = bare.chunk((off / (128 << 10)) as u64)?;
-        let span = Span {
-            ino: 0,
-            region_offset: off as u64,
-            pool: loc.pool,
-            pool_offset: loc.pool_offset + (off % (128 << 10)) as u64,
-            len: PAGE as u64,
-        };
-        let t = bare.transport(&loc.addr)?;
+        let (addr, span) = page_span(&bare, p)?;
+        let t = bare.transport(&addr)?;
         let start = Instant::now();
         t.read(&[span], &mut buf)?;
         bare_us.push(start.elapsed().as_secs_f64() * 1e6);
