@@ -13,10 +13,13 @@
 //! - [`metrics`]: the Prometheus endpoint every binary serves with `--metrics-listen`.
 //! - [`tls`]: optional TLS for the manager's gRPC endpoint.
 //! - [`config`]: settings from a TOML file beneath flags and environment variables.
+//! - [`descriptor_epochs`]: the page of open and close counters a mount publishes for
+//!   `rmalloc(fd)`.
 
 pub mod auth;
 pub mod capability;
 pub mod config;
+pub mod descriptor_epochs;
 pub mod errno;
 pub mod fd_limit;
 pub mod frame;

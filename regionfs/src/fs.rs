@@ -373,6 +373,8 @@ pub struct RegionFs {
     contact: LeaseContact,
     /// Background fills of the page cache.
     fills: fill::Fills,
+    /// The page of open and close counts `rmalloc(fd)` checks its descriptor against.
+    descriptor_epochs: Option<crate::descriptor_epochs::DescriptorEpochs>,
 }
 
 /// `Err(Fenced)` once the manager has not answered this mount's handle checks for most of a
@@ -429,6 +431,7 @@ impl RegionFs {
             closer: Closer::start(),
             contact: LeaseContact::new(),
             fills,
+            descriptor_epochs: crate::descriptor_epochs::DescriptorEpochs::start(),
         })
     }
 
@@ -461,6 +464,18 @@ impl RegionFs {
 
     fn caller(&self, ctx: &RequestCtx) -> v1::Caller {
         self.identity.caller(ctx)
+    }
+
+    /// Counts an open or create of a region for `rmalloc(fd)` (before it is answered).
+    fn count_open(&self) {
+        if let Some(d) = &self.descriptor_epochs {
+            d.opened();
+        }
+    }
+
+    /// The page of descriptor epochs, if this mount keeps one.
+    pub fn descriptor_epochs(&self) -> Option<&crate::descriptor_epochs::DescriptorEpochs> {
+        self.descriptor_epochs.as_ref()
     }
 
     fn writeback(&self) -> bool {

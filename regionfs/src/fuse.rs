@@ -599,7 +599,7 @@ impl Filesystem for FuseFs {
         reply: ReplyEmpty,
     ) {
         let _timed = Timed::start("flush");
-        match self.core.flush(fh.0) {
+        match self.core.flush(ino.0, fh.0) {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(self.fail("flush", ino.0, &e)),
         }

@@ -17,10 +17,13 @@
 //! - [`pseudo`]: the `.regions/` metadata files (Remote Regions paper §5.12).
 //! - [`ioctl`]: ioctl numbers and argument layouts
 //!   (`include/regions_ioctl.h`).
+//! - [`descriptor_epochs`]: the page of open and close counts that lets `rmalloc(fd)`
+//!   skip its system call.
 //! - [`error`]: [`FsError`] and its errno.
 
 #![warn(missing_docs)]
 
+pub mod descriptor_epochs;
 pub mod error;
 pub mod fs;
 pub mod fuse;

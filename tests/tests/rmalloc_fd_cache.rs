@@ -4,9 +4,9 @@
 //! and other threads are handled; and `rmalloc_at`, which names the region by an address
 //! of its mapping.
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, IntoRawFd};
 
-use regions::capi::alloc::{rfree, rmalloc, rmalloc_at};
+use regions::capi::alloc::{descriptor_checks, rfree, rmalloc, rmalloc_at};
 use regions::capi::map::{rmap, runmap};
 use regions_tests::Cluster;
 
@@ -137,5 +137,78 @@ fn rmalloc_at_follows_the_mapping_of_the_address() {
     assert_eq!(runmap(again), 0);
     assert_eq!(runmap(base_b), 0);
     drop(a);
+    drop(b);
+}
+
+/// `rmalloc(fd, len)` makes no system call to check its descriptor while the mount has seen
+/// no open and no close of the file (its page of descriptor epochs): one check after a
+/// close of another descriptor of the file, or after any open on the mount. A number closed
+/// and taken by another region in another thread is noticed: the next `rmalloc` with it
+/// allocates in the new region (with the epochs never counted, the fast path would serve
+/// the old one).
+#[test]
+fn rmalloc_fd_checks_its_descriptor_only_after_an_open_or_a_close() {
+    let cluster = Cluster::start(1, "1G").unwrap();
+    let mount = cluster.mount(1).unwrap();
+    let a = open(mount.path("a"));
+    let other = open(mount.path("other"));
+    let fd = a.as_raw_fd();
+    let ino_a = ino_of(rmalloc(fd, 64));
+
+    let before = descriptor_checks();
+    for _ in 0..1000 {
+        let p = rmalloc(fd, 64);
+        assert_eq!(ino_of(p), ino_a);
+        assert_eq!(rfree(p), 0);
+    }
+    assert_eq!(
+        descriptor_checks(),
+        before,
+        "rmalloc(fd) checked its descriptor with a system call on the fast path"
+    );
+
+    // A close of another descriptor of the same file: one check, then none.
+    drop(a.try_clone().unwrap());
+    for _ in 0..3 {
+        assert_eq!(ino_of(rmalloc(fd, 64)), ino_a);
+    }
+    assert_eq!(descriptor_checks(), before + 1, "after a close of the file");
+    // A close of another file (a neighbouring inode: another word) needs none.
+    drop(other);
+    assert_eq!(ino_of(rmalloc(fd, 64)), ino_a);
+    assert_eq!(
+        descriptor_checks(),
+        before + 1,
+        "after a close of another file"
+    );
+    // Any open on the mount: one check.
+    let reader = std::fs::File::open(mount.path("a")).unwrap();
+    assert_eq!(ino_of(rmalloc(fd, 64)), ino_a);
+    assert_eq!(
+        descriptor_checks(),
+        before + 2,
+        "after an open on the mount"
+    );
+    drop(reader);
+
+    // Another thread closes the number and opens another region, which takes it.
+    let number = a.into_raw_fd();
+    let b_path = mount.path("b");
+    let b = std::thread::spawn(move || {
+        // SAFETY: `number` is ours (taken out of `a`), closed once here.
+        assert_eq!(unsafe { libc::close(number) }, 0);
+        let b = open(b_path);
+        assert_eq!(b.as_raw_fd(), number, "the lowest free number is reused");
+        b
+    })
+    .join()
+    .unwrap();
+    let pb = rmalloc(number, 64);
+    assert_ne!(
+        ino_of(pb),
+        ino_a,
+        "rmalloc served a closed descriptor's region to the file now open under its number"
+    );
+    assert_eq!(rfree(pb), 0);
     drop(b);
 }

@@ -13,13 +13,16 @@
 //!
 //! The fast path: every thread remembers the last descriptor it passed to
 //! `rmalloc` with a duplicate of it and the heap, and the last mapping it
-//! allocated or freed in. A call with the same descriptor checks with one `kcmp`
-//! (`KCMP_FILE`, which compares the open file descriptions in the kernel
-//! and never reaches the file system) that the number still names the same
-//! open file (the application may have closed it and opened another region
-//! under the same number); an `rfree` or `rmalloc_at` inside the remembered mapping uses
-//! it directly. Both hold only while no region was unmapped in the process
-//! since ([`crate::rmalloc::unmap_epoch`]); otherwise, or when `kcmp` is
+//! allocated or freed in. A call with the same descriptor must know that the number still
+//! names the same open file (the application may have closed it and opened another region
+//! under the same number). It reads two words of the mount's page of descriptor epochs
+//! ([`super::descriptor_epochs`]), which the mount counts every open and every close of
+//! the file in before answering them: while both are as they were when the thread last
+//! checked, no system call is needed. When they moved, or the mount keeps no page, one
+//! `kcmp` (`KCMP_FILE`, which compares the open file descriptions in the kernel
+//! and never reaches the file system) checks. An `rfree` or `rmalloc_at` inside the
+//! remembered mapping uses it directly. Both hold only while no region was unmapped in the
+//! process since ([`crate::rmalloc::unmap_epoch`]); otherwise, or when `kcmp` is
 //! unavailable, the call takes the path above.
 
 use std::cell::{Cell, RefCell};
@@ -30,6 +33,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use super::descriptor_epochs::{self, EpochPage, Seen};
 use super::{ffi_int, ffi_ptr, set_errno};
 use crate::error::{RegionsError, Result};
 use crate::mapping::{self, Mapping};
@@ -93,6 +97,13 @@ struct LastFd {
     fd: c_int,
     /// A duplicate of `fd` taken when it was resolved: `kcmp` compares them.
     dup: OwnedFd,
+    /// The inode `fd` is open on (as `statx` gives it, which is the FUSE node id).
+    ino: u64,
+    /// The mount's page of descriptor epochs, and what it said before `fd` was last checked.
+    page: Option<&'static EpochPage>,
+    seen: Cell<Option<Seen>>,
+    /// Base of the mapping of the heap.
+    map_base: usize,
     heap: Arc<SharedHeap>,
     epoch: u64,
 }
@@ -132,8 +143,29 @@ const NO_ARENA: FastArena = FastArena {
 /// Allocations served from [`FastArena`] between two through the shared heap.
 const FAST_ARENA_RUN: u32 = 256;
 
+/// [`LastFd`] as the fast path reads it: a copy, without reference counts or borrows.
+#[derive(Clone, Copy)]
+struct FastFd {
+    fd: c_int,
+    ino: u64,
+    page: Option<&'static EpochPage>,
+    seen: Option<Seen>,
+    map_base: usize,
+    epoch: u64,
+}
+
+const NO_FD: FastFd = FastFd {
+    fd: -1,
+    ino: 0,
+    page: None,
+    seen: None,
+    map_base: 0,
+    epoch: 0,
+};
+
 thread_local! {
     static LAST_FD: RefCell<Option<LastFd>> = const { RefCell::new(None) };
+    static FAST_FD: Cell<FastFd> = const { Cell::new(NO_FD) };
     static LAST_MAP: RefCell<Option<LastMap>> = const { RefCell::new(None) };
     static ARENA: Cell<FastArena> = const { Cell::new(NO_ARENA) };
 }
@@ -154,7 +186,7 @@ fn remember_arena(m: &Mapping, heap: &SharedHeap, epoch: u64) {
 }
 
 /// `rmalloc_at` from the thread's [`FastArena`]: None to take the path through the heap.
-#[inline]
+#[inline(always)]
 fn alloc_arena(at: *const u8, len: usize) -> Option<Result<*mut u8>> {
     let mut f = ARENA.try_with(Cell::get).ok()?;
     if (at as usize).wrapping_sub(f.map_base) >= f.map_len
@@ -176,7 +208,7 @@ fn alloc_arena(at: *const u8, len: usize) -> Option<Result<*mut u8>> {
 
 /// `rfree` into the thread's [`FastArena`]: None to take the path through the heap (also
 /// when the free fails, which changes nothing: that path says why, naming the region).
-#[inline]
+#[inline(always)]
 fn free_arena(ptr: *const u8) -> Option<Result<()>> {
     let f = ARENA.try_with(Cell::get).ok()?;
     let off = (ptr as usize).wrapping_sub(f.arena_base);
@@ -192,9 +224,22 @@ fn free_arena(ptr: *const u8) -> Option<Result<()>> {
 /// seccomp filter): the fast path is then off.
 static KCMP_WORKS: AtomicBool = AtomicBool::new(true);
 
+thread_local! {
+    /// `kcmp` checks made by this thread's `rmalloc(fd)` fast path so far.
+    static DESCRIPTOR_CHECKS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// How many times `rmalloc(fd, …)` on this thread has checked with a system call (`kcmp`)
+/// that a descriptor still names the file it named (tests and benches: it should not on the
+/// fast path).
+pub fn descriptor_checks() -> u64 {
+    DESCRIPTOR_CHECKS.try_with(Cell::get).unwrap_or(0)
+}
+
 /// Whether descriptors `a` and `b` of this process name the same open file
 /// description (one `kcmp`; it never reaches the file system).
 fn same_file(a: c_int, b: c_int) -> bool {
+    let _ = DESCRIPTOR_CHECKS.try_with(|c| c.set(c.get() + 1));
     let pid = my_pid();
     // SAFETY: kcmp takes plain integers and only compares kernel objects.
     let r = unsafe {
@@ -244,11 +289,14 @@ fn my_pid() -> libc::pid_t {
 /// `KCMP_FILE` of linux/kcmp.h.
 const KCMP_FILE: libc::c_int = 0;
 
-/// Remembers `fd` → the heap of `m` for this thread's next `rmalloc`.
-fn remember_fd(fd: c_int, heap: &Arc<SharedHeap>, epoch: u64) {
+/// Remembers `fd` → `heap` (of mapping `m`, region `key`) for this thread's next `rmalloc`.
+fn remember_fd(fd: c_int, key: (u64, u64), m: &Mapping, heap: &Arc<SharedHeap>, epoch: u64) {
     if !KCMP_WORKS.load(Ordering::Relaxed) {
         return;
     }
+    let page = descriptor_epochs::page_for(fd);
+    // Read before the duplicate is taken: a close or open after it moves the words.
+    let seen = page.map(|p| p.seen(key.1));
     // SAFETY: F_DUPFD_CLOEXEC duplicates the caller's open descriptor.
     let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 3) };
     if dup < 0 {
@@ -256,16 +304,72 @@ fn remember_fd(fd: c_int, heap: &Arc<SharedHeap>, epoch: u64) {
     }
     // SAFETY: a fresh descriptor that we own.
     let dup = unsafe { OwnedFd::from_raw_fd(dup) };
+    // The number may name another file by now (closed and reopened by another thread).
+    if identity(dup.as_raw_fd()).ok() != Some(key) {
+        return;
+    }
     let _ = LAST_FD.try_with(|l| {
         if let Ok(mut l) = l.try_borrow_mut() {
             *l = Some(LastFd {
                 fd,
                 dup,
+                ino: key.1,
+                page,
+                seen: Cell::new(seen),
+                map_base: m.base() as usize,
                 heap: Arc::clone(heap),
                 epoch,
             });
+            remember_fast_fd(l.as_ref());
         }
     });
+}
+
+/// Copies the thread's [`LastFd`] (or nothing) to its [`FastFd`].
+fn remember_fast_fd(l: Option<&LastFd>) {
+    let f = l.map_or(NO_FD, |l| FastFd {
+        fd: l.fd,
+        ino: l.ino,
+        page: l.page,
+        seen: l.seen.get(),
+        map_base: l.map_base,
+        epoch: l.epoch,
+    });
+    let _ = FAST_FD.try_with(|c| c.set(f));
+}
+
+/// `rmalloc(fd)` from the thread's [`FastFd`] and [`FastArena`], without a system call:
+/// None to take [`alloc_fast`].
+#[inline(always)]
+fn alloc_fd_arena(fd: c_int, len: usize) -> Option<Result<*mut u8>> {
+    let f = FAST_FD.try_with(Cell::get).ok()?;
+    if f.fd != fd
+        || f.seen.is_none()
+        || f.page?.seen(f.ino) != f.seen?
+        || f.epoch != crate::rmalloc::unmap_epoch_registered()
+    {
+        return None;
+    }
+    alloc_arena(f.map_base as *const u8, len)
+}
+
+/// Whether `e.fd` still names the open file `e` remembers: no system call while the
+/// mount's descriptor epochs are as they were at the last check, else one `kcmp`.
+#[inline]
+fn still_same_file(e: &LastFd) -> bool {
+    let Some(page) = e.page else {
+        return same_file(e.fd, e.dup.as_raw_fd());
+    };
+    let now = page.seen(e.ino);
+    if e.seen.get() == Some(now) {
+        return true;
+    }
+    if !same_file(e.fd, e.dup.as_raw_fd()) {
+        return false;
+    }
+    e.seen.set(Some(now));
+    remember_fast_fd(Some(e));
+    true
 }
 
 /// The fast path of `rmalloc`: None to take the full path.
@@ -274,13 +378,14 @@ fn alloc_fast(fd: c_int, len: usize) -> Option<Result<*mut u8>> {
         .try_with(|l| {
             let l = l.try_borrow().ok()?;
             let e = l.as_ref()?;
-            if e.fd != fd
-                || e.epoch != crate::rmalloc::unmap_epoch()
-                || !same_file(fd, e.dup.as_raw_fd())
-            {
+            if e.fd != fd || e.epoch != crate::rmalloc::unmap_epoch() || !still_same_file(e) {
                 return None;
             }
-            Some(e.heap.alloc(len))
+            Some(
+                alloc_arena(e.map_base as *const u8, len)
+                    .or_else(|| alloc_fast_at(e.map_base as *const u8, len))
+                    .unwrap_or_else(|| e.heap.alloc(len)),
+            )
         })
         .ok()
         .flatten()
@@ -318,6 +423,11 @@ fn cache() -> &'static MappingCache {
 
 /// The mapping of the region open as `fd`, mapping it if needed.
 fn mapping_of_fd(fd: c_int) -> Result<Arc<Mapping>> {
+    keyed_mapping_of_fd(fd).map(|(_, m)| m)
+}
+
+/// [`mapping_of_fd`], and the region's identity (device, inode).
+fn keyed_mapping_of_fd(fd: c_int) -> Result<((u64, u64), Arc<Mapping>)> {
     let key = identity(fd)?;
     let cached = cache()
         .lock()
@@ -327,7 +437,7 @@ fn mapping_of_fd(fd: c_int) -> Result<Arc<Mapping>> {
     if let Some(m) = cached {
         // Still mapped (not runmap'ed since)?
         if mapping::lookup(m.base()).is_some_and(|cur| Arc::ptr_eq(&cur, &m)) {
-            return Ok(m);
+            return Ok((key, m));
         }
     }
     // SAFETY: `fd` is the caller's open descriptor (identity() checked it),
@@ -340,7 +450,7 @@ fn mapping_of_fd(fd: c_int) -> Result<Arc<Mapping>> {
     // Drop entries of mappings that are gone.
     c.retain(|_, v| mapping::lookup(v.base()).is_some_and(|cur| Arc::ptr_eq(&cur, v)));
     c.insert(key, Arc::clone(&m));
-    Ok(m)
+    Ok((key, m))
 }
 
 fn writable(m: &Mapping) -> Result<()> {
@@ -497,15 +607,20 @@ fn shared_heap(m: &Arc<Mapping>, create: bool) -> Result<Arc<SharedHeap>> {
 /// Allocates `len` bytes in the region of `fd` (see regions.h).
 pub fn alloc_in(fd: c_int, len: usize) -> Result<*mut u8> {
     check_block(len)?;
+    if let Some(r) = alloc_fd_arena(fd, len) {
+        return r;
+    }
     if let Some(r) = alloc_fast(fd, len) {
         return r;
     }
     let epoch = crate::rmalloc::unmap_epoch();
-    let m = mapping_of_fd(fd)?;
+    let (key, m) = keyed_mapping_of_fd(fd)?;
     writable(&m)?;
     let heap = shared_heap(&m, true)?;
     let p = heap.alloc(len)?;
-    remember_fd(fd, &heap, epoch);
+    remember_fd(fd, key, &m, &heap, epoch);
+    remember_map(&m, &heap, epoch);
+    remember_arena(&m, &heap, epoch);
     Ok(p)
 }
 
@@ -514,6 +629,9 @@ pub fn alloc_in(fd: c_int, len: usize) -> Result<*mut u8> {
 /// call on its fast path: the thread's last mapping is checked by address and unmap epoch.
 pub fn alloc_at(at: *const u8, len: usize) -> Result<*mut u8> {
     check_block(len)?;
+    if let Some(r) = alloc_arena(at, len) {
+        return r;
+    }
     if let Some(r) = alloc_fast_at(at, len) {
         return r;
     }
@@ -541,11 +659,8 @@ fn check_block(len: usize) -> Result<()> {
     Ok(())
 }
 
-/// The fast path of `rmalloc_at`: None to take the full path.
+/// The fast path of `rmalloc_at` after [`alloc_arena`] missed: None to take the full path.
 fn alloc_fast_at(at: *const u8, len: usize) -> Option<Result<*mut u8>> {
-    if let Some(r) = alloc_arena(at, len) {
-        return Some(r);
-    }
     LAST_MAP
         .try_with(|l| {
             let l = l.try_borrow().ok()?;

@@ -16,6 +16,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use crate::Result;
 
 pub mod alloc;
+mod descriptor_epochs;
 pub mod map;
 pub mod sync;
 

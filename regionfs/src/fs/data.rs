@@ -9,6 +9,7 @@ impl RegionFs {
         if let Some(node) = Node::from_ino(ino) {
             return self.pseudo_open(ctx, node, flags);
         }
+        self.count_open();
         let caller = self.caller(ctx);
         let write = flags & libc::O_ACCMODE != libc::O_RDONLY;
         if flags & FMODE_EXEC != 0 {
@@ -360,8 +361,12 @@ impl RegionFs {
         }
     }
 
-    /// close(2) of a descriptor of `fh` (the kernel has written back).
-    pub fn flush(&self, fh: u64) -> FsResult<()> {
+    /// close(2) of a descriptor of `fh`, open on inode `ino` (the kernel has written back).
+    pub fn flush(&self, ino: u64, fh: u64) -> FsResult<()> {
+        // The descriptor is gone whatever happens next.
+        if let Some(d) = &self.descriptor_epochs {
+            d.closed(ino);
+        }
         let h = self.handle(fh)?;
         self.publish(&h)
     }

@@ -462,6 +462,7 @@ impl RegionFs {
         flags: i32,
     ) -> FsResult<(v1::Attr, Opened)> {
         self.check_creatable(ctx, parent, name)?;
+        self.count_open();
         let caller = self.caller(ctx);
         let name = wire(name)?;
         let name: &str = &name;

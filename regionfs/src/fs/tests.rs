@@ -259,13 +259,48 @@ fn namespace_operations() {
     assert!(st.blocks * u64::from(st.bsize) >= 60 << 20, "{st:?}");
 }
 
+/// Every open and create counts in the page of descriptor epochs before it is answered, and
+/// every flush (a close) counts in its inode's word; the mount names the page on every inode.
+#[test]
+fn opens_and_closes_count_in_the_descriptor_epoch_page() {
+    use regions_proto::descriptor_epochs::{OPENS, close_word};
+    let e = env();
+    let d = e.fs.descriptor_epochs().expect("a descriptor-epoch page");
+    let opens = d.value(OPENS);
+    let (a, fh) = e.create(ROOT_INO, "epochs");
+    assert_eq!(d.value(OPENS), opens + 1, "create did not count");
+    let closes = d.value(close_word(a.ino));
+    e.fs.flush(a.ino, fh).unwrap();
+    assert_eq!(
+        d.value(close_word(a.ino)),
+        closes + 1,
+        "flush did not count"
+    );
+    e.fs.release(fh).unwrap();
+    let o = e.fs.open(&root(), a.ino, libc::O_RDONLY).unwrap();
+    assert_eq!(d.value(OPENS), opens + 2, "open did not count");
+    e.fs.release(o.fh).unwrap();
+    let XattrOut::Data(path) =
+        e.fs.getxattr(
+            &user(),
+            a.ino,
+            os(regions_proto::descriptor_epochs::XATTR),
+            4096,
+        )
+        .unwrap()
+    else {
+        panic!("no value");
+    };
+    assert_eq!(path, d.path().as_os_str().as_bytes());
+}
+
 #[test]
 fn data_append_truncate_and_holes() {
     let e = env();
     let (a, fh) = e.create(ROOT_INO, "data");
     assert_eq!(e.fs.write(fh, 0, b"hello ").unwrap(), 6);
     assert_eq!(e.fs.write(fh, 6, b"world").unwrap(), 5);
-    e.fs.flush(fh).unwrap();
+    e.fs.flush(a.ino, fh).unwrap();
     e.fs.release(fh).unwrap();
     assert_eq!(e.read_all(a.ino), b"hello world");
     // truncate up: the hole reads as zeros; truncate down: gone

@@ -1,5 +1,5 @@
 //! Extended attributes: the manager's, the mount's own (`user.regions.agent`,
-//! `user.regions.hostid`) and the per-thread defaults (`rsetdefaultattr`).
+//! `user.regions.hostid`, `user.regions.descriptor_epochs`) and the per-thread defaults (`rsetdefaultattr`).
 
 use super::*;
 
@@ -71,6 +71,14 @@ impl RegionFs {
                 Some(path) => Ok(path.as_os_str().as_bytes().to_vec()),
                 None => Err(FsError::NoData(
                     "this mount has no host agent (start it with --agent-socket)".into(),
+                )),
+            });
+        }
+        if name == crate::descriptor_epochs::XATTR {
+            return Some(match &self.descriptor_epochs {
+                Some(d) => Ok(d.path().as_os_str().as_bytes().to_vec()),
+                None => Err(FsError::NoData(
+                    "this mount keeps no descriptor-epoch page (see its log at start)".into(),
                 )),
             });
         }
