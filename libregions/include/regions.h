@@ -54,7 +54,12 @@ int rmsync(void *addr, size_t len, int flags);
 /* Allocates len bytes inside the region (mapping it first if needed). The
  * allocator's state lives in the region, so any process that maps the region
  * can continue it. Blocks are 16-byte aligned. ENOMEM when the region is full
- * and cannot grow; EINVAL when the region's allocator header is corrupt. */
+ * and cannot grow; EINVAL when the region's allocator header is corrupt.
+ * regionfd is checked to name the same file as at the thread's last call
+ * without a system call, from the mount's counts of opens and closes; a
+ * number closed by one thread and, before that close returns, reused by
+ * another thread for a region of another mount escapes them (docs/SEMANTICS.md);
+ * rmalloc_at names the region by address instead. */
 void *rmalloc(int regionfd, size_t len);
 /* rmalloc in the mapped region containing where (the address rmap returned,
  * or any address inside that mapping). Same blocks and heap as rmalloc, but

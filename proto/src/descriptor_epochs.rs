@@ -13,11 +13,11 @@
 //!
 //! Layout: native-endian `u64` words updated with atomic adds, [`OPENS`] counting every open
 //! and create of the mount, the others counting the closes of the inodes that hash to them
-//! ([`close_word`]). A word only grows.
+//! ([`close_word`]). A word only grows; [`OPENS`] becomes [`ENDED`] when the mount ends.
 
 /// The extended attribute whose value is the page's path.
 pub const XATTR: &str = "user.regions.descriptor_epochs";
-/// Prefix of the page's file name (the mount process's pid and a count follow).
+/// Prefix of the page's file name (the mount process's pid and a random number follow).
 pub const FILE_PREFIX: &str = "descriptor-epochs.";
 /// Bytes of the page.
 pub const PAGE_LEN: usize = 4096;
@@ -25,6 +25,9 @@ pub const PAGE_LEN: usize = 4096;
 pub const WORDS: usize = PAGE_LEN / 8;
 /// The word counting opens and creates.
 pub const OPENS: usize = 0;
+/// What [`OPENS`] holds once the mount has ended (set as it stops, or by the next mount
+/// process that finds its page left behind): the page says nothing any more.
+pub const ENDED: u64 = u64::MAX;
 
 /// The word counting the closes of inode `ino`.
 pub fn close_word(ino: u64) -> usize {

@@ -9,13 +9,14 @@
 //! starts there.
 
 use std::ffi::OsString;
+use std::io::Write;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use regions_proto::descriptor_epochs::XATTR;
-use regions_proto::descriptor_epochs::{FILE_PREFIX, OPENS, PAGE_LEN, WORDS, close_word};
+use regions_proto::descriptor_epochs::{ENDED, FILE_PREFIX, OPENS, PAGE_LEN, WORDS, close_word};
 
 /// The mapped page of counters and the file that holds it.
 pub struct DescriptorEpochs {
@@ -57,7 +58,6 @@ impl DescriptorEpochs {
     /// A fresh page in `dir` (made, mode 0755, if missing; refused unless this user owns it
     /// and nobody else may write in it).
     pub fn create(dir: &Path) -> std::io::Result<DescriptorEpochs> {
-        static MADE: AtomicU32 = AtomicU32::new(0);
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o755)
@@ -75,11 +75,8 @@ impl DescriptorEpochs {
             ));
         }
         remove_stale(dir);
-        let name = format!(
-            "{FILE_PREFIX}{}.{}",
-            std::process::id(),
-            MADE.fetch_add(1, Ordering::Relaxed)
-        );
+        // A name never used before, so that an attribute naming a page names only that one.
+        let name = format!("{FILE_PREFIX}{}.{:016x}", std::process::id(), nonce()?);
         let path = dir.join(name);
         let file = std::fs::OpenOptions::new()
             .read(true)
@@ -90,7 +87,8 @@ impl DescriptorEpochs {
             .open(&path)?;
         // A umask may have taken bits away; it cannot have added any.
         file.set_permissions(std::fs::Permissions::from_mode(0o444))?;
-        file.set_len(PAGE_LEN as u64)?;
+        // Blocks, not a hole: a store into the mapping must not find the disk full.
+        (&file).write_all(&[0u8; PAGE_LEN])?;
         // SAFETY: a shared read-write mapping of the page the file now holds; the mapping
         // outlives the descriptor and is unmapped in Drop.
         let map = unsafe {
@@ -145,13 +143,38 @@ impl DescriptorEpochs {
 
 impl Drop for DescriptorEpochs {
     fn drop(&mut self) {
+        // Processes that mapped the page stop trusting it.
+        self.word(OPENS).store(ENDED, Ordering::Release);
         // SAFETY: the mapping made in `create`, not used after this.
         unsafe { libc::munmap(self.words.cast(), PAGE_LEN) };
         let _ = std::fs::remove_file(&self.path);
     }
 }
 
-/// Removes pages in `dir` whose mount process is gone.
+/// 64 random bits.
+fn nonce() -> std::io::Result<u64> {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom writes at most `b.len()` bytes into `b`.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n != b.len() as isize {
+        return Err(std::io::Error::other("getrandom gave no random bytes"));
+    }
+    Ok(u64::from_ne_bytes(b))
+}
+
+/// Marks the page of a mount that died as ended, for the processes that still map it.
+fn end_page(path: &Path) {
+    let ended = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .and_then(|f| f.write_all_at(&ENDED.to_ne_bytes(), (OPENS * 8) as u64));
+    if let Err(e) = ended {
+        tracing::debug!(path = %path.display(), error = %e, "cannot mark a left-behind descriptor-epoch page ended");
+    }
+}
+
+/// Removes pages in `dir` whose mount process is gone, marking them ended first.
 fn remove_stale(dir: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
@@ -173,6 +196,7 @@ fn remove_stale(dir: &Path) {
             && unsafe { libc::kill(pid, 0) } != 0
             && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
         if gone {
+            end_page(&e.path());
             let _ = std::fs::remove_file(e.path());
         }
     }
@@ -193,13 +217,20 @@ mod tests {
         page.opened();
         page.closed(7);
         page.closed(7);
+        let word = |bytes: &[u8], i: usize| {
+            u64::from_ne_bytes(bytes[i * 8..i * 8 + 8].try_into().unwrap())
+        };
         let bytes = std::fs::read(&path).expect("read the page");
-        let word = |i: usize| u64::from_ne_bytes(bytes[i * 8..i * 8 + 8].try_into().unwrap());
-        assert_eq!(word(OPENS), 1);
-        assert_eq!(word(close_word(7)), 2);
-        assert_eq!(word(close_word(8)), 0);
+        assert_eq!(word(&bytes, OPENS), 1);
+        assert_eq!(word(&bytes, close_word(7)), 2);
+        assert_eq!(word(&bytes, close_word(8)), 0);
+        // A reader that keeps the page sees it end.
+        let kept = std::fs::File::open(&path).unwrap();
         drop(page);
         assert!(!path.exists(), "the page's file outlived it");
+        let mut bytes = vec![0u8; PAGE_LEN];
+        kept.read_exact_at(&mut bytes, 0).unwrap();
+        assert_eq!(word(&bytes, OPENS), ENDED);
     }
 
     #[test]

@@ -19,6 +19,14 @@ fn open(path: std::path::PathBuf) -> std::fs::File {
         .unwrap_or_else(|e| panic!("open {}: {e}", path.display()))
 }
 
+/// The tests of this file one at a time: an `runmap` in one changes the process's unmap
+/// epoch, and a close moves the descriptor epochs, under the others' fast paths.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn ino_of(p: *mut libc::c_void) -> u64 {
     assert!(
         !p.is_null(),
@@ -32,6 +40,7 @@ fn ino_of(p: *mut libc::c_void) -> u64 {
 
 #[test]
 fn rmalloc_follows_the_open_file_not_the_descriptor_number() {
+    let _alone = serial();
     let cluster = Cluster::start(1, "1G").unwrap();
     let mount = cluster.mount(1).unwrap();
     let a = open(mount.path("a"));
@@ -85,6 +94,7 @@ fn rmalloc_follows_the_open_file_not_the_descriptor_number() {
 /// mapping, and a new `rmap` of the region serves it again with the same heap.
 #[test]
 fn rmalloc_at_follows_the_mapping_of_the_address() {
+    let _alone = serial();
     let cluster = Cluster::start(1, "1G").unwrap();
     let mount = cluster.mount(1).unwrap();
     let a = open(mount.path("a"));
@@ -142,18 +152,23 @@ fn rmalloc_at_follows_the_mapping_of_the_address() {
 
 /// `rmalloc(fd, len)` makes no system call to check its descriptor while the mount has seen
 /// no open and no close of the file (its page of descriptor epochs): one check after a
-/// close of another descriptor of the file, or after any open on the mount. A number closed
-/// and taken by another region in another thread is noticed: the next `rmalloc` with it
-/// allocates in the new region (with the epochs never counted, the fast path would serve
-/// the old one).
+/// close of another descriptor of the file, or after any open on the mount. A number that
+/// another thread closes and then points at another region with `dup2` (no open: only the
+/// close is counted) is noticed: the next `rmalloc` with it allocates in the new region
+/// (with closes not counted, the fast path would serve the old one).
 #[test]
 fn rmalloc_fd_checks_its_descriptor_only_after_an_open_or_a_close() {
+    let _alone = serial();
     let cluster = Cluster::start(1, "1G").unwrap();
     let mount = cluster.mount(1).unwrap();
     let a = open(mount.path("a"));
     let other = open(mount.path("other"));
+    let b = open(mount.path("b"));
     let fd = a.as_raw_fd();
     let ino_a = ino_of(rmalloc(fd, 64));
+    let ino_b = ino_of(rmalloc(b.as_raw_fd(), 64));
+    assert_ne!(ino_a, ino_b);
+    assert_eq!(ino_of(rmalloc(fd, 64)), ino_a);
 
     let before = descriptor_checks();
     for _ in 0..1000 {
@@ -173,7 +188,7 @@ fn rmalloc_fd_checks_its_descriptor_only_after_an_open_or_a_close() {
         assert_eq!(ino_of(rmalloc(fd, 64)), ino_a);
     }
     assert_eq!(descriptor_checks(), before + 1, "after a close of the file");
-    // A close of another file (a neighbouring inode: another word) needs none.
+    // A close of another file (the next inode: another word) needs none.
     drop(other);
     assert_eq!(ino_of(rmalloc(fd, 64)), ino_a);
     assert_eq!(
@@ -190,25 +205,30 @@ fn rmalloc_fd_checks_its_descriptor_only_after_an_open_or_a_close() {
         "after an open on the mount"
     );
     drop(reader);
+    assert_eq!(ino_of(rmalloc(fd, 64)), ino_a);
 
-    // Another thread closes the number and opens another region, which takes it.
+    // Another thread closes the number and makes it name region b (dup2 onto a free
+    // number: neither an open nor another close).
     let number = a.into_raw_fd();
-    let b_path = mount.path("b");
-    let b = std::thread::spawn(move || {
-        // SAFETY: `number` is ours (taken out of `a`), closed once here.
-        assert_eq!(unsafe { libc::close(number) }, 0);
-        let b = open(b_path);
-        assert_eq!(b.as_raw_fd(), number, "the lowest free number is reused");
-        b
+    let b_fd = b.as_raw_fd();
+    std::thread::spawn(move || {
+        // SAFETY: `number` is ours (taken out of `a`), closed once here, then made a
+        // duplicate of `b`'s descriptor, which stays open.
+        unsafe {
+            assert_eq!(libc::close(number), 0);
+            assert_eq!(libc::dup2(b_fd, number), number);
+        }
     })
     .join()
     .unwrap();
     let pb = rmalloc(number, 64);
-    assert_ne!(
+    assert_eq!(
         ino_of(pb),
-        ino_a,
-        "rmalloc served a closed descriptor's region to the file now open under its number"
+        ino_b,
+        "rmalloc served a closed descriptor's region to the region now under its number"
     );
     assert_eq!(rfree(pb), 0);
+    // SAFETY: our duplicate of b, closed once.
+    assert_eq!(unsafe { libc::close(number) }, 0);
     drop(b);
 }

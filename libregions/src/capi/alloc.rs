@@ -294,9 +294,12 @@ fn remember_fd(fd: c_int, key: (u64, u64), m: &Mapping, heap: &Arc<SharedHeap>, 
     if !KCMP_WORKS.load(Ordering::Relaxed) {
         return;
     }
-    let page = descriptor_epochs::page_for(fd);
+    let mut page = descriptor_epochs::page_for(fd);
     // Read before the duplicate is taken: a close or open after it moves the words.
     let seen = page.map(|p| p.seen(key.1));
+    if seen.is_some_and(|s| s.ended()) {
+        page = None;
+    }
     // SAFETY: F_DUPFD_CLOEXEC duplicates the caller's open descriptor.
     let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 3) };
     if dup < 0 {

@@ -2,11 +2,12 @@
 //! ([`regions_proto::descriptor_epochs`]): how `rmalloc(fd, len)` knows, without a system
 //! call, that `fd` still names the region it named when the thread last checked it.
 //!
-//! Pages are found once per mount and kept for the life of the process (4 KiB each): by the
-//! mount's unique id where the kernel gives one (`STATX_MNT_ID_UNIQUE`, Linux 6.8), else by
-//! its device and mount id. A page is used only if it is a regular file of one page that
-//! root or this user owns and nobody else may write; otherwise, or when the mount names
-//! none, the caller checks with `kcmp` as before.
+//! Pages are found once per mount and kept for the life of the process (4 KiB each), by the
+//! mount's unique id (`STATX_MNT_ID_UNIQUE`, Linux 6.8; on older kernels, whose mount ids
+//! come back after an unmount, there is no fast path). A page is used only if it is a
+//! regular file of one page that root or this user owns and nobody else may write, and
+//! only while it has not ended (its mount stopped); otherwise, or when the mount names
+//! none, the caller checks every call with `kcmp`.
 
 use std::collections::HashMap;
 use std::ffi::{CString, c_int};
@@ -14,7 +15,7 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-use regions_proto::descriptor_epochs::{OPENS, PAGE_LEN, XATTR, close_word};
+use regions_proto::descriptor_epochs::{ENDED, OPENS, PAGE_LEN, XATTR, close_word};
 
 /// `STATX_MNT_ID_UNIQUE` of linux/stat.h (Linux 6.8).
 const STATX_MNT_ID_UNIQUE: u32 = 0x4000;
@@ -53,13 +54,15 @@ impl EpochPage {
     }
 }
 
-/// A mount, as statx names it.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-struct MountKey {
-    unique: bool,
-    mnt_id: u64,
-    dev: u64,
+impl Seen {
+    /// Whether the page had ended (its mount stopped): it tells nothing.
+    pub(super) fn ended(&self) -> bool {
+        self.opens == ENDED
+    }
 }
+
+/// A mount, by the unique id statx gives it (never reused while the system runs).
+type MountKey = u64;
 
 fn mount_key(fd: c_int) -> Option<MountKey> {
     // SAFETY: statx writes into `st`, a properly sized out parameter; the empty path with
@@ -71,18 +74,11 @@ fn mount_key(fd: c_int) -> Option<MountKey> {
             fd,
             c"".as_ptr(),
             libc::AT_EMPTY_PATH | libc::AT_STATX_DONT_SYNC,
-            STATX_MNT_ID_UNIQUE | libc::STATX_MNT_ID,
+            STATX_MNT_ID_UNIQUE,
             &mut st,
         )
     };
-    if r != 0 || st.stx_mask & (STATX_MNT_ID_UNIQUE | libc::STATX_MNT_ID) == 0 {
-        return None;
-    }
-    Some(MountKey {
-        unique: st.stx_mask & STATX_MNT_ID_UNIQUE != 0,
-        mnt_id: st.stx_mnt_id,
-        dev: libc::makedev(st.stx_dev_major, st.stx_dev_minor),
-    })
+    (r == 0 && st.stx_mask & STATX_MNT_ID_UNIQUE != 0).then_some(st.stx_mnt_id)
 }
 
 /// The page of the mount `fd` lies on, if it keeps one we may trust.
