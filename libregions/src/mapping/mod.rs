@@ -112,6 +112,11 @@ pub struct Mapping {
     /// Page after the last missing fault's window: a fault there means sequential access,
     /// which starts read-ahead of the next windows.
     next_sequential: AtomicUsize,
+    /// Pages the next fault that is neither sequential nor next to a page that is here fetches
+    /// (0: the whole prefetch window): a run of such faults halves it down to one page, and any
+    /// other fault restores it, so that random access fetches what it touches and sequential
+    /// access fetches ahead.
+    random_window: AtomicUsize,
     /// End of the pages handed to background read-ahead.
     frontier: AtomicUsize,
     /// Held while protection and page states change together: `make_dirty` marking pages and
@@ -360,6 +365,7 @@ pub fn map_region(region: Arc<Region>) -> Result<Arc<Mapping>> {
         pages: RwLock::new(Vec::new()),
         segment: Mutex::new(None),
         next_sequential: AtomicUsize::new(usize::MAX),
+        random_window: AtomicUsize::new(0),
         frontier: AtomicUsize::new(0),
         parked: AtomicU64::new(0),
         protect: Mutex::new(()),
@@ -839,13 +845,29 @@ impl Mapping {
         }
     }
 
+    /// Pages a missing fault fetches: the whole window when access is sequential or near what
+    /// is there (`local`), else the random window, which halves for the next one (see
+    /// `random_window`).
+    fn fault_window(&self, local: bool, max: usize) -> usize {
+        if local {
+            self.random_window.store(0, Ordering::Relaxed);
+            return max;
+        }
+        let w = match self.random_window.load(Ordering::Relaxed) {
+            0 => max,
+            w => w.min(max),
+        };
+        self.random_window.store((w / 2).max(1), Ordering::Relaxed);
+        w
+    }
+
     /// Serves a missing fault at page `p`.
     fn fault_missing(&self, faults: &Faults, p: usize) {
         let pages = match self.pages.read() {
             Ok(p) => p,
             Err(_) => return faults.lose(self.base + p * PAGE, PAGE),
         };
-        let window = prefetch_pages();
+        let max_window = prefetch_pages();
         let total = pages.len();
         // Counted before the state is read: a settle that marks the page after this read
         // sees the count and wakes the thread parked below.
@@ -853,24 +875,37 @@ impl Mapping {
         let state = pages.get(p).map_or(LOST, |s| s.load(Ordering::SeqCst));
         let c = p / CHUNK_PAGES;
         let chunk_end = ((c + 1) * CHUNK_PAGES).min(total);
-        let window_end = (p + window).min(chunk_end);
         // Sequential access (a fault where the last window ended, at the read-ahead frontier,
         // or inside read-ahead still in flight): fetch the next windows in the background.
         let frontier = self.frontier.load(Ordering::Relaxed);
         let sequential = p == self.next_sequential.load(Ordering::Relaxed)
             || p == frontier
-            || (state == FETCHING && p < frontier && p + READ_AHEAD * window >= frontier);
-        if sequential && window > 1 {
+            || (state == FETCHING && p < frontier && p + READ_AHEAD * max_window >= frontier);
+        // The page before is here or coming: access near what was touched (another thread's
+        // stream, say), which fetches whole windows too.
+        let near = p
+            .checked_sub(1)
+            .and_then(|q| pages.get(q))
+            .is_some_and(|s| {
+                matches!(
+                    s.load(Ordering::Relaxed),
+                    FETCHING | CLEAN | DIRTY | SYNCING
+                )
+            });
+        let window = self.fault_window(sequential || near, max_window);
+        let window_end = (p + window).min(chunk_end);
+        if sequential && max_window > 1 {
             let start = frontier.max(window_end);
             // In pieces, so that the read-ahead threads fetch in parallel, each aligned to its
             // size in the address space: threads installing into one page table contend for
             // its lock, and aligned pieces of 1 MiB put at most two there.
-            let piece = window * READ_AHEAD_PIECE;
+            let piece = max_window * READ_AHEAD_PIECE;
             let abs = self.base / PAGE;
             // Up to READ_AHEAD windows ahead of this fault, not of the frontier: a reader
             // that keeps catching up with installs in flight must not push read-ahead on
             // without bound (each such fault would add as much again).
-            let end = ((abs + p + window * READ_AHEAD).div_ceil(piece) * piece - abs).min(total);
+            let end =
+                ((abs + p + max_window * READ_AHEAD).div_ceil(piece) * piece - abs).min(total);
             // One fault takes the frontier forward (another one at the same time, or an
             // `rclearcache` pulling it back, wins instead).
             if end > start
