@@ -69,23 +69,8 @@ fn identity(fd: c_int) -> Result<(u64, u64)> {
             format!("{fd} is not a file descriptor"),
         ));
     }
-    // SAFETY: statx writes into `st`, a properly sized out parameter; the
-    // empty path with AT_EMPTY_PATH names `fd` itself.
-    let mut st: libc::statx = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    let r = unsafe {
-        libc::statx(
-            fd,
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH | libc::AT_STATX_DONT_SYNC,
-            libc::STATX_INO,
-            &mut st,
-        )
-    };
-    if r != 0 {
-        let e = std::io::Error::last_os_error();
-        return Err(RegionsError::io(format!("statx of fd {fd}"), e));
-    }
+    let st = super::statx_fd(fd, libc::STATX_INO)
+        .map_err(|e| RegionsError::io(format!("statx of fd {fd}"), e))?;
     Ok((
         libc::makedev(st.stx_dev_major, st.stx_dev_minor),
         st.stx_ino,

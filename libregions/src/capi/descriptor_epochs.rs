@@ -65,20 +65,8 @@ impl Seen {
 type MountKey = u64;
 
 fn mount_key(fd: c_int) -> Option<MountKey> {
-    // SAFETY: statx writes into `st`, a properly sized out parameter; the empty path with
-    // AT_EMPTY_PATH names `fd` itself.
-    let mut st: libc::statx = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    let r = unsafe {
-        libc::statx(
-            fd,
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH | libc::AT_STATX_DONT_SYNC,
-            STATX_MNT_ID_UNIQUE,
-            &mut st,
-        )
-    };
-    (r == 0 && st.stx_mask & STATX_MNT_ID_UNIQUE != 0).then_some(st.stx_mnt_id)
+    let st = super::statx_fd(fd, STATX_MNT_ID_UNIQUE).ok()?;
+    (st.stx_mask & STATX_MNT_ID_UNIQUE != 0).then_some(st.stx_mnt_id)
 }
 
 /// The page of the mount `fd` lies on, if it keeps one we may trust.

@@ -27,6 +27,28 @@ pub(crate) fn set_errno(e: i32) {
     unsafe { *libc::__errno_location() = e };
 }
 
+/// `statx` of open descriptor `fd` itself for `mask`, from the kernel's inode without asking
+/// the file system (`AT_STATX_DONT_SYNC`).
+pub(crate) fn statx_fd(fd: c_int, mask: u32) -> std::io::Result<libc::statx> {
+    // SAFETY: statx writes into `st`, a properly sized out parameter; the empty path with
+    // AT_EMPTY_PATH names `fd` itself.
+    let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let r = unsafe {
+        libc::statx(
+            fd,
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH | libc::AT_STATX_DONT_SYNC,
+            mask,
+            &mut st,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(st)
+}
+
 /// Environment variable that makes every failing C call print its error
 /// (what failed and why) to stderr; C callers otherwise see only `errno`.
 pub const DEBUG_ENV: &str = "REGIONS_DEBUG";
