@@ -112,11 +112,13 @@ pub struct Mapping {
     /// Page after the last missing fault's window: a fault there means sequential access,
     /// which starts read-ahead of the next windows.
     next_sequential: AtomicUsize,
-    /// Pages the next fault that is neither sequential nor next to a page that is here fetches
-    /// (0: the whole prefetch window): a run of such faults halves it down to one page, and any
-    /// other fault restores it, so that random access fetches what it touches and sequential
-    /// access fetches ahead.
+    /// The window of the last missing fault, which the next one starts from (0: the whole
+    /// prefetch window): a run of faults far apart halves it down to one page, faults near
+    /// what is here double it, and a sequential fault restores it, so that random access
+    /// fetches what it touches and sequential access fetches ahead.
     random_window: AtomicUsize,
+    /// Page of the last missing fault.
+    last_missing: AtomicUsize,
     /// End of the pages handed to background read-ahead.
     frontier: AtomicUsize,
     /// Held while protection and page states change together: `make_dirty` marking pages and
@@ -366,6 +368,7 @@ pub fn map_region(region: Arc<Region>) -> Result<Arc<Mapping>> {
         segment: Mutex::new(None),
         next_sequential: AtomicUsize::new(usize::MAX),
         random_window: AtomicUsize::new(0),
+        last_missing: AtomicUsize::new(usize::MAX),
         frontier: AtomicUsize::new(0),
         parked: AtomicU64::new(0),
         protect: Mutex::new(()),
@@ -845,19 +848,29 @@ impl Mapping {
         }
     }
 
-    /// Pages a missing fault fetches: the whole window when access is sequential or near what
-    /// is there (`local`), else the random window, which halves for the next one (see
+    /// Pages a missing fault fetches: the whole window when access is `sequential`; twice the
+    /// last (up to the whole window) when it is `local` (next to a page that is here, or a
+    /// little ahead of the last missing fault); else half the last, down to one page (see
     /// `random_window`).
-    fn fault_window(&self, local: bool, max: usize) -> usize {
-        if local {
-            self.random_window.store(0, Ordering::Relaxed);
-            return max;
-        }
-        let w = match self.random_window.load(Ordering::Relaxed) {
+    fn fault_window(&self, sequential: bool, local: bool, max: usize) -> usize {
+        let last = match self.random_window.load(Ordering::Relaxed) {
             0 => max,
             w => w.min(max),
         };
-        self.random_window.store((w / 2).max(1), Ordering::Relaxed);
+        let w = if sequential {
+            max
+        } else if local {
+            (last * 2).min(max)
+        } else {
+            last
+        };
+        let next = if sequential || local {
+            w
+        } else {
+            (w / 2).max(1)
+        };
+        self.random_window
+            .store(if next == max { 0 } else { next }, Ordering::Relaxed);
         w
     }
 
@@ -892,7 +905,15 @@ impl Mapping {
                     FETCHING | CLEAN | DIRTY | SYNCING
                 )
             });
-        let window = self.fault_window(sequential || near, max_window);
+        // A little ahead of the last missing fault: a forward walk with gaps (a stride).
+        let last = self.last_missing.load(Ordering::Relaxed);
+        let forward = p > last && p - last <= max_window;
+        let window = if state == MISSING {
+            self.last_missing.store(p, Ordering::Relaxed);
+            self.fault_window(sequential, near || forward, max_window)
+        } else {
+            max_window
+        };
         let window_end = (p + window).min(chunk_end);
         if sequential && max_window > 1 {
             let start = frontier.max(window_end);
@@ -933,7 +954,14 @@ impl Mapping {
             // it lets anything else use the page.
             _ => return faults.wake(self.base + p * PAGE, PAGE),
         }
-        self.next_sequential.store(window_end, Ordering::Relaxed);
+        // After a small window, a fault on the next page is near, not the next window of a
+        // stream: read-ahead waits for a fault a whole window on.
+        let next = if window < max_window {
+            p + max_window
+        } else {
+            window_end
+        };
+        self.next_sequential.store(next, Ordering::Relaxed);
         let runs = Self::claim(&pages, p, window_end);
         drop(pages);
         if runs.first().is_none_or(|r| r.0 != p) {
