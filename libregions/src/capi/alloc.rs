@@ -77,20 +77,14 @@ fn identity(fd: c_int) -> Result<(u64, u64)> {
     ))
 }
 
-/// The last descriptor a thread allocated with.
+/// The last descriptor a thread allocated with: what the fast path reads ([`FastFd`], kept
+/// in step with the thread's copy of it), the duplicate `kcmp` compares `fd` with, and the
+/// heap.
 struct LastFd {
-    fd: c_int,
-    /// A duplicate of `fd` taken when it was resolved: `kcmp` compares them.
+    fast: Cell<FastFd>,
+    /// A duplicate of the descriptor taken when it was resolved.
     dup: OwnedFd,
-    /// The inode `fd` is open on (as `statx` gives it, which is the FUSE node id).
-    ino: u64,
-    /// The mount's page of descriptor epochs, and what it said before `fd` was last checked.
-    page: Option<&'static EpochPage>,
-    seen: Cell<Option<Seen>>,
-    /// Base of the mapping of the heap.
-    map_base: usize,
     heap: Arc<SharedHeap>,
-    epoch: u64,
 }
 
 /// The last mapping a thread allocated or freed in.
@@ -128,14 +122,19 @@ const NO_ARENA: FastArena = FastArena {
 /// Allocations served from [`FastArena`] between two through the shared heap.
 const FAST_ARENA_RUN: u32 = 256;
 
-/// [`LastFd`] as the fast path reads it: a copy, without reference counts or borrows.
+/// The last descriptor a thread allocated with, as the fast path reads it: a copy, without
+/// reference counts or borrows.
 #[derive(Clone, Copy)]
 struct FastFd {
     fd: c_int,
+    /// The inode `fd` is open on (as `statx` gives it, which is the FUSE node id).
     ino: u64,
+    /// The mount's page of descriptor epochs, and what it said before `fd` was last checked.
     page: Option<&'static EpochPage>,
     seen: Option<Seen>,
+    /// Base of the mapping of the heap.
     map_base: usize,
+    /// The unmap epoch the heap and mapping are valid for.
     epoch: u64,
 }
 
@@ -298,32 +297,22 @@ fn remember_fd(fd: c_int, key: (u64, u64), m: &Mapping, heap: &Arc<SharedHeap>, 
     }
     let _ = LAST_FD.try_with(|l| {
         if let Ok(mut l) = l.try_borrow_mut() {
-            *l = Some(LastFd {
+            let fast = FastFd {
                 fd,
-                dup,
                 ino: key.1,
                 page,
-                seen: Cell::new(seen),
+                seen,
                 map_base: m.base() as usize,
-                heap: Arc::clone(heap),
                 epoch,
+            };
+            *l = Some(LastFd {
+                fast: Cell::new(fast),
+                dup,
+                heap: Arc::clone(heap),
             });
-            remember_fast_fd(l.as_ref());
+            let _ = FAST_FD.try_with(|c| c.set(fast));
         }
     });
-}
-
-/// Copies the thread's [`LastFd`] (or nothing) to its [`FastFd`].
-fn remember_fast_fd(l: Option<&LastFd>) {
-    let f = l.map_or(NO_FD, |l| FastFd {
-        fd: l.fd,
-        ino: l.ino,
-        page: l.page,
-        seen: l.seen.get(),
-        map_base: l.map_base,
-        epoch: l.epoch,
-    });
-    let _ = FAST_FD.try_with(|c| c.set(f));
 }
 
 /// `rmalloc(fd)` from the thread's [`FastFd`] and [`FastArena`], without a system call:
@@ -332,7 +321,6 @@ fn remember_fast_fd(l: Option<&LastFd>) {
 fn alloc_fd_arena(fd: c_int, len: usize) -> Option<Result<*mut u8>> {
     let f = FAST_FD.try_with(Cell::get).ok()?;
     if f.fd != fd
-        || f.seen.is_none()
         || f.page?.seen(f.ino) != f.seen?
         || f.epoch != crate::rmalloc::unmap_epoch_registered()
     {
@@ -341,22 +329,24 @@ fn alloc_fd_arena(fd: c_int, len: usize) -> Option<Result<*mut u8>> {
     alloc_arena(f.map_base as *const u8, len)
 }
 
-/// Whether `e.fd` still names the open file `e` remembers: no system call while the
-/// mount's descriptor epochs are as they were at the last check, else one `kcmp`.
+/// Whether the descriptor `e` remembers still names the same open file: no system call
+/// while the mount's descriptor epochs are as they were at the last check, else one `kcmp`.
 #[inline]
 fn still_same_file(e: &LastFd) -> bool {
-    let Some(page) = e.page else {
-        return same_file(e.fd, e.dup.as_raw_fd());
+    let mut f = e.fast.get();
+    let Some(page) = f.page else {
+        return same_file(f.fd, e.dup.as_raw_fd());
     };
-    let now = page.seen(e.ino);
-    if e.seen.get() == Some(now) {
+    let now = page.seen(f.ino);
+    if f.seen == Some(now) {
         return true;
     }
-    if !same_file(e.fd, e.dup.as_raw_fd()) {
+    if !same_file(f.fd, e.dup.as_raw_fd()) {
         return false;
     }
-    e.seen.set(Some(now));
-    remember_fast_fd(Some(e));
+    f.seen = Some(now);
+    e.fast.set(f);
+    let _ = FAST_FD.try_with(|c| c.set(f));
     true
 }
 
@@ -366,12 +356,14 @@ fn alloc_fast(fd: c_int, len: usize) -> Option<Result<*mut u8>> {
         .try_with(|l| {
             let l = l.try_borrow().ok()?;
             let e = l.as_ref()?;
-            if e.fd != fd || e.epoch != crate::rmalloc::unmap_epoch() || !still_same_file(e) {
+            let f = e.fast.get();
+            if f.fd != fd || f.epoch != crate::rmalloc::unmap_epoch() || !still_same_file(e) {
                 return None;
             }
+            let base = f.map_base as *const u8;
             Some(
-                alloc_arena(e.map_base as *const u8, len)
-                    .or_else(|| alloc_fast_at(e.map_base as *const u8, len))
+                alloc_arena(base, len)
+                    .or_else(|| alloc_fast_at(base, len))
                     .unwrap_or_else(|| e.heap.alloc(len)),
             )
         })
