@@ -234,17 +234,26 @@ mod tests {
     }
 
     #[test]
-    fn pages_of_dead_mount_processes_are_removed() {
+    fn pages_of_dead_mount_processes_are_ended_and_removed() {
         let dir = tempfile::tempdir().expect("a temporary directory");
         // No process has pid 2^22 + 1 (above the kernel's pid limit).
         let stale = dir.path().join(format!("{FILE_PREFIX}4194305.0"));
         let mine = dir
             .path()
             .join(format!("{FILE_PREFIX}{}.99", std::process::id()));
-        std::fs::write(&stale, b"x").unwrap();
+        std::fs::write(&stale, [0u8; PAGE_LEN]).unwrap();
         std::fs::write(&mine, b"x").unwrap();
+        // A process that still maps the dead mount's page sees it end.
+        let kept = std::fs::File::open(&stale).unwrap();
         let page = DescriptorEpochs::create(dir.path()).expect("a page");
         assert!(!stale.exists(), "a dead mount's page was kept");
+        let mut opens = [0u8; 8];
+        kept.read_exact_at(&mut opens, (OPENS * 8) as u64).unwrap();
+        assert_eq!(
+            u64::from_ne_bytes(opens),
+            ENDED,
+            "a dead mount's page was not marked ended"
+        );
         assert!(mine.exists(), "a live mount's page was removed");
         drop(page);
     }
