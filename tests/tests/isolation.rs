@@ -158,6 +158,52 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// The page of descriptor epochs the mount keeps (which `rmalloc(fd)` trusts to skip its
+/// `kcmp`) cannot be changed, replaced or imitated by another user: every route refused,
+/// and its counts still move with the mount's opens.
+#[test]
+fn another_user_cannot_change_or_plant_a_descriptor_epoch_page() {
+    let s = setup();
+    s.region("file", b"x", 0o644);
+    let file = s.mount.path("file");
+    let path = {
+        let c_file = std::ffi::CString::new(file.as_os_str().as_encoded_bytes()).unwrap();
+        let name = std::ffi::CString::new("user.regions.descriptor_epochs").unwrap();
+        let mut buf = vec![0u8; 4096];
+        // SAFETY: NUL-terminated strings and a writable buffer of buf.len() bytes.
+        let n = unsafe {
+            libc::getxattr(
+                c_file.as_ptr(),
+                name.as_ptr(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+            )
+        };
+        assert!(n > 0, "no page named: {}", std::io::Error::last_os_error());
+        buf.truncate(n as usize);
+        PathBuf::from(String::from_utf8(buf).expect("a path"))
+    };
+    let before = std::fs::read(&path).expect("the page");
+    let out = s.attack(&["epoch-page", path.to_str().expect("a path")]);
+    assert_eq!(out.get("read").map(String::as_str), Some("ok"), "{out:?}");
+    refused(&out, "open-write", &[libc::EACCES]);
+    refused(&out, "mmap-writable", &[libc::EACCES]);
+    refused(&out, "mprotect-writable", &[libc::EACCES]);
+    refused(&out, "chmod", &[libc::EPERM]);
+    refused(&out, "unlink", &[libc::EACCES]);
+    refused(&out, "plant", &[libc::EACCES]);
+    // The page is the mount's still: an open counts in it.
+    drop(std::fs::File::open(&file).unwrap());
+    let after = std::fs::read(&path).expect("the page after the attack");
+    assert_eq!(after.len(), before.len());
+    assert!(
+        u64::from_ne_bytes(after[..8].try_into().unwrap())
+            > u64::from_ne_bytes(before[..8].try_into().unwrap()),
+        "the opens word did not move"
+    );
+    drop(s);
+}
+
 #[test]
 fn a_reader_of_a_local_segment_cannot_write_or_seal_it_by_any_route() {
     let s = setup();

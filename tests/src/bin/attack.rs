@@ -19,6 +19,8 @@
 //! regions-attack SOCKET sync-slot NAME      (the capability of one mutex against the others)
 //! regions-attack SOCKET revoked INO         (reads with a capability, waits for a line on
 //!                                            stdin while root changes the region, reads again)
+//! regions-attack SOCKET epoch-page PATH     (a mount's page of descriptor epochs: every way
+//!                                            to change it, or to plant another in its place)
 //! ```
 //!
 //! Each attempt prints `NAME: refused ERRNO`, or `NAME: ALLOWED` when the attack worked. Set-up
@@ -606,6 +608,47 @@ fn revoked(agent: &mut AgentClient, socket: &Path, ino: u64) -> anyhow::Result<(
     Ok(())
 }
 
+/// Every way to change a mount's page of descriptor epochs at `path` (so that `rmalloc(fd)` in
+/// another user's process would skip its check), or to put a page of one's own beside it.
+fn epoch_page(path: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let io = |r: std::io::Result<()>| r.map_err(|e| e.raw_os_error().unwrap_or(libc::EIO));
+    report(
+        "open-write",
+        io(std::fs::OpenOptions::new().write(true).open(path).map(drop)),
+    );
+    match File::open(path) {
+        Ok(f) => {
+            println!("read: ok");
+            report(
+                "mmap-writable",
+                raw::map_shared(f.as_raw_fd(), 4096, libc::PROT_READ | libc::PROT_WRITE),
+            );
+            report(
+                "mprotect-writable",
+                raw::mprotect_writable(f.as_raw_fd(), 4096),
+            );
+        }
+        Err(e) => println!("read: failed {}", e.raw_os_error().unwrap_or(libc::EIO)),
+    }
+    report(
+        "chmod",
+        io(std::fs::set_permissions(
+            path,
+            std::fs::Permissions::from_mode(0o666),
+        )),
+    );
+    report("unlink", io(std::fs::remove_file(path)));
+    let dir = path.parent().unwrap_or(Path::new("/"));
+    report(
+        "plant",
+        io(std::fs::write(
+            dir.join("descriptor-epochs.1.planted"),
+            [0u8; 4096],
+        )),
+    );
+}
+
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (Some(socket), Some(command), Some(first)) = (args.first(), args.get(1), args.get(2))
@@ -640,6 +683,7 @@ fn main() -> anyhow::Result<()> {
             );
         }
         "close" => report_call("close", agent.map_close(number()?)),
+        "epoch-page" => epoch_page(Path::new(first)),
         "sync" => {
             // FIRST is the object's name here.
             let sync = regions::sync::SyncClient::connect(Path::new(socket));
