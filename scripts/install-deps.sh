@@ -20,9 +20,29 @@
 #                  the POSIX conformance suite, numpy.memmap and ctypes examples
 #   r-cran-ff      the R demo (paper section 8.6)
 #   systemd        systemd-analyze, which checks the service files of packaging/systemd
+#   libibverbs-dev cmake libnl-3-dev libnl-route-3-dev
+#                  the RDMA transport: libibverbs, and what its bindings are built with
+#   ibverbs-providers
+#                  the user-space drivers of RDMA devices (soft-RoCE's among them)
+#   qemu-system-x86 linux-image-amd64 busybox-static
+#                  the RDMA tests: they boot Debian's kernel, which has soft-RoCE
+#                  (rdma_rxe), in a VM with virtme-ng (from PyPI: `pip install virtme-ng`,
+#                  which this script runs too)
 set -eu
 
-packages="ca-certificates fuse3 libclang-dev gcc make pkg-config attr iproute2 python3 python3-numpy r-cran-ff systemd"
+packages="ca-certificates fuse3 libclang-dev gcc make pkg-config attr iproute2 python3 python3-numpy r-cran-ff systemd libibverbs-dev cmake libnl-3-dev libnl-route-3-dev ibverbs-providers qemu-system-x86 linux-image-amd64 busybox-static"
+
+# virtme-ng (PyPI), which boots the RDMA tests' VM; after the Debian packages.
+install_virtme_ng() {
+    if command -v vng >/dev/null 2>&1 || python3 -c 'import virtme_ng' 2>/dev/null; then
+        return 0
+    fi
+    if [ "$(id -u)" != 0 ]; then
+        echo "missing virtme-ng; run this script as root (sudo $0)" >&2
+        exit 1
+    fi
+    python3 -m pip install --quiet virtme-ng
+}
 
 case "${1:-}" in
 --list)
@@ -45,6 +65,7 @@ for p in $packages; do
     dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"
 done
 if [ -z "$missing" ]; then
+    install_virtme_ng
     exit 0
 fi
 if [ "$(id -u)" != 0 ]; then
@@ -59,3 +80,4 @@ export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 # shellcheck disable=SC2086 # one word per package
 apt-get install -y -qq --no-install-recommends $missing
+install_virtme_ng

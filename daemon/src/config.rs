@@ -98,11 +98,30 @@ pub struct Args {
     /// (docs/SECURITY.md): use it only where local users are trusted with this host's memory.
     #[arg(long, env = "REGIONS_SHARE_WRITABLE_SEGMENTS")]
     pub share_writable_segments: bool,
+    /// Data transports to serve: `auto` (tcp, and RDMA too when an RDMA device is found),
+    /// `tcp` (tcp only), `rdma` (tcp and RDMA; fails to start without a device).
+    #[arg(long, env = "REGIONS_TRANSPORT", value_enum, default_value_t = TransportChoice::Auto)]
+    pub transport: TransportChoice,
+    /// RDMA device to serve on (`ibv_devices` lists them); default: the first one.
+    #[arg(long, env = "REGIONS_RDMA_DEVICE")]
+    pub rdma_device: Option<String>,
+    /// GID index of the RDMA port (RoCE: which address of the interface).
+    #[arg(long, env = "REGIONS_RDMA_GID_INDEX", default_value_t = 0)]
+    pub rdma_gid_index: u8,
     #[command(flatten)]
     pub config: regions_proto::config::ConfigArgs,
 }
 
 pub use regions_proto::config::parse_size;
+use regions_proto::transport_choice::TransportChoice;
+
+/// Which RDMA the daemon serves, if any.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RdmaConfig {
+    pub choice: TransportChoice,
+    pub device: Option<String>,
+    pub gid_index: u8,
+}
 
 /// Everything a daemon needs to start.
 #[derive(Debug, Clone)]
@@ -123,6 +142,8 @@ pub struct Config {
     pub socket: PathBuf,
     /// The cluster secret.
     pub secret: Secret,
+    /// Whether and where to serve RDMA.
+    pub rdma: RdmaConfig,
     /// Where to write the transport address once serving.
     pub ready_file: Option<PathBuf>,
     /// Heartbeat interval (default: a third of the lease).
@@ -162,6 +183,7 @@ impl Config {
             heartbeat: None,
             startup_timeout: Duration::from_secs(60),
             transport: TransportConfig::default(),
+            rdma: RdmaConfig::default(),
             metrics_listen: None,
             destructive_event_delay: Duration::ZERO,
             segment_writers: crate::agent::SegmentWriters::default(),
@@ -192,6 +214,11 @@ impl Config {
                 },
                 max_buffered: args.max_buffered,
                 ..TransportConfig::default()
+            },
+            rdma: RdmaConfig {
+                choice: args.transport,
+                device: args.rdma_device.clone(),
+                gid_index: args.rdma_gid_index,
             },
             metrics_listen: args.metrics_listen,
             destructive_event_delay: Duration::from_millis(args.test_destructive_event_delay_ms),

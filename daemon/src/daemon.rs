@@ -116,6 +116,7 @@ impl Daemon {
             Arc::clone(&stats),
             config.transport,
         )?;
+        start_rdma(&transport, &config.rdma)?;
         let mut registration = Registration::new(
             clients,
             config.host_id,
@@ -295,6 +296,38 @@ fn write_ready_file(path: &Path, contents: &str) -> Result<()> {
     std::fs::write(&tmp, contents)
         .and_then(|()| std::fs::rename(&tmp, path))
         .map_err(|e| DaemonError::sys(format!("cannot write the ready file {}", path.display()), e))
+}
+
+/// Serves RDMA on the transport as `rdma` says: `tcp` never; `auto` when a device opens
+/// (else tcp only, said once in the log); `rdma` or fail.
+fn start_rdma(transport: &TransportServer, rdma: &crate::config::RdmaConfig) -> Result<()> {
+    use regions_proto::transport_choice::TransportChoice;
+    if rdma.choice == TransportChoice::Tcp {
+        return Ok(());
+    }
+    #[cfg(feature = "rdma")]
+    match crate::rdma::Rdma::open(rdma.device.as_deref(), rdma.gid_index) {
+        Ok(r) => {
+            tracing::info!(device = r.device_name(), "serving RDMA beside tcp");
+            transport.serve_rdma(Arc::new(r));
+            Ok(())
+        }
+        Err(e) if rdma.choice == TransportChoice::Auto => {
+            tracing::info!(reason = %e, "no RDMA: serving tcp only");
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
+    #[cfg(not(feature = "rdma"))]
+    {
+        let _ = transport;
+        if rdma.choice == TransportChoice::Rdma {
+            return Err(crate::error::DaemonError::NoRdma(
+                "--transport rdma: this daemon was built without the rdma feature".into(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

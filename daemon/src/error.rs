@@ -48,6 +48,12 @@ pub enum DaemonError {
     /// Permission refused (bad transport secret, manager's access check).
     #[error("{0}")]
     Denied(String),
+    /// An RDMA verbs call failed.
+    #[error("RDMA: {0}")]
+    Rdma(String),
+    /// This daemon serves no RDMA (none configured or found, or built without it).
+    #[error("{0}")]
+    NoRdma(String),
     /// An access through a stale map (`ESTALE`).
     #[error("{0}")]
     Stale(String),
@@ -170,6 +176,8 @@ impl DaemonError {
             DaemonError::SocketDir { .. } => libc::ENOENT,
             DaemonError::SocketInUse { .. } => libc::EADDRINUSE,
             DaemonError::ManagerUnreachable { .. } => libc::EIO,
+            DaemonError::Rdma(_) => libc::EIO,
+            DaemonError::NoRdma(_) => libc::EOPNOTSUPP,
         }
     }
 

@@ -19,6 +19,8 @@
 //!   it opened for local processes, closed when they exit), [`agent::fdpass`] (`SCM_RIGHTS`
 //!   and `SO_PEERCRED`).
 //! - [`manager_client`]: gRPC clients of the manager and the agent's [`manager_client::Authority`].
+//! - [`rdma`] (feature `rdma`): the RDMA device, chunk registrations and per-connection queue
+//!   pairs.
 //! - [`registration`]: the manager session (register, resync, watch, heartbeat).
 //! - [`stats`]: the counters the agent reports.
 //! - [`daemon`]: [`Daemon`], everything started together.
@@ -30,6 +32,8 @@ pub mod error;
 pub mod manager_client;
 pub mod objects;
 pub mod pools;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod registration;
 pub mod stats;
 pub mod transport;

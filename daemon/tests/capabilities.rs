@@ -113,6 +113,13 @@ fn a_capability_reaches_its_region_with_its_rights() {
             offset: 0,
             addend: 1,
         },
+        // RDMA keys for writing are refused as a write is (before any RDMA is involved).
+        Request::RdmaKeys {
+            pool: 1,
+            offset: 0,
+            len: 8,
+            write: true,
+        },
     ] {
         let r = call(&mut c, &req, 5).unwrap();
         assert_eq!(status(&r), libc::EACCES, "{:?}", req.op());
@@ -265,4 +272,30 @@ fn revoked_tokens_are_refused_and_renewed_ones_work() {
         libc::EKEYREVOKED
     );
     assert_eq!(status(&call(&mut c, &read(0, 8), 1).unwrap()), 0);
+}
+
+/// A daemon that serves no RDMA (this test's server has no device) answers RDMA set-up and
+/// read keys with `EOPNOTSUPP` and a message saying to use tcp.
+#[test]
+fn rdma_requests_to_a_daemon_without_rdma_say_to_use_tcp() {
+    let (srv, _) = server(pools(), Duration::from_millis(50));
+    let mut c = Client::connect(srv.local_addr());
+    assert_eq!(
+        status(&hello(&mut c, token(TOKEN, 10, RIGHT_READ, 60_000), 5).unwrap()),
+        0
+    );
+    let connect = Request::RdmaConnect {
+        endpoint: Bytes::from(vec![0u8; regions_proto::frame::RDMA_ENDPOINT_LEN]),
+    };
+    let keys = Request::RdmaKeys {
+        pool: 1,
+        offset: 0,
+        len: 8,
+        write: false,
+    };
+    for req in [connect, keys] {
+        let r = call(&mut c, &req, 5).unwrap();
+        assert_eq!(status(&r), libc::EOPNOTSUPP, "{:?}", req.op());
+        assert!(r.error_message().unwrap().contains("use the tcp transport"));
+    }
 }

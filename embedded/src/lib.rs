@@ -134,7 +134,7 @@ impl Cluster {
         })?;
         let secret = load_or_create_secret(&dir.join("secret"))?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
+            .worker_threads(1)
             .thread_name("regions-up")
             .enable_all()
             .build()

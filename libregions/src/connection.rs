@@ -8,13 +8,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use regions_proto::auth::Secret;
+use regions_proto::transport_choice::TransportChoice;
 use regions_proto::v1;
 
 use crate::agent::{AgentPool, Segment};
 use crate::error::Result;
 use crate::manager_client::ManagerClient;
-use crate::transport::TransportStats;
 use crate::transport::tcp::{RetryPolicy, TcpTransport};
+use crate::transport::{Transport, TransportStats};
 
 /// How a node component (regionfs, a test, a benchmark) reaches a cluster.
 #[derive(Clone, Debug)]
@@ -37,6 +38,35 @@ pub struct ClientConfig {
     /// Bound on retrying an unreachable daemon before `EIO`.
     pub retry: RetryPolicy,
     pub connect_timeout: Duration,
+    /// How to reach daemons: RDMA where possible (`auto`, the default), `tcp`, or `rdma`
+    /// only (default: `REGIONS_TRANSPORT`).
+    pub transport: TransportChoice,
+    /// The RDMA device to use (default: `REGIONS_RDMA_DEVICE`, else the first one).
+    pub rdma_device: Option<String>,
+}
+
+/// Environment variable choosing the transport ([`ClientConfig::transport`]).
+pub const TRANSPORT_ENV: &str = "REGIONS_TRANSPORT";
+/// Environment variable naming the RDMA device ([`ClientConfig::rdma_device`]).
+pub const RDMA_DEVICE_ENV: &str = "REGIONS_RDMA_DEVICE";
+
+/// The RDMA device `REGIONS_RDMA_DEVICE` names, if any.
+pub(crate) fn rdma_device_from_env() -> Option<String> {
+    std::env::var(RDMA_DEVICE_ENV)
+        .ok()
+        .filter(|v| !v.is_empty())
+}
+
+/// The transport `REGIONS_TRANSPORT` chooses (`auto` when unset; an unknown value is said in
+/// the log and taken as `auto`).
+pub(crate) fn transport_from_env() -> TransportChoice {
+    match std::env::var(TRANSPORT_ENV) {
+        Ok(v) => v.parse().unwrap_or_else(|e: String| {
+            tracing::warn!(error = %e, "{TRANSPORT_ENV}: using auto");
+            TransportChoice::Auto
+        }),
+        Err(_) => TransportChoice::Auto,
+    }
 }
 
 /// Environment variable naming the CA certificate of an `https://` manager.
@@ -61,6 +91,8 @@ impl ClientConfig {
             agent_socket: None,
             retry: RetryPolicy::default(),
             connect_timeout: Duration::from_secs(5),
+            transport: transport_from_env(),
+            rdma_device: rdma_device_from_env(),
         }
     }
 }
@@ -73,6 +105,8 @@ pub(crate) struct Connection {
     pub(crate) config: ClientConfig,
     pub(crate) stats: Arc<TransportStats>,
     transports: Mutex<HashMap<String, Arc<TcpTransport>>>,
+    /// The RDMA transports wrapping them, when [`ClientConfig::transport`] allows RDMA.
+    data: Mutex<HashMap<String, Arc<dyn Transport>>>,
     /// Connections to this host's agent, kept for the next request.
     agents: Option<AgentPool>,
 }
@@ -84,6 +118,7 @@ impl Connection {
             caller,
             stats: Arc::default(),
             transports: Mutex::new(HashMap::new()),
+            data: Mutex::new(HashMap::new()),
             agents: config.agent_socket.clone().map(AgentPool::new),
             config,
         }
@@ -106,6 +141,20 @@ impl Connection {
             .unwrap_or_default()
     }
 
+    /// The transport requests to the daemon at `addr` use: RDMA over its tcp transport where
+    /// the configuration allows RDMA (one per daemon, shared), else the tcp one.
+    pub(crate) fn data_transport(&self, addr: &str) -> Arc<dyn Transport> {
+        let tcp = self.transport(addr);
+        wrap_for_rdma(
+            &self.data,
+            addr,
+            tcp,
+            self.config.transport,
+            self.config.rdma_device.as_deref(),
+            &self.stats,
+        )
+    }
+
     /// The tcp transport to the daemon at `addr` (one per daemon, shared).
     pub(crate) fn transport(&self, addr: &str) -> Arc<TcpTransport> {
         let make = || {
@@ -125,5 +174,43 @@ impl Connection {
             },
             Err(_) => make(),
         }
+    }
+}
+
+/// The transport for `addr` over `tcp` as `choice` says, kept in `cache`: `tcp` as it is, else
+/// an RDMA transport wrapping it (feature `rdma`; without it, tcp).
+pub(crate) fn wrap_for_rdma(
+    cache: &Mutex<HashMap<String, Arc<dyn Transport>>>,
+    addr: &str,
+    tcp: Arc<TcpTransport>,
+    choice: TransportChoice,
+    device: Option<&str>,
+    stats: &Arc<crate::transport::TransportStats>,
+) -> Arc<dyn Transport> {
+    if choice == TransportChoice::Tcp {
+        return tcp;
+    }
+    #[cfg(feature = "rdma")]
+    {
+        let make = || -> Arc<dyn Transport> {
+            Arc::new(crate::transport::rdma::RdmaTransport::new(
+                Arc::clone(&tcp),
+                choice,
+                device.map(str::to_owned),
+                Arc::clone(stats),
+            ))
+        };
+        match cache.lock() {
+            Ok(mut map) => match map.get(addr) {
+                Some(t) => Arc::clone(t),
+                None => Arc::clone(map.entry(addr.to_owned()).or_insert_with(make)),
+            },
+            Err(_) => make(),
+        }
+    }
+    #[cfg(not(feature = "rdma"))]
+    {
+        let _ = (cache, addr, device, stats);
+        tcp
     }
 }

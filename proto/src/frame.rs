@@ -168,6 +168,61 @@ pub enum Op {
     /// expected u64 + timeout_us u64, reply payload = the word's value then. The connection
     /// serves nothing else meanwhile.
     WaitChange = 9,
+    /// Sets up RDMA for this connection: payload = the client's queue pair endpoint
+    /// ([`RDMA_ENDPOINT_LEN`] bytes), reply payload = the endpoint of the queue pair the daemon
+    /// made for the connection and connected to it (it lives as long as the connection).
+    /// `EOPNOTSUPP` from a daemon without RDMA.
+    RdmaConnect = 10,
+    /// Remote keys to READ the chunks of one range (named and checked as a READ of it, but
+    /// for whole chunks); reply payload = one [`RdmaChunkKey`] per chunk.
+    RdmaReadKeys = 11,
+    /// As [`Op::RdmaReadKeys`], for READ, WRITE and atomics (checked as a WRITE).
+    RdmaWriteKeys = 12,
+}
+
+/// Encoded size of a queue pair endpoint in [`Op::RdmaConnect`].
+pub const RDMA_ENDPOINT_LEN: usize = 27;
+/// Encoded size of one [`RdmaChunkKey`].
+pub const RDMA_CHUNK_KEY_LEN: usize = 24;
+
+/// Where one pool chunk is for one-sided access: the chunk's pool offset, its address in the
+/// daemon and the remote key of its registration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RdmaChunkKey {
+    pub pool_offset: u64,
+    pub addr: u64,
+    pub rkey: u32,
+}
+
+impl RdmaChunkKey {
+    pub fn encode(&self, buf: &mut BytesMut) {
+        buf.put_u64_le(self.pool_offset);
+        buf.put_u64_le(self.addr);
+        buf.put_u32_le(self.rkey);
+        buf.put_u32_le(0);
+    }
+
+    /// The keys of a reply payload (a whole number of entries, else an error).
+    pub fn decode_all(mut payload: &[u8]) -> Result<Vec<RdmaChunkKey>, FrameError> {
+        if !payload.len().is_multiple_of(RDMA_CHUNK_KEY_LEN) {
+            return Err(bad_length(
+                Op::RdmaReadKeys,
+                "reply payload length modulo 24 (the key size)",
+                0,
+                (payload.len() % RDMA_CHUNK_KEY_LEN) as u64,
+            ));
+        }
+        let mut keys = Vec::with_capacity(payload.len() / RDMA_CHUNK_KEY_LEN);
+        while !payload.is_empty() {
+            keys.push(RdmaChunkKey {
+                pool_offset: payload.get_u64_le(),
+                addr: payload.get_u64_le(),
+                rkey: payload.get_u32_le(),
+            });
+            payload.advance(4);
+        }
+        Ok(keys)
+    }
 }
 
 impl TryFrom<u8> for Op {
@@ -184,6 +239,9 @@ impl TryFrom<u8> for Op {
             7 => Op::FetchAdd,
             8 => Op::Ping,
             9 => Op::WaitChange,
+            10 => Op::RdmaConnect,
+            11 => Op::RdmaReadKeys,
+            12 => Op::RdmaWriteKeys,
             other => return Err(FrameError::UnknownOp(other)),
         })
     }
@@ -202,6 +260,9 @@ impl Op {
             Op::FetchAdd => "fetch-add",
             Op::Ping => "ping",
             Op::WaitChange => "wait-change",
+            Op::RdmaConnect => "rdma-connect",
+            Op::RdmaReadKeys => "rdma-read-keys",
+            Op::RdmaWriteKeys => "rdma-write-keys",
         }
     }
 }
@@ -610,6 +671,15 @@ pub enum Request {
         /// Longest wait in microseconds (the daemon may cap it).
         timeout_us: u64,
     },
+    /// Set up RDMA: the client's queue pair endpoint.
+    RdmaConnect { endpoint: Bytes },
+    /// Remote keys for the chunks of a range, to read them (`write`: and write them).
+    RdmaKeys {
+        pool: u32,
+        offset: u64,
+        len: u64,
+        write: bool,
+    },
 }
 
 impl Request {
@@ -625,6 +695,9 @@ impl Request {
             Request::FetchAdd { .. } => Op::FetchAdd,
             Request::Ping => Op::Ping,
             Request::WaitChange { .. } => Op::WaitChange,
+            Request::RdmaConnect { .. } => Op::RdmaConnect,
+            Request::RdmaKeys { write: false, .. } => Op::RdmaReadKeys,
+            Request::RdmaKeys { write: true, .. } => Op::RdmaWriteKeys,
         }
     }
 
@@ -750,6 +823,24 @@ impl Request {
                     timeout_us,
                 }
             }
+            Op::RdmaConnect => {
+                let n = RDMA_ENDPOINT_LEN as u64;
+                expect_len(op, "payload length (a queue pair endpoint)", n, plen)?;
+                Request::RdmaConnect {
+                    endpoint: payload.clone(),
+                }
+            }
+            Op::RdmaReadKeys | Op::RdmaWriteKeys => {
+                expect_len(op, "payload length", 0, plen)?;
+                check_size(h.length, limits)?;
+                check_span(offset, h.length)?;
+                Request::RdmaKeys {
+                    pool,
+                    offset,
+                    len: h.length,
+                    write: op == Op::RdmaWriteKeys,
+                }
+            }
         })
     }
 
@@ -819,6 +910,13 @@ impl Request {
                 buf.put_u64_le(expected);
                 buf.put_u64_le(timeout_us);
                 buf.freeze()
+            }
+            Request::RdmaConnect { endpoint } => endpoint.clone(),
+            &Request::RdmaKeys {
+                pool, offset, len, ..
+            } => {
+                (h.pool, h.offset, h.length) = (pool, offset, len);
+                Bytes::new()
             }
         };
         h.payload_len = u32::try_from(payload.len()).unwrap_or(u32::MAX);
@@ -987,7 +1085,50 @@ mod tests {
                 expected: 7,
                 timeout_us: 1000,
             },
+            Request::RdmaConnect {
+                endpoint: Bytes::from(vec![7u8; RDMA_ENDPOINT_LEN]),
+            },
+            Request::RdmaKeys {
+                pool: 4,
+                offset: 131_072,
+                len: 300_000,
+                write: false,
+            },
+            Request::RdmaKeys {
+                pool: 4,
+                offset: 0,
+                len: 1,
+                write: true,
+            },
         ]
+    }
+
+    #[test]
+    fn rdma_chunk_keys_round_trip_and_refuse_partial_entries() {
+        let keys = vec![
+            RdmaChunkKey {
+                pool_offset: 0,
+                addr: 0x7f00_0000_0000,
+                rkey: 0x1234,
+            },
+            RdmaChunkKey {
+                pool_offset: 131_072,
+                addr: 0x7f00_0002_0000,
+                rkey: u32::MAX,
+            },
+        ];
+        let mut buf = BytesMut::new();
+        keys.iter().for_each(|k| k.encode(&mut buf));
+        assert_eq!(buf.len(), 2 * RDMA_CHUNK_KEY_LEN);
+        assert_eq!(RdmaChunkKey::decode_all(&buf).unwrap(), keys);
+        assert!(RdmaChunkKey::decode_all(&buf[..30]).is_err());
+        // A connect with a short endpoint is refused.
+        let mut f = Request::RdmaConnect {
+            endpoint: Bytes::from(vec![1u8; 5]),
+        }
+        .to_frame(1, 0);
+        f.header.payload_len = 5;
+        assert!(Request::parse(&f, &Limits::default()).is_err());
     }
 
     fn encode(frame: &Frame) -> BytesMut {
@@ -1224,8 +1365,8 @@ mod tests {
             Err(FrameError::UnknownOp(0))
         );
         assert_eq!(
-            with_bytes(&ping, |b| b[3] = 10),
-            Err(FrameError::UnknownOp(10))
+            with_bytes(&ping, |b| b[3] = 13),
+            Err(FrameError::UnknownOp(13))
         );
         assert_eq!(
             with_bytes(&ping, |b| b[0] = 0),
@@ -1418,6 +1559,16 @@ mod tests {
                 }
             ),
             Just(Request::Ping),
+            prop::collection::vec(any::<u8>(), RDMA_ENDPOINT_LEN)
+                .prop_map(|e| Request::RdmaConnect { endpoint: e.into() }),
+            (0..=MAX_POOL, any::<u64>(), 0..=max_read, any::<bool>()).prop_map(
+                |(pool, offset, len, write)| Request::RdmaKeys {
+                    pool,
+                    offset: offset.min(u64::MAX - len),
+                    len,
+                    write,
+                }
+            ),
         ]
     }
 
@@ -1427,7 +1578,7 @@ mod tests {
     fn plausible_stream() -> impl Strategy<Value = Vec<u8>> {
         let plen = prop_oneof![Just(0u32), Just(8), Just(16), Just(24), Just(56), 0u32..300];
         let flags = prop_oneof![3 => Just(0u16), 1 => 0u16..3];
-        let header = (1u8..=8, flags, any::<[u64; 4]>(), any::<bool>(), plen);
+        let header = (1u8..=12, flags, any::<[u64; 4]>(), any::<bool>(), plen);
         let frame = header.prop_flat_map(|(op, flags, [id, offset, length, pool], tame, plen)| {
             let op = Op::try_from(op).unwrap_or(Op::Ping);
             let header = Header {

@@ -15,6 +15,7 @@
 //! - [`config`]: settings from a TOML file beneath flags and environment variables.
 //! - [`descriptor_epochs`]: the page of open and close counters a mount publishes for
 //!   `rmalloc(fd)`.
+//! - [`transport_choice`]: `--transport auto|tcp|rdma`, shared by every component.
 
 pub mod auth;
 pub mod capability;
@@ -31,6 +32,7 @@ pub mod lock_word;
 pub mod metrics;
 pub mod pid_watch;
 pub mod tls;
+pub mod transport_choice;
 pub mod word_wait;
 
 /// Inode number of the namespace's root directory.

@@ -923,6 +923,7 @@ pub mod heap_runs;
 pub mod memory_cgroup;
 pub mod metrics_page;
 pub mod netns;
+pub mod soft_roce;
 
 /// The repository's root directory.
 pub fn repo_root() -> PathBuf {

@@ -53,6 +53,11 @@ pub struct Pool {
     gid: u32,
     window: Window,
     chunks: Box<[RwLock<Option<Backing>>]>,
+    /// Per chunk, its RDMA registrations once a client asked for them ([`crate::rdma`]):
+    /// made under the chunk's read lock (a pin), dropped under its write lock before the
+    /// chunk is unmapped or remapped.
+    #[cfg(feature = "rdma")]
+    keys: Box<[Mutex<Option<Arc<crate::rdma::ChunkKeys>>>]>,
 }
 
 impl Pool {
@@ -76,6 +81,19 @@ impl Pool {
         self.chunks[chunk]
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Drops chunk `chunk`'s RDMA registrations (the caller holds its write lock and is
+    /// about to unmap or remap it): from now on its old remote keys fail.
+    fn drop_keys(&self, chunk: usize) {
+        #[cfg(feature = "rdma")]
+        if let Some(slot) = self.keys.get(chunk) {
+            slot.lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take();
+        }
+        #[cfg(not(feature = "rdma"))]
+        let _ = chunk;
     }
 }
 
@@ -305,6 +323,8 @@ impl Pools {
             gid,
             window,
             chunks: (0..chunks).map(|_| RwLock::new(None)).collect(),
+            #[cfg(feature = "rdma")]
+            keys: (0..chunks).map(|_| Mutex::new(None)).collect(),
         };
         self.pools
             .write()
@@ -498,8 +518,11 @@ impl Pools {
             }
             let run_offset = pool_offset + start as u64 * CHUNK_SIZE;
             let run_len = (i - start) as u64 * CHUNK_SIZE;
+            for c in first + start..first + i {
+                pool.drop_keys(c);
+            }
             // SAFETY: we hold the write locks of every chunk in the run, so no request reads
-            // or writes these pages during the call.
+            // or writes these pages during the call (and their RDMA registrations are gone).
             let mapped = unsafe {
                 pool.window
                     .map(run_offset, run_len, segment.as_fd(), want(start))
@@ -602,7 +625,9 @@ impl Pools {
             return;
         }
         *slot = None;
-        // SAFETY: we hold the chunk's write lock, so no request accesses its pages.
+        pool.drop_keys(chunk);
+        // SAFETY: we hold the chunk's write lock, so no request accesses its pages (and its
+        // RDMA registrations are gone).
         if let Err(e) = unsafe { pool.window.unmap(chunk as u64 * CHUNK_SIZE, CHUNK_SIZE) } {
             // The chunk is unassigned, so no request touches it; only the mapping lingers.
             tracing::error!(gid = pool.gid, chunk, error = %e, "cannot unmap a released chunk");
@@ -957,6 +982,50 @@ impl Pinned<'_> {
             }
             true
         })
+    }
+
+    /// The RDMA keys of every pinned chunk, ascending, registering those that have none yet
+    /// (`write`: the keys for reading, writing and atomics, else for reading only).
+    #[cfg(feature = "rdma")]
+    pub fn chunk_keys(
+        &self,
+        rdma: &crate::rdma::Rdma,
+        write: bool,
+    ) -> Result<Vec<regions_proto::frame::RdmaChunkKey>> {
+        let mut out = Vec::with_capacity(self.resolved.chunks.len());
+        for &(index, chunk) in &self.resolved.chunks {
+            let pool = &self.resolved.pools[index];
+            let pool_offset = chunk as u64 * CHUNK_SIZE;
+            let mut slot = pool.keys[chunk]
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let keys = match &*slot {
+                Some(k) => Arc::clone(k),
+                None => {
+                    let addr = pool
+                        .window
+                        .addr(pool_offset)
+                        .ok_or(DaemonError::OutOfBounds {
+                            gid: pool.gid,
+                            offset: pool_offset,
+                            len: CHUNK_SIZE,
+                            size: pool.size(),
+                        })?;
+                    // SAFETY: the chunk is pinned (its read lock is held), so it is mapped;
+                    // the registration is dropped under its write lock before any unmap or
+                    // remap (`Pool::drop_keys`).
+                    let k = Arc::new(unsafe { rdma.register_chunk(addr, CHUNK_SIZE as usize)? });
+                    *slot = Some(Arc::clone(&k));
+                    k
+                }
+            };
+            out.push(regions_proto::frame::RdmaChunkKey {
+                pool_offset,
+                addr: keys.addr(),
+                rkey: keys.rkey(write),
+            });
+        }
+        Ok(out)
     }
 
     /// The pinned ranges as raw spans, in request order.

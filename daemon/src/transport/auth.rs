@@ -102,7 +102,10 @@ pub const OUT_OF_REACH: &str = "the range lies outside the region or the byte ra
      region you mean first";
 
 fn writes(op: Op) -> bool {
-    matches!(op, Op::Write | Op::WriteV | Op::Cas | Op::FetchAdd)
+    matches!(
+        op,
+        Op::Write | Op::WriteV | Op::Cas | Op::FetchAdd | Op::RdmaWriteKeys
+    )
 }
 
 impl ConnAuth {

@@ -119,6 +119,9 @@ struct Shared {
     admission: Admission,
     budget: Budget,
     next_conn: AtomicU64,
+    /// The RDMA device connections may set up queue pairs on ([`TransportServer::serve_rdma`]).
+    #[cfg(feature = "rdma")]
+    rdma: std::sync::OnceLock<Arc<crate::rdma::Rdma>>,
 }
 
 /// A running transport server.
@@ -130,6 +133,13 @@ pub struct TransportServer {
 }
 
 impl TransportServer {
+    /// Lets connections set up RDMA on `rdma` ([`Op::RdmaConnect`]) and ask for remote keys
+    /// of pool chunks. Without it they are answered `EOPNOTSUPP`.
+    #[cfg(feature = "rdma")]
+    pub fn serve_rdma(&self, rdma: Arc<crate::rdma::Rdma>) {
+        let _ = self.shared.rdma.set(rdma);
+    }
+
     /// Binds the transport address (port 0 picks a free port).
     /// The accept queue holds [`LISTEN_BACKLOG`] connections, so that a burst of new ones
     /// (a flood, or many clients at once) is not answered with dropped SYNs and retries.
@@ -167,6 +177,8 @@ impl TransportServer {
             admission: Admission::new(config.admission),
             budget: Budget::new(config.max_buffered),
             next_conn: AtomicU64::new(1),
+            #[cfg(feature = "rdma")]
+            rdma: std::sync::OnceLock::new(),
         });
         let for_thread = Arc::clone(&shared);
         let accept = std::thread::Builder::new()
@@ -285,12 +297,23 @@ fn serve_connection(id: u64, stream: TcpStream, peer: SocketAddr, shared: &Arc<S
         out: BytesMut::with_capacity(FLUSH_AT),
         auth: ConnAuth::default(),
         auth_deadline: Some(Instant::now() + shared.config.auth_timeout),
+        #[cfg(feature = "rdma")]
+        queue_pair: None,
     };
     match conn.run() {
         Ok(()) => tracing::debug!(%peer, "transport connection closed by the peer"),
         Err(Close::Quiet(reason)) => tracing::debug!(%peer, %reason, "transport connection closed"),
         Err(Close::Logged) => {}
     }
+}
+
+/// The refusal of an RDMA request by a daemon that serves none.
+fn no_rdma() -> DaemonError {
+    DaemonError::NoRdma(
+        "this daemon serves no RDMA (started with --transport tcp, no RDMA device found, or \
+         built without the rdma feature): use the tcp transport"
+            .into(),
+    )
 }
 
 /// Whether a read failed because its timeout passed.
@@ -390,6 +413,10 @@ struct Conn {
     auth_deadline: Option<Instant>,
     /// Bytes of [`Shared::budget`] this connection holds for the request it serves.
     held: u64,
+    /// The queue pair the peer's reaches pool memory through, set up by
+    /// [`Op::RdmaConnect`]; destroyed with the connection.
+    #[cfg(feature = "rdma")]
+    queue_pair: Option<regions_verbs::QueuePair>,
 }
 
 impl Drop for Conn {
@@ -708,6 +735,13 @@ impl Conn {
                     timeout,
                 )?;
             }
+            Request::RdmaConnect { endpoint } => self.rdma_connect(&h, &endpoint),
+            Request::RdmaKeys {
+                pool,
+                offset,
+                len,
+                write,
+            } => self.rdma_keys(&h, pool, offset, len, write, reach),
             // Handled above; kept for exhaustiveness.
             Request::Hello { .. } | Request::Write { .. } => {
                 self.reply_err(&h, libc::EINVAL, "unexpected request");
@@ -762,6 +796,92 @@ impl Conn {
         }
         self.reply_ok(h, Bytes::from(reply));
         Ok(())
+    }
+
+    /// [`Op::RdmaConnect`]: a queue pair for this connection, connected to the peer's.
+    fn rdma_connect(&mut self, h: &Header, endpoint: &[u8]) {
+        #[cfg(feature = "rdma")]
+        {
+            let Some(rdma) = self.shared.rdma.get().cloned() else {
+                return self.reply_error(h, &no_rdma());
+            };
+            match rdma.accept(endpoint) {
+                Ok((qp, mine)) => {
+                    self.queue_pair = Some(qp);
+                    tracing::debug!(peer = %self.peer, device = rdma.device_name(), "RDMA queue pair connected");
+                    self.reply_ok(h, Bytes::from(mine));
+                }
+                Err(e) => self.reply_error(h, &e),
+            }
+        }
+        #[cfg(not(feature = "rdma"))]
+        {
+            let _ = endpoint;
+            self.reply_error(h, &no_rdma());
+        }
+    }
+
+    /// [`Op::RdmaReadKeys`] / [`Op::RdmaWriteKeys`]: the remote keys of the whole chunks
+    /// under the range, after the checks of a READ (WRITE) of those chunks.
+    fn rdma_keys(
+        &mut self,
+        h: &Header,
+        pool: u32,
+        offset: u64,
+        len: u64,
+        write: bool,
+        reach: Reach,
+    ) {
+        #[cfg(feature = "rdma")]
+        {
+            use regions_proto::layout::CHUNK_SIZE;
+            let Some(rdma) = self.shared.rdma.get().cloned() else {
+                return self.reply_error(h, &no_rdma());
+            };
+            if self.queue_pair.is_none() {
+                return self.reply_err(
+                    h,
+                    libc::ENOTCONN,
+                    "no RDMA queue pair on this connection: send RDMA-CONNECT first",
+                );
+            }
+            // Whole chunks: a key reaches its whole registration.
+            let start = offset - offset % CHUNK_SIZE;
+            let end = offset
+                .saturating_add(len.max(1))
+                .div_ceil(CHUNK_SIZE)
+                .saturating_mul(CHUNK_SIZE);
+            let range = Range {
+                pool,
+                offset: start,
+                len: end - start,
+                delta: h.stated_delta(),
+            };
+            let shared = Arc::clone(&self.shared);
+            let result = shared.pools.resolve(&[range]).and_then(|resolved| {
+                let pinned = resolved.pin(self.deadline())?;
+                reach.check(&pinned)?;
+                let keys = pinned.chunk_keys(&rdma, write)?;
+                // A revocation that came meanwhile wins.
+                if !reach.still_valid(shared.pools.revocations()) {
+                    return Err(reach.refusal());
+                }
+                Ok(keys)
+            });
+            match result {
+                Ok(keys) => {
+                    let mut payload = BytesMut::with_capacity(keys.len() * 24);
+                    keys.iter().for_each(|k| k.encode(&mut payload));
+                    self.reply_ok(h, payload.freeze());
+                }
+                Err(e) => self.reply_error(h, &e),
+            }
+        }
+        #[cfg(not(feature = "rdma"))]
+        {
+            let _ = (pool, offset, len, write, reach);
+            self.reply_error(h, &no_rdma());
+        }
     }
 
     fn atomic(

@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use regions_proto::capability::now_ms;
+use regions_proto::transport_choice::TransportChoice;
 use regions_proto::v1;
 
 use crate::agent::{AgentClient, Segment};
@@ -35,7 +36,7 @@ pub(crate) enum Authority {
         caller: v1::Caller,
     },
     /// A capability obtained through this host's agent.
-    Agent(AgentSession),
+    Agent(Box<AgentSession>),
 }
 
 /// A region opened through the host agent: the agent connection and the capability.
@@ -50,6 +51,10 @@ pub(crate) struct AgentSession {
     /// When to renew (Unix ms): half-way to the expiry.
     renew_at_ms: AtomicU64,
     transports: Mutex<HashMap<String, Arc<TcpTransport>>>,
+    /// The RDMA transports wrapping them (`REGIONS_TRANSPORT` allowing).
+    data: Mutex<HashMap<String, Arc<dyn Transport>>>,
+    choice: TransportChoice,
+    rdma_device: Option<String>,
     stats: Arc<TransportStats>,
     retry: RetryPolicy,
 }
@@ -85,6 +90,9 @@ impl AgentSession {
             token: Mutex::new(info.capability.clone()),
             renew_at_ms: AtomicU64::new(renew_at(now_ms(), info.capability_expires_ms)),
             transports: Mutex::new(HashMap::new()),
+            data: Mutex::new(HashMap::new()),
+            choice: crate::connection::transport_from_env(),
+            rdma_device: crate::connection::rdma_device_from_env(),
             stats: Arc::default(),
             retry: RetryPolicy::default(),
         })
@@ -111,6 +119,20 @@ impl AgentSession {
                 t.set_token(&info.capability);
             }
         }
+    }
+
+    /// The transport to the daemon at `addr` as the configuration chooses (see
+    /// [`crate::connection::wrap_for_rdma`]).
+    fn data_transport(&self, addr: &str) -> Result<Arc<dyn Transport>> {
+        let tcp = self.transport(addr)?;
+        Ok(crate::connection::wrap_for_rdma(
+            &self.data,
+            addr,
+            tcp,
+            self.choice,
+            self.rdma_device.as_deref(),
+            &self.stats,
+        ))
     }
 
     fn transport(&self, addr: &str) -> Result<Arc<TcpTransport>> {
@@ -260,8 +282,8 @@ impl Authority {
     /// The transport to the daemon at `addr`.
     pub(crate) fn transport(&self, addr: &str) -> Result<Arc<dyn Transport>> {
         match self {
-            Authority::Cluster { conn, .. } => Ok(conn.transport(addr)),
-            Authority::Agent(s) => Ok(s.transport(addr)?),
+            Authority::Cluster { conn, .. } => Ok(conn.data_transport(addr)),
+            Authority::Agent(s) => s.data_transport(addr),
         }
     }
 

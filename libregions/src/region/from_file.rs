@@ -89,7 +89,7 @@ impl Region {
             let _ = agent.map_close(info.handle);
         }
         let session = AgentSession::new(agent, host_id, dev, &info)?;
-        let region = Region::with_authority(Authority::Agent(session), info, write)?;
+        let region = Region::with_authority(Authority::Agent(Box::new(session)), info, write)?;
         Ok(Arc::new(region))
     }
 }

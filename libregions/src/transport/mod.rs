@@ -3,9 +3,12 @@
 //!
 //! Backends: [`tcp`] (a daemon serves the ops; the default without RDMA) and
 //! [`local`] (the region's segment memfd mapped into this process). An
-//! `rdma` backend (feature `rdma`) plugs in behind the same trait.
+//! [`rdma`] backend (feature `rdma`: one-sided reads and writes over a queue pair, the rest
+//! over tcp) wraps the tcp one behind the same trait.
 
 pub mod local;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod tcp;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -161,6 +164,10 @@ pub struct TransportStats {
     pub local_bytes_written: AtomicU64,
     /// Connections opened to daemons.
     pub connections: AtomicU64,
+    /// Reads and writes served one-sided over RDMA, and their bytes.
+    pub rdma_requests: AtomicU64,
+    pub rdma_bytes_read: AtomicU64,
+    pub rdma_bytes_written: AtomicU64,
 }
 
 /// A copy of [`TransportStats`].
@@ -172,6 +179,9 @@ pub struct StatsSnapshot {
     pub local_bytes_read: u64,
     pub local_bytes_written: u64,
     pub connections: u64,
+    pub rdma_requests: u64,
+    pub rdma_bytes_read: u64,
+    pub rdma_bytes_written: u64,
 }
 
 impl TransportStats {
@@ -184,6 +194,9 @@ impl TransportStats {
             local_bytes_read: get(&self.local_bytes_read),
             local_bytes_written: get(&self.local_bytes_written),
             connections: get(&self.connections),
+            rdma_requests: get(&self.rdma_requests),
+            rdma_bytes_read: get(&self.rdma_bytes_read),
+            rdma_bytes_written: get(&self.rdma_bytes_written),
         }
     }
 

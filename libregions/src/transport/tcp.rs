@@ -734,6 +734,56 @@ impl TcpTransport {
     }
 }
 
+/// A connection of the transport's own, kept out of its pool: the RDMA transport's control
+/// connection (the daemon ties the queue pair it makes for the client to it).
+#[cfg(feature = "rdma")]
+pub(crate) struct ControlConn(Conn);
+
+#[cfg(feature = "rdma")]
+impl TcpTransport {
+    /// A new authenticated connection for [`Self::control_request`].
+    pub(crate) fn open_control(&self) -> Result<ControlConn> {
+        let deadline = self.retry.deadline;
+        self.connect(deadline, deadline)
+            .map(ControlConn)
+            .map_err(|f| self.failure_error(f))
+    }
+
+    /// Sends request `header` (its id and capability filled in here) with `payload` on `c`
+    /// and returns the payload of the reply; a daemon's refusal is [`RegionsError::Daemon`].
+    pub(crate) fn control_request(
+        &self,
+        c: &mut ControlConn,
+        mut header: Header,
+        payload: &[u8],
+    ) -> Result<Vec<u8>> {
+        header.request_id = self.id();
+        header.capability = self.cap_id;
+        header.payload_len = u32::try_from(payload.len())
+            .map_err(|_| RegionsError::Invalid("control request too large".into()))?;
+        let stream = &mut c.0.stream;
+        let exchange = |stream: &mut TcpStream| -> Result<Vec<u8>, Failure> {
+            send(stream, &header, &[payload])?;
+            TransportStats::add(&self.stats.remote_requests, 1);
+            let reply = recv_header(stream)?;
+            if reply.request_id != header.request_id {
+                return Err(Failure::Retry(format!(
+                    "reply to request {} while waiting for {}",
+                    reply.request_id, header.request_id
+                )));
+            }
+            if reply.status != 0 {
+                let msg = recv_message(stream, &reply)?;
+                return Err(Failure::Final(daemon_error(&self.addr, reply.status, &msg)));
+            }
+            let mut body = vec![0u8; reply.payload_len as usize];
+            stream.read_exact(&mut body)?;
+            Ok(body)
+        };
+        exchange(stream).map_err(|f| self.failure_error(f))
+    }
+}
+
 impl Transport for TcpTransport {
     fn read(&self, spans: &[Span], dst: &mut [u8]) -> Result<()> {
         // After the posted writes.

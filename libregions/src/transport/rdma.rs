@@ -1,0 +1,489 @@
+//! The RDMA transport (feature `rdma`; docs/ARCHITECTURE.md, "RDMA"): reads and writes of
+//! region bytes go one-sided to the daemon's pool memory over a reliable-connected queue
+//! pair; everything else, and every refusal, goes through the tcp transport beside it.
+//!
+//! Set-up runs over a tcp connection of the transport's own (its *control* connection,
+//! authenticated like any other): `RDMA-CONNECT` exchanges queue pair endpoints, and the
+//! daemon ties its queue pair to that connection. Remote keys come per chunk from
+//! `RDMA-READ-KEYS` / `RDMA-WRITE-KEYS`, which the daemon answers after the checks of a READ
+//! or WRITE of the chunks (capability, rights, a stale map), and are kept until the queue pair
+//! breaks.
+//!
+//! Where RDMA is not possible (no device here, none at the daemon, no common fabric) the
+//! transport says so once in the log and uses tcp, trying RDMA again after
+//! [`RETRY_UNAVAILABLE`]; with `--transport rdma` the set-up failure is the caller's error
+//! instead. A request that fails on the queue pair (a key the daemon dropped when the chunk
+//! moved, a link down) breaks it: the request is served by tcp at once (which gives the
+//! authoritative answer: the bytes, `ESTALE`, `EIO`), and the next request sets up RDMA
+//! anew.
+//!
+//! 8-byte atomics and `wait_change` stay on tcp: the daemon's CPU and the processes that map
+//! a region's memory apply atomics with CPU instructions, which RDMA atomics (atomic with
+//! respect to one device only, on most devices) would not exclude.
+//!
+//! One request at a time uses a daemon's queue pair (a mutex per daemon): threads of a process
+//! share it, as FaRM shares connections.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use metrics::counter;
+use regions_proto::frame::{Header, Op, RdmaChunkKey};
+use regions_proto::layout::CHUNK_SIZE;
+use regions_proto::transport_choice::TransportChoice;
+use regions_verbs::{
+    Device, Endpoint, Local, ProtectionDomain, QueuePair, RegisteredBuffer, Remote,
+};
+
+use super::tcp::{ControlConn, TcpTransport};
+use super::{Completion, Span, Transport, TransportStats};
+use crate::error::{RegionsError, Result};
+
+/// How long a transport that found RDMA impossible uses tcp before it tries again.
+pub const RETRY_UNAVAILABLE: Duration = Duration::from_secs(60);
+/// Bytes one round of a request moves through the bounce buffer.
+const BUFFER: usize = 4 << 20;
+/// Work requests one queue pair takes at once.
+const DEPTH: u32 = 256;
+/// Longest wait for one round's completion (a dead peer fails sooner: the queue pair's own
+/// retries give up in about half a second).
+const ROUND_TIMEOUT: Duration = Duration::from_secs(4);
+
+/// This process's protection domain on the RDMA device, opened at the first use (every
+/// daemon's transport shares it).
+fn protection_domain(device: Option<&str>) -> std::result::Result<Arc<ProtectionDomain>, String> {
+    static PD: OnceLock<std::result::Result<Arc<ProtectionDomain>, String>> = OnceLock::new();
+    PD.get_or_init(|| {
+        Device::open(device, 0)
+            .and_then(|d| d.protection_domain())
+            .map_err(|e| e.to_string())
+    })
+    .clone()
+}
+
+/// The remote keys of one pool chunk.
+#[derive(Clone, Copy, Debug, Default)]
+struct ChunkKeys {
+    addr: u64,
+    read: Option<u32>,
+    write: Option<u32>,
+}
+
+/// A queue pair connected to the daemon's, what it needs, and the keys it learnt.
+struct Live {
+    qp: QueuePair,
+    buf: RegisteredBuffer,
+    control: ControlConn,
+    keys: HashMap<(u32, u64), ChunkKeys>,
+}
+
+enum Session {
+    /// Not set up yet, or broken: set up at the next request.
+    Idle,
+    Live(Box<Live>),
+    /// Set-up failed (`why`); tcp until `retry_at`.
+    Unavailable {
+        why: String,
+        retry_at: Instant,
+    },
+}
+
+/// Why an RDMA attempt did not serve a request.
+enum Miss {
+    /// The daemon refused the keys: tcp gives the authoritative answer.
+    Refused(RegionsError),
+    /// The queue pair or the control connection broke.
+    Broken(String),
+}
+
+/// The transport to one daemon that moves bytes over RDMA where it can.
+pub struct RdmaTransport {
+    tcp: Arc<TcpTransport>,
+    choice: TransportChoice,
+    device: Option<String>,
+    session: Mutex<Session>,
+    stats: Arc<TransportStats>,
+}
+
+impl RdmaTransport {
+    /// RDMA to the daemon `tcp` reaches (`choice` is `auto` or `rdma`), on `device` (the first
+    /// one when `None`).
+    pub fn new(
+        tcp: Arc<TcpTransport>,
+        choice: TransportChoice,
+        device: Option<String>,
+        stats: Arc<TransportStats>,
+    ) -> RdmaTransport {
+        RdmaTransport {
+            tcp,
+            choice,
+            device,
+            session: Mutex::new(Session::Idle),
+            stats,
+        }
+    }
+
+    /// Whether requests go over RDMA now (set up, not broken).
+    pub fn is_live(&self) -> bool {
+        matches!(self.session.lock().as_deref(), Ok(Session::Live(_)))
+    }
+
+    /// Sets up the queue pair: ours, the daemon's over the control connection, connected.
+    fn set_up(&self) -> std::result::Result<Live, String> {
+        let pd = protection_domain(self.device.as_deref())?;
+        let mut qp = QueuePair::create(&pd, DEPTH).map_err(|e| e.to_string())?;
+        let buf = RegisteredBuffer::new(&pd, BUFFER).map_err(|e| e.to_string())?;
+        let mut control = self.tcp.open_control().map_err(|e| e.to_string())?;
+        let mine = qp.endpoint().to_bytes();
+        let theirs = self
+            .tcp
+            .control_request(&mut control, Header::new(Op::RdmaConnect, 0), &mine)
+            .map_err(|e| format!("the daemon refused RDMA: {e}"))?;
+        let theirs = Endpoint::from_bytes(&theirs).map_err(|e| e.to_string())?;
+        qp.connect(&theirs).map_err(|e| e.to_string())?;
+        Ok(Live {
+            qp,
+            buf,
+            control,
+            keys: HashMap::new(),
+        })
+    }
+
+    /// Runs `op` on the live queue pair, setting it up first if needed. `None`: serve the
+    /// request over tcp (RDMA unavailable, refused or broken; said in the log and metrics).
+    fn attempt<T>(
+        &self,
+        op: impl FnOnce(&TcpTransport, &mut Live) -> std::result::Result<T, Miss>,
+    ) -> Option<Result<T>> {
+        let Ok(mut session) = self.session.lock() else {
+            return None;
+        };
+        if let Session::Unavailable { why, retry_at } = &*session {
+            if Instant::now() < *retry_at {
+                return self.unavailable(why);
+            }
+            *session = Session::Idle;
+        }
+        if matches!(*session, Session::Idle) {
+            match self.set_up() {
+                Ok(live) => {
+                    tracing::info!(daemon = %self.tcp.addr(), "RDMA set up");
+                    *session = Session::Live(Box::new(live));
+                }
+                Err(why) => {
+                    tracing::info!(daemon = %self.tcp.addr(), reason = %why, "RDMA unavailable: using tcp");
+                    counter!("regions_client_rdma_unavailable_total").increment(1);
+                    let out = self.unavailable(&why);
+                    *session = Session::Unavailable {
+                        why,
+                        retry_at: Instant::now() + RETRY_UNAVAILABLE,
+                    };
+                    return out;
+                }
+            }
+        }
+        let Session::Live(live) = &mut *session else {
+            return None;
+        };
+        match op(&self.tcp, live) {
+            Ok(v) => Some(Ok(v)),
+            Err(Miss::Refused(e)) => {
+                tracing::debug!(daemon = %self.tcp.addr(), error = %e, "RDMA keys refused; the request goes over tcp");
+                None
+            }
+            Err(Miss::Broken(why)) => {
+                tracing::info!(daemon = %self.tcp.addr(), reason = %why, "RDMA queue pair broken; this request goes over tcp, the next sets RDMA up again");
+                counter!("regions_client_rdma_broken_total").increment(1);
+                *session = Session::Idle;
+                None
+            }
+        }
+    }
+
+    /// `None` (use tcp) under `auto`; the set-up failure under `rdma`.
+    fn unavailable<T>(&self, why: &str) -> Option<Result<T>> {
+        match self.choice {
+            TransportChoice::Rdma => Some(Err(RegionsError::DaemonUnreachable {
+                addr: self.tcp.addr().to_owned(),
+                attempts: 1,
+                elapsed_ms: 0,
+                reason: format!(
+                    "RDMA is not available ({why}) and the transport is rdma only: use \
+                     --transport auto (REGIONS_TRANSPORT=auto) to fall back to tcp"
+                ),
+            })),
+            _ => None,
+        }
+    }
+}
+
+/// One piece of a request: `len` bytes at `within` of pool chunk (`pool`, `chunk`), and
+/// which span (region, offset) it belongs to, for the keys request.
+#[derive(Clone, Copy)]
+struct Piece {
+    span: Span,
+    chunk: u64,
+    within: u64,
+    len: u64,
+}
+
+/// The spans cut at chunk boundaries, in order.
+fn pieces(spans: &[Span]) -> Vec<Piece> {
+    let mut out = Vec::new();
+    for s in spans {
+        let mut at = 0;
+        while at < s.len {
+            let pool_offset = s.pool_offset + at;
+            let within = pool_offset % CHUNK_SIZE;
+            let len = (CHUNK_SIZE - within).min(s.len - at);
+            out.push(Piece {
+                span: Span {
+                    region_offset: s.region_offset + at,
+                    pool_offset,
+                    len,
+                    ..*s
+                },
+                chunk: pool_offset / CHUNK_SIZE,
+                within,
+                len,
+            });
+            at += len;
+        }
+    }
+    out
+}
+
+impl Live {
+    /// The keys of every piece's chunk, asking the daemon for those not known yet (one
+    /// request per span piece lacking them; the reply covers its chunks).
+    fn keys_for(
+        &mut self,
+        tcp: &TcpTransport,
+        pieces: &[Piece],
+        write: bool,
+    ) -> std::result::Result<Vec<Remote>, Miss> {
+        let mut out = Vec::with_capacity(pieces.len());
+        for p in pieces {
+            let have = self.keys.get(&(p.span.pool, p.chunk)).and_then(|k| {
+                let rkey = if write { k.write } else { k.read };
+                rkey.map(|rkey| (k.addr, rkey))
+            });
+            let (addr, rkey) = match have {
+                Some(k) => k,
+                None => {
+                    let op = if write {
+                        Op::RdmaWriteKeys
+                    } else {
+                        Op::RdmaReadKeys
+                    };
+                    let mut h = Header::new(op, 0);
+                    h.pool = p.span.pool;
+                    h.offset = p.span.pool_offset;
+                    h.length = p.span.len;
+                    h.name_region(p.span.ino, p.span.region_offset, p.span.pool_offset);
+                    let reply = match tcp.control_request(&mut self.control, h, &[]) {
+                        Ok(r) => r,
+                        Err(e @ RegionsError::Daemon { .. }) => return Err(Miss::Refused(e)),
+                        Err(e) => return Err(Miss::Broken(e.to_string())),
+                    };
+                    let keys = RdmaChunkKey::decode_all(&reply)
+                        .map_err(|e| Miss::Broken(format!("bad keys reply: {e}")))?;
+                    for k in keys {
+                        let entry = self
+                            .keys
+                            .entry((p.span.pool, k.pool_offset / CHUNK_SIZE))
+                            .or_default();
+                        entry.addr = k.addr;
+                        if write {
+                            entry.write = Some(k.rkey);
+                        } else {
+                            entry.read = Some(k.rkey);
+                        }
+                    }
+                    let k = self
+                        .keys
+                        .get(&(p.span.pool, p.chunk))
+                        .copied()
+                        .unwrap_or_default();
+                    let rkey = if write { k.write } else { k.read };
+                    match rkey {
+                        Some(rkey) => (k.addr, rkey),
+                        None => {
+                            return Err(Miss::Broken(format!(
+                                "the daemon's keys reply lacks chunk {} of pool {}",
+                                p.chunk, p.span.pool
+                            )));
+                        }
+                    }
+                }
+            };
+            out.push(Remote {
+                addr: addr + p.within,
+                rkey,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Reads `spans` into `dst` (write: `None`) or writes `src` to them, in rounds of at most
+    /// the bounce buffer.
+    fn transfer(
+        &mut self,
+        tcp: &TcpTransport,
+        spans: &[Span],
+        mut dst: Option<&mut [u8]>,
+        src: Option<&[u8]>,
+    ) -> std::result::Result<(), Miss> {
+        let write = src.is_some();
+        let pieces = pieces(spans);
+        let remotes = self.keys_for(tcp, &pieces, write)?;
+        let mut done = 0usize; // bytes of the request finished
+        let mut i = 0;
+        while i < pieces.len() {
+            // One round: as many whole pieces as fit the buffer (a piece is at most a chunk).
+            let mut ops = Vec::new();
+            let mut used = 0usize;
+            while i < pieces.len() && used + pieces[i].len as usize <= self.buf.len() {
+                let len = pieces[i].len as usize;
+                let local = Local { offset: used, len };
+                ops.push(if write {
+                    regions_verbs::Op::Write {
+                        local,
+                        remote: remotes[i],
+                    }
+                } else {
+                    regions_verbs::Op::Read {
+                        local,
+                        remote: remotes[i],
+                    }
+                });
+                used += len;
+                i += 1;
+            }
+            if let Some(src) = src {
+                self.buf.bytes_mut()[..used].copy_from_slice(&src[done..done + used]);
+            }
+            self.qp
+                .execute(&mut self.buf, &ops, ROUND_TIMEOUT)
+                .map_err(|e| Miss::Broken(e.to_string()))?;
+            if let Some(dst) = dst.as_deref_mut() {
+                dst[done..done + used].copy_from_slice(&self.buf.bytes()[..used]);
+            }
+            done += used;
+        }
+        Ok(())
+    }
+}
+
+impl Transport for RdmaTransport {
+    fn read(&self, spans: &[Span], dst: &mut [u8]) -> Result<()> {
+        // After the writes posted over tcp.
+        self.tcp.wait_writes();
+        let len = dst.len() as u64;
+        match self.attempt(|tcp, live| live.transfer(tcp, spans, Some(&mut *dst), None)) {
+            Some(Ok(())) => {
+                TransportStats::add(&self.stats.rdma_requests, 1);
+                TransportStats::add(&self.stats.rdma_bytes_read, len);
+                counter!("regions_client_bytes_total", "op" => "read", "transport" => "rdma")
+                    .increment(len);
+                Ok(())
+            }
+            Some(Err(e)) => Err(e),
+            None => self.tcp.read(spans, dst),
+        }
+    }
+
+    fn write(&self, spans: &[Span], src: &[u8]) -> Result<()> {
+        self.tcp.wait_writes();
+        let len = src.len() as u64;
+        match self.attempt(|tcp, live| live.transfer(tcp, spans, None, Some(src))) {
+            Some(Ok(())) => {
+                TransportStats::add(&self.stats.rdma_requests, 1);
+                TransportStats::add(&self.stats.rdma_bytes_written, len);
+                counter!("regions_client_bytes_total", "op" => "write", "transport" => "rdma")
+                    .increment(len);
+                Ok(())
+            }
+            Some(Err(e)) => Err(e),
+            None => self.tcp.write(spans, src),
+        }
+    }
+
+    fn compare_and_swap(&self, at: &Span, expected: u64, new: u64) -> Result<u64> {
+        self.tcp.compare_and_swap(at, expected, new)
+    }
+
+    fn fetch_add(&self, at: &Span, addend: u64) -> Result<u64> {
+        self.tcp.fetch_add(at, addend)
+    }
+
+    fn wait_change(&self, at: &Span, expected: u64, timeout: Duration) -> Result<u64> {
+        self.tcp.wait_change(at, expected, timeout)
+    }
+
+    fn posts_atomics(&self) -> bool {
+        self.tcp.posts_atomics()
+    }
+
+    fn post_compare_and_swap(
+        &self,
+        at: &Span,
+        expected: u64,
+        new: u64,
+        done: Completion,
+    ) -> Result<()> {
+        self.tcp.post_compare_and_swap(at, expected, new, done)
+    }
+
+    fn wait_writes(&self) {
+        self.tcp.wait_writes();
+    }
+
+    fn settle_writes(&self, owner: u64) -> Option<RegionsError> {
+        self.tcp.settle_writes(owner)
+    }
+
+    fn forget_failed_writes(&self, owner: u64) {
+        self.tcp.forget_failed_writes(owner);
+    }
+
+    fn describe(&self) -> String {
+        if self.is_live() {
+            format!("rdma {}", self.tcp.addr())
+        } else {
+            self.tcp.describe()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spans_are_cut_at_chunk_boundaries() {
+        let s = Span {
+            ino: 9,
+            region_offset: 1000,
+            pool: 3,
+            pool_offset: CHUNK_SIZE - 100,
+            len: CHUNK_SIZE + 300,
+        };
+        let p = pieces(&[s]);
+        let shape: Vec<(u64, u64, u64, u64)> = p
+            .iter()
+            .map(|p| (p.chunk, p.within, p.len, p.span.region_offset))
+            .collect();
+        assert_eq!(
+            shape,
+            vec![
+                (0, CHUNK_SIZE - 100, 100, 1000),
+                (1, 0, CHUNK_SIZE, 1100),
+                (2, 0, 200, 1100 + CHUNK_SIZE),
+            ]
+        );
+        assert_eq!(p.iter().map(|p| p.len).sum::<u64>(), s.len);
+        assert!(pieces(&[Span { len: 0, ..s }]).is_empty());
+    }
+}

@@ -1,0 +1,68 @@
+//! What can fail in a verbs call.
+
+use std::io;
+
+pub type Result<T> = std::result::Result<T, VerbsError>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum VerbsError {
+    /// No RDMA device (or none of that name) on this host.
+    #[error(
+        "no RDMA device{}: load a driver (for soft-RoCE: `modprobe rdma_rxe` and \
+         `rdma link add rxe0 type rxe netdev ETH`) or use the tcp transport",
+        .0.as_ref().map(|n| format!(" named {n}")).unwrap_or_default()
+    )]
+    NoDevice(Option<String>),
+    /// A verbs call failed.
+    #[error("{what} failed: {cause}")]
+    Call {
+        what: String,
+        #[source]
+        cause: io::Error,
+    },
+    /// A work request completed with an error; the queue pair is in the error state and must
+    /// be created again.
+    #[error(
+        "RDMA {op} completed with status {status} ({text}); the queue pair is broken and is \
+         connected again"
+    )]
+    Completion {
+        op: &'static str,
+        status: u32,
+        text: String,
+    },
+    /// No completion within the deadline.
+    #[error("no RDMA completion within {0:?}: the peer or the link is down")]
+    Timeout(std::time::Duration),
+    /// A request this crate refuses before posting it.
+    #[error("invalid RDMA request: {0}")]
+    Invalid(String),
+}
+
+impl VerbsError {
+    /// The error of a verbs call that returned -1 (or NULL) and set `errno`.
+    pub(crate) fn last(what: impl Into<String>) -> VerbsError {
+        VerbsError::Call {
+            what: what.into(),
+            cause: io::Error::last_os_error(),
+        }
+    }
+
+    /// The error of a verbs call that returned an errno value itself.
+    pub(crate) fn errno(what: impl Into<String>, errno: i32) -> VerbsError {
+        VerbsError::Call {
+            what: what.into(),
+            cause: io::Error::from_raw_os_error(errno),
+        }
+    }
+
+    /// The errno a file system or transport reports for this error.
+    pub fn errno_value(&self) -> i32 {
+        match self {
+            VerbsError::NoDevice(_) => libc::ENODEV,
+            VerbsError::Call { cause, .. } => cause.raw_os_error().unwrap_or(libc::EIO),
+            VerbsError::Completion { .. } | VerbsError::Timeout(_) => libc::EIO,
+            VerbsError::Invalid(_) => libc::EINVAL,
+        }
+    }
+}

@@ -1,0 +1,25 @@
+//! The ibverbs operations the RDMA transport of regions uses (docs/ARCHITECTURE.md, "RDMA"):
+//! the `unsafe` calls into libibverbs, kept in this one small crate, each with its `// SAFETY:`
+//! reasoning, behind types whose methods are safe to call.
+//!
+//! - [`device`]: [`Device`] (an opened RDMA device and the port and GID it uses) and
+//!   [`ProtectionDomain`].
+//! - [`memory`]: [`Registration`] (a memory region the device may read, write and update, by
+//!   its keys) and [`RegisteredBuffer`] (memory of its own, registered: bounce buffers).
+//! - [`queue_pair`]: [`QueuePair`] (a reliable-connected queue pair and its completion queue),
+//!   [`Endpoint`] (what a peer needs to connect to one) and [`Op`] (one-sided READ, WRITE,
+//!   compare-and-swap and fetch-and-add, posted as one linked list with one signalled
+//!   completion).
+//!
+//! Nothing here knows regions, pools or capabilities: the daemon registers its pool memory
+//! and the client transport moves region bytes with these.
+
+pub mod device;
+pub mod error;
+pub mod memory;
+pub mod queue_pair;
+
+pub use device::{Device, ProtectionDomain, device_names};
+pub use error::{Result, VerbsError};
+pub use memory::{Access, RegisteredBuffer, Registration};
+pub use queue_pair::{Endpoint, Local, Op, QueuePair, Remote};

@@ -1,0 +1,563 @@
+//! Reliable-connected queue pairs: connecting two of them, and one-sided READ, WRITE,
+//! compare-and-swap and fetch-and-add posted as one linked list of work requests with one
+//! signalled completion.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ibverbs_sys as ffi;
+
+use crate::device::ProtectionDomain;
+use crate::error::{Result, VerbsError};
+use crate::memory::RegisteredBuffer;
+
+/// Where a peer's memory is: its address there and the remote key of its registration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Remote {
+    pub addr: u64,
+    pub rkey: u32,
+}
+
+/// A range of the local [`RegisteredBuffer`] an operation reads from or writes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Local {
+    pub offset: usize,
+    pub len: usize,
+}
+
+/// One one-sided operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// Copies `local.len` bytes at `remote` into `local`.
+    Read { local: Local, remote: Remote },
+    /// Copies `local` to `remote`.
+    Write { local: Local, remote: Remote },
+    /// If the 8-byte word at `remote` (8-aligned) equals `expected`, replaces it with `new`;
+    /// its old value lands in the 8 bytes at `local` (native byte order).
+    CompareSwap {
+        local: usize,
+        remote: Remote,
+        expected: u64,
+        new: u64,
+    },
+    /// Adds `add` to the 8-byte word at `remote`; its old value lands at `local`.
+    FetchAdd {
+        local: usize,
+        remote: Remote,
+        add: u64,
+    },
+}
+
+impl Op {
+    fn name(&self) -> &'static str {
+        match self {
+            Op::Read { .. } => "READ",
+            Op::Write { .. } => "WRITE",
+            Op::CompareSwap { .. } => "compare-and-swap",
+            Op::FetchAdd { .. } => "fetch-and-add",
+        }
+    }
+
+    /// The local range the operation touches.
+    fn local(&self) -> Local {
+        match *self {
+            Op::Read { local, .. } | Op::Write { local, .. } => local,
+            Op::CompareSwap { local, .. } | Op::FetchAdd { local, .. } => Local {
+                offset: local,
+                len: 8,
+            },
+        }
+    }
+}
+
+/// What a peer needs to connect its queue pair to this one, exchanged out of band (over the
+/// transport's tcp connection).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Endpoint {
+    pub qpn: u32,
+    pub psn: u32,
+    pub lid: u16,
+    /// `ibv_mtu` of the port (1: 256 bytes ... 5: 4096).
+    pub mtu: u8,
+    pub gid: [u8; 16],
+}
+
+impl Endpoint {
+    /// Encoded length.
+    pub const LEN: usize = 27;
+
+    pub fn to_bytes(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        b[0..4].copy_from_slice(&self.qpn.to_le_bytes());
+        b[4..8].copy_from_slice(&self.psn.to_le_bytes());
+        b[8..10].copy_from_slice(&self.lid.to_le_bytes());
+        b[10] = self.mtu;
+        b[11..27].copy_from_slice(&self.gid);
+        b
+    }
+
+    pub fn from_bytes(b: &[u8]) -> Result<Endpoint> {
+        if b.len() != Self::LEN {
+            return Err(VerbsError::Invalid(format!(
+                "an endpoint of {} bytes (expected {})",
+                b.len(),
+                Self::LEN
+            )));
+        }
+        let word = |r: std::ops::Range<usize>| {
+            let mut w = [0u8; 4];
+            w.copy_from_slice(&b[r]);
+            u32::from_le_bytes(w)
+        };
+        let mut gid = [0u8; 16];
+        gid.copy_from_slice(&b[11..27]);
+        Ok(Endpoint {
+            qpn: word(0..4),
+            psn: word(4..8) & 0xff_ffff,
+            lid: u16::from_le_bytes([b[8], b[9]]),
+            mtu: b[10],
+            gid,
+        })
+    }
+}
+
+/// A reliable-connected queue pair with a completion queue of its own. One operation list is
+/// in flight at a time ([`QueuePair::execute`] takes `&mut self` and waits for it).
+#[derive(Debug)]
+pub struct QueuePair {
+    qp: *mut ffi::ibv_qp,
+    cq: *mut ffi::ibv_cq,
+    pd: Arc<ProtectionDomain>,
+    psn: u32,
+    max_wr: u32,
+    connected: bool,
+    /// A completion failed or timed out: the queue pair is in the error state (or destroyed)
+    /// and must be replaced.
+    broken: bool,
+}
+
+// SAFETY: QP and CQ handles may be used from any thread (libibverbs is thread safe); all use
+// goes through `&mut self`, so one thread at a time.
+unsafe impl Send for QueuePair {}
+// SAFETY: `&QueuePair` only reads plain fields.
+unsafe impl Sync for QueuePair {}
+
+impl QueuePair {
+    /// A new queue pair of `pd` taking up to `max_wr` work requests at once.
+    pub fn create(pd: &Arc<ProtectionDomain>, max_wr: u32) -> Result<QueuePair> {
+        let device = pd.device();
+        let max_wr = max_wr.clamp(1, 4096);
+        let cqe = libc::c_int::try_from(max_wr).unwrap_or(4096);
+        // SAFETY: a live context; the CQ is owned by the returned value (destroyed in Drop,
+        // after the QP).
+        let cq = unsafe {
+            ffi::ibv_create_cq(
+                device.raw(),
+                cqe,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        if cq.is_null() {
+            return Err(VerbsError::last(format!(
+                "ibv_create_cq({}, {cqe})",
+                device.name()
+            )));
+        }
+        let mut init = ffi::ibv_qp_init_attr {
+            send_cq: cq,
+            recv_cq: cq,
+            cap: ffi::ibv_qp_cap {
+                max_send_wr: max_wr,
+                max_recv_wr: 1,
+                max_send_sge: 1,
+                max_recv_sge: 1,
+                max_inline_data: 0,
+            },
+            qp_type: ffi::ibv_qp_type::IBV_QPT_RC,
+            sq_sig_all: 0,
+            ..Default::default()
+        };
+        // SAFETY: a live PD and CQ and an initialised attribute struct.
+        let qp = unsafe { ffi::ibv_create_qp(pd.raw(), &mut init) };
+        if qp.is_null() {
+            let e = VerbsError::last(format!("ibv_create_qp({})", device.name()));
+            // SAFETY: the CQ made above, unused by any QP.
+            unsafe { ffi::ibv_destroy_cq(cq) };
+            return Err(e);
+        }
+        Ok(QueuePair {
+            qp,
+            cq,
+            pd: Arc::clone(pd),
+            psn: rand::random::<u32>() & 0xff_ffff,
+            max_wr,
+            connected: false,
+            broken: false,
+        })
+    }
+
+    /// What the peer needs to connect to this queue pair.
+    pub fn endpoint(&self) -> Endpoint {
+        let device = self.pd.device();
+        Endpoint {
+            qpn: if self.qp.is_null() {
+                0
+            } else {
+                // SAFETY: a non-null `qp` is live until `destroy` nulls it.
+                unsafe { (*self.qp).qp_num }
+            },
+            psn: self.psn,
+            lid: device.lid(),
+            mtu: u8::try_from(device.active_mtu()).unwrap_or(1),
+            gid: device.gid(),
+        }
+    }
+
+    /// Whether a failure broke this queue pair (replace it: create and connect a new one).
+    pub fn is_broken(&self) -> bool {
+        self.broken
+    }
+
+    fn modify(&mut self, attr: &mut ffi::ibv_qp_attr, mask: u32, step: &str) -> Result<()> {
+        let mask = libc::c_int::try_from(mask).unwrap_or(libc::c_int::MAX);
+        // SAFETY: a live QP and an initialised attribute struct; libibverbs reads only the
+        // fields the mask names.
+        let rc = unsafe { ffi::ibv_modify_qp(self.qp, attr, mask) };
+        if rc != 0 {
+            return Err(VerbsError::errno(format!("ibv_modify_qp to {step}"), rc));
+        }
+        Ok(())
+    }
+
+    /// Connects this queue pair to the peer's (RESET → INIT → RTR → RTS), allowing the peer
+    /// remote reads, writes and atomics on registrations that allow them.
+    pub fn connect(&mut self, remote: &Endpoint) -> Result<()> {
+        use ffi::ibv_qp_attr_mask as m;
+        if self.connected || self.broken || self.qp.is_null() {
+            return Err(VerbsError::Invalid(
+                "connect of a queue pair that is connected or broken".into(),
+            ));
+        }
+        let device = Arc::clone(self.pd.device());
+        let access = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
+            | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0
+            | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
+            | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0;
+        let mut attr = ffi::ibv_qp_attr {
+            qp_state: ffi::ibv_qp_state::IBV_QPS_INIT,
+            pkey_index: 0,
+            port_num: device.port(),
+            qp_access_flags: access,
+            ..Default::default()
+        };
+        self.modify(
+            &mut attr,
+            (m::IBV_QP_STATE | m::IBV_QP_PKEY_INDEX | m::IBV_QP_PORT | m::IBV_QP_ACCESS_FLAGS).0,
+            "INIT",
+        )?;
+        let mtu = u32::from(remote.mtu).min(device.active_mtu()).max(1);
+        let mut attr = ffi::ibv_qp_attr {
+            qp_state: ffi::ibv_qp_state::IBV_QPS_RTR,
+            path_mtu: mtu,
+            dest_qp_num: remote.qpn,
+            rq_psn: remote.psn,
+            max_dest_rd_atomic: device.max_rd_atomic(),
+            min_rnr_timer: 12,
+            ..Default::default()
+        };
+        attr.ah_attr.is_global = 1;
+        attr.ah_attr.dlid = remote.lid;
+        attr.ah_attr.port_num = device.port();
+        attr.ah_attr.grh.dgid.raw = remote.gid;
+        attr.ah_attr.grh.sgid_index = device.gid_index();
+        attr.ah_attr.grh.hop_limit = 64;
+        self.modify(
+            &mut attr,
+            (m::IBV_QP_STATE
+                | m::IBV_QP_AV
+                | m::IBV_QP_PATH_MTU
+                | m::IBV_QP_DEST_QPN
+                | m::IBV_QP_RQ_PSN
+                | m::IBV_QP_MAX_DEST_RD_ATOMIC
+                | m::IBV_QP_MIN_RNR_TIMER)
+                .0,
+            "RTR",
+        )?;
+        let mut attr = ffi::ibv_qp_attr {
+            qp_state: ffi::ibv_qp_state::IBV_QPS_RTS,
+            // 4.096 µs × 2^14 ≈ 67 ms per try, 7 tries: a dead peer fails a request in about
+            // half a second.
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            sq_psn: self.psn,
+            max_rd_atomic: device.max_rd_atomic(),
+            ..Default::default()
+        };
+        self.modify(
+            &mut attr,
+            (m::IBV_QP_STATE
+                | m::IBV_QP_TIMEOUT
+                | m::IBV_QP_RETRY_CNT
+                | m::IBV_QP_RNR_RETRY
+                | m::IBV_QP_SQ_PSN
+                | m::IBV_QP_MAX_QP_RD_ATOMIC)
+                .0,
+            "RTS",
+        )?;
+        self.connected = true;
+        Ok(())
+    }
+
+    /// Posts `ops` (in batches of at most the queue's depth, each one linked list with its
+    /// last request signalled) and waits for them, at most `timeout` per batch. Their local
+    /// ranges are in `buf`. A failed or timed-out batch breaks the queue pair
+    /// ([`QueuePair::is_broken`]); by the time this returns, the device no longer touches
+    /// `buf` for these operations.
+    pub fn execute(
+        &mut self,
+        buf: &mut RegisteredBuffer,
+        ops: &[Op],
+        timeout: Duration,
+    ) -> Result<()> {
+        if !self.connected || self.broken || self.qp.is_null() {
+            return Err(VerbsError::Invalid(
+                "an operation on a queue pair that is not connected or is broken".into(),
+            ));
+        }
+        for op in ops {
+            let l = op.local();
+            if l.offset
+                .checked_add(l.len)
+                .is_none_or(|end| end > buf.len())
+                || u32::try_from(l.len).is_err()
+            {
+                return Err(VerbsError::Invalid(format!(
+                    "{} of {} bytes at offset {} of a {}-byte buffer",
+                    op.name(),
+                    l.len,
+                    l.offset,
+                    buf.len()
+                )));
+            }
+            if matches!(op, Op::CompareSwap { .. } | Op::FetchAdd { .. }) {
+                let remote = match op {
+                    Op::CompareSwap { remote, .. } | Op::FetchAdd { remote, .. } => remote,
+                    _ => unreachable!("matched above"),
+                };
+                if !remote.addr.is_multiple_of(8) {
+                    return Err(VerbsError::Invalid(format!(
+                        "{} at {:#x}: atomics need an 8-byte aligned address",
+                        op.name(),
+                        remote.addr
+                    )));
+                }
+            }
+        }
+        let depth = usize::try_from(self.max_wr).unwrap_or(1);
+        for batch in ops.chunks(depth) {
+            self.execute_batch(buf, batch, timeout)?;
+        }
+        Ok(())
+    }
+
+    fn execute_batch(
+        &mut self,
+        buf: &mut RegisteredBuffer,
+        ops: &[Op],
+        timeout: Duration,
+    ) -> Result<()> {
+        let (base, lkey) = (buf.addr(), buf.lkey());
+        let mut sges: Vec<ffi::ibv_sge> = ops
+            .iter()
+            .map(|op| {
+                let l = op.local();
+                ffi::ibv_sge {
+                    addr: base + l.offset as u64,
+                    // Checked to fit in `execute`.
+                    length: u32::try_from(l.len).unwrap_or(u32::MAX),
+                    lkey,
+                }
+            })
+            .collect();
+        let mut wrs: Vec<ffi::ibv_send_wr> = Vec::with_capacity(ops.len());
+        for (i, op) in ops.iter().enumerate() {
+            let mut wr = ffi::ibv_send_wr {
+                wr_id: i as u64,
+                num_sge: 1,
+                ..Default::default()
+            };
+            match *op {
+                Op::Read { remote, .. } | Op::Write { remote, .. } => {
+                    wr.opcode = if matches!(op, Op::Read { .. }) {
+                        ffi::ibv_wr_opcode::IBV_WR_RDMA_READ
+                    } else {
+                        ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE
+                    };
+                    wr.wr.rdma = ffi::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 {
+                        remote_addr: remote.addr,
+                        rkey: remote.rkey,
+                    };
+                }
+                Op::CompareSwap {
+                    remote,
+                    expected,
+                    new,
+                    ..
+                } => {
+                    wr.opcode = ffi::ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP;
+                    wr.wr.atomic = ffi::ibv_send_wr__bindgen_ty_2__bindgen_ty_2 {
+                        remote_addr: remote.addr,
+                        compare_add: expected,
+                        swap: new,
+                        rkey: remote.rkey,
+                    };
+                }
+                Op::FetchAdd { remote, add, .. } => {
+                    wr.opcode = ffi::ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD;
+                    wr.wr.atomic = ffi::ibv_send_wr__bindgen_ty_2__bindgen_ty_2 {
+                        remote_addr: remote.addr,
+                        compare_add: add,
+                        swap: 0,
+                        rkey: remote.rkey,
+                    };
+                }
+            }
+            wrs.push(wr);
+        }
+        // Link the list now that neither vector moves any more.
+        let n = wrs.len();
+        for i in 0..n {
+            wrs[i].sg_list = &mut sges[i];
+            wrs[i].next = if i + 1 < n {
+                &mut wrs[i + 1] as *mut ffi::ibv_send_wr
+            } else {
+                std::ptr::null_mut()
+            };
+        }
+        if let Some(last) = wrs.last_mut() {
+            last.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        } else {
+            return Ok(());
+        }
+        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: a live, connected QP; `wrs` and `sges` outlive the call (the provider copies
+        // them into its queue), and the local ranges lie in `buf`, registered and borrowed
+        // exclusively until the completion below (or the QP's destruction) ends the DMA.
+        let rc = unsafe {
+            let ctx = (*self.qp).context;
+            match (*ctx).ops.post_send {
+                Some(post) => post(self.qp, wrs.as_mut_ptr(), &mut bad),
+                None => libc::ENOSYS,
+            }
+        };
+        if rc != 0 {
+            // Requests before the bad one may have been posted: the QP cannot be trusted.
+            self.break_now();
+            return Err(VerbsError::errno("ibv_post_send", rc));
+        }
+        self.wait(ops, n as u64 - 1, timeout)
+    }
+
+    /// Polls the completion queue until the signalled request `last` completes (or any
+    /// completes with an error), spinning briefly, then sleeping in growing steps.
+    fn wait(&mut self, ops: &[Op], last: u64, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        let mut polls = 0u32;
+        loop {
+            // SAFETY: ibv_wc is plain data (integers); zeroed is valid, and poll_cq fills it.
+            let mut wc: [ffi::ibv_wc; 4] = unsafe { std::mem::zeroed() };
+            // SAFETY: a live CQ and room for 4 completions.
+            let n = unsafe {
+                let ctx = (*self.cq).context;
+                match (*ctx).ops.poll_cq {
+                    Some(poll) => poll(self.cq, 4, wc.as_mut_ptr()),
+                    None => -1,
+                }
+            };
+            if n < 0 {
+                self.break_now();
+                return Err(VerbsError::Invalid("ibv_poll_cq failed".into()));
+            }
+            for c in wc.iter().take(usize::try_from(n).unwrap_or(0)) {
+                if let Some((status, _vendor)) = c.error() {
+                    self.broken = true;
+                    let op = usize::try_from(c.wr_id())
+                        .ok()
+                        .and_then(|i| ops.get(i))
+                        .map_or("request", Op::name);
+                    // SAFETY: ibv_wc_status_str returns a static NUL-terminated string.
+                    let text = unsafe {
+                        std::ffi::CStr::from_ptr(ffi::ibv_wc_status_str(status))
+                            .to_string_lossy()
+                            .into_owned()
+                    };
+                    // The DMA of every request of the list is over once the QP is gone.
+                    self.break_now();
+                    return Err(VerbsError::Completion { op, status, text });
+                }
+                if c.wr_id() == last {
+                    return Ok(());
+                }
+            }
+            if start.elapsed() >= timeout {
+                self.break_now();
+                return Err(VerbsError::Timeout(timeout));
+            }
+            polls += 1;
+            if polls > 64 {
+                std::thread::sleep(Duration::from_micros(u64::from(polls.min(1000) / 16)));
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// Destroys the QP and CQ at once (after which the device no longer touches the memory
+    /// of their requests) and marks the queue pair broken.
+    fn break_now(&mut self) {
+        self.broken = true;
+        self.destroy();
+    }
+
+    fn destroy(&mut self) {
+        if !self.qp.is_null() {
+            // SAFETY: the QP made in `create`, destroyed once (then nulled).
+            unsafe { ffi::ibv_destroy_qp(self.qp) };
+            self.qp = std::ptr::null_mut();
+        }
+        if !self.cq.is_null() {
+            // SAFETY: the CQ made in `create`, destroyed once after its QP.
+            unsafe { ffi::ibv_destroy_cq(self.cq) };
+            self.cq = std::ptr::null_mut();
+        }
+    }
+}
+
+impl Drop for QueuePair {
+    fn drop(&mut self) {
+        self.destroy();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_round_trip_through_bytes() {
+        let e = Endpoint {
+            qpn: 0x12,
+            psn: 0xabcdef,
+            lid: 7,
+            mtu: 3,
+            gid: [
+                0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0, 0x24, 0x13, 0xff, 0xfe, 0xc5, 0x51, 0x8f,
+            ],
+        };
+        assert_eq!(Endpoint::from_bytes(&e.to_bytes()).unwrap(), e);
+        assert!(Endpoint::from_bytes(&e.to_bytes()[1..]).is_err());
+    }
+}
