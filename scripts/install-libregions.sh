@@ -48,8 +48,9 @@ done
 
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$root/Cargo.toml" | head -n 1)
 # Native libraries a program linking libregions.a statically also needs
-# (rustc --print native-static-libs on Linux).
-private_libs="-lgcc_s -lutil -lrt -lpthread -lm -ldl -lc"
+# (rustc --print native-static-libs on Linux; libibverbs for the RDMA
+# transport, feature rdma, on by default).
+private_libs="-libverbs -lgcc_s -lutil -lrt -lpthread -lm -ldl -lc"
 
 mkdir -p "$prefix/lib/pkgconfig" "$prefix/include"
 prefix=$(cd "$prefix" && pwd)

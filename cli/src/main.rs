@@ -20,6 +20,7 @@ use regionfs::mount::{MountOptions, Mounted, prepare_mountpoint, write_ready_fil
 use regions::{Client, ClientConfig};
 use regions_embedded::{Cluster, UpConfig};
 use regions_proto::auth::Secret;
+use regions_proto::transport_choice::TransportChoice;
 use tokio::signal::unix::{SignalKind, signal};
 
 mod sync_cli;
@@ -116,6 +117,13 @@ struct MountArgs {
     /// This host's daemon agent socket (same-host zero-copy access).
     #[arg(long, env = "REGIONS_AGENT_SOCKET")]
     agent_socket: Option<PathBuf>,
+    /// How to reach daemons: `auto` (RDMA where this host and the daemon have devices on a
+    /// common fabric, else tcp), `tcp`, or `rdma` only.
+    #[arg(long, env = "REGIONS_TRANSPORT", value_enum, default_value_t = TransportChoice::Auto)]
+    transport: TransportChoice,
+    /// RDMA device to use (default: the first one).
+    #[arg(long, env = "REGIONS_RDMA_DEVICE")]
+    rdma_device: Option<String>,
     #[command(flatten)]
     fs: FsArgs,
     /// Where to mount (created when missing).
@@ -199,6 +207,8 @@ fn run_mount(args: MountArgs) -> anyhow::Result<()> {
     let url = manager_url(&args.manager);
     let mut config = ClientConfig::new(&url, secret, args.host_id);
     config.agent_socket = args.agent_socket.clone();
+    config.transport = args.transport;
+    config.rdma_device = args.rdma_device.clone();
     config.tls_ca = args.tls_ca.clone();
     let client = Client::connect(config)
         .with_context(|| format!("cannot connect to the manager at {url}"))?;

@@ -116,7 +116,7 @@ impl Daemon {
             Arc::clone(&stats),
             config.transport,
         )?;
-        start_rdma(&transport, &config.rdma)?;
+        let transports = start_rdma(&transport, &config.rdma)?;
         let mut registration = Registration::new(
             clients,
             config.host_id,
@@ -127,7 +127,8 @@ impl Daemon {
             Arc::clone(&pools),
             Arc::clone(&status),
         )
-        .with_destructive_event_delay(config.destructive_event_delay);
+        .with_destructive_event_delay(config.destructive_event_delay)
+        .with_transports(transports);
         let incarnation = registration.incarnation();
         // On error the servers drop here: threads stop and the socket file goes.
         let first = registration
@@ -299,22 +300,24 @@ fn write_ready_file(path: &Path, contents: &str) -> Result<()> {
 }
 
 /// Serves RDMA on the transport as `rdma` says: `tcp` never; `auto` when a device opens
-/// (else tcp only, said once in the log); `rdma` or fail.
-fn start_rdma(transport: &TransportServer, rdma: &crate::config::RdmaConfig) -> Result<()> {
+/// (else tcp only, said once in the log); `rdma` or fail. Returns the transports served, as
+/// registration reports them ("tcp", "tcp rdma:rxe0").
+fn start_rdma(transport: &TransportServer, rdma: &crate::config::RdmaConfig) -> Result<String> {
     use regions_proto::transport_choice::TransportChoice;
     if rdma.choice == TransportChoice::Tcp {
-        return Ok(());
+        return Ok("tcp".into());
     }
     #[cfg(feature = "rdma")]
     match crate::rdma::Rdma::open(rdma.device.as_deref(), rdma.gid_index) {
         Ok(r) => {
             tracing::info!(device = r.device_name(), "serving RDMA beside tcp");
+            let served = format!("tcp rdma:{}", r.device_name());
             transport.serve_rdma(Arc::new(r));
-            Ok(())
+            Ok(served)
         }
         Err(e) if rdma.choice == TransportChoice::Auto => {
             tracing::info!(reason = %e, "no RDMA: serving tcp only");
-            Ok(())
+            Ok("tcp".into())
         }
         Err(e) => Err(e),
     }
@@ -326,7 +329,7 @@ fn start_rdma(transport: &TransportServer, rdma: &crate::config::RdmaConfig) -> 
                 "--transport rdma: this daemon was built without the rdma feature".into(),
             ));
         }
-        Ok(())
+        Ok("tcp".into())
     }
 }
 

@@ -50,6 +50,8 @@ pub struct Session {
 /// Registers this host and keeps its pools in step with the manager.
 #[derive(Debug)]
 pub struct Registration {
+    /// The data transports this daemon serves, as registration tells the manager.
+    transports: String,
     clients: ManagerClients,
     host_id: u32,
     transport_addr: String,
@@ -106,6 +108,7 @@ impl Registration {
             }
         };
         Registration {
+            transports: "tcp".into(),
             clients,
             host_id,
             transport_addr,
@@ -145,6 +148,13 @@ impl Registration {
             .map_err(manager_err)
     }
 
+    /// Tells the manager at every registration that this daemon serves `transports` ("tcp",
+    /// "tcp rdma:rxe0").
+    pub fn with_transports(mut self, transports: String) -> Registration {
+        self.transports = transports;
+        self
+    }
+
     /// Registers the host and its pools and resyncs every pool.
     pub async fn register(&mut self) -> Result<Session> {
         let req = v1::RegisterHostRequest {
@@ -153,6 +163,7 @@ impl Registration {
             agent_socket: self.agent_socket.clone(),
             memory_offered: self.memory,
             incarnation: self.incarnation,
+            transports: self.transports.clone(),
         };
         let reply = self
             .clients

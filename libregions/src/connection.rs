@@ -192,6 +192,13 @@ pub(crate) fn wrap_for_rdma(
     }
     #[cfg(feature = "rdma")]
     {
+        // No device on this host: under `auto`, plain tcp (nothing on the hot path).
+        if choice == TransportChoice::Auto
+            && let Err(why) = crate::transport::rdma::protection_domain(device)
+        {
+            tracing::debug!(daemon = %addr, reason = %why, "no RDMA here: using tcp");
+            return tcp;
+        }
         let make = || -> Arc<dyn Transport> {
             Arc::new(crate::transport::rdma::RdmaTransport::new(
                 Arc::clone(&tcp),

@@ -17,6 +17,8 @@ pub struct HostRegistration {
     pub agent_socket: String,
     pub memory_offered: u64,
     pub incarnation: u64,
+    /// The data transports the daemon serves ("tcp", "tcp rdma:rxe0"; empty: tcp).
+    pub transports: String,
 }
 
 impl State {
@@ -42,6 +44,12 @@ impl State {
             memory_offered: r.memory_offered,
             incarnation: r.incarnation,
         };
+        let transports = if r.transports.is_empty() {
+            "tcp".to_owned()
+        } else {
+            r.transports.clone()
+        };
+        self.host_transports.insert(r.host_id, transports);
         if self.hosts.get(&r.host_id) != Some(&host) {
             self.hosts.insert(r.host_id, host);
             self.dirty.hosts.insert(r.host_id);
@@ -161,6 +169,11 @@ impl State {
             lease_remaining_ms: remaining,
             pool_bytes: self.alloc.host_total(host.host_id),
             free_bytes: self.alloc.host_free(host.host_id),
+            transports: self
+                .host_transports
+                .get(&host.host_id)
+                .cloned()
+                .unwrap_or_else(|| "tcp".to_owned()),
         }
     }
 
@@ -245,6 +258,7 @@ mod tests {
             agent_socket: "/run/regions/h.sock".into(),
             memory_offered: memory,
             incarnation,
+            transports: String::new(),
         }
     }
 

@@ -370,6 +370,7 @@ mod tests {
             agent_socket: String::new(),
             memory_offered: 64 * MIB,
             incarnation,
+            transports: String::new(),
         }
     }
 

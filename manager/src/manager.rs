@@ -1269,6 +1269,7 @@ mod tests {
             agent_socket: String::new(),
             memory_offered: offered,
             incarnation: 1,
+            transports: String::new(),
         })
         .await
         .unwrap();

@@ -462,6 +462,7 @@ mod tests {
                 agent_socket: String::new(),
                 memory_offered: pool,
                 incarnation: 1,
+                transports: String::new(),
             })
             .unwrap();
             s.register_pool(h, 0, pool).unwrap();

@@ -466,6 +466,7 @@ impl Cluster for Services {
             agent_socket: r.agent_socket,
             memory_offered: r.memory_offered,
             incarnation: r.incarnation,
+            transports: r.transports,
         };
         reply(
             "register_host",

@@ -79,6 +79,9 @@ pub struct State {
     pub hosts: BTreeMap<u32, Host>,
     /// When each host's lease ends (not stored: hosts re-earn it).
     pub leases: HashMap<u32, Instant>,
+    /// The data transports each host said it serves when it registered (not stored: hosts
+    /// register again with every manager run).
+    pub host_transports: HashMap<u32, String>,
     pub alloc: Allocator,
     pub vaddrs: VaddrSpace,
     pub handles: BTreeMap<u64, Handle>,
@@ -167,6 +170,7 @@ impl State {
             maps: HashMap::new(),
             hosts: BTreeMap::new(),
             leases: HashMap::new(),
+            host_transports: HashMap::new(),
             alloc: Allocator::default(),
             vaddrs: VaddrSpace::default(),
             handles: BTreeMap::new(),

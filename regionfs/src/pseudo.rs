@@ -107,12 +107,13 @@ fn yes(b: bool) -> &'static str {
 
 /// `hosts`.
 pub fn render_hosts(hosts: &[v1::HostRecord]) -> String {
-    let mut out =
-        String::from("host\taddress\tlive\tlease_ms\tmemory\tpool_bytes\tfree_bytes\tagent\n");
+    let mut out = String::from(
+        "host\taddress\tlive\tlease_ms\tmemory\tpool_bytes\tfree_bytes\tagent\ttransports\n",
+    );
     for h in hosts {
         let _ = writeln!(
             out,
-            "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
+            "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
             h.host_id,
             h.transport_addr,
             yes(h.live),
@@ -120,7 +121,12 @@ pub fn render_hosts(hosts: &[v1::HostRecord]) -> String {
             h.memory_offered,
             h.pool_bytes,
             h.free_bytes,
-            h.agent_socket
+            h.agent_socket,
+            if h.transports.is_empty() {
+                "tcp"
+            } else {
+                &h.transports
+            }
         );
     }
     out
@@ -420,6 +426,16 @@ mod tests {
                 .nth(1)
                 .unwrap()
                 .starts_with("1\t127.0.0.1:7171\tyes\t900")
+        );
+        // A host that said nothing of its transports serves tcp; one that serves RDMA says so.
+        assert!(t.lines().nth(1).unwrap().ends_with("\ttcp"), "{t}");
+        let rdma = render_hosts(&[v1::HostRecord {
+            transports: "tcp rdma:rxe0".into(),
+            ..hosts[0].clone()
+        }]);
+        assert!(
+            rdma.lines().nth(1).unwrap().ends_with("\ttcp rdma:rxe0"),
+            "{rdma}"
         );
         let p = render_pools(&[v1::PoolRecord {
             gid: 2,

@@ -48,8 +48,8 @@ pub struct HostStatus {
     pub live: bool,
     /// Milliseconds until the lease expires (0 when expired).
     pub lease_remaining_ms: u64,
-    /// The data transport it serves (`tcp`).
-    pub transport: &'static str,
+    /// The data transports it serves (`tcp`, `tcp rdma:rxe0`).
+    pub transport: String,
     /// Where its transport listens.
     pub transport_address: String,
     /// Its host agent's Unix socket.
@@ -119,7 +119,11 @@ impl Status {
                 host_id: h.host_id,
                 live: h.live,
                 lease_remaining_ms: h.lease_remaining_ms,
-                transport: "tcp",
+                transport: if h.transports.is_empty() {
+                    "tcp".to_owned()
+                } else {
+                    h.transports.clone()
+                },
                 transport_address: h.transport_addr.clone(),
                 agent_socket: h.agent_socket.clone(),
                 memory_offered: h.memory_offered,
@@ -292,6 +296,11 @@ mod tests {
             lease_remaining_ms: if live { 9_000 } else { 0 },
             pool_bytes: pool,
             free_bytes: free,
+            transports: if id == 2 {
+                "tcp rdma:mlx5_0".into()
+            } else {
+                String::new()
+            },
         }
     }
 

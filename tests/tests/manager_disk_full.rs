@@ -180,6 +180,7 @@ async fn a_full_data_dir_refuses_changes_and_recovers() {
             agent_socket: "/nonexistent".into(),
             memory_offered: 1 << 30,
             incarnation: INCARNATION,
+            ..Default::default()
         })
         .await
         .unwrap();

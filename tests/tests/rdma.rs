@@ -14,7 +14,10 @@
 
 use std::time::Duration;
 
-use regions_tests::{bin_path, soft_roce};
+use regions::{Client, ClientConfig};
+use regions_proto::transport_choice::TransportChoice;
+use regions_proto::v1;
+use regions_tests::{Cluster, bin_path, soft_roce};
 
 #[test]
 fn rdma_transport_on_soft_roce() {
@@ -45,12 +48,58 @@ fn rdma_transport_on_soft_roce() {
         "WRITE with a read-only key: refused",
         "fetch-and-add with a read-only key: refused",
         "past the registration: refused",
+        "hosts report their transports",
         "write and read back over RDMA, a tcp client sees the same bytes: ok",
         "after a truncate and rewrite elsewhere the RDMA client reads the new bytes: ok",
+        "after a truncate inside a chunk, RDMA reads zeros past the end: ok",
+        "a region over two hosts over RDMA, and atomics over tcp see its bytes: ok",
         "auto: a tcp-only daemon is read over tcp: ok",
         "rdma only: a tcp-only daemon is refused",
+        "a capability connection is refused RDMA set-up",
+        "a dead daemon fails a read in",
         "regions-rdma-check: all passed",
     ] {
         assert!(out.contains(step), "missing {step:?} in:\n{out}");
     }
+}
+
+/// On this machine (no RDMA device, daemons on their default `auto`): a client on `auto` reads
+/// and writes over tcp as if RDMA did not exist, and one on `rdma` only fails each request with
+/// an error that says RDMA is not available and how to fall back, instead of using tcp.
+#[test]
+fn without_a_device_auto_uses_tcp_and_rdma_only_says_why() {
+    let cluster = Cluster::start(2, "64M").unwrap();
+    let with = |choice| {
+        let mut config = ClientConfig::new(&cluster.manager_url(), cluster.secret.clone(), 1);
+        config.transport = choice;
+        Client::connect(config).unwrap()
+    };
+    let auto = with(TransportChoice::Auto);
+    let attr = auto
+        .create_path(
+            "r",
+            0o644,
+            Some(v1::RegionAttrOverrides {
+                hostalloc: Some("2".into()),
+                ..Default::default()
+            }),
+            0,
+        )
+        .unwrap();
+    let region = auto.open(attr.ino, true).unwrap();
+    region.write_at(0, b"over tcp").unwrap();
+    let mut back = [0u8; 8];
+    region.read_at(0, &mut back).unwrap();
+    assert_eq!(&back, b"over tcp");
+    let stats = auto.stats();
+    assert_eq!(stats.rdma_requests, 0, "{stats:?}");
+    assert!(stats.remote_bytes_read >= 8 && stats.remote_bytes_written >= 8);
+    let strict = with(TransportChoice::Rdma);
+    let r = strict.open(attr.ino, false).unwrap();
+    let e = r.read_at(0, &mut back).unwrap_err();
+    assert!(
+        e.to_string().contains("RDMA is not available") && e.to_string().contains("auto"),
+        "{e}"
+    );
+    assert_eq!(e.errno(), libc::EIO);
 }

@@ -89,7 +89,10 @@ pub struct Device {
     gid: [u8; 16],
     lid: u16,
     active_mtu: u32,
+    /// RDMA READs and atomics this device answers at once per queue pair (responder).
     max_rd_atomic: u8,
+    /// ... and has outstanding at once per queue pair (initiator).
+    max_init_rd_atomic: u8,
     atomics: bool,
 }
 
@@ -123,6 +126,7 @@ impl Device {
             lid: 0,
             active_mtu: 0,
             max_rd_atomic: 1,
+            max_init_rd_atomic: 1,
             atomics: false,
         };
         device.query()?;
@@ -182,6 +186,7 @@ impl Device {
             ));
         }
         self.max_rd_atomic = u8::try_from(attr.max_qp_rd_atom.clamp(1, 16)).unwrap_or(1);
+        self.max_init_rd_atomic = u8::try_from(attr.max_qp_init_rd_atom.clamp(1, 16)).unwrap_or(1);
         self.atomics = attr.atomic_cap != ffi::IBV_ATOMIC_NONE;
         Ok(())
     }
@@ -218,6 +223,10 @@ impl Device {
 
     pub(crate) fn max_rd_atomic(&self) -> u8 {
         self.max_rd_atomic
+    }
+
+    pub(crate) fn max_init_rd_atomic(&self) -> u8 {
+        self.max_init_rd_atomic
     }
 
     pub(crate) fn port(&self) -> u8 {

@@ -293,7 +293,7 @@ impl QueuePair {
             retry_cnt: 7,
             rnr_retry: 7,
             sq_psn: self.psn,
-            max_rd_atomic: device.max_rd_atomic(),
+            max_rd_atomic: device.max_init_rd_atomic(),
             ..Default::default()
         };
         self.modify(
@@ -427,21 +427,28 @@ impl QueuePair {
             }
             wrs.push(wr);
         }
-        // Link the list now that neither vector moves any more.
+        // Link the list now that neither vector moves any more, through one raw pointer
+        // into each (no reference into them is made again until the post returns).
         let n = wrs.len();
+        let (wr_base, sge_base) = (wrs.as_mut_ptr(), sges.as_mut_ptr());
         for i in 0..n {
-            wrs[i].sg_list = &mut sges[i];
-            wrs[i].next = if i + 1 < n {
-                &mut wrs[i + 1] as *mut ffi::ibv_send_wr
-            } else {
-                std::ptr::null_mut()
-            };
+            // SAFETY: `i < n` indexes both vectors (one SGE per request), which stay alive
+            // and unmoved until after the post.
+            unsafe {
+                let wr = wr_base.add(i);
+                (*wr).sg_list = sge_base.add(i);
+                (*wr).next = if i + 1 < n {
+                    wr_base.add(i + 1)
+                } else {
+                    std::ptr::null_mut()
+                };
+            }
         }
-        if let Some(last) = wrs.last_mut() {
-            last.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
-        } else {
+        if n == 0 {
             return Ok(());
         }
+        // SAFETY: `n > 0`, so `n - 1` indexes the last request.
+        unsafe { (*wr_base.add(n - 1)).send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0 };
         let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
         // SAFETY: a live, connected QP; `wrs` and `sges` outlive the call (the provider copies
         // them into its queue), and the local ranges lie in `buf`, registered and borrowed
@@ -449,7 +456,7 @@ impl QueuePair {
         let rc = unsafe {
             let ctx = (*self.qp).context;
             match (*ctx).ops.post_send {
-                Some(post) => post(self.qp, wrs.as_mut_ptr(), &mut bad),
+                Some(post) => post(self.qp, wr_base, &mut bad),
                 None => libc::ENOSYS,
             }
         };

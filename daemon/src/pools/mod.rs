@@ -51,13 +51,17 @@ pub struct Backing {
 #[derive(Debug)]
 pub struct Pool {
     gid: u32,
-    window: Window,
-    chunks: Box<[RwLock<Option<Backing>>]>,
     /// Per chunk, its RDMA registrations once a client asked for them ([`crate::rdma`]):
     /// made under the chunk's read lock (a pin), dropped under its write lock before the
-    /// chunk is unmapped or remapped.
+    /// chunk is unmapped, remapped or has pages punched. Declared before `window` so that a
+    /// dropped pool deregisters before it unmaps.
     #[cfg(feature = "rdma")]
     keys: Box<[Mutex<Option<Arc<crate::rdma::ChunkKeys>>>]>,
+    /// Whether any chunk of the pool was ever registered (else a truncate need not look).
+    #[cfg(feature = "rdma")]
+    keyed: std::sync::atomic::AtomicBool,
+    window: Window,
+    chunks: Box<[RwLock<Option<Backing>>]>,
 }
 
 impl Pool {
@@ -321,10 +325,12 @@ impl Pools {
         let window = Window::reserve(size)?;
         let pool = Pool {
             gid,
-            window,
-            chunks: (0..chunks).map(|_| RwLock::new(None)).collect(),
             #[cfg(feature = "rdma")]
             keys: (0..chunks).map(|_| Mutex::new(None)).collect(),
+            #[cfg(feature = "rdma")]
+            keyed: std::sync::atomic::AtomicBool::new(false),
+            window,
+            chunks: (0..chunks).map(|_| RwLock::new(None)).collect(),
         };
         self.pools
             .write()
@@ -670,6 +676,41 @@ impl Pools {
         if tail == 0 {
             return Ok(());
         }
+        // RDMA registrations of the pool chunks that map the region chunk being punched pin
+        // the pages the punch frees (the device would go on reading and writing them, apart
+        // from the memfd): they go first, and those chunks stay write-locked (no request
+        // registers them again) until the punch is done.
+        #[cfg(feature = "rdma")]
+        let pools: Vec<Arc<Pool>> = {
+            let mut keyed: Vec<Arc<Pool>> = self
+                .pools
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .values()
+                .filter(|p| p.keyed.load(Ordering::Relaxed))
+                .cloned()
+                .collect();
+            keyed.sort_by_key(|p| p.gid);
+            keyed
+        };
+        #[cfg(feature = "rdma")]
+        let _held: Vec<RwLockWriteGuard<'_, Option<Backing>>> = {
+            let punched = (ino, size - tail);
+            let mut held = Vec::new();
+            for pool in &pools {
+                for chunk in 0..pool.chunks.len() {
+                    // Assignments change only under the apply lock, which this holds.
+                    let maps = pool
+                        .read_slot(chunk)
+                        .is_some_and(|b| (b.ino, b.region_offset) == punched);
+                    if maps {
+                        held.push(pool.write_slot(chunk));
+                        pool.drop_keys(chunk);
+                    }
+                }
+            }
+            held
+        };
         let segments = self.lock_segments();
         if let Some(entry) = segments.get(&ino)
             && entry.refs.contains_key(&(size / CHUNK_SIZE))
@@ -1015,6 +1056,7 @@ impl Pinned<'_> {
                     // the registration is dropped under its write lock before any unmap or
                     // remap (`Pool::drop_keys`).
                     let k = Arc::new(unsafe { rdma.register_chunk(addr, CHUNK_SIZE as usize)? });
+                    pool.keyed.store(true, Ordering::Relaxed);
                     *slot = Some(Arc::clone(&k));
                     k
                 }

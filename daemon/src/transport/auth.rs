@@ -109,6 +109,12 @@ fn writes(op: Op) -> bool {
 }
 
 impl ConnAuth {
+    /// Whether the connection proved the cluster secret (a node component), not only
+    /// presented capabilities.
+    pub fn proved_secret(&self) -> bool {
+        self.secret
+    }
+
     /// Whether anything valid has been presented.
     pub fn is_authenticated(&self) -> bool {
         self.secret || !self.caps.is_empty()

@@ -805,6 +805,21 @@ impl Conn {
             let Some(rdma) = self.shared.rdma.get().cloned() else {
                 return self.reply_error(h, &no_rdma());
             };
+            // Every queue pair and registration of the daemon shares one protection domain,
+            // so a key works on any queue pair, and keys are guessable from one another (a
+            // few random bits per registration). Until memory windows bind keys to one queue
+            // pair, only node components (which may touch any pool range over tcp too) get
+            // RDMA; applications' capability connections use tcp (docs/SECURITY.md).
+            if !self.auth.proved_secret() {
+                return self.reply_error(
+                    h,
+                    &DaemonError::NoRdma(
+                        "RDMA is served to node components (cluster secret) only, not to \
+                         capability connections: use the tcp transport"
+                            .into(),
+                    ),
+                );
+            }
             match rdma.accept(endpoint) {
                 Ok((qp, mine)) => {
                     self.queue_pair = Some(qp);
@@ -838,7 +853,7 @@ impl Conn {
             let Some(rdma) = self.shared.rdma.get().cloned() else {
                 return self.reply_error(h, &no_rdma());
             };
-            if self.queue_pair.is_none() {
+            if self.queue_pair.is_none() || !self.auth.proved_secret() {
                 return self.reply_err(
                     h,
                     libc::ENOTCONN,

@@ -25,11 +25,11 @@
 //! share it, as FaRM shares connections.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use metrics::counter;
-use regions_proto::frame::{Header, Op, RdmaChunkKey};
+use regions_proto::frame::{Header, Op, RdmaChunkKey, range_delta};
 use regions_proto::layout::CHUNK_SIZE;
 use regions_proto::transport_choice::TransportChoice;
 use regions_verbs::{
@@ -50,22 +50,36 @@ const DEPTH: u32 = 256;
 /// retries give up in about half a second).
 const ROUND_TIMEOUT: Duration = Duration::from_secs(4);
 
-/// This process's protection domain on the RDMA device, opened at the first use (every
-/// daemon's transport shares it).
-fn protection_domain(device: Option<&str>) -> std::result::Result<Arc<ProtectionDomain>, String> {
-    static PD: OnceLock<std::result::Result<Arc<ProtectionDomain>, String>> = OnceLock::new();
-    PD.get_or_init(|| {
-        Device::open(device, 0)
-            .and_then(|d| d.protection_domain())
-            .map_err(|e| e.to_string())
-    })
-    .clone()
+/// This process's protection domain on the RDMA device `device` (the first one when
+/// `None`), opened at the first use that finds one (every daemon's transport shares it; a
+/// failure is not kept, so a device that comes later is found).
+pub fn protection_domain(
+    device: Option<&str>,
+) -> std::result::Result<Arc<ProtectionDomain>, String> {
+    static PD: Mutex<Option<Arc<ProtectionDomain>>> = Mutex::new(None);
+    let mut pd = PD
+        .lock()
+        .map_err(|_| "RDMA device lock poisoned".to_owned())?;
+    if let Some(pd) = &*pd
+        && device.is_none_or(|d| pd.device().name() == d)
+    {
+        return Ok(Arc::clone(pd));
+    }
+    let opened = Device::open(device, 0)
+        .and_then(|d| d.protection_domain())
+        .map_err(|e| e.to_string())?;
+    *pd = Some(Arc::clone(&opened));
+    Ok(opened)
 }
 
-/// The remote keys of one pool chunk.
+/// The remote keys of one pool chunk, and the region and chunk delta of the span they were
+/// asked for: a span of another region, or of the same region at another offset (a stale
+/// map), asks the daemon again instead of using them.
 #[derive(Clone, Copy, Debug, Default)]
 struct ChunkKeys {
     addr: u64,
+    ino: u64,
+    delta: Option<u32>,
     read: Option<u32>,
     write: Option<u32>,
 }
@@ -79,14 +93,26 @@ struct Live {
 }
 
 enum Session {
-    /// Not set up yet, or broken: set up at the next request.
+    /// Not set up yet: set up at the next request.
     Idle,
+    /// A thread is setting it up (without the lock); others use tcp meanwhile.
+    Connecting,
     Live(Box<Live>),
-    /// Set-up failed (`why`); tcp until `retry_at`.
+    /// Set-up failed (`why`); tcp until `retry_at` (with `rdma` only, an error).
     Unavailable {
         why: String,
         retry_at: Instant,
     },
+    /// The queue pair broke; tcp until `retry_at`, then set up again.
+    Backoff {
+        retry_at: Instant,
+        breaks: u32,
+    },
+}
+
+/// How long after the `n`th break in a row a transport waits before it sets RDMA up again.
+fn backoff(breaks: u32) -> Duration {
+    Duration::from_millis(100u64 << breaks.min(9)).min(RETRY_UNAVAILABLE)
 }
 
 /// Why an RDMA attempt did not serve a request.
@@ -151,22 +177,38 @@ impl RdmaTransport {
     }
 
     /// Runs `op` on the live queue pair, setting it up first if needed. `None`: serve the
-    /// request over tcp (RDMA unavailable, refused or broken; said in the log and metrics).
+    /// request over tcp (RDMA unavailable, being set up by another thread, refused or
+    /// broken; said in the log and metrics).
     fn attempt<T>(
         &self,
         op: impl FnOnce(&TcpTransport, &mut Live) -> std::result::Result<T, Miss>,
     ) -> Option<Result<T>> {
-        let Ok(mut session) = self.session.lock() else {
-            return None;
-        };
-        if let Session::Unavailable { why, retry_at } = &*session {
-            if Instant::now() < *retry_at {
+        let mut session = self.session.lock().ok()?;
+        let mut breaks = 0;
+        match &*session {
+            Session::Unavailable { why, retry_at } if Instant::now() < *retry_at => {
                 return self.unavailable(why);
             }
-            *session = Session::Idle;
+            Session::Backoff { retry_at, .. } if Instant::now() < *retry_at => return None,
+            Session::Connecting => return None,
+            Session::Backoff { breaks: b, .. } => {
+                breaks = *b;
+                *session = Session::Idle;
+            }
+            Session::Unavailable { .. } => *session = Session::Idle,
+            Session::Idle | Session::Live(_) => {}
         }
         if matches!(*session, Session::Idle) {
-            match self.set_up() {
+            // A daemon tcp found down is not waited for again here.
+            if self.tcp.is_down() {
+                return None;
+            }
+            // Set up without the lock: it may wait for the network.
+            *session = Session::Connecting;
+            drop(session);
+            let made = self.set_up();
+            session = self.session.lock().ok()?;
+            match made {
                 Ok(live) => {
                     tracing::info!(daemon = %self.tcp.addr(), "RDMA set up");
                     *session = Session::Live(Box::new(live));
@@ -193,9 +235,13 @@ impl RdmaTransport {
                 None
             }
             Err(Miss::Broken(why)) => {
-                tracing::info!(daemon = %self.tcp.addr(), reason = %why, "RDMA queue pair broken; this request goes over tcp, the next sets RDMA up again");
+                let wait = backoff(breaks);
+                tracing::info!(daemon = %self.tcp.addr(), reason = %why, retry_in_ms = wait.as_millis() as u64, "RDMA queue pair broken; requests go over tcp until RDMA is set up again");
                 counter!("regions_client_rdma_broken_total").increment(1);
-                *session = Session::Idle;
+                *session = Session::Backoff {
+                    retry_at: Instant::now() + wait,
+                    breaks: breaks + 1,
+                };
                 None
             }
         }
@@ -265,10 +311,15 @@ impl Live {
     ) -> std::result::Result<Vec<Remote>, Miss> {
         let mut out = Vec::with_capacity(pieces.len());
         for p in pieces {
-            let have = self.keys.get(&(p.span.pool, p.chunk)).and_then(|k| {
-                let rkey = if write { k.write } else { k.read };
-                rkey.map(|rkey| (k.addr, rkey))
-            });
+            let delta = range_delta(p.span.ino, p.span.region_offset, p.span.pool_offset);
+            let have = self
+                .keys
+                .get(&(p.span.pool, p.chunk))
+                .filter(|k| k.ino == p.span.ino && k.delta == delta)
+                .and_then(|k| {
+                    let rkey = if write { k.write } else { k.read };
+                    rkey.map(|rkey| (k.addr, rkey))
+                });
             let (addr, rkey) = match have {
                 Some(k) => k,
                 None => {
@@ -294,6 +345,12 @@ impl Live {
                             .keys
                             .entry((p.span.pool, k.pool_offset / CHUNK_SIZE))
                             .or_default();
+                        if (entry.ino, entry.delta) != (p.span.ino, delta) {
+                            // Keys asked for another region (or place) before: not ours.
+                            *entry = ChunkKeys::default();
+                        }
+                        entry.ino = p.span.ino;
+                        entry.delta = delta;
                         entry.addr = k.addr;
                         if write {
                             entry.write = Some(k.rkey);
@@ -434,6 +491,15 @@ impl Transport for RdmaTransport {
         done: Completion,
     ) -> Result<()> {
         self.tcp.post_compare_and_swap(at, expected, new, done)
+    }
+
+    fn posts_writes(&self) -> bool {
+        self.tcp.posts_writes()
+    }
+
+    fn post_write(&self, owner: u64, spans: &[Span], src: &[u8]) -> bool {
+        // Posted over tcp; reads and writes over RDMA wait for them first.
+        self.tcp.post_write(owner, spans, src)
     }
 
     fn wait_writes(&self) {

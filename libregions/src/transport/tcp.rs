@@ -272,7 +272,8 @@ impl TcpTransport {
     }
 
     /// Whether the daemon failed a request recently (see `down`).
-    fn is_down(&self) -> bool {
+    /// Whether a request gave up on the daemon lately (until one gets through again).
+    pub(crate) fn is_down(&self) -> bool {
         self.down.load(Ordering::Relaxed)
     }
 

@@ -339,6 +339,7 @@ mod tests {
             agent_socket: String::new(),
             memory_offered: 8 * CHUNK_SIZE,
             incarnation: 1,
+            transports: String::new(),
         })
         .unwrap();
         s.register_pool(1, 0, 8 * CHUNK_SIZE).unwrap();
