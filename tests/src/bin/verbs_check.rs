@@ -186,6 +186,21 @@ impl Drop for Server {
     }
 }
 
+/// Reads the 8-byte word at `at` over `qp` into `buf` at `slot` and returns it.
+fn read_word(
+    qp: &mut QueuePair,
+    buf: &mut RegisteredBuffer,
+    slot: usize,
+    at: Remote,
+) -> anyhow::Result<u64> {
+    let local = Local {
+        offset: slot,
+        len: 8,
+    };
+    qp.execute(buf, &[Op::Read { local, remote: at }], TIMEOUT)?;
+    Ok(u64::from_ne_bytes(buf.bytes()[slot..slot + 8].try_into()?))
+}
+
 /// A new queue pair, connected to a new one of the server's (after a refusal broke the old).
 fn reconnect(pd: &Arc<ProtectionDomain>, server: &mut Server) -> anyhow::Result<QueuePair> {
     let mut qp = QueuePair::create(pd, 64)?;
@@ -332,18 +347,8 @@ fn client(device: Option<&str>) -> anyhow::Result<()> {
             old(&buf)
         );
     }
-    qp.execute(
-        &mut buf,
-        &[Op::Read {
-            local: Local {
-                offset: slot,
-                len: 8,
-            },
-            remote: remote(0),
-        }],
-        TIMEOUT,
-    )?;
-    ensure!(old(&buf) == 15, "word 0 is {} after the atomics", old(&buf));
+    let word = read_word(&mut qp, &mut buf, slot, remote(0))?;
+    ensure!(word == 15, "word 0 is {word} after the atomics");
     println!("compare-and-swap and fetch-and-add: ok");
     let verdict = server.say("check")?;
     ensure!(verdict == "verified", "server memory: {verdict}");
@@ -403,42 +408,19 @@ fn client(device: Option<&str>) -> anyhow::Result<()> {
         }
         ensure!(qp.is_broken(), "{what}: the queue pair should be broken");
         qp = reconnect(&pd, &mut server)?;
-        qp.execute(
-            &mut buf,
-            &[Op::Read {
-                local: Local {
-                    offset: slot,
-                    len: 8,
-                },
-                remote: remote(0),
-            }],
-            TIMEOUT,
-        )?;
-        ensure!(
-            old(&buf) == 15,
-            "after reconnecting, word 0 reads {}",
-            old(&buf)
-        );
+        let word = read_word(&mut qp, &mut buf, slot, remote(0))?;
+        ensure!(word == 15, "after reconnecting, word 0 reads {word}");
         // Reading with the read-only key works.
-        qp.execute(
+        let word = read_word(
+            &mut qp,
             &mut buf,
-            &[Op::Read {
-                local: Local {
-                    offset: slot,
-                    len: 8,
-                },
-                remote: Remote {
-                    addr,
-                    rkey: ro_rkey,
-                },
-            }],
-            TIMEOUT,
+            slot,
+            Remote {
+                addr,
+                rkey: ro_rkey,
+            },
         )?;
-        ensure!(
-            old(&buf) == 15,
-            "a read with the read-only key gives {}",
-            old(&buf)
-        );
+        ensure!(word == 15, "a read with the read-only key gives {word}");
     }
     println!("a new queue pair after each refusal: ok");
     println!("regions-verbs-check: all passed");
