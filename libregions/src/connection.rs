@@ -144,15 +144,16 @@ impl Connection {
     /// The transport requests to the daemon at `addr` use: RDMA over its tcp transport where
     /// the configuration allows RDMA (one per daemon, shared), else the tcp one.
     pub(crate) fn data_transport(&self, addr: &str) -> Arc<dyn Transport> {
-        let tcp = self.transport(addr);
-        wrap_for_rdma(
+        let made = wrap_for_rdma(
             &self.data,
             addr,
-            tcp,
+            || Ok(self.transport(addr)),
             self.config.transport,
             self.config.rdma_device.as_deref(),
             &self.stats,
-        )
+        );
+        // The tcp maker cannot fail here.
+        made.unwrap_or_else(|_| self.transport(addr))
     }
 
     /// The tcp transport to the daemon at `addr` (one per daemon, shared).
@@ -177,47 +178,50 @@ impl Connection {
     }
 }
 
-/// The transport for `addr` over `tcp` as `choice` says, kept in `cache`: `tcp` as it is, else
-/// an RDMA transport wrapping it (feature `rdma`; without it, tcp).
+/// The transport for `addr` as `choice` says, kept in `cache`: under `tcp`, the tcp transport
+/// `tcp` makes (or finds); else, at the first request to the daemon, an RDMA transport wrapping
+/// it (feature `rdma`), or under `auto` on a host without an RDMA device the tcp transport
+/// itself, so that nothing of RDMA sits on the path of every request (a device that appears
+/// later is used by clients made after it).
 pub(crate) fn wrap_for_rdma(
     cache: &Mutex<HashMap<String, Arc<dyn Transport>>>,
     addr: &str,
-    tcp: Arc<TcpTransport>,
+    tcp: impl FnOnce() -> Result<Arc<TcpTransport>>,
     choice: TransportChoice,
     device: Option<&str>,
     stats: &Arc<crate::transport::TransportStats>,
-) -> Arc<dyn Transport> {
+) -> Result<Arc<dyn Transport>> {
     if choice == TransportChoice::Tcp {
-        return tcp;
+        return Ok(tcp()?);
     }
     #[cfg(feature = "rdma")]
     {
-        // No device on this host: under `auto`, plain tcp (nothing on the hot path).
-        if choice == TransportChoice::Auto
-            && let Err(why) = crate::transport::rdma::protection_domain(device)
-        {
-            tracing::debug!(daemon = %addr, reason = %why, "no RDMA here: using tcp");
-            return tcp;
-        }
-        let make = || -> Arc<dyn Transport> {
-            Arc::new(crate::transport::rdma::RdmaTransport::new(
-                Arc::clone(&tcp),
-                choice,
-                device.map(str::to_owned),
-                Arc::clone(stats),
-            ))
+        let Ok(mut map) = cache.lock() else {
+            return Ok(tcp()?);
         };
-        match cache.lock() {
-            Ok(mut map) => match map.get(addr) {
-                Some(t) => Arc::clone(t),
-                None => Arc::clone(map.entry(addr.to_owned()).or_insert_with(make)),
-            },
-            Err(_) => make(),
+        if let Some(t) = map.get(addr) {
+            return Ok(Arc::clone(t));
         }
+        let tcp = tcp()?;
+        let chosen: Arc<dyn Transport> =
+            match (choice, crate::transport::rdma::protection_domain(device)) {
+                (TransportChoice::Auto, Err(why)) => {
+                    tracing::debug!(daemon = %addr, reason = %why, "no RDMA here: using tcp");
+                    tcp
+                }
+                _ => Arc::new(crate::transport::rdma::RdmaTransport::new(
+                    tcp,
+                    choice,
+                    device.map(str::to_owned),
+                    Arc::clone(stats),
+                )),
+            };
+        map.insert(addr.to_owned(), Arc::clone(&chosen));
+        Ok(chosen)
     }
     #[cfg(not(feature = "rdma"))]
     {
         let _ = (cache, addr, device, stats);
-        tcp
+        Ok(tcp()?)
     }
 }

@@ -91,7 +91,9 @@ impl AgentSession {
             renew_at_ms: AtomicU64::new(renew_at(now_ms(), info.capability_expires_ms)),
             transports: Mutex::new(HashMap::new()),
             data: Mutex::new(HashMap::new()),
-            choice: crate::connection::transport_from_env(),
+            // Daemons set up RDMA only for connections that proved the cluster secret, not
+            // for capability connections like this session's (docs/SECURITY.md): tcp.
+            choice: TransportChoice::Tcp,
             rdma_device: crate::connection::rdma_device_from_env(),
             stats: Arc::default(),
             retry: RetryPolicy::default(),
@@ -124,15 +126,14 @@ impl AgentSession {
     /// The transport to the daemon at `addr` as the configuration chooses (see
     /// [`crate::connection::wrap_for_rdma`]).
     fn data_transport(&self, addr: &str) -> Result<Arc<dyn Transport>> {
-        let tcp = self.transport(addr)?;
-        Ok(crate::connection::wrap_for_rdma(
+        crate::connection::wrap_for_rdma(
             &self.data,
             addr,
-            tcp,
+            || self.transport(addr),
             self.choice,
             self.rdma_device.as_deref(),
             &self.stats,
-        ))
+        )
     }
 
     fn transport(&self, addr: &str) -> Result<Arc<TcpTransport>> {
