@@ -22,7 +22,8 @@
 //! respect to one device only, on most devices) would not exclude.
 //!
 //! One request at a time uses a daemon's queue pair (a mutex per daemon): threads of a process
-//! share it, as FaRM shares connections.
+//! share it, as FaRM shares connections. Under `auto`, a request that finds it busy goes over
+//! tcp rather than wait.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -183,7 +184,12 @@ impl RdmaTransport {
         &self,
         op: impl FnOnce(&TcpTransport, &mut Live) -> std::result::Result<T, Miss>,
     ) -> Option<Result<T>> {
-        let mut session = self.session.lock().ok()?;
+        // Under `auto` a request never waits behind another thread's RDMA request (which may
+        // be waiting for the network): it goes over tcp meanwhile. Under `rdma` it waits.
+        let mut session = match self.choice {
+            TransportChoice::Rdma => self.session.lock().ok()?,
+            _ => self.session.try_lock().ok()?,
+        };
         let mut breaks = 0;
         match &*session {
             Session::Unavailable { why, retry_at } if Instant::now() < *retry_at => {
