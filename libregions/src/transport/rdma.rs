@@ -91,6 +91,8 @@ struct Live {
     buf: RegisteredBuffer,
     control: ControlConn,
     keys: HashMap<(u32, u64), ChunkKeys>,
+    /// Breaks in a row before this set-up (0 once a request succeeds on it).
+    breaks: u32,
 }
 
 enum Session {
@@ -174,6 +176,7 @@ impl RdmaTransport {
             buf,
             control,
             keys: HashMap::new(),
+            breaks: 0,
         })
     }
 
@@ -215,8 +218,9 @@ impl RdmaTransport {
             let made = self.set_up();
             session = self.session.lock().ok()?;
             match made {
-                Ok(live) => {
+                Ok(mut live) => {
                     tracing::info!(daemon = %self.tcp.addr(), "RDMA set up");
+                    live.breaks = breaks;
                     *session = Session::Live(Box::new(live));
                 }
                 Err(why) => {
@@ -234,8 +238,12 @@ impl RdmaTransport {
         let Session::Live(live) = &mut *session else {
             return None;
         };
+        let breaks = live.breaks;
         match op(&self.tcp, live) {
-            Ok(v) => Some(Ok(v)),
+            Ok(v) => {
+                live.breaks = 0;
+                Some(Ok(v))
+            }
             Err(Miss::Refused(e)) => {
                 tracing::debug!(daemon = %self.tcp.addr(), error = %e, "RDMA keys refused; the request goes over tcp");
                 None
@@ -532,6 +540,16 @@ impl Transport for RdmaTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+        #[test]
+    fn breaks_in_a_row_back_off_longer_up_to_the_retry_bound() {
+        assert_eq!(backoff(0), Duration::from_millis(100));
+        assert_eq!(backoff(1), Duration::from_millis(200));
+        assert_eq!(backoff(5), Duration::from_millis(3200));
+        assert_eq!(backoff(9), Duration::from_millis(51_200));
+        assert_eq!(backoff(40), Duration::from_millis(51_200));
+        assert!(backoff(u32::MAX) <= RETRY_UNAVAILABLE);
+    }
 
     #[test]
     fn spans_are_cut_at_chunk_boundaries() {
