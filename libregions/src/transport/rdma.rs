@@ -541,7 +541,7 @@ impl Transport for RdmaTransport {
 mod tests {
     use super::*;
 
-        #[test]
+    #[test]
     fn breaks_in_a_row_back_off_longer_up_to_the_retry_bound() {
         assert_eq!(backoff(0), Duration::from_millis(100));
         assert_eq!(backoff(1), Duration::from_millis(200));
