@@ -16,6 +16,10 @@ use regions_verbs::{Access, Device, Endpoint, ProtectionDomain, QueuePair, Regis
 
 use crate::error::{DaemonError, Result};
 
+// The frame codec checks an RDMA-CONNECT payload against its own length; the verbs layer
+// decodes the same bytes: the two must agree.
+const _: () = assert!(Endpoint::LEN == regions_proto::frame::RDMA_ENDPOINT_LEN);
+
 /// The device and protection domain every registration and queue pair of this daemon uses.
 #[derive(Debug)]
 pub struct Rdma {

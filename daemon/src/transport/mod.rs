@@ -885,7 +885,9 @@ impl Conn {
             });
             match result {
                 Ok(keys) => {
-                    let mut payload = BytesMut::with_capacity(keys.len() * 24);
+                    let mut payload = BytesMut::with_capacity(
+                        keys.len() * regions_proto::frame::RDMA_CHUNK_KEY_LEN,
+                    );
                     keys.iter().for_each(|k| k.encode(&mut payload));
                     self.reply_ok(h, payload.freeze());
                 }
