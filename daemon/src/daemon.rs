@@ -102,6 +102,12 @@ impl Daemon {
                 .map_err(|e| DaemonError::sys("starting the sync pid watcher thread", e))?,
             )),
         };
+        // RDMA opens before the agent serves: a daemon applying atomics through its device
+        // says so with every segment the agent hands out.
+        let rdma = open_rdma(&config.rdma)?;
+        if rdma.routes_atomics() {
+            pools.route_atomics_through_device();
+        }
         let agent = match AgentServer::start(agent_listener, &config.socket, handler) {
             Ok(a) => a,
             Err(e) => {
@@ -116,7 +122,7 @@ impl Daemon {
             Arc::clone(&stats),
             config.transport,
         )?;
-        let transports = start_rdma(&transport, &config.rdma)?;
+        let transports = rdma.serve(&transport);
         let mut registration = Registration::new(
             clients,
             config.host_id,
@@ -302,34 +308,81 @@ fn write_ready_file(path: &Path, contents: &str) -> Result<()> {
 /// Serves RDMA on the transport as `rdma` says: `tcp` never; `auto` when a device opens
 /// (else tcp only, said once in the log); `rdma` or fail. Returns the transports served, as
 /// registration reports them ("tcp", "tcp rdma:rxe0").
-fn start_rdma(transport: &TransportServer, rdma: &crate::config::RdmaConfig) -> Result<String> {
+/// What [`open_rdma`] opened: the device (feature `rdma`), and the transports this daemon
+/// offers ("tcp", or "tcp rdma:DEVICE").
+struct RdmaStart {
+    #[cfg(feature = "rdma")]
+    rdma: Option<Arc<crate::rdma::Rdma>>,
+    offered: String,
+}
+
+impl RdmaStart {
+    /// Whether every atomic on pool memory goes through the device.
+    fn routes_atomics(&self) -> bool {
+        #[cfg(feature = "rdma")]
+        {
+            self.rdma.as_ref().is_some_and(|r| r.routes_atomics())
+        }
+        #[cfg(not(feature = "rdma"))]
+        {
+            false
+        }
+    }
+
+    /// Serves RDMA beside `transport` (when a device was opened); returns the transports
+    /// offered.
+    fn serve(self, transport: &TransportServer) -> String {
+        #[cfg(feature = "rdma")]
+        if let Some(r) = self.rdma {
+            transport.serve_rdma(r);
+        }
+        #[cfg(not(feature = "rdma"))]
+        let _ = transport;
+        self.offered
+    }
+}
+
+/// Opens the RDMA device `rdma` asks for: none under `tcp`; under `auto` the one found, or
+/// none; under `rdma` the one found or the error.
+fn open_rdma(rdma: &crate::config::RdmaConfig) -> Result<RdmaStart> {
     use regions_proto::transport_choice::TransportChoice;
+    let tcp_only = || RdmaStart {
+        #[cfg(feature = "rdma")]
+        rdma: None,
+        offered: "tcp".into(),
+    };
     if rdma.choice == TransportChoice::Tcp {
-        return Ok("tcp".into());
+        return Ok(tcp_only());
     }
     #[cfg(feature = "rdma")]
     match crate::rdma::Rdma::open(rdma.device.as_deref(), rdma.gid_index) {
         Ok(r) => {
-            tracing::info!(device = r.device_name(), "serving RDMA beside tcp");
-            let served = format!("tcp rdma:{}", r.device_name());
-            transport.serve_rdma(Arc::new(r));
-            Ok(served)
+            tracing::info!(
+                device = r.device_name(),
+                atomics = ?r.atomic_scope(),
+                atomics_through_device = r.routes_atomics(),
+                "serving RDMA beside tcp"
+            );
+            let offered = format!("tcp rdma:{}", r.device_name());
+            Ok(RdmaStart {
+                rdma: Some(Arc::new(r)),
+                offered,
+            })
         }
         Err(e) if rdma.choice == TransportChoice::Auto => {
             tracing::info!(reason = %e, "no RDMA: serving tcp only");
-            Ok("tcp".into())
+            Ok(tcp_only())
         }
         Err(e) => Err(e),
     }
     #[cfg(not(feature = "rdma"))]
     {
-        let _ = transport;
         if rdma.choice == TransportChoice::Rdma {
             return Err(crate::error::DaemonError::NoRdma(
                 "--transport rdma: this daemon was built without the rdma feature".into(),
             ));
         }
-        Ok("tcp".into())
+        Ok(tcp_only())
     }
 }
 

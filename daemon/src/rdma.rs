@@ -10,20 +10,62 @@
 //! which its old keys fail at the client's device (remote access error): the client then asks
 //! again over tcp and meets whatever the chunk is now.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use regions_verbs::{Access, Device, Endpoint, ProtectionDomain, QueuePair, Registration};
+use regions_verbs::{
+    Access, AtomicScope, Device, Endpoint, Op, ProtectionDomain, QueuePair, RegisteredBuffer,
+    Registration, Remote,
+};
 
 use crate::error::{DaemonError, Result};
+use crate::pools::WordOp;
 
 // The frame codec checks an RDMA-CONNECT payload against its own length; the verbs layer
 // decodes the same bytes: the two must agree.
 const _: () = assert!(Endpoint::LEN == regions_proto::frame::RDMA_ENDPOINT_LEN);
 
+/// Bit of the byte after the endpoint in an RDMA-CONNECT reply: clients may apply 8-byte
+/// atomics one-sided (the daemon's device performs them, and every atomic the daemon applies
+/// itself goes through the device too, or the device's atomics exclude the CPUs').
+pub const CONNECT_ATOMICS: u8 = regions_proto::frame::RDMA_CONNECT_ATOMICS;
+
+/// Longest wait for an atomic the daemon applies through its own device.
+const LOOPBACK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Two queue pairs of the daemon's device connected to each other: the daemon applies the
+/// atomics of tcp clients (and its own) through the device with them, where the device's
+/// atomics are atomic only with respect to one another.
+#[derive(Debug)]
+struct Loopback {
+    qp: QueuePair,
+    _peer: QueuePair,
+    buf: RegisteredBuffer,
+}
+
+impl Loopback {
+    fn new(pd: &Arc<ProtectionDomain>) -> regions_verbs::Result<Loopback> {
+        let mut qp = QueuePair::create(pd, 1)?;
+        let mut peer = QueuePair::create(pd, 1)?;
+        let (a, b) = (qp.endpoint(), peer.endpoint());
+        qp.connect(&b)?;
+        peer.connect(&a)?;
+        Ok(Loopback {
+            qp,
+            _peer: peer,
+            buf: RegisteredBuffer::new(pd, 8)?,
+        })
+    }
+}
+
 /// The device and protection domain every registration and queue pair of this daemon uses.
 #[derive(Debug)]
 pub struct Rdma {
     pd: Arc<ProtectionDomain>,
+    scope: AtomicScope,
+    /// With [`AtomicScope::Device`]: the queue pairs the daemon's own atomics go through
+    /// (re-created when one breaks).
+    loopback: Option<Mutex<Option<Loopback>>>,
 }
 
 impl Rdma {
@@ -33,7 +75,85 @@ impl Rdma {
         let pd = device
             .protection_domain()
             .map_err(|e| DaemonError::Rdma(e.to_string()))?;
-        Ok(Rdma { pd })
+        let scope = pd.device().atomic_scope();
+        let loopback = match scope {
+            AtomicScope::Device => {
+                let lb = Loopback::new(&pd).map_err(|e| {
+                    DaemonError::Rdma(format!(
+                        "cannot connect the device to itself to apply atomics through it: {e}"
+                    ))
+                })?;
+                Some(Mutex::new(Some(lb)))
+            }
+            AtomicScope::None | AtomicScope::Global => None,
+        };
+        Ok(Rdma {
+            pd,
+            scope,
+            loopback,
+        })
+    }
+
+    /// What the device's atomics exclude (see [`AtomicScope`]).
+    pub fn atomic_scope(&self) -> AtomicScope {
+        self.scope
+    }
+
+    /// Whether every atomic this daemon applies goes through the device (its atomics exclude
+    /// only one another): then processes on this host must not apply CPU atomics to pool
+    /// memory either (the host agent tells them so with their segments).
+    pub fn routes_atomics(&self) -> bool {
+        self.loopback.is_some()
+    }
+
+    /// The byte after the endpoint in an RDMA-CONNECT reply ([`CONNECT_ATOMICS`]).
+    pub fn connect_flags(&self) -> u8 {
+        match self.scope {
+            AtomicScope::None => 0,
+            AtomicScope::Device | AtomicScope::Global => CONNECT_ATOMICS,
+        }
+    }
+
+    /// Applies `op` to the word at `remote` (a registration of this daemon's) through the
+    /// device, as a client's one-sided atomic would; returns the old value.
+    pub fn device_atomic(&self, remote: Remote, op: WordOp) -> Result<u64> {
+        let rdma = |e: regions_verbs::VerbsError| {
+            DaemonError::Rdma(format!("atomic through the RDMA device: {e}"))
+        };
+        let Some(loopback) = &self.loopback else {
+            return Err(DaemonError::Rdma(
+                "atomics through the device are off: its atomics exclude the CPUs'".into(),
+            ));
+        };
+        let mut slot = loopback
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if slot.as_ref().is_none_or(|lb| lb.qp.is_broken()) {
+            *slot = None;
+            *slot = Some(Loopback::new(&self.pd).map_err(rdma)?);
+        }
+        let Some(lb) = slot.as_mut() else {
+            return Err(DaemonError::Rdma("loopback queue pair missing".into()));
+        };
+        let op = match op {
+            WordOp::CompareSwap { expected, new } => Op::CompareSwap {
+                local: 0,
+                remote,
+                expected,
+                new,
+            },
+            WordOp::FetchAdd(add) => Op::FetchAdd {
+                local: 0,
+                remote,
+                add,
+            },
+        };
+        lb.qp
+            .execute(&mut lb.buf, &[op], LOOPBACK_TIMEOUT)
+            .map_err(rdma)?;
+        let mut old = [0u8; 8];
+        old.copy_from_slice(&lb.buf.bytes()[..8]);
+        Ok(u64::from_ne_bytes(old))
     }
 
     /// The device's name.
@@ -84,6 +204,14 @@ pub struct ChunkKeys {
 }
 
 impl ChunkKeys {
+    /// The remote address and read-write key of the byte `within` the chunk.
+    pub fn remote(&self, within: u64) -> Remote {
+        Remote {
+            addr: self.addr() + within,
+            rkey: self.rkey(true),
+        }
+    }
+
     /// The chunk's address in this daemon.
     pub fn addr(&self) -> u64 {
         self.read.addr()

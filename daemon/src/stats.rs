@@ -12,6 +12,8 @@
 //!   regions), `_pool_free_bytes`, `_memory_limit_bytes`, `_segments`, `_segment_bytes`
 //!   (memory the segments hold), refreshed every second.
 //! - `regions_daemon_heartbeat_failures_total`.
+//! - `regions_daemon_device_atomics_total`: atomics of tcp clients the daemon applied through
+//!   its RDMA device (where the device's atomics exclude only one another).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -36,6 +38,9 @@ pub struct Stats {
     pub connections: AtomicU64,
     /// Transport connections accepted since start.
     pub connections_total: AtomicU64,
+    /// 8-byte atomics the daemon applied through its RDMA device (see
+    /// `Rdma::routes_atomics`).
+    pub device_atomics: AtomicU64,
 }
 
 impl Stats {
@@ -74,6 +79,7 @@ impl Stats {
             segment_bytes,
             pool_bytes: pools.pool_bytes(),
             memory_limit,
+            device_atomics: self.device_atomics.load(Ordering::Relaxed),
         }
     }
 }

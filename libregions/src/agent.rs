@@ -30,6 +30,9 @@ pub struct Segment {
     pub fd: OwnedFd,
     pub size: u64,
     pub writable: bool,
+    /// 8-byte atomics on this memory must go through the daemon, not CPU instructions on a
+    /// mapping (its daemon applies every atomic through an RDMA device).
+    pub atomics_through_daemon: bool,
 }
 
 /// The mount an application uses when it names none: env `REGIONS_MOUNT`,
@@ -254,6 +257,7 @@ impl AgentClient {
                 fd,
                 size: seg.size,
                 writable: seg.writable,
+                atomics_through_daemon: seg.atomics_through_daemon,
             })),
             (true, None) => {
                 Err(self.error(libc::EIO, "segment reply promised an fd but none came"))

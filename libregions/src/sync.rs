@@ -523,7 +523,12 @@ impl SyncClient {
                 .and_then(|mut agent| agent.segment(location.ino, true));
             match segment {
                 // Atomics need a writable mapping: a read-only segment goes to tcp below.
-                Ok(Some(seg)) if seg.writable && seg.size >= location.region_offset + 8 => {
+                // ... and so does a daemon applying every atomic through its RDMA device.
+                Ok(Some(seg))
+                    if seg.writable
+                        && !seg.atomics_through_daemon
+                        && seg.size >= location.region_offset + 8 =>
+                {
                     match LocalSegment::map(seg.fd, seg.size, true, Arc::clone(&self.stats)) {
                         Ok(local) => return Some(Box::new(local)),
                         Err(e) => tracing::debug!(error = %e, "cannot map the lock region"),

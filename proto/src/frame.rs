@@ -170,8 +170,8 @@ pub enum Op {
     WaitChange = 9,
     /// Sets up RDMA for this connection: payload = the client's queue pair endpoint
     /// ([`RDMA_ENDPOINT_LEN`] bytes), reply payload = the endpoint of the queue pair the daemon
-    /// made for the connection and connected to it (it lives as long as the connection).
-    /// `EOPNOTSUPP` from a daemon without RDMA.
+    /// made for the connection and connected to it (it lives as long as the connection), then
+    /// one flags byte ([`RDMA_CONNECT_ATOMICS`]). `EOPNOTSUPP` from a daemon without RDMA.
     RdmaConnect = 10,
     /// Remote keys to READ the chunks of one range (named and checked as a READ of it, but
     /// for whole chunks); reply payload = one [`RdmaChunkKey`] per chunk.
@@ -182,6 +182,9 @@ pub enum Op {
 
 /// Encoded size of a queue pair endpoint in [`Op::RdmaConnect`].
 pub const RDMA_ENDPOINT_LEN: usize = 27;
+/// Bit of the flags byte after the daemon's endpoint in an [`Op::RdmaConnect`] reply: the
+/// client may apply 8-byte atomics one-sided (without it, atomics go over tcp).
+pub const RDMA_CONNECT_ATOMICS: u8 = 1;
 /// Encoded size of one [`RdmaChunkKey`].
 pub const RDMA_CHUNK_KEY_LEN: usize = 24;
 

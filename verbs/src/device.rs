@@ -93,7 +93,19 @@ pub struct Device {
     max_rd_atomic: u8,
     /// ... and has outstanding at once per queue pair (initiator).
     max_init_rd_atomic: u8,
-    atomics: bool,
+    atomics: AtomicScope,
+}
+
+/// What a device's 8-byte atomics are atomic with respect to (`ibv_device_attr.atomic_cap`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AtomicScope {
+    /// The device performs no atomics.
+    None,
+    /// Other atomics through this device only: a CPU's atomic instruction on the same word
+    /// may interleave with one (`IBV_ATOMIC_HCA`, most devices, soft-RoCE included).
+    Device,
+    /// Atomic with respect to the CPUs too (`IBV_ATOMIC_GLOB`).
+    Global,
 }
 
 // SAFETY: libibverbs contexts may be used from any thread (the library is thread safe); the
@@ -127,7 +139,7 @@ impl Device {
             active_mtu: 0,
             max_rd_atomic: 1,
             max_init_rd_atomic: 1,
-            atomics: false,
+            atomics: AtomicScope::None,
         };
         device.query()?;
         Ok(Arc::new(device))
@@ -187,7 +199,11 @@ impl Device {
         }
         self.max_rd_atomic = u8::try_from(attr.max_qp_rd_atom.clamp(1, 16)).unwrap_or(1);
         self.max_init_rd_atomic = u8::try_from(attr.max_qp_init_rd_atom.clamp(1, 16)).unwrap_or(1);
-        self.atomics = attr.atomic_cap != ffi::IBV_ATOMIC_NONE;
+        self.atomics = match attr.atomic_cap {
+            ffi::IBV_ATOMIC_GLOB => AtomicScope::Global,
+            ffi::IBV_ATOMIC_HCA => AtomicScope::Device,
+            _ => AtomicScope::None,
+        };
         Ok(())
     }
 
@@ -196,8 +212,8 @@ impl Device {
         &self.name
     }
 
-    /// Whether the device performs 8-byte atomics.
-    pub fn has_atomics(&self) -> bool {
+    /// What the device's 8-byte atomics are atomic with respect to.
+    pub fn atomic_scope(&self) -> AtomicScope {
         self.atomics
     }
 

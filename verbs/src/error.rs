@@ -56,6 +56,29 @@ impl VerbsError {
         }
     }
 
+    /// Whether a failed list of one operation surely did not take effect at the peer: it was
+    /// refused before posting, the post failed, or the peer answered with a NAK (a remote
+    /// access or request error: the responder checks before it executes). A timeout or a
+    /// transport failure leaves the outcome unknown (an atomic may have been applied and its
+    /// answer lost), so such an operation must not be repeated elsewhere.
+    pub fn surely_not_executed(&self) -> bool {
+        use ibverbs_sys::ibv_wc_status as st;
+        match self {
+            VerbsError::NoDevice(_) | VerbsError::Call { .. } | VerbsError::Invalid(_) => true,
+            VerbsError::Completion { status, .. } => matches!(
+                *status,
+                st::IBV_WC_LOC_LEN_ERR
+                    | st::IBV_WC_LOC_QP_OP_ERR
+                    | st::IBV_WC_LOC_PROT_ERR
+                    | st::IBV_WC_LOC_ACCESS_ERR
+                    | st::IBV_WC_REM_INV_REQ_ERR
+                    | st::IBV_WC_REM_ACCESS_ERR
+                    | st::IBV_WC_REM_INV_RD_REQ_ERR
+            ),
+            VerbsError::Timeout(_) => false,
+        }
+    }
+
     /// The errno a file system or transport reports for this error.
     pub fn errno_value(&self) -> i32 {
         match self {

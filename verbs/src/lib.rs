@@ -19,7 +19,7 @@ pub mod error;
 pub mod memory;
 pub mod queue_pair;
 
-pub use device::{Device, ProtectionDomain, device_names};
+pub use device::{AtomicScope, Device, ProtectionDomain, device_names};
 pub use error::{Result, VerbsError};
 pub use memory::{Access, RegisteredBuffer, Registration};
 pub use queue_pair::{Endpoint, Local, Op, QueuePair, Remote};

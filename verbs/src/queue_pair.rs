@@ -11,6 +11,12 @@ use crate::device::ProtectionDomain;
 use crate::error::{Result, VerbsError};
 use crate::memory::RegisteredBuffer;
 
+/// How long a waiter polls the completion queue before it sleeps on the completion channel
+/// (a round trip on real NICs takes a few microseconds: those are served polling).
+const SPIN: Duration = Duration::from_micros(50);
+/// Completion events acknowledged at once (each acknowledgement takes a lock).
+const ACK_EVERY: u32 = 64;
+
 /// Where a peer's memory is: its address there and the remote key of its registration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Remote {
@@ -127,6 +133,11 @@ impl Endpoint {
 pub struct QueuePair {
     qp: *mut ffi::ibv_qp,
     cq: *mut ffi::ibv_cq,
+    /// The completion channel the CQ signals when armed: a waiter that polled for
+    /// [`SPIN`] without a completion sleeps on its descriptor.
+    channel: *mut ffi::ibv_comp_channel,
+    /// Completion events received and not acknowledged yet (all are before the CQ goes).
+    unacked: u32,
     pd: Arc<ProtectionDomain>,
     psn: u32,
     max_wr: u32,
@@ -148,22 +159,23 @@ impl QueuePair {
         let device = pd.device();
         let max_wr = max_wr.clamp(1, 4096);
         let cqe = libc::c_int::try_from(max_wr).unwrap_or(4096);
-        // SAFETY: a live context; the CQ is owned by the returned value (destroyed in Drop,
-        // after the QP).
-        let cq = unsafe {
-            ffi::ibv_create_cq(
-                device.raw(),
-                cqe,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                0,
-            )
-        };
-        if cq.is_null() {
+        // SAFETY: a live context; the channel is owned by the returned value (destroyed in
+        // Drop, after the CQ).
+        let channel = unsafe { ffi::ibv_create_comp_channel(device.raw()) };
+        if channel.is_null() {
             return Err(VerbsError::last(format!(
-                "ibv_create_cq({}, {cqe})",
+                "ibv_create_comp_channel({})",
                 device.name()
             )));
+        }
+        // SAFETY: a live context and channel; the CQ is owned by the returned value
+        // (destroyed in Drop, after the QP).
+        let cq = unsafe { ffi::ibv_create_cq(device.raw(), cqe, std::ptr::null_mut(), channel, 0) };
+        if cq.is_null() {
+            let e = VerbsError::last(format!("ibv_create_cq({}, {cqe})", device.name()));
+            // SAFETY: the channel made above, used by no CQ.
+            unsafe { ffi::ibv_destroy_comp_channel(channel) };
+            return Err(e);
         }
         let mut init = ffi::ibv_qp_init_attr {
             send_cq: cq,
@@ -183,13 +195,18 @@ impl QueuePair {
         let qp = unsafe { ffi::ibv_create_qp(pd.raw(), &mut init) };
         if qp.is_null() {
             let e = VerbsError::last(format!("ibv_create_qp({})", device.name()));
-            // SAFETY: the CQ made above, unused by any QP.
-            unsafe { ffi::ibv_destroy_cq(cq) };
+            // SAFETY: the CQ and channel made above, unused by any QP, no event received.
+            unsafe {
+                ffi::ibv_destroy_cq(cq);
+                ffi::ibv_destroy_comp_channel(channel);
+            }
             return Err(e);
         }
         Ok(QueuePair {
             qp,
             cq,
+            channel,
+            unacked: 0,
             pd: Arc::clone(pd),
             psn: rand::random::<u32>() & 0xff_ffff,
             max_wr,
@@ -469,56 +486,132 @@ impl QueuePair {
     }
 
     /// Polls the completion queue until the signalled request `last` completes (or any
-    /// completes with an error), spinning briefly, then sleeping in growing steps.
+    /// completes with an error): busy for [`SPIN`], then asleep on the completion channel
+    /// (armed, then polled once more so that a completion that came in between is not
+    /// missed).
     fn wait(&mut self, ops: &[Op], last: u64, timeout: Duration) -> Result<()> {
         let start = Instant::now();
-        let mut polls = 0u32;
+        let mut armed = false;
         loop {
-            // SAFETY: ibv_wc is plain data (integers); zeroed is valid, and poll_cq fills it.
-            let mut wc: [ffi::ibv_wc; 4] = unsafe { std::mem::zeroed() };
-            // SAFETY: a live CQ and room for 4 completions.
-            let n = unsafe {
-                let ctx = (*self.cq).context;
-                match (*ctx).ops.poll_cq {
-                    Some(poll) => poll(self.cq, 4, wc.as_mut_ptr()),
-                    None => -1,
-                }
-            };
-            if n < 0 {
-                self.break_now();
-                return Err(VerbsError::Invalid("ibv_poll_cq failed".into()));
+            if self.poll(ops, last)? {
+                return Ok(());
             }
-            for c in wc.iter().take(usize::try_from(n).unwrap_or(0)) {
-                if let Some((status, _vendor)) = c.error() {
-                    self.broken = true;
-                    let op = usize::try_from(c.wr_id())
-                        .ok()
-                        .and_then(|i| ops.get(i))
-                        .map_or("request", Op::name);
-                    // SAFETY: ibv_wc_status_str returns a static NUL-terminated string.
-                    let text = unsafe {
-                        std::ffi::CStr::from_ptr(ffi::ibv_wc_status_str(status))
-                            .to_string_lossy()
-                            .into_owned()
-                    };
-                    // The DMA of every request of the list is over once the QP is gone.
-                    self.break_now();
-                    return Err(VerbsError::Completion { op, status, text });
-                }
-                if c.wr_id() == last {
-                    return Ok(());
-                }
-            }
-            if start.elapsed() >= timeout {
+            let waited = start.elapsed();
+            if waited >= timeout {
                 self.break_now();
                 return Err(VerbsError::Timeout(timeout));
             }
-            polls += 1;
-            if polls > 64 {
-                std::thread::sleep(Duration::from_micros(u64::from(polls.min(1000) / 16)));
-            } else {
+            if waited < SPIN {
                 std::hint::spin_loop();
+                continue;
             }
+            if !armed {
+                self.arm()?;
+                armed = true;
+                // Whatever completed before arming raised no event: poll again first.
+                continue;
+            }
+            self.sleep(timeout - waited)?;
+            armed = false;
+        }
+    }
+
+    /// One poll of the CQ: `Ok(true)` once `last` completed; an error completion breaks
+    /// the queue pair.
+    fn poll(&mut self, ops: &[Op], last: u64) -> Result<bool> {
+        // SAFETY: ibv_wc is plain data (integers); zeroed is valid, and poll_cq fills it.
+        let mut wc: [ffi::ibv_wc; 4] = unsafe { std::mem::zeroed() };
+        // SAFETY: a live CQ and room for 4 completions.
+        let n = unsafe {
+            let ctx = (*self.cq).context;
+            match (*ctx).ops.poll_cq {
+                Some(poll) => poll(self.cq, 4, wc.as_mut_ptr()),
+                None => -1,
+            }
+        };
+        if n < 0 {
+            self.break_now();
+            return Err(VerbsError::Invalid("ibv_poll_cq failed".into()));
+        }
+        for c in wc.iter().take(usize::try_from(n).unwrap_or(0)) {
+            if let Some((status, _vendor)) = c.error() {
+                let op = usize::try_from(c.wr_id())
+                    .ok()
+                    .and_then(|i| ops.get(i))
+                    .map_or("request", Op::name);
+                // SAFETY: ibv_wc_status_str returns a static NUL-terminated string.
+                let text = unsafe {
+                    std::ffi::CStr::from_ptr(ffi::ibv_wc_status_str(status))
+                        .to_string_lossy()
+                        .into_owned()
+                };
+                // The DMA of every request of the list is over once the QP is gone.
+                self.break_now();
+                return Err(VerbsError::Completion { op, status, text });
+            }
+            if c.wr_id() == last {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// Asks the CQ for an event at its next completion.
+    fn arm(&mut self) -> Result<()> {
+        // SAFETY: a live CQ; `req_notify_cq` is the provider's (ibv_req_notify_cq is an
+        // inline wrapper around it).
+        let rc = unsafe {
+            let ctx = (*self.cq).context;
+            match (*ctx).ops.req_notify_cq {
+                Some(notify) => notify(self.cq, 0),
+                None => libc::ENOSYS,
+            }
+        };
+        if rc != 0 {
+            self.break_now();
+            return Err(VerbsError::errno("ibv_req_notify_cq", rc));
+        }
+        Ok(())
+    }
+
+    /// Sleeps until the armed CQ raises an event or `left` passes.
+    fn sleep(&mut self, left: Duration) -> Result<()> {
+        // SAFETY: a live channel.
+        let fd = unsafe { (*self.channel).fd };
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = libc::c_int::try_from(left.as_millis().max(1)).unwrap_or(libc::c_int::MAX);
+        // SAFETY: one valid pollfd.
+        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if n <= 0 {
+            // A timeout (the caller checks the time) or EINTR: poll the CQ again.
+            return Ok(());
+        }
+        let mut cq: *mut ffi::ibv_cq = std::ptr::null_mut();
+        let mut ctx: *mut libc::c_void = std::ptr::null_mut();
+        // SAFETY: a live channel with an event ready (poll said so: this read does not
+        // block); the event names our CQ, acknowledged before the CQ goes.
+        let rc = unsafe { ffi::ibv_get_cq_event(self.channel, &mut cq, &mut ctx) };
+        if rc != 0 {
+            self.break_now();
+            return Err(VerbsError::last("ibv_get_cq_event"));
+        }
+        self.unacked += 1;
+        if self.unacked >= ACK_EVERY {
+            self.ack();
+        }
+        Ok(())
+    }
+
+    /// Acknowledges the completion events received.
+    fn ack(&mut self) {
+        if self.unacked > 0 && !self.cq.is_null() {
+            // SAFETY: a live CQ and the number of its events received and not acknowledged.
+            unsafe { ffi::ibv_ack_cq_events(self.cq, self.unacked) };
+            self.unacked = 0;
         }
     }
 
@@ -535,10 +628,17 @@ impl QueuePair {
             unsafe { ffi::ibv_destroy_qp(self.qp) };
             self.qp = std::ptr::null_mut();
         }
+        // Destroying a CQ waits for its events to be acknowledged.
+        self.ack();
         if !self.cq.is_null() {
             // SAFETY: the CQ made in `create`, destroyed once after its QP.
             unsafe { ffi::ibv_destroy_cq(self.cq) };
             self.cq = std::ptr::null_mut();
+        }
+        if !self.channel.is_null() {
+            // SAFETY: the channel made in `create`, destroyed once after its CQ.
+            unsafe { ffi::ibv_destroy_comp_channel(self.channel) };
+            self.channel = std::ptr::null_mut();
         }
     }
 }

@@ -309,6 +309,7 @@ impl AgentHandler {
                     size: 0,
                     has_fd: false,
                     writable: false,
+                    atomics_through_daemon: false,
                 },
                 None,
             ));
@@ -324,6 +325,7 @@ impl AgentHandler {
                 size: segment.size(),
                 has_fd: true,
                 writable,
+                atomics_through_daemon: self.pools.atomics_through_device(),
             },
             Some(fd),
         ))

@@ -20,7 +20,7 @@ pub mod window;
 use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
@@ -169,6 +169,9 @@ pub struct Pools {
     /// tried again when room may have come (a release, and every heartbeat). Cleared when the
     /// chunk is backed, released, resynced or its pool removed.
     refused: Mutex<HashMap<(u32, usize), Refusal>>,
+    /// Every atomic on pool memory goes through the RDMA device (whose atomics exclude only
+    /// one another): processes on this host get no CPU atomics on their segments.
+    atomics_through_device: AtomicBool,
 }
 
 /// A pool chunk with no backing: what the manager assigned it to, and the errno and message of
@@ -202,6 +205,18 @@ impl Pools {
     /// No pools yet.
     pub fn new() -> Pools {
         Pools::default()
+    }
+
+    /// Says that every atomic on pool memory goes through the RDMA device from now on (set
+    /// before the host agent hands out any segment).
+    pub fn route_atomics_through_device(&self) {
+        self.atomics_through_device.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether atomics on pool memory must go through the daemon (see
+    /// [`Pools::route_atomics_through_device`]).
+    pub fn atomics_through_device(&self) -> bool {
+        self.atomics_through_device.load(Ordering::SeqCst)
     }
 
     /// The capability revocations in force on this daemon.
@@ -941,6 +956,23 @@ impl Resolved<'_> {
     }
 }
 
+/// An 8-byte atomic operation on a pool word.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WordOp {
+    CompareSwap { expected: u64, new: u64 },
+    FetchAdd(u64),
+}
+
+impl WordOp {
+    /// Whether the operation, finding `old`, changed the word.
+    pub fn changed(self, old: u64) -> bool {
+        match self {
+            WordOp::CompareSwap { expected, new } => old == expected && new != old,
+            WordOp::FetchAdd(addend) => addend != 0,
+        }
+    }
+}
+
 /// Chunks pinned for one request: their pages stay mapped to the same region memory until this
 /// is dropped.
 #[derive(Debug)]
@@ -1035,39 +1067,56 @@ impl Pinned<'_> {
     ) -> Result<Vec<regions_proto::frame::RdmaChunkKey>> {
         let mut out = Vec::with_capacity(self.resolved.chunks.len());
         for &(index, chunk) in &self.resolved.chunks {
-            let pool = &self.resolved.pools[index];
-            let pool_offset = chunk as u64 * CHUNK_SIZE;
-            let mut slot = pool.keys[chunk]
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let keys = match &*slot {
-                Some(k) => Arc::clone(k),
-                None => {
-                    let addr = pool
-                        .window
-                        .addr(pool_offset)
-                        .ok_or(DaemonError::OutOfBounds {
-                            gid: pool.gid,
-                            offset: pool_offset,
-                            len: CHUNK_SIZE,
-                            size: pool.size(),
-                        })?;
-                    // SAFETY: the chunk is pinned (its read lock is held), so it is mapped;
-                    // the registration is dropped under its write lock before any unmap or
-                    // remap (`Pool::drop_keys`).
-                    let k = Arc::new(unsafe { rdma.register_chunk(addr, CHUNK_SIZE as usize)? });
-                    pool.keyed.store(true, Ordering::Relaxed);
-                    *slot = Some(Arc::clone(&k));
-                    k
-                }
-            };
+            let keys = self.chunk_keys_of(rdma, index, chunk)?;
             out.push(regions_proto::frame::RdmaChunkKey {
-                pool_offset,
+                pool_offset: chunk as u64 * CHUNK_SIZE,
                 addr: keys.addr(),
                 rkey: keys.rkey(write),
             });
         }
         Ok(out)
+    }
+
+    /// The registrations of pinned chunk `chunk` of pool `index`, made now if it has none.
+    #[cfg(feature = "rdma")]
+    fn chunk_keys_of(
+        &self,
+        rdma: &crate::rdma::Rdma,
+        index: usize,
+        chunk: usize,
+    ) -> Result<Arc<crate::rdma::ChunkKeys>> {
+        let pool = &self.resolved.pools[index];
+        let pool_offset = chunk as u64 * CHUNK_SIZE;
+        let mut slot = pool
+            .keys
+            .get(chunk)
+            .ok_or(DaemonError::OutOfBounds {
+                gid: pool.gid,
+                offset: pool_offset,
+                len: CHUNK_SIZE,
+                size: pool.size(),
+            })?
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(k) = &*slot {
+            return Ok(Arc::clone(k));
+        }
+        let addr = pool
+            .window
+            .addr(pool_offset)
+            .ok_or(DaemonError::OutOfBounds {
+                gid: pool.gid,
+                offset: pool_offset,
+                len: CHUNK_SIZE,
+                size: pool.size(),
+            })?;
+        // SAFETY: the chunk is pinned (its read lock is held), so it is mapped; the
+        // registration is dropped under its write lock before any unmap or remap
+        // (`Pool::drop_keys`).
+        let k = Arc::new(unsafe { rdma.register_chunk(addr, CHUNK_SIZE as usize)? });
+        pool.keyed.store(true, Ordering::Relaxed);
+        *slot = Some(Arc::clone(&k));
+        Ok(k)
     }
 
     /// The pinned ranges as raw spans, in request order.
@@ -1141,6 +1190,44 @@ impl Pinned<'_> {
                 "atomic operation at pool offset {offset:#x} is not 8-byte aligned"
             ))),
         }
+    }
+
+    /// Applies `op` to the 8-byte word of the first range with a CPU atomic; returns the old
+    /// value.
+    pub fn word_op(&self, op: WordOp) -> Result<u64> {
+        match op {
+            WordOp::CompareSwap { expected, new } => self.compare_and_swap(expected, new),
+            WordOp::FetchAdd(addend) => self.fetch_add(addend),
+        }
+    }
+
+    /// Applies `op` to the 8-byte word of the first range through the RDMA device (which
+    /// then excludes clients' one-sided atomics on it); returns the old value. Waiters of
+    /// the word are woken when it changed.
+    #[cfg(feature = "rdma")]
+    pub fn device_word_op(&self, rdma: &crate::rdma::Rdma, op: WordOp) -> Result<u64> {
+        let Some(&(index, offset, _, _)) = self.resolved.spans.first() else {
+            return Err(DaemonError::Invalid(
+                "atomic operation without a range".into(),
+            ));
+        };
+        if !offset.is_multiple_of(8) {
+            return Err(DaemonError::Invalid(format!(
+                "atomic operation at pool offset {offset:#x} is not 8-byte aligned"
+            )));
+        }
+        let pool = &self.resolved.pools[index];
+        let chunk = usize::try_from(offset / CHUNK_SIZE).unwrap_or(usize::MAX);
+        let keys = self.chunk_keys_of(rdma, index, chunk)?;
+        let old = rdma.device_atomic(keys.remote(offset % CHUNK_SIZE), op)?;
+        if op.changed(old) {
+            // SAFETY: the word's chunk is pinned for as long as `self` lives, and the
+            // reference does not outlive this statement.
+            if let Some(w) = unsafe { pool.window.word(offset) } {
+                word_wait::wake(w);
+            }
+        }
+        Ok(old)
     }
 
     /// 8-byte compare-and-swap on the first range; returns the old value. Waiters of the

@@ -40,7 +40,7 @@ use regions_proto::frame::{
 };
 
 use crate::error::{DaemonError, Result};
-use crate::pools::{Pinned, Pools, Resolved};
+use crate::pools::{Pinned, Pools, Resolved, WordOp};
 use crate::stats::Stats;
 use crate::transport::auth::{ConnAuth, Reach};
 use crate::transport::rawio::{Ready, wait_ready};
@@ -707,14 +707,18 @@ impl Conn {
                 offset,
                 expected,
                 new,
-            } => self.atomic(&h, pool, offset, reach, |p| {
-                p.compare_and_swap(expected, new)
-            }),
+            } => self.atomic(
+                &h,
+                pool,
+                offset,
+                reach,
+                WordOp::CompareSwap { expected, new },
+            ),
             Request::FetchAdd {
                 pool,
                 offset,
                 addend,
-            } => self.atomic(&h, pool, offset, reach, |p| p.fetch_add(addend)),
+            } => self.atomic(&h, pool, offset, reach, WordOp::FetchAdd(addend)),
             Request::WaitChange {
                 pool,
                 offset,
@@ -821,7 +825,8 @@ impl Conn {
                 );
             }
             match rdma.accept(endpoint) {
-                Ok((qp, mine)) => {
+                Ok((qp, mut mine)) => {
+                    mine.push(rdma.connect_flags());
                     self.queue_pair = Some(qp);
                     tracing::debug!(peer = %self.peer, device = rdma.device_name(), "RDMA queue pair connected");
                     self.reply_ok(h, Bytes::from(mine));
@@ -901,14 +906,7 @@ impl Conn {
         }
     }
 
-    fn atomic(
-        &mut self,
-        h: &Header,
-        pool: u32,
-        offset: u64,
-        reach: Reach,
-        op: impl FnOnce(&Pinned<'_>) -> Result<u64>,
-    ) {
+    fn atomic(&mut self, h: &Header, pool: u32, offset: u64, reach: Reach, op: WordOp) {
         let shared = Arc::clone(&self.shared);
         let result = shared
             .pools
@@ -921,7 +919,18 @@ impl Conn {
             .and_then(|resolved| {
                 let pinned = resolved.pin(self.deadline())?;
                 reach.check(&pinned)?;
-                op(&pinned)
+                // Where the device's atomics exclude only one another and clients apply them
+                // one-sided, the daemon applies its own through the device too.
+                #[cfg(feature = "rdma")]
+                if let Some(rdma) = shared.rdma.get()
+                    && rdma.routes_atomics()
+                {
+                    let old = pinned.device_word_op(rdma, op)?;
+                    Stats::add(&shared.stats.device_atomics, 1);
+                    counter!("regions_daemon_device_atomics_total").increment(1);
+                    return Ok(old);
+                }
+                pinned.word_op(op)
             });
         match result {
             Ok(old) => self.reply_ok(h, Bytes::copy_from_slice(&old.to_le_bytes())),

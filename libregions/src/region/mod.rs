@@ -358,13 +358,14 @@ impl Region {
                 } else {
                     state.local_backoff = std::time::Duration::ZERO;
                 }
+                let through_daemon = seg.atomics_through_daemon;
                 match LocalSegment::map(
                     seg.fd,
                     seg.size,
                     seg.writable,
                     Arc::clone(self.authority.stats()),
                 ) {
-                    Ok(l) => state.local = Some(Arc::new(l)),
+                    Ok(l) => state.local = Some(Arc::new(l.with_cpu_atomics(!through_daemon))),
                     Err(e) => {
                         tracing::debug!(ino = self.ino, error = %e, "cannot map the local segment; using tcp")
                     }
@@ -394,6 +395,17 @@ impl Region {
             // and the region then learns its new size before the retry.
             (true, Authority::Agent(_)) => Access::WriteThroughDaemon,
         };
+        self.locate_for(state, offset, len, access)
+    }
+
+    /// [`Region::locate`] for an access of kind `access`.
+    fn locate_for<'s>(
+        &self,
+        state: &'s MapState,
+        offset: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<Vec<Run<'s>>> {
         state.locate(
             self.ino,
             self.authority.host_id(),
@@ -661,7 +673,11 @@ impl Region {
         self.ensure_local(offset + 8);
         self.renew_if_due_for(offset, 8, true)?;
         let state = self.state.read().map_err(|_| Self::poisoned())?;
-        let mut runs = self.locate(&state, offset, 8, true)?;
+        let access = match &self.authority {
+            Authority::Cluster { .. } => Access::Atomic,
+            Authority::Agent(_) => Access::WriteThroughDaemon,
+        };
+        let mut runs = self.locate_for(&state, offset, 8, access)?;
         let run = runs
             .pop()
             .ok_or_else(|| RegionsError::Invalid("empty atomic range".into()))?;

@@ -65,6 +65,10 @@ pub(crate) enum Access {
     /// A write that goes to the daemons only, this host's included: the daemon checks it
     /// against the region's current chunks and the capability's revocation.
     WriteThroughDaemon,
+    /// An 8-byte atomic: to this host's segment when it is writable and its daemon lets
+    /// processes apply CPU atomics to it (not when the daemon applies every atomic through an
+    /// RDMA device), else to the daemon.
+    Atomic,
 }
 
 /// Where a run of spans is served from. A remote target borrows the daemon address from the
@@ -230,6 +234,7 @@ impl MapState {
                             Access::Read => true,
                             Access::Write => l.writable(),
                             Access::WriteThroughDaemon => false,
+                            Access::Atomic => l.writable() && l.cpu_atomics(),
                         } =>
                 {
                     Target::Local

@@ -28,6 +28,9 @@ pub struct LocalSegment {
     map: memmap2::MmapRaw,
     len: usize,
     writable: bool,
+    /// Whether atomics may be CPU instructions on the mapping (not when the daemon applies
+    /// every atomic through an RDMA device: see [`LocalSegment::with_cpu_atomics`]).
+    cpu_atomics: bool,
     _fd: OwnedFd,
     stats: Arc<TransportStats>,
 }
@@ -59,9 +62,24 @@ impl LocalSegment {
             map,
             len,
             writable,
+            cpu_atomics: true,
             _fd: fd,
             stats,
         })
+    }
+
+    /// This segment, applying atomics with CPU instructions only if `allowed`. A daemon whose
+    /// RDMA device's atomics exclude only one another applies every atomic through the
+    /// device; a CPU atomic here could interleave with one and lose an update, so atomics
+    /// then fail here and callers go to the daemon.
+    pub fn with_cpu_atomics(mut self, allowed: bool) -> LocalSegment {
+        self.cpu_atomics = allowed;
+        self
+    }
+
+    /// Whether atomics may be applied here (see [`LocalSegment::with_cpu_atomics`]).
+    pub fn cpu_atomics(&self) -> bool {
+        self.cpu_atomics
     }
 
     /// Bytes mapped.
@@ -160,6 +178,22 @@ impl LocalSegment {
         // aligned and offset % 8 == 0), and the memory lives as long as self.
         Ok(unsafe { AtomicU64::from_ptr(self.map.as_mut_ptr().add(at).cast::<u64>()) })
     }
+
+    /// The word at `offset` for an atomic that changes it (`EOPNOTSUPP` where the daemon
+    /// applies atomics through its RDMA device).
+    fn atomic_word(&self, offset: u64) -> Result<&AtomicU64> {
+        if !self.cpu_atomics {
+            return Err(RegionsError::Agent {
+                path: String::from("local segment"),
+                errno: libc::EOPNOTSUPP,
+                message: "the daemon applies every atomic on this memory through its RDMA \
+                          device: send atomics to the daemon, not CPU instructions on the \
+                          mapping"
+                    .into(),
+            });
+        }
+        self.word(offset)
+    }
 }
 
 impl Transport for LocalSegment {
@@ -226,7 +260,7 @@ impl Transport for LocalSegment {
     }
 
     fn compare_and_swap(&self, at: &Span, expected: u64, new: u64) -> Result<u64> {
-        let word = self.word(at.region_offset)?;
+        let word = self.atomic_word(at.region_offset)?;
         match word.compare_exchange(expected, new, Ordering::SeqCst, Ordering::SeqCst) {
             Ok(old) => {
                 if new != old {
@@ -239,7 +273,7 @@ impl Transport for LocalSegment {
     }
 
     fn fetch_add(&self, at: &Span, addend: u64) -> Result<u64> {
-        let word = self.word(at.region_offset)?;
+        let word = self.atomic_word(at.region_offset)?;
         let old = word.fetch_add(addend, Ordering::SeqCst);
         if addend != 0 {
             word_wait::wake(word);

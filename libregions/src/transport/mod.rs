@@ -168,6 +168,8 @@ pub struct TransportStats {
     pub rdma_requests: AtomicU64,
     pub rdma_bytes_read: AtomicU64,
     pub rdma_bytes_written: AtomicU64,
+    /// 8-byte atomics applied one-sided over RDMA.
+    pub rdma_atomics: AtomicU64,
 }
 
 /// A copy of [`TransportStats`].
@@ -182,6 +184,7 @@ pub struct StatsSnapshot {
     pub rdma_requests: u64,
     pub rdma_bytes_read: u64,
     pub rdma_bytes_written: u64,
+    pub rdma_atomics: u64,
 }
 
 impl TransportStats {
@@ -197,6 +200,7 @@ impl TransportStats {
             rdma_requests: get(&self.rdma_requests),
             rdma_bytes_read: get(&self.rdma_bytes_read),
             rdma_bytes_written: get(&self.rdma_bytes_written),
+            rdma_atomics: get(&self.rdma_atomics),
         }
     }
 

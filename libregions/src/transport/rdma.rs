@@ -17,9 +17,12 @@
 //! authoritative answer: the bytes, `ESTALE`, `EIO`), and the next request sets up RDMA
 //! anew.
 //!
-//! 8-byte atomics and `wait_change` stay on tcp: the daemon's CPU and the processes that map
-//! a region's memory apply atomics with CPU instructions, which RDMA atomics (atomic with
-//! respect to one device only, on most devices) would not exclude.
+//! 8-byte atomics go one-sided too when the daemon offers them (the flags byte of its
+//! `RDMA-CONNECT` reply): its device's atomics exclude the CPUs', or the daemon applies every
+//! atomic through the device itself and tells processes on its host to do the same (most
+//! devices, soft-RoCE included, are atomic with respect to themselves only). An atomic whose
+//! outcome is unknown (a timeout, a broken link) is an error, never repeated over tcp.
+//! `wait_change` stays on tcp.
 //!
 //! One request at a time uses a daemon's queue pair (a mutex per daemon): threads of a process
 //! share it, as FaRM shares connections. Under `auto`, a request that finds it busy goes over
@@ -30,7 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use metrics::counter;
-use regions_proto::frame::{Header, Op, RdmaChunkKey, range_delta};
+use regions_proto::frame::{Header, Op, RDMA_CONNECT_ATOMICS, RdmaChunkKey, range_delta};
 use regions_proto::layout::CHUNK_SIZE;
 use regions_proto::transport_choice::TransportChoice;
 use regions_verbs::{
@@ -93,6 +96,8 @@ struct Live {
     keys: HashMap<(u32, u64), ChunkKeys>,
     /// Breaks in a row before this set-up (0 once a request succeeds on it).
     breaks: u32,
+    /// The daemon accepts one-sided atomics.
+    atomics: bool,
 }
 
 enum Session {
@@ -124,6 +129,10 @@ enum Miss {
     Refused(RegionsError),
     /// The queue pair or the control connection broke.
     Broken(String),
+    /// The daemon takes this request over tcp only (atomics it does not accept one-sided).
+    TcpOnly,
+    /// An atomic may or may not have been applied: the queue pair broke after posting it.
+    Unknown(String),
 }
 
 /// The transport to one daemon that moves bytes over RDMA where it can.
@@ -169,7 +178,9 @@ impl RdmaTransport {
             .tcp
             .control_request(&mut control, Header::new(Op::RdmaConnect, 0), &mine)
             .map_err(|e| format!("the daemon refused RDMA: {e}"))?;
-        let theirs = Endpoint::from_bytes(&theirs).map_err(|e| e.to_string())?;
+        // The endpoint, then (from daemons that send it) a flags byte.
+        let (endpoint, flags) = theirs.split_at(theirs.len().min(Endpoint::LEN));
+        let theirs = Endpoint::from_bytes(endpoint).map_err(|e| e.to_string())?;
         qp.connect(&theirs).map_err(|e| e.to_string())?;
         Ok(Live {
             qp,
@@ -177,6 +188,7 @@ impl RdmaTransport {
             control,
             keys: HashMap::new(),
             breaks: 0,
+            atomics: flags.first().is_some_and(|f| f & RDMA_CONNECT_ATOMICS != 0),
         })
     }
 
@@ -247,6 +259,25 @@ impl RdmaTransport {
             Err(Miss::Refused(e)) => {
                 tracing::debug!(daemon = %self.tcp.addr(), error = %e, "RDMA keys refused; the request goes over tcp");
                 None
+            }
+            Err(Miss::TcpOnly) => None,
+            Err(Miss::Unknown(why)) => {
+                let wait = backoff(breaks);
+                tracing::info!(daemon = %self.tcp.addr(), reason = %why, "RDMA queue pair broken during an atomic; its outcome is unknown");
+                counter!("regions_client_rdma_broken_total").increment(1);
+                *session = Session::Backoff {
+                    retry_at: Instant::now() + wait,
+                    breaks: breaks + 1,
+                };
+                Some(Err(RegionsError::DaemonUnreachable {
+                    addr: self.tcp.addr().to_owned(),
+                    attempts: 1,
+                    elapsed_ms: 0,
+                    reason: format!(
+                        "the RDMA queue pair broke during an atomic, which may or may not have \
+                         been applied ({why}); read the word to see its state"
+                    ),
+                }))
             }
             Err(Miss::Broken(why)) => {
                 let wait = backoff(breaks);
@@ -447,6 +478,78 @@ impl Live {
     }
 }
 
+impl Live {
+    /// Applies `op` to the 8-byte word at `at` one-sided; returns the old value.
+    fn atomic(
+        &mut self,
+        tcp: &TcpTransport,
+        at: &Span,
+        op: Atomic,
+    ) -> std::result::Result<u64, Miss> {
+        if !self.atomics {
+            return Err(Miss::TcpOnly);
+        }
+        if at.len != 8 || !at.pool_offset.is_multiple_of(8) {
+            // The daemon's answer (EINVAL) over tcp.
+            return Err(Miss::TcpOnly);
+        }
+        let pieces = pieces(std::slice::from_ref(at));
+        let remote = self.keys_for(tcp, &pieces, true)?[0];
+        let op = match op {
+            Atomic::CompareSwap { expected, new } => regions_verbs::Op::CompareSwap {
+                local: 0,
+                remote,
+                expected,
+                new,
+            },
+            Atomic::FetchAdd(add) => regions_verbs::Op::FetchAdd {
+                local: 0,
+                remote,
+                add,
+            },
+        };
+        match self.qp.execute(&mut self.buf, &[op], ROUND_TIMEOUT) {
+            Ok(()) => {
+                let mut old = [0u8; 8];
+                old.copy_from_slice(&self.buf.bytes()[..8]);
+                Ok(u64::from_ne_bytes(old))
+            }
+            // Not applied (a key the daemon dropped, say): tcp gives the answer.
+            Err(e) if e.surely_not_executed() => Err(Miss::Broken(e.to_string())),
+            Err(e) => Err(Miss::Unknown(e.to_string())),
+        }
+    }
+}
+
+/// An 8-byte atomic the transport applies.
+#[derive(Clone, Copy)]
+enum Atomic {
+    CompareSwap { expected: u64, new: u64 },
+    FetchAdd(u64),
+}
+
+impl RdmaTransport {
+    /// `op` on the word at `at`, one-sided where the daemon accepts it, else over tcp.
+    fn atomic(&self, at: &Span, op: Atomic) -> Result<u64> {
+        // After the writes posted over tcp, as a tcp atomic would be.
+        self.tcp.wait_writes();
+        match self.attempt(|tcp, live| live.atomic(tcp, at, op)) {
+            Some(Ok(old)) => {
+                TransportStats::add(&self.stats.rdma_atomics, 1);
+                counter!("regions_client_atomics_total", "transport" => "rdma").increment(1);
+                Ok(old)
+            }
+            Some(Err(e)) => Err(e),
+            None => match op {
+                Atomic::CompareSwap { expected, new } => {
+                    self.tcp.compare_and_swap(at, expected, new)
+                }
+                Atomic::FetchAdd(add) => self.tcp.fetch_add(at, add),
+            },
+        }
+    }
+}
+
 impl Transport for RdmaTransport {
     fn read(&self, spans: &[Span], dst: &mut [u8]) -> Result<()> {
         // After the writes posted over tcp.
@@ -482,11 +585,11 @@ impl Transport for RdmaTransport {
     }
 
     fn compare_and_swap(&self, at: &Span, expected: u64, new: u64) -> Result<u64> {
-        self.tcp.compare_and_swap(at, expected, new)
+        self.atomic(at, Atomic::CompareSwap { expected, new })
     }
 
     fn fetch_add(&self, at: &Span, addend: u64) -> Result<u64> {
-        self.tcp.fetch_add(at, addend)
+        self.atomic(at, Atomic::FetchAdd(addend))
     }
 
     fn wait_change(&self, at: &Span, expected: u64, timeout: Duration) -> Result<u64> {

@@ -11,8 +11,12 @@
 //!   bytes, and goes on over RDMA;
 //! - after a truncate inside a chunk and growing back, RDMA reads zeros past the old end
 //!   (the chunk's registration does not keep the punched pages);
-//! - a region spread over two hosts goes over RDMA to both, and an atomic (over tcp) sees
-//!   what RDMA wrote and RDMA sees the atomic;
+//! - a region spread over two hosts goes over RDMA to both, and an atomic sees what RDMA
+//!   wrote and RDMA sees the atomic;
+//! - fetch-adds and compare-and-swaps go one-sided over RDMA while a tcp client's go to the
+//!   same word at the same time, and none is lost; where the device's atomics exclude only
+//!   one another (soft-RoCE), the daemon applies the tcp client's through its device and its
+//!   host agent tells local processes not to use CPU atomics;
 //! - with `auto`, a region on the tcp-only host is served over tcp; with `rdma` only, the
 //!   same request fails and says why;
 //! - an application's capability connection is refused RDMA set-up;
@@ -274,7 +278,9 @@ fn run(device: &str) -> anyhow::Result<()> {
         u64::from_le_bytes(now8) == word.wrapping_add(1),
         "RDMA read does not see the fetch-add"
     );
-    println!("a region over two hosts over RDMA, and atomics over tcp see its bytes: ok");
+    println!("a region over two hosts over RDMA, and atomics see its bytes: ok");
+
+    atomics(&cluster, &rdma, &tcp, device)?;
 
     // 4. A tcp-only daemon: auto falls back, rdma-only says why.
     let attr3 = tcp.create_path("on3", 0o644, on_host(3), 0)?;
@@ -335,6 +341,94 @@ fn run(device: &str) -> anyhow::Result<()> {
         started.elapsed() < Duration::from_secs(30),
         "a read from a dead daemon took {:?}",
         started.elapsed()
+    );
+    Ok(())
+}
+
+/// Section 3b: one-sided atomics racing tcp ones on one word of host 2.
+fn atomics(cluster: &Cluster, rdma: &Client, tcp: &Client, device: &str) -> anyhow::Result<()> {
+    use regions::agent::AgentClient;
+    use regions_verbs::AtomicScope;
+    const N: u64 = 300;
+    let scope = regions_verbs::Device::open(Some(device), 0)?.atomic_scope();
+    ensure!(scope != AtomicScope::None, "{device} performs no atomics");
+    let through_device = scope == AtomicScope::Device;
+    let socket = &cluster
+        .daemons
+        .iter()
+        .find(|d| d.host_id == 2)
+        .context("host 2's daemon")?
+        .socket;
+    let attr = rdma.create_path("counter", 0o644, on_host(2), 0)?;
+    let one_sided = rdma.open(attr.ino, true)?;
+    one_sided.write_at(0, &[0u8; 64])?;
+    let over_tcp = tcp.open(attr.ino, true)?;
+    let device_before = AgentClient::connect(socket)?.stats()?.device_atomics;
+    let rdma_before = rdma.stats().rdma_atomics;
+    std::thread::scope(|s| -> anyhow::Result<()> {
+        let a = s.spawn(|| -> regions::Result<()> {
+            for _ in 0..N {
+                one_sided.fetch_add(8, 1)?;
+            }
+            Ok(())
+        });
+        let b = s.spawn(|| -> regions::Result<()> {
+            for _ in 0..N {
+                over_tcp.fetch_add(8, 1)?;
+            }
+            Ok(())
+        });
+        a.join()
+            .map_err(|_| anyhow::anyhow!("RDMA adder panicked"))??;
+        b.join()
+            .map_err(|_| anyhow::anyhow!("tcp adder panicked"))??;
+        Ok(())
+    })?;
+    let mut word = [0u8; 8];
+    over_tcp.read_at(8, &mut word)?;
+    ensure!(
+        u64::from_le_bytes(word) == 2 * N,
+        "{} fetch-adds over RDMA and {N} over tcp at once left {} (updates lost)",
+        N,
+        u64::from_le_bytes(word)
+    );
+    ensure!(
+        one_sided.compare_and_swap(8, 2 * N, 7)? == 2 * N
+            && over_tcp.compare_and_swap(8, 7, 9)? == 7
+            && one_sided.compare_and_swap(8, 7, 11)? == 9
+            && over_tcp.fetch_add(8, 0)? == 9,
+        "compare-and-swaps over RDMA and tcp do not see each other"
+    );
+    let rdma_atomics = rdma.stats().rdma_atomics - rdma_before;
+    ensure!(
+        rdma_atomics == N + 2,
+        "{rdma_atomics} atomics went over RDMA (expected {})",
+        N + 2
+    );
+    let device_atomics = AgentClient::connect(socket)?.stats()?.device_atomics - device_before;
+    let expected = if through_device { N + 2 } else { 0 };
+    ensure!(
+        device_atomics == expected,
+        "the daemon applied {device_atomics} tcp atomics through its device (atomics \
+         {scope:?}: expected {expected})"
+    );
+    let segment = AgentClient::connect(socket)?
+        .segment(attr.ino, true)?
+        .context("no segment of the counter on its host")?;
+    ensure!(
+        segment.atomics_through_daemon == through_device,
+        "the host agent says atomics through the daemon: {} (device atomics {scope:?})",
+        segment.atomics_through_daemon
+    );
+    println!(
+        "atomics ({scope:?}): {N} fetch-adds over RDMA and {N} over tcp at once, none lost; \
+         {device_atomics} tcp atomics applied through the device; local processes told \
+         {}: ok",
+        if through_device {
+            "to send atomics to the daemon"
+        } else {
+            "they may use CPU atomics"
+        }
     );
     Ok(())
 }

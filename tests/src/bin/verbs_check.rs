@@ -244,7 +244,7 @@ fn client(device: Option<&str>) -> anyhow::Result<()> {
     };
 
     let dev = Device::open(device, 0)?;
-    println!("device {} (atomics: {})", dev.name(), dev.has_atomics());
+    println!("device {} (atomics: {:?})", dev.name(), dev.atomic_scope());
     let pd = dev.protection_domain()?;
     let mut buf = RegisteredBuffer::new(&pd, 4 * PATTERN_LEN)?;
     let mut qp = QueuePair::create(&pd, 64)?;
