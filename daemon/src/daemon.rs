@@ -108,6 +108,7 @@ impl Daemon {
         if rdma.routes_atomics() {
             pools.route_atomics_through_device();
         }
+        rdma.watch(&pools);
         let agent = match AgentServer::start(agent_listener, &config.socket, handler) {
             Ok(a) => a,
             Err(e) => {
@@ -329,6 +330,17 @@ impl RdmaStart {
         }
     }
 
+    /// Drops applications' memory windows as `pools`' revocations change and as their
+    /// capabilities expire.
+    fn watch(&self, pools: &Pools) {
+        #[cfg(feature = "rdma")]
+        if let Some(r) = &self.rdma {
+            r.watch(pools.revocations());
+        }
+        #[cfg(not(feature = "rdma"))]
+        let _ = pools;
+    }
+
     /// Serves RDMA beside `transport` (when a device was opened); returns the transports
     /// offered.
     fn serve(self, transport: &TransportServer) -> String {
@@ -361,6 +373,7 @@ fn open_rdma(rdma: &crate::config::RdmaConfig) -> Result<RdmaStart> {
                 device = r.device_name(),
                 atomics = ?r.atomic_scope(),
                 atomics_through_device = r.routes_atomics(),
+                applications = r.serves_capabilities(),
                 "serving RDMA beside tcp"
             );
             let offered = format!("tcp rdma:{}", r.device_name());

@@ -9,17 +9,28 @@
 //! dropped before the chunk is unmapped or remapped (under the chunk's write lock), after
 //! which its old keys fail at the client's device (remote access error): the client then asks
 //! again over tcp and meets whatever the chunk is now.
+//!
+//! Node components (the cluster secret) get keys of whole chunks. Applications (capability
+//! connections) get memory windows instead ([`BoundWindow`]): their queue pairs live in a
+//! protection domain of their own, where chunks are registered a third time with no remote
+//! access at all (only windows bound to that registration grant any), and each window covers
+//! the capability's bytes of one chunk with the capability's rights, is bound on the daemon's
+//! queue pair of that one connection (a type 2B window works through that queue pair only),
+//! and is dropped when the capability is revoked or expires, when the chunk's registrations
+//! are dropped, and when the connection closes.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use regions_proto::capability::{Capability, now_ms};
 use regions_verbs::{
-    Access, AtomicScope, Device, Endpoint, Op, ProtectionDomain, QueuePair, RegisteredBuffer,
-    Registration, Remote,
+    Access, AtomicScope, Device, Endpoint, MemoryWindow, Op, ProtectionDomain, QueuePair,
+    RegisteredBuffer, Registration, Remote,
 };
 
 use crate::error::{DaemonError, Result};
 use crate::pools::WordOp;
+use crate::transport::revocations::Revocations;
 
 // The frame codec checks an RDMA-CONNECT payload against its own length; the verbs layer
 // decodes the same bytes: the two must agree.
@@ -32,6 +43,112 @@ pub const CONNECT_ATOMICS: u8 = regions_proto::frame::RDMA_CONNECT_ATOMICS;
 
 /// Longest wait for an atomic the daemon applies through its own device.
 const LOOPBACK_TIMEOUT: Duration = Duration::from_secs(2);
+/// Longest wait for a memory window's binding.
+const BIND_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often windows of expired capabilities are looked for.
+const EXPIRY_SWEEP: Duration = Duration::from_secs(1);
+
+/// A memory window bound for one capability over part of one chunk, on one connection's queue
+/// pair. The connection holds it; the chunk's keys and the daemon's registry know it, so that
+/// dropping the chunk's registrations, a revocation or the capability's expiry take the window
+/// away ([`BoundWindow::invalidate`]) whoever holds it.
+#[derive(Debug)]
+pub struct BoundWindow {
+    cap: Capability,
+    /// Bytes of the chunk it covers: `[from, to)`.
+    pub from: u64,
+    pub to: u64,
+    pub write: bool,
+    pub rkey: u32,
+    /// The window, and the registration of exactly its bytes it is bound to.
+    window: Mutex<Option<(MemoryWindow, Arc<Registration>)>>,
+}
+
+impl BoundWindow {
+    /// Deallocates the window: its key fails at the device from now on.
+    pub fn invalidate(&self) {
+        let taken = self
+            .window
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        // The window first, then (if no other window uses it) its registration.
+        if let Some((window, registration)) = taken {
+            drop(window);
+            drop(registration);
+        }
+    }
+
+    /// Whether the window is still bound.
+    pub fn is_live(&self) -> bool {
+        self.window
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_some()
+    }
+
+    /// Whether the window was bound for `cap` (the same token).
+    pub fn is_for(&self, cap: &Capability) -> bool {
+        self.cap == *cap
+    }
+}
+
+/// Every window bound and not dropped yet, for revocations and expiry.
+#[derive(Debug, Default)]
+pub struct WindowRegistry {
+    windows: Mutex<Vec<Weak<BoundWindow>>>,
+}
+
+impl WindowRegistry {
+    fn add(&self, w: &Arc<BoundWindow>) {
+        let mut all = self
+            .windows
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Forget windows gone meanwhile once the list has doubled (amortised).
+        if all.len() >= 64 && all.len().is_power_of_two() {
+            all.retain(|w| w.strong_count() > 0);
+        }
+        all.push(Arc::downgrade(w));
+    }
+
+    /// Drops the windows of capabilities revoked or expired now.
+    pub fn invalidate_revoked(&self, revocations: &Revocations) {
+        self.invalidate_where(|cap| revocations.revoked(cap));
+    }
+
+    /// Drops the windows of capabilities expired now.
+    pub fn invalidate_expired(&self) {
+        self.invalidate_where(|_| false);
+    }
+
+    fn invalidate_where(&self, revoked: impl Fn(&Capability) -> bool) {
+        let now = now_ms();
+        let mut all = self
+            .windows
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        all.retain(|w| match w.upgrade() {
+            Some(w) if revoked(&w.cap) || w.cap.expires_ms <= now => {
+                tracing::debug!(ino = w.cap.ino, "memory window dropped: capability revoked or expired");
+                w.invalidate();
+                false
+            }
+            Some(w) => w.is_live(),
+            None => false,
+        });
+    }
+
+    /// Windows bound now (for tests and stats).
+    pub fn live(&self) -> usize {
+        self.windows
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .filter(|w| w.upgrade().is_some_and(|w| w.is_live()))
+            .count()
+    }
+}
 
 /// Two queue pairs of the daemon's device connected to each other: the daemon applies the
 /// atomics of tcp clients (and its own) through the device with them, where the device's
@@ -62,6 +179,10 @@ impl Loopback {
 #[derive(Debug)]
 pub struct Rdma {
     pd: Arc<ProtectionDomain>,
+    /// Where capability connections' queue pairs and the registrations their windows bind
+    /// to live (`None`: the device binds no type 2B windows, and applications use tcp).
+    window_pd: Option<Arc<ProtectionDomain>>,
+    windows: Arc<WindowRegistry>,
     scope: AtomicScope,
     /// With [`AtomicScope::Device`]: the queue pairs the daemon's own atomics go through
     /// (re-created when one breaks).
@@ -87,11 +208,108 @@ impl Rdma {
             }
             AtomicScope::None | AtomicScope::Global => None,
         };
+        let window_pd = if pd.device().has_windows() {
+            Some(
+                pd.device()
+                    .protection_domain()
+                    .map_err(|e| DaemonError::Rdma(e.to_string()))?,
+            )
+        } else {
+            None
+        };
+        let windows = Arc::new(WindowRegistry::default());
         Ok(Rdma {
             pd,
+            window_pd,
+            windows,
             scope,
             loopback,
         })
+    }
+
+    /// Whether applications (capability connections) get RDMA: the device binds memory
+    /// windows.
+    pub fn serves_capabilities(&self) -> bool {
+        self.window_pd.is_some()
+    }
+
+    /// Drops windows as `revocations` change, and those of expired capabilities every
+    /// [`EXPIRY_SWEEP`] (a thread that ends with the registry).
+    pub fn watch(&self, revocations: &Revocations) {
+        let on_change = Arc::downgrade(&self.windows);
+        revocations.on_change(Box::new(move |r| {
+            if let Some(w) = on_change.upgrade() {
+                w.invalidate_revoked(r);
+            }
+        }));
+        let windows = Arc::downgrade(&self.windows);
+        let spawned = std::thread::Builder::new()
+            .name("rdma-window-expiry".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(EXPIRY_SWEEP);
+                    match windows.upgrade() {
+                        Some(w) => w.invalidate_expired(),
+                        None => return,
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start the memory window expiry thread: windows of expired capabilities last until a revocation or their connection's end");
+        }
+    }
+
+    /// Windows bound now.
+    pub fn live_windows(&self) -> usize {
+        self.windows.live()
+    }
+
+    /// Binds a window over bytes `[from, to)` of the chunk `keys` registers, for `cap` and
+    /// with its rights (`write`: reads, writes and atomics; else reads), on `qp` (the queue
+    /// pair of the capability's connection, made by [`Rdma::accept`] in the windows'
+    /// protection domain).
+    pub fn bind_window(
+        &self,
+        qp: &mut QueuePair,
+        keys: &ChunkKeys,
+        cap: Capability,
+        (from, to): (u64, u64),
+        write: bool,
+    ) -> Result<Arc<BoundWindow>> {
+        let rdma = |e: regions_verbs::VerbsError| {
+            DaemonError::Rdma(format!("binding a memory window: {e}"))
+        };
+        let pd = self
+            .window_pd
+            .as_ref()
+            .ok_or_else(|| DaemonError::NoRdma(NO_WINDOWS.into()))?;
+        let registration = keys.bindable(pd, (from, to))?;
+        let mut mw = MemoryWindow::alloc(pd).map_err(rdma)?;
+        let access = if write { Access::REMOTE } else { Access::READ };
+        let rkey = qp
+            .bind_window(
+                &mut mw,
+                &registration,
+                registration.addr(),
+                registration.len() as u64,
+                access,
+                BIND_TIMEOUT,
+            )
+            .map_err(rdma)?;
+        let bound = Arc::new(BoundWindow {
+            cap,
+            from,
+            to,
+            write,
+            rkey,
+            window: Mutex::new(Some((mw, registration))),
+        });
+        keys.windows
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(Arc::downgrade(&bound));
+        self.windows.add(&bound);
+        Ok(bound)
     }
 
     /// What the device's atomics exclude (see [`AtomicScope`]).
@@ -163,11 +381,24 @@ impl Rdma {
 
     /// A queue pair for a transport connection, connected to the client's `endpoint`
     /// (encoded), and its own endpoint to send back.
-    pub fn accept(&self, endpoint: &[u8]) -> Result<(QueuePair, Vec<u8>)> {
+    /// `for_capabilities`: a capability connection's, in the windows' protection domain.
+    pub fn accept(
+        &self,
+        endpoint: &[u8],
+        for_capabilities: bool,
+    ) -> Result<(QueuePair, Vec<u8>)> {
         let rdma = |e: regions_verbs::VerbsError| DaemonError::Rdma(e.to_string());
         let client = Endpoint::from_bytes(endpoint).map_err(rdma)?;
-        // The daemon posts nothing on it: its peer reads, writes and updates pool memory.
-        let mut qp = QueuePair::create(&self.pd, 1).map_err(rdma)?;
+        let pd = if for_capabilities {
+            self.window_pd
+                .as_ref()
+                .ok_or_else(|| DaemonError::NoRdma(NO_WINDOWS.into()))?
+        } else {
+            &self.pd
+        };
+        // The daemon posts only window bindings on it: its peer reads, writes and updates
+        // pool memory.
+        let mut qp = QueuePair::create(pd, 1).map_err(rdma)?;
         let mine = qp.endpoint().to_bytes().to_vec();
         qp.connect(&client).map_err(rdma)?;
         Ok((qp, mine))
@@ -181,29 +412,100 @@ impl Rdma {
     /// table drops them under the chunk's write lock before it unmaps or remaps the chunk).
     pub unsafe fn register_chunk(&self, addr: *mut u8, len: usize) -> Result<ChunkKeys> {
         let rdma = |e: regions_verbs::VerbsError| DaemonError::Rdma(e.to_string());
-        let read_only = Access {
-            remote_read: true,
-            remote_write: false,
-            remote_atomic: false,
-        };
+        let read_only = Access::READ;
         // SAFETY: the caller keeps the range mapped until the keys are dropped.
         let read =
             unsafe { Registration::register(&self.pd, addr, len, read_only) }.map_err(rdma)?;
         // SAFETY: as above.
         let write =
             unsafe { Registration::register(&self.pd, addr, len, Access::REMOTE) }.map_err(rdma)?;
-        Ok(ChunkKeys { read, write })
+        Ok(ChunkKeys {
+            windows: Mutex::new(Vec::new()),
+            bindable: Mutex::new(std::collections::HashMap::new()),
+            read,
+            write,
+            ptr: addr as usize,
+            len,
+        })
     }
 }
 
-/// The registrations of one mapped pool chunk.
+/// Why a capability connection gets no RDMA.
+pub const NO_WINDOWS: &str = "this daemon's RDMA device binds no memory windows, so \
+     applications (capability connections) cannot be given keys that reach only their \
+     capability's bytes: use the tcp transport";
+
+/// The registrations of one mapped pool chunk, and the windows bound to it.
 #[derive(Debug)]
 pub struct ChunkKeys {
+    // Windows go first (see Drop), then the registration they are bound to.
+    windows: Mutex<Vec<Weak<BoundWindow>>>,
+    /// Ranges `[from, to)` of the chunk registered in the windows' protection domain, without
+    /// remote access of their own, for windows over exactly those bytes: soft-RoCE checks an
+    /// access through a window against its registration's range, not the window's, so a
+    /// window over part of a registration would reach all of it there.
+    bindable: Mutex<std::collections::HashMap<(u64, u64), Arc<Registration>>>,
     read: Registration,
     write: Registration,
+    ptr: usize,
+    len: usize,
+}
+
+impl Drop for ChunkKeys {
+    fn drop(&mut self) {
+        // A registration with windows bound to it cannot be deregistered.
+        self.invalidate_windows();
+    }
 }
 
 impl ChunkKeys {
+    /// Drops every window bound to this chunk (before its registrations go).
+    pub fn invalidate_windows(&self) {
+        let windows = std::mem::take(
+            &mut *self
+                .windows
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        for w in windows.iter().filter_map(Weak::upgrade) {
+            w.invalidate();
+        }
+    }
+
+    /// The registration in `pd` of bytes `[from, to)` of the chunk that windows over them
+    /// bind to, made now if there is none (ranges no window uses any more are dropped first).
+    fn bindable(&self, pd: &Arc<ProtectionDomain>, (from, to): (u64, u64)) -> Result<Arc<Registration>> {
+        if from >= to || to > self.len as u64 {
+            return Err(DaemonError::Invalid(format!(
+                "a window over bytes {from}..{to} of a {}-byte chunk",
+                self.len
+            )));
+        }
+        let mut ranges = self
+            .bindable
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(r) = ranges.get(&(from, to)) {
+            return Ok(Arc::clone(r));
+        }
+        ranges.retain(|_, r| Arc::strong_count(r) > 1);
+        // SAFETY: inside the range of `read` and `write` (checked above), which the chunk
+        // table keeps mapped until these keys are dropped (`register_chunk`'s contract);
+        // every window's registration is dropped with them or before (`invalidate_windows`).
+        let r = unsafe {
+            Registration::register(
+                pd,
+                (self.ptr + from as usize) as *mut u8,
+                (to - from) as usize,
+                Access::WINDOWS_ONLY,
+            )
+        }
+        .map_err(|e| DaemonError::Rdma(format!("registering chunk bytes for a window: {e}")))?;
+        let r = Arc::new(r);
+        ranges.insert((from, to), Arc::clone(&r));
+        Ok(r)
+    }
+
     /// The remote address and read-write key of the byte `within` the chunk.
     pub fn remote(&self, within: u64) -> Remote {
         Remote {

@@ -202,20 +202,7 @@ pub(crate) fn wrap_for_rdma(
         if let Some(t) = map.get(addr) {
             return Ok(Arc::clone(t));
         }
-        let tcp = tcp()?;
-        let chosen: Arc<dyn Transport> =
-            match (choice, crate::transport::rdma::protection_domain(device)) {
-                (TransportChoice::Auto, Err(why)) => {
-                    tracing::debug!(daemon = %addr, reason = %why, "no RDMA here: using tcp");
-                    tcp
-                }
-                _ => Arc::new(crate::transport::rdma::RdmaTransport::new(
-                    tcp,
-                    choice,
-                    device.map(str::to_owned),
-                    Arc::clone(stats),
-                )),
-            };
+        let chosen = rdma_or_tcp(tcp()?, choice, device, stats);
         map.insert(addr.to_owned(), Arc::clone(&chosen));
         Ok(chosen)
     }
@@ -223,5 +210,34 @@ pub(crate) fn wrap_for_rdma(
     {
         let _ = (cache, addr, device, stats);
         Ok(tcp()?)
+    }
+}
+
+/// `tcp` as `choice` says: itself under `tcp`, and under `auto` on a host without an RDMA
+/// device; else an RDMA transport wrapping it (feature `rdma`).
+pub(crate) fn rdma_or_tcp(
+    tcp: Arc<TcpTransport>,
+    choice: TransportChoice,
+    device: Option<&str>,
+    stats: &Arc<crate::transport::TransportStats>,
+) -> Arc<dyn Transport> {
+    #[cfg(feature = "rdma")]
+    match (choice, crate::transport::rdma::protection_domain(device)) {
+        (TransportChoice::Tcp, _) => tcp,
+        (TransportChoice::Auto, Err(why)) => {
+            tracing::debug!(daemon = %tcp.addr(), reason = %why, "no RDMA here: using tcp");
+            tcp
+        }
+        _ => Arc::new(crate::transport::rdma::RdmaTransport::new(
+            tcp,
+            choice,
+            device.map(str::to_owned),
+            Arc::clone(stats),
+        )),
+    }
+    #[cfg(not(feature = "rdma"))]
+    {
+        let _ = (choice, device, stats);
+        tcp
     }
 }

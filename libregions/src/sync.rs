@@ -96,7 +96,7 @@ struct Word {
     location: MutexLocation,
     span: Span,
     /// `None`: no direct path; every call goes through the manager.
-    access: Option<Box<dyn Transport>>,
+    access: Option<Arc<dyn Transport>>,
     /// This process's unlocks of the word that are not finished.
     unlocks: Arc<InFlight>,
 }
@@ -513,7 +513,7 @@ impl SyncClient {
 
     /// The direct path to a lock word: its segment mapped when it is on this host, else the
     /// tcp transport with the location's capability.
-    fn access(&self, location: &MutexLocation) -> Option<Box<dyn Transport>> {
+    fn access(&self, location: &MutexLocation) -> Option<Arc<dyn Transport>> {
         if !self.direct {
             return None;
         }
@@ -530,7 +530,7 @@ impl SyncClient {
                         && seg.size >= location.region_offset + 8 =>
                 {
                     match LocalSegment::map(seg.fd, seg.size, true, Arc::clone(&self.stats)) {
-                        Ok(local) => return Some(Box::new(local)),
+                        Ok(local) => return Some(Arc::new(local)),
                         Err(e) => tracing::debug!(error = %e, "cannot map the lock region"),
                     }
                 }
@@ -541,13 +541,21 @@ impl SyncClient {
         if location.capability.is_empty() || location.transport_addr.is_empty() {
             return None;
         }
-        Some(Box::new(TcpTransport::with_capability(
+        // One-sided where the daemon and this host have RDMA (REGIONS_TRANSPORT), through a
+        // memory window over the word's slot.
+        let tcp = Arc::new(TcpTransport::with_capability(
             &location.transport_addr,
             1,
             &location.capability,
             RetryPolicy::default(),
             Arc::clone(&self.stats),
-        )))
+        ));
+        Some(crate::connection::rdma_or_tcp(
+            tcp,
+            crate::connection::transport_from_env(),
+            crate::connection::rdma_device_from_env().as_deref(),
+            &self.stats,
+        ))
     }
 
     /// This thread's tag for `word` (the location's tag names the process).

@@ -188,13 +188,16 @@ pub const RDMA_CONNECT_ATOMICS: u8 = 1;
 /// Encoded size of one [`RdmaChunkKey`].
 pub const RDMA_CHUNK_KEY_LEN: usize = 24;
 
-/// Where one pool chunk is for one-sided access: the chunk's pool offset, its address in the
-/// daemon and the remote key of its registration.
+/// Where bytes of one pool chunk are for one-sided access: `len` bytes from `pool_offset`
+/// (within one chunk), at `addr` in the daemon, reached with the remote key `rkey` (of the
+/// whole chunk's registration for node components: `pool_offset` is the chunk's start and
+/// `len` the chunk size; of a memory window over the capability's bytes for applications).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RdmaChunkKey {
     pub pool_offset: u64,
     pub addr: u64,
     pub rkey: u32,
+    pub len: u64,
 }
 
 impl RdmaChunkKey {
@@ -202,7 +205,8 @@ impl RdmaChunkKey {
         buf.put_u64_le(self.pool_offset);
         buf.put_u64_le(self.addr);
         buf.put_u32_le(self.rkey);
-        buf.put_u32_le(0);
+        // At most a chunk (128 KiB).
+        buf.put_u32_le(u32::try_from(self.len).unwrap_or(u32::MAX));
     }
 
     /// The keys of a reply payload (a whole number of entries, else an error).
@@ -221,8 +225,8 @@ impl RdmaChunkKey {
                 pool_offset: payload.get_u64_le(),
                 addr: payload.get_u64_le(),
                 rkey: payload.get_u32_le(),
+                len: u64::from(payload.get_u32_le()),
             });
-            payload.advance(4);
         }
         Ok(keys)
     }
@@ -1113,11 +1117,13 @@ mod tests {
                 pool_offset: 0,
                 addr: 0x7f00_0000_0000,
                 rkey: 0x1234,
+                len: 131_072,
             },
             RdmaChunkKey {
-                pool_offset: 131_072,
-                addr: 0x7f00_0002_0000,
+                pool_offset: 131_072 + 64,
+                addr: 0x7f00_0002_0040,
                 rkey: u32::MAX,
+                len: 64,
             },
         ];
         let mut buf = BytesMut::new();

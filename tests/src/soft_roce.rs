@@ -64,6 +64,7 @@ pub fn run(script: &str, timeout: Duration) -> anyhow::Result<String> {
          set -e\n\
          modprobe rdma_rxe\n\
          ip link set lo up\n\
+         sysctl -qw net.ipv6.conf.all.accept_dad=0 net.ipv6.conf.default.accept_dad=0\n\
          ip link add veth0 type veth peer name veth1\n\
          ip link set veth0 up\n\
          ip link set veth1 up\n\
@@ -71,6 +72,11 @@ pub fn run(script: &str, timeout: Duration) -> anyhow::Result<String> {
          i=0\n\
          until grep -q ACTIVE /sys/class/infiniband/{DEVICE}/ports/1/state 2>/dev/null; do\n\
            i=$((i+1)); [ $i -lt 100 ] || {{ echo 'soft-roce: {DEVICE} never became active'; exit 1; }}\n\
+           sleep 0.1\n\
+         done\n\
+         i=0\n\
+         until ip -6 addr show dev veth0 | grep -q 'fe80.*scope link' && ! ip -6 addr show dev veth0 | grep -q tentative; do\n\
+           i=$((i+1)); [ $i -lt 100 ] || {{ echo 'soft-roce: veth0 has no usable link-local address'; exit 1; }}\n\
            sleep 0.1\n\
          done\n\
          echo '{marker}'\n\

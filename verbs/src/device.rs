@@ -94,6 +94,8 @@ pub struct Device {
     /// ... and has outstanding at once per queue pair (initiator).
     max_init_rd_atomic: u8,
     atomics: AtomicScope,
+    /// The device binds type 2 memory windows (to one queue pair each).
+    windows: bool,
 }
 
 /// What a device's 8-byte atomics are atomic with respect to (`ibv_device_attr.atomic_cap`).
@@ -140,6 +142,7 @@ impl Device {
             max_rd_atomic: 1,
             max_init_rd_atomic: 1,
             atomics: AtomicScope::None,
+            windows: false,
         };
         device.query()?;
         Ok(Arc::new(device))
@@ -199,6 +202,7 @@ impl Device {
         }
         self.max_rd_atomic = u8::try_from(attr.max_qp_rd_atom.clamp(1, 16)).unwrap_or(1);
         self.max_init_rd_atomic = u8::try_from(attr.max_qp_init_rd_atom.clamp(1, 16)).unwrap_or(1);
+        self.windows = attr.device_cap_flags & ffi::IBV_DEVICE_MEM_WINDOW_TYPE_2B != 0;
         self.atomics = match attr.atomic_cap {
             ffi::IBV_ATOMIC_GLOB => AtomicScope::Global,
             ffi::IBV_ATOMIC_HCA => AtomicScope::Device,
@@ -210,6 +214,12 @@ impl Device {
     /// The device's name ("rxe0", "mlx5_0").
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Whether the device binds type 2B memory windows: windows reached through one queue
+    /// pair only ([`crate::MemoryWindow`]).
+    pub fn has_windows(&self) -> bool {
+        self.windows
     }
 
     /// What the device's 8-byte atomics are atomic with respect to.

@@ -10,6 +10,8 @@
 //!   [`Endpoint`] (what a peer needs to connect to one) and [`Op`] (one-sided READ, WRITE,
 //!   compare-and-swap and fetch-and-add, posted as one linked list with one signalled
 //!   completion).
+//! - [`window`]: [`MemoryWindow`] (remote access to part of a registration, through one queue
+//!   pair, revoked by dropping it).
 //!
 //! Nothing here knows regions, pools or capabilities: the daemon registers its pool memory
 //! and the client transport moves region bytes with these.
@@ -18,8 +20,10 @@ pub mod device;
 pub mod error;
 pub mod memory;
 pub mod queue_pair;
+pub mod window;
 
 pub use device::{AtomicScope, Device, ProtectionDomain, device_names};
 pub use error::{Result, VerbsError};
 pub use memory::{Access, RegisteredBuffer, Registration};
 pub use queue_pair::{Endpoint, Local, Op, QueuePair, Remote};
+pub use window::MemoryWindow;

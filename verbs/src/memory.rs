@@ -15,6 +15,9 @@ pub struct Access {
     pub remote_read: bool,
     pub remote_write: bool,
     pub remote_atomic: bool,
+    /// Memory windows may be bound to the registration (which grant remote access of
+    /// their own, whatever the fields above say).
+    pub bind_windows: bool,
 }
 
 impl Access {
@@ -23,12 +26,28 @@ impl Access {
         remote_read: false,
         remote_write: false,
         remote_atomic: false,
+        bind_windows: false,
     };
     /// Remote READ, WRITE and atomics (memory that peers access one-sided).
     pub const REMOTE: Access = Access {
         remote_read: true,
         remote_write: true,
         remote_atomic: true,
+        bind_windows: false,
+    };
+    /// No remote access of its own: only through the memory windows bound to it.
+    pub const WINDOWS_ONLY: Access = Access {
+        remote_read: false,
+        remote_write: false,
+        remote_atomic: false,
+        bind_windows: true,
+    };
+    /// Reads only.
+    pub const READ: Access = Access {
+        remote_read: true,
+        remote_write: false,
+        remote_atomic: false,
+        bind_windows: false,
     };
 
     fn flags(self) -> libc::c_int {
@@ -42,7 +61,25 @@ impl Access {
         if self.remote_atomic {
             f |= ffi::ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0;
         }
+        if self.bind_windows {
+            f |= ffi::ibv_access_flags::IBV_ACCESS_MW_BIND.0;
+        }
         libc::c_int::try_from(f).unwrap_or(libc::c_int::MAX)
+    }
+
+    /// The remote rights as memory window access flags.
+    pub(crate) fn window_flags(self) -> libc::c_uint {
+        let mut f = 0;
+        if self.remote_read {
+            f |= ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
+        }
+        if self.remote_write {
+            f |= ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+        }
+        if self.remote_atomic {
+            f |= ffi::ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0;
+        }
+        f
     }
 }
 
@@ -92,6 +129,10 @@ impl Registration {
             len,
             _pd: Arc::clone(pd),
         })
+    }
+
+    pub(crate) fn raw(&self) -> *mut ffi::ibv_mr {
+        self.mr
     }
 
     /// The key local work requests name this memory by.

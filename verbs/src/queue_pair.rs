@@ -9,7 +9,8 @@ use ibverbs_sys as ffi;
 
 use crate::device::ProtectionDomain;
 use crate::error::{Result, VerbsError};
-use crate::memory::RegisteredBuffer;
+use crate::memory::{Access, RegisteredBuffer, Registration};
+use crate::window::MemoryWindow;
 
 /// How long a waiter polls the completion queue before it sleeps on the completion channel
 /// (a round trip on real NICs takes a few microseconds: those are served polling).
@@ -483,6 +484,81 @@ impl QueuePair {
             return Err(VerbsError::errno("ibv_post_send", rc));
         }
         self.wait(ops, n as u64 - 1, timeout)
+    }
+
+    /// Binds `window` to `len` bytes at `addr` of `registration` (registered with
+    /// [`Access::bind_windows`], in this queue pair's protection domain) with the remote
+    /// rights of `access`, for peers of this queue pair only; returns the window's new remote
+    /// key (earlier bindings' keys stop working). Waits at most `timeout`; a failure breaks
+    /// the queue pair.
+    pub fn bind_window(
+        &mut self,
+        window: &mut MemoryWindow,
+        registration: &Registration,
+        addr: u64,
+        len: u64,
+        access: Access,
+        timeout: Duration,
+    ) -> Result<u32> {
+        if !self.connected || self.broken || self.qp.is_null() {
+            return Err(VerbsError::Invalid(
+                "a window bound on a queue pair that is not connected or is broken".into(),
+            ));
+        }
+        let reg_end = registration.addr() + registration.len() as u64;
+        if len == 0
+            || addr < registration.addr()
+            || addr.checked_add(len).is_none_or(|end| end > reg_end)
+        {
+            return Err(VerbsError::Invalid(format!(
+                "a window of {len} bytes at {addr:#x} outside the registration of {} bytes at \
+                 {:#x}",
+                registration.len(),
+                registration.addr()
+            )));
+        }
+        if !Arc::ptr_eq(window.pd(), &self.pd) {
+            return Err(VerbsError::Invalid(
+                "a window of another protection domain".into(),
+            ));
+        }
+        let rkey = window.next_rkey();
+        let mut wr = ffi::ibv_send_wr {
+            wr_id: 0,
+            num_sge: 0,
+            opcode: ffi::ibv_wr_opcode::IBV_WR_BIND_MW,
+            send_flags: ffi::ibv_send_flags::IBV_SEND_SIGNALED.0,
+            ..Default::default()
+        };
+        wr.__bindgen_anon_2 = ffi::ibv_send_wr__bindgen_ty_4 {
+            bind_mw: ffi::ibv_send_wr__bindgen_ty_4__bindgen_ty_1 {
+                mw: window.raw(),
+                rkey,
+                bind_info: ffi::ibv_mw_bind_info {
+                    mr: registration.raw(),
+                    addr,
+                    length: len,
+                    mw_access_flags: access.window_flags(),
+                },
+            },
+        };
+        let mut bad: *mut ffi::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: a live, connected QP; the request outlives the call (the provider copies
+        // it); the window and registration are live and of this QP's PD (checked above).
+        let rc = unsafe {
+            let ctx = (*self.qp).context;
+            match (*ctx).ops.post_send {
+                Some(post) => post(self.qp, &mut wr, &mut bad),
+                None => libc::ENOSYS,
+            }
+        };
+        if rc != 0 {
+            self.break_now();
+            return Err(VerbsError::errno("ibv_post_send(BIND_MW)", rc));
+        }
+        self.wait(&[], 0, timeout)?;
+        window.bound(rkey);
+        Ok(rkey)
     }
 
     /// Polls the completion queue until the signalled request `last` completes (or any

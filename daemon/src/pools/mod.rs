@@ -1072,14 +1072,29 @@ impl Pinned<'_> {
                 pool_offset: chunk as u64 * CHUNK_SIZE,
                 addr: keys.addr(),
                 rkey: keys.rkey(write),
+                len: CHUNK_SIZE,
             });
         }
         Ok(out)
     }
 
+    /// Every pinned chunk: its pool's index here, the chunk, the pool's gid and the region
+    /// offset the chunk backs (chunks without a backing are left out).
+    #[cfg(feature = "rdma")]
+    pub fn chunk_backings(&self) -> Vec<(usize, usize, u32, u64)> {
+        self.resolved
+            .chunks
+            .iter()
+            .filter_map(|&(index, chunk)| {
+                let b = self.backing_of(index, chunk)?;
+                Some((index, chunk, self.resolved.pools[index].gid, b.region_offset))
+            })
+            .collect()
+    }
+
     /// The registrations of pinned chunk `chunk` of pool `index`, made now if it has none.
     #[cfg(feature = "rdma")]
-    fn chunk_keys_of(
+    pub fn chunk_keys_of(
         &self,
         rdma: &crate::rdma::Rdma,
         index: usize,

@@ -298,6 +298,8 @@ fn serve_connection(id: u64, stream: TcpStream, peer: SocketAddr, shared: &Arc<S
         auth: ConnAuth::default(),
         auth_deadline: Some(Instant::now() + shared.config.auth_timeout),
         #[cfg(feature = "rdma")]
+        windows: std::collections::HashMap::new(),
+        #[cfg(feature = "rdma")]
         queue_pair: None,
     };
     match conn.run() {
@@ -413,6 +415,11 @@ struct Conn {
     auth_deadline: Option<Instant>,
     /// Bytes of [`Shared::budget`] this connection holds for the request it serves.
     held: u64,
+    /// Memory windows bound on [`Conn::queue_pair`] for the capabilities of this
+    /// connection, by (capability's issue number, pool, chunk, write). Declared before the
+    /// queue pair: they are dropped (deallocated) before it.
+    #[cfg(feature = "rdma")]
+    windows: std::collections::HashMap<(u64, u32, u64, bool), Arc<crate::rdma::BoundWindow>>,
     /// The queue pair the peer's reaches pool memory through, set up by
     /// [`Op::RdmaConnect`]; destroyed with the connection.
     #[cfg(feature = "rdma")]
@@ -809,24 +816,22 @@ impl Conn {
             let Some(rdma) = self.shared.rdma.get().cloned() else {
                 return self.reply_error(h, &no_rdma());
             };
-            // Every queue pair and registration of the daemon shares one protection domain,
-            // so a key works on any queue pair, and keys are guessable from one another (a
-            // few random bits per registration). Until memory windows bind keys to one queue
-            // pair, only node components (which may touch any pool range over tcp too) get
-            // RDMA; applications' capability connections use tcp (docs/SECURITY.md).
-            if !self.auth.proved_secret() {
+            // Node components (which may touch any pool range over tcp too) get a queue pair
+            // in the protection domain of the chunks' keys; applications' capability
+            // connections one in the windows' domain, where nothing is reachable but the
+            // memory windows bound on that queue pair (docs/SECURITY.md).
+            let for_capabilities = !self.auth.proved_secret();
+            if for_capabilities && !rdma.serves_capabilities() {
                 return self.reply_error(
                     h,
-                    &DaemonError::NoRdma(
-                        "RDMA is served to node components (cluster secret) only, not to \
-                         capability connections: use the tcp transport"
-                            .into(),
-                    ),
+                    &DaemonError::NoRdma(crate::rdma::NO_WINDOWS.into()),
                 );
             }
-            match rdma.accept(endpoint) {
+            match rdma.accept(endpoint, for_capabilities) {
                 Ok((qp, mut mine)) => {
                     mine.push(rdma.connect_flags());
+                    // The old queue pair's windows go before it does.
+                    self.windows.clear();
                     self.queue_pair = Some(qp);
                     tracing::debug!(peer = %self.peer, device = rdma.device_name(), "RDMA queue pair connected");
                     self.reply_ok(h, Bytes::from(mine));
@@ -838,6 +843,107 @@ impl Conn {
         {
             let _ = endpoint;
             self.reply_error(h, &no_rdma());
+        }
+    }
+
+    /// [`Op::RdmaReadKeys`] / [`Op::RdmaWriteKeys`] on a capability connection: per chunk
+    /// under the range (checked as a READ or WRITE of exactly the range), a memory window over
+    /// the capability's bytes of that chunk, bound on this connection's queue pair with the
+    /// request's rights (reused while it lasts).
+    #[cfg(feature = "rdma")]
+    #[allow(clippy::too_many_arguments)]
+    fn window_keys(
+        &mut self,
+        h: &Header,
+        rdma: &Arc<crate::rdma::Rdma>,
+        pool: u32,
+        offset: u64,
+        len: u64,
+        write: bool,
+        reach: Reach,
+    ) {
+        use regions_proto::capability::WHOLE_REGION;
+        use regions_proto::layout::CHUNK_SIZE;
+        /// Windows one connection keeps at most; past it they are all dropped (the client
+        /// asks again for those it still uses).
+        const MAX_WINDOWS: usize = 4096;
+        let Reach::Capability(cap) = reach else {
+            return self.reply_error(h, &reach.refusal());
+        };
+        let range = Range {
+            pool,
+            offset,
+            len: len.max(1),
+            delta: h.stated_delta(),
+        };
+        let shared = Arc::clone(&self.shared);
+        let deadline = self.deadline();
+        if self.windows.len() >= MAX_WINDOWS {
+            self.windows.clear();
+        }
+        let (windows, queue_pair) = (&mut self.windows, &mut self.queue_pair);
+        let result = shared.pools.resolve(&[range]).and_then(|resolved| {
+            let pinned = resolved.pin(deadline)?;
+            reach.check(&pinned)?;
+            let Some(qp) = queue_pair.as_mut() else {
+                return Err(DaemonError::NoRdma("the queue pair went away".into()));
+            };
+            let mut out = Vec::new();
+            for (index, chunk, gid, region_offset) in pinned.chunk_backings() {
+                // The capability's bytes of this chunk.
+                let cap_end = if cap.len == WHOLE_REGION {
+                    u64::MAX
+                } else {
+                    cap.offset.saturating_add(cap.len)
+                };
+                let from = cap.offset.max(region_offset) - region_offset;
+                let to = cap_end.min(region_offset + CHUNK_SIZE) - region_offset;
+                if from >= to {
+                    return Err(reach.refusal());
+                }
+                let keys = pinned.chunk_keys_of(rdma, index, chunk)?;
+                let slot = (cap.issued, gid, chunk as u64, write);
+                let reuse = windows.get(&slot).filter(|w| {
+                    w.is_live() && w.is_for(&cap) && (w.from, w.to) == (from, to)
+                });
+                let window = match reuse {
+                    Some(w) => Arc::clone(w),
+                    None => {
+                        let w = rdma.bind_window(qp, &keys, cap, (from, to), write)?;
+                        windows.insert(slot, Arc::clone(&w));
+                        w
+                    }
+                };
+                out.push(regions_proto::frame::RdmaChunkKey {
+                    pool_offset: chunk as u64 * CHUNK_SIZE + from,
+                    addr: keys.addr() + from,
+                    rkey: window.rkey,
+                    len: to - from,
+                });
+            }
+            // A revocation that came meanwhile wins (and may have missed a window bound
+            // after it swept).
+            if !reach.still_valid(shared.pools.revocations()) {
+                windows.retain(|_, w| !w.is_for(&cap));
+                return Err(reach.refusal());
+            }
+            Ok(out)
+        });
+        match result {
+            Ok(keys) => {
+                let mut payload =
+                    BytesMut::with_capacity(keys.len() * regions_proto::frame::RDMA_CHUNK_KEY_LEN);
+                keys.iter().for_each(|k| k.encode(&mut payload));
+                self.reply_ok(h, payload.freeze());
+            }
+            Err(e) => {
+                // A queue pair that failed to bind is broken: the client sets RDMA up anew.
+                if self.queue_pair.as_ref().is_some_and(|q| q.is_broken()) {
+                    self.windows.clear();
+                    self.queue_pair = None;
+                }
+                self.reply_error(h, &e);
+            }
         }
     }
 
@@ -858,12 +964,15 @@ impl Conn {
             let Some(rdma) = self.shared.rdma.get().cloned() else {
                 return self.reply_error(h, &no_rdma());
             };
-            if self.queue_pair.is_none() || !self.auth.proved_secret() {
+            if self.queue_pair.is_none() {
                 return self.reply_err(
                     h,
                     libc::ENOTCONN,
                     "no RDMA queue pair on this connection: send RDMA-CONNECT first",
                 );
+            }
+            if !self.auth.proved_secret() {
+                return self.window_keys(h, &rdma, pool, offset, len, write, reach);
             }
             // Whole chunks: a key reaches its whole registration.
             let start = offset - offset % CHUNK_SIZE;

@@ -38,14 +38,30 @@ struct Table {
 /// Least `Table::prune_at`.
 const PRUNE_MIN: usize = 1024;
 
+/// Called after every change to the revocations in force (see [`Revocations::on_change`]).
+pub type Listener = Box<dyn Fn(&Revocations) + Send + Sync>;
+
 /// The revocations in force.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Revocations {
+    /// Told of every change, after it is in force (the RDMA memory windows bound for
+    /// capabilities are dropped there).
+    listener: std::sync::OnceLock<Listener>,
     table: RwLock<Table>,
     /// This daemon's own host while it has gone a lease without reaching the manager (0: not
     /// fenced): the manager may have fenced it by now, so the tokens minted for it are refused
     /// here too until it has registered again and applied the manager's fences.
     fenced_self: AtomicU32,
+}
+
+impl std::fmt::Debug for Revocations {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Revocations")
+            .field("table", &self.table)
+            .field("fenced_self", &self.fenced_self)
+            .field("listener", &self.listener.get().is_some())
+            .finish()
+    }
 }
 
 impl Revocations {
@@ -54,10 +70,24 @@ impl Revocations {
         Revocations::default()
     }
 
+    /// Calls `listener` after every change from now on, before the change's caller goes on
+    /// (the manager waits for a revocation to be applied). One listener; a second is ignored
+    /// (returns false).
+    pub fn on_change(&self, listener: Listener) -> bool {
+        self.listener.set(listener).is_ok()
+    }
+
+    fn changed(&self) {
+        if let Some(l) = self.listener.get() {
+            l(self);
+        }
+    }
+
     /// Refuses every token minted for `host` (this daemon's own) until [`Self::unfence_self`]:
     /// the daemon has not reached the manager for most of a lease.
     pub fn fence_self(&self, host: u32) {
         self.fenced_self.store(host, Ordering::Release);
+        self.changed();
     }
 
     /// Ends [`Self::fence_self`]: the daemon registered again (and applied the manager's
@@ -94,11 +124,18 @@ impl Revocations {
         t.per_host.retain(|_, e| e.until_ms > now);
         let e = t.per_host.entry(host).or_insert(new);
         *e = merge(*e, new);
+        drop(t);
+        self.changed();
     }
 
     /// Refuses tokens of `ino` (0: of every region) issued before `before`, until `until_ms`.
     /// Epochs only move forward.
     pub fn revoke(&self, ino: u64, before: u64, until_ms: u64) {
+        self.revoke_in_table(ino, before, until_ms);
+        self.changed();
+    }
+
+    fn revoke_in_table(&self, ino: u64, before: u64, until_ms: u64) {
         let mut t = self
             .table
             .write()

@@ -91,9 +91,10 @@ impl AgentSession {
             renew_at_ms: AtomicU64::new(renew_at(now_ms(), info.capability_expires_ms)),
             transports: Mutex::new(HashMap::new()),
             data: Mutex::new(HashMap::new()),
-            // Daemons set up RDMA only for connections that proved the cluster secret, not
-            // for capability connections like this session's (docs/SECURITY.md): tcp.
-            choice: TransportChoice::Tcp,
+            // Daemons whose device binds memory windows give capability connections like
+            // this session's RDMA through windows over the capability's bytes
+            // (docs/SECURITY.md); the others refuse it and the session uses tcp.
+            choice: crate::connection::transport_from_env(),
             rdma_device: crate::connection::rdma_device_from_env(),
             stats: Arc::default(),
             retry: RetryPolicy::default(),

@@ -54,26 +54,51 @@ const DEPTH: u32 = 256;
 /// retries give up in about half a second).
 const ROUND_TIMEOUT: Duration = Duration::from_secs(4);
 
+/// How long a failure to find an RDMA device is kept before a transport looks again (every
+/// region an application opens makes transports: without it each would probe the devices).
+const PROBE_AGAIN: Duration = Duration::from_secs(10);
+
 /// This process's protection domain on the RDMA device `device` (the first one when
 /// `None`), opened at the first use that finds one (every daemon's transport shares it; a
-/// failure is not kept, so a device that comes later is found).
+/// failure is kept for [`PROBE_AGAIN`], so a device that comes later is found).
 pub fn protection_domain(
     device: Option<&str>,
 ) -> std::result::Result<Arc<ProtectionDomain>, String> {
-    static PD: Mutex<Option<Arc<ProtectionDomain>>> = Mutex::new(None);
-    let mut pd = PD
+    struct Found {
+        pd: Option<Arc<ProtectionDomain>>,
+        /// The last failure: for which device, when, and why.
+        failed: Option<(Option<String>, Instant, String)>,
+    }
+    static FOUND: Mutex<Found> = Mutex::new(Found {
+        pd: None,
+        failed: None,
+    });
+    let mut found = FOUND
         .lock()
         .map_err(|_| "RDMA device lock poisoned".to_owned())?;
-    if let Some(pd) = &*pd
+    if let Some(pd) = &found.pd
         && device.is_none_or(|d| pd.device().name() == d)
     {
         return Ok(Arc::clone(pd));
     }
-    let opened = Device::open(device, 0)
-        .and_then(|d| d.protection_domain())
-        .map_err(|e| e.to_string())?;
-    *pd = Some(Arc::clone(&opened));
-    Ok(opened)
+    if let Some((which, at, why)) = &found.failed
+        && which.as_deref() == device
+        && at.elapsed() < PROBE_AGAIN
+    {
+        return Err(why.clone());
+    }
+    match Device::open(device, 0).and_then(|d| d.protection_domain()) {
+        Ok(opened) => {
+            found.pd = Some(Arc::clone(&opened));
+            found.failed = None;
+            Ok(opened)
+        }
+        Err(e) => {
+            let why = e.to_string();
+            found.failed = Some((device.map(str::to_owned), Instant::now(), why.clone()));
+            Err(why)
+        }
+    }
 }
 
 /// The remote keys of one pool chunk, and the region and chunk delta of the span they were
@@ -81,11 +106,41 @@ pub fn protection_domain(
 /// map), asks the daemon again instead of using them.
 #[derive(Clone, Copy, Debug, Default)]
 struct ChunkKeys {
+    /// The chunk's address in the daemon.
     addr: u64,
     ino: u64,
     delta: Option<u32>,
-    read: Option<u32>,
-    write: Option<u32>,
+    read: Option<KeyRange>,
+    write: Option<KeyRange>,
+}
+
+/// A remote key and the bytes of the chunk it reaches (the whole chunk for node components;
+/// a capability's bytes for applications, whose keys are memory windows).
+#[derive(Clone, Copy, Debug)]
+struct KeyRange {
+    rkey: u32,
+    from: u64,
+    to: u64,
+}
+
+impl KeyRange {
+    fn covers(&self, within: u64, len: u64) -> bool {
+        self.from <= within && within + len <= self.to
+    }
+}
+
+impl ChunkKeys {
+    /// The key for `len` bytes at `within` (`write`: one that allows writes and atomics; a
+    /// read may use that one too).
+    fn key(&self, within: u64, len: u64, write: bool) -> Option<u32> {
+        let write_key = self.write.filter(|k| k.covers(within, len));
+        let key = if write {
+            write_key
+        } else {
+            self.read.filter(|k| k.covers(within, len)).or(write_key)
+        };
+        key.map(|k| k.rkey)
+    }
 }
 
 /// A queue pair connected to the daemon's, what it needs, and the keys it learnt.
@@ -98,6 +153,9 @@ struct Live {
     breaks: u32,
     /// The daemon accepts one-sided atomics.
     atomics: bool,
+    /// The tcp transport's token generation the control connection presented: a renewed
+    /// capability sets RDMA up anew (the daemon's windows belong to the old one).
+    generation: u64,
 }
 
 enum Session {
@@ -170,6 +228,7 @@ impl RdmaTransport {
     /// Sets up the queue pair: ours, the daemon's over the control connection, connected.
     fn set_up(&self) -> std::result::Result<Live, String> {
         let pd = protection_domain(self.device.as_deref())?;
+        let generation = self.tcp.generation();
         let mut qp = QueuePair::create(&pd, DEPTH).map_err(|e| e.to_string())?;
         let buf = RegisteredBuffer::new(&pd, BUFFER).map_err(|e| e.to_string())?;
         let mut control = self.tcp.open_control().map_err(|e| e.to_string())?;
@@ -189,6 +248,7 @@ impl RdmaTransport {
             keys: HashMap::new(),
             breaks: 0,
             atomics: flags.first().is_some_and(|f| f & RDMA_CONNECT_ATOMICS != 0),
+            generation,
         })
     }
 
@@ -217,6 +277,10 @@ impl RdmaTransport {
                 *session = Session::Idle;
             }
             Session::Unavailable { .. } => *session = Session::Idle,
+            // A renewed capability: its windows are bound for the old token.
+            Session::Live(live) if live.generation != self.tcp.generation() => {
+                *session = Session::Idle;
+            }
             Session::Idle | Session::Live(_) => {}
         }
         if matches!(*session, Session::Idle) {
@@ -361,10 +425,7 @@ impl Live {
                 .keys
                 .get(&(p.span.pool, p.chunk))
                 .filter(|k| k.ino == p.span.ino && k.delta == delta)
-                .and_then(|k| {
-                    let rkey = if write { k.write } else { k.read };
-                    rkey.map(|rkey| (k.addr, rkey))
-                });
+                .and_then(|k| k.key(p.within, p.len, write).map(|rkey| (k.addr, rkey)));
             let (addr, rkey) = match have {
                 Some(k) => k,
                 None => {
@@ -386,6 +447,7 @@ impl Live {
                     let keys = RdmaChunkKey::decode_all(&reply)
                         .map_err(|e| Miss::Broken(format!("bad keys reply: {e}")))?;
                     for k in keys {
+                        let from = k.pool_offset % CHUNK_SIZE;
                         let entry = self
                             .keys
                             .entry((p.span.pool, k.pool_offset / CHUNK_SIZE))
@@ -396,11 +458,16 @@ impl Live {
                         }
                         entry.ino = p.span.ino;
                         entry.delta = delta;
-                        entry.addr = k.addr;
+                        entry.addr = k.addr - from;
+                        let range = Some(KeyRange {
+                            rkey: k.rkey,
+                            from,
+                            to: from + k.len,
+                        });
                         if write {
-                            entry.write = Some(k.rkey);
+                            entry.write = range;
                         } else {
-                            entry.read = Some(k.rkey);
+                            entry.read = range;
                         }
                     }
                     let k = self
@@ -408,13 +475,13 @@ impl Live {
                         .get(&(p.span.pool, p.chunk))
                         .copied()
                         .unwrap_or_default();
-                    let rkey = if write { k.write } else { k.read };
-                    match rkey {
+                    match k.key(p.within, p.len, write) {
                         Some(rkey) => (k.addr, rkey),
                         None => {
                             return Err(Miss::Broken(format!(
-                                "the daemon's keys reply lacks chunk {} of pool {}",
-                                p.chunk, p.span.pool
+                                "the daemon's keys reply does not cover {} bytes at {} of \
+                                 chunk {} of pool {}",
+                                p.len, p.within, p.chunk, p.span.pool
                             )));
                         }
                     }

@@ -184,7 +184,8 @@ impl TcpTransport {
         }
     }
 
-    fn generation(&self) -> u64 {
+    /// How many times the token was replaced ([`TcpTransport::set_token`]).
+    pub(crate) fn generation(&self) -> u64 {
         self.auth.lock().map_or(0, |a| a.generation)
     }
 

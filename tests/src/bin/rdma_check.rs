@@ -19,7 +19,11 @@
 //!   host agent tells local processes not to use CPU atomics;
 //! - with `auto`, a region on the tcp-only host is served over tcp; with `rdma` only, the
 //!   same request fails and says why;
-//! - an application's capability connection is refused RDMA set-up;
+//! - applications (capability connections, through the host agent) read, write and apply
+//!   atomics over RDMA, and the mutex and barrier fast paths go over RDMA;
+//! - a capability connection's keys are memory windows: they reach the capability's bytes
+//!   only, with its rights, through its own queue pair only, and stop working when the
+//!   capability is revoked (a shrinking truncate) or expires;
 //! - a read from a daemon that was killed fails (`EIO`) within the bound.
 //!
 //! Prints `regions-rdma-check: all passed` and exits 0, else says what failed and exits 1.
@@ -305,17 +309,9 @@ fn run(device: &str) -> anyhow::Result<()> {
     }
     drop(tcp_host);
 
-    // 4b. An application's capability connection is refused RDMA set-up (keys are not bound
-    // to a queue pair yet: docs/SECURITY.md), with a message that says to use tcp.
-    let refusal = capability_connect(&cluster, attr.ino)?;
-    ensure!(
-        refusal.0 == libc::EOPNOTSUPP as u32 && refusal.1.contains("node components"),
-        "a capability connection's RDMA-CONNECT got {refusal:?}"
-    );
-    println!(
-        "a capability connection is refused RDMA set-up ({}): ok",
-        refusal.1
-    );
+    // 4b. Applications over RDMA, and what their keys (memory windows) can reach.
+    applications(&cluster, &rdma, device)?;
+    windows(&cluster, &rdma, device)?;
 
     // 5. A dead daemon: a request to it fails (EIO) within the bound, RDMA or not.
     let doomed = rdma.create_path("doomed", 0o644, on_host(2), 0)?;
@@ -433,54 +429,307 @@ fn atomics(cluster: &Cluster, rdma: &Client, tcp: &Client, device: &str) -> anyh
     Ok(())
 }
 
-/// Presents a read capability for region `ino` on a fresh transport connection to host 1's
-/// daemon, then asks for RDMA set-up: the reply's status and message.
-fn capability_connect(cluster: &Cluster, ino: u64) -> anyhow::Result<(u32, String)> {
-    use regions_proto::capability::{Capability, CapabilityKey, RIGHT_READ, WHOLE_REGION, now_ms};
-    use regions_proto::frame::{Limits, RDMA_ENDPOINT_LEN, Request, decode_frame};
-    use std::io::{Read, Write};
-    let token = CapabilityKey::from_secret(&cluster.secret).mint(&Capability {
-        ino,
-        rights: RIGHT_READ,
-        expires_ms: now_ms() + 60_000,
-        // Later than any revocation epoch (the region was truncated above).
-        issued: u64::MAX >> 1,
-        offset: 0,
-        len: WHOLE_REGION,
-        host: 0,
-    });
-    let addr = &cluster.daemon(1)?.addr;
-    let mut stream = std::net::TcpStream::connect(addr.as_str())?;
-    stream.set_read_timeout(Some(Duration::from_secs(20)))?;
-    let mut buf = bytes::BytesMut::new();
-    let mut call = |req: Request| -> anyhow::Result<regions_proto::frame::Frame> {
+/// Section 4b, through the library: a process of host 1 opens regions held by host 2 through
+/// host 1's agent (a capability, no cluster secret) and reads, writes and applies atomics over
+/// RDMA; the mutex and barrier fast paths go over RDMA.
+fn applications(cluster: &Cluster, rdma: &Client, device: &str) -> anyhow::Result<()> {
+    use regions::Region;
+    use regions::sync::SyncClient;
+    // SAFETY: set before any thread of this process reads the environment for it.
+    unsafe {
+        std::env::set_var("REGIONS_TRANSPORT", "rdma");
+        std::env::set_var("REGIONS_RDMA_DEVICE", device);
+    }
+    let socket = cluster.daemon(1)?.socket.clone();
+    let attr = rdma.create_path("app", 0o644, on_host(2), 0)?;
+    let data = pattern(1 << 20, 41);
+    rdma.open(attr.ino, true)?.write_at(0, &data)?;
+
+    let reader = Region::open_ino(&socket, attr.ino, false)?;
+    let mut back = vec![0u8; data.len()];
+    ensure!(reader.read_at(0, &mut back)? == data.len(), "short read");
+    ensure!(back == data, "an application read other bytes over RDMA");
+    let s = reader.stats();
+    ensure!(
+        s.rdma_bytes_read >= data.len() as u64 && s.remote_bytes_read == 0,
+        "an application's reads did not go over RDMA: {s:?}"
+    );
+    let writer = Region::open_ino(&socket, attr.ino, true)?;
+    let piece = pattern(64 << 10, 43);
+    writer.write_at(4096, &piece)?;
+    ensure!(writer.fetch_add(0, 5)? == u64::from_le_bytes(data[..8].try_into()?));
+    let s = writer.stats();
+    ensure!(
+        s.rdma_bytes_written >= piece.len() as u64 && s.rdma_atomics == 1,
+        "an application's writes and atomics did not go over RDMA: {s:?}"
+    );
+    let mut check = vec![0u8; piece.len()];
+    rdma.open(attr.ino, false)?.read_at(4096, &mut check)?;
+    ensure!(check == piece, "a node component does not see the application's RDMA write");
+    println!("applications read, write and apply atomics over RDMA (memory windows): ok");
+
+    let sync = SyncClient::connect(&socket);
+    sync.mutex_init("rdma-mutex")?;
+    sync.mutex_lock("rdma-mutex")?;
+    sync.mutex_unlock("rdma-mutex")?;
+    sync.mutex_lock("rdma-mutex")?;
+    let mutex_path = sync.mutex_path("rdma-mutex")?;
+    sync.mutex_unlock("rdma-mutex")?;
+    sync.barrier_init("rdma-barrier", 1)?;
+    ensure!(sync.barrier_wait("rdma-barrier")? == 1, "first round");
+    ensure!(sync.barrier_wait("rdma-barrier")? == 2, "second round");
+    let barrier_path = sync.barrier_path("rdma-barrier")?;
+    ensure!(
+        mutex_path.starts_with("rdma ") && barrier_path.starts_with("rdma "),
+        "the sync fast paths are not on RDMA: mutex {mutex_path:?}, barrier {barrier_path:?}"
+    );
+    println!("mutex ({mutex_path}) and barrier ({barrier_path}) fast paths over RDMA: ok");
+    // SAFETY: as above; nothing else reads them now.
+    unsafe {
+        std::env::remove_var("REGIONS_TRANSPORT");
+        std::env::remove_var("REGIONS_RDMA_DEVICE");
+    }
+    Ok(())
+}
+
+/// A raw transport connection that presented a capability, with a queue pair of this process
+/// connected to the daemon's for it (what an application's RDMA transport does, without the
+/// library's checks, to try what its keys reach).
+struct CapConn {
+    stream: std::net::TcpStream,
+    buf: bytes::BytesMut,
+    pd: std::sync::Arc<regions_verbs::ProtectionDomain>,
+    qp: regions_verbs::QueuePair,
+    mem: regions_verbs::RegisteredBuffer,
+    next_id: u64,
+}
+
+/// What a refused request got: status and message.
+type Refusal = (u32, String);
+
+impl CapConn {
+    fn open(daemon: &str, device: &str, cap: &regions_proto::capability::Capability, secret: &regions_proto::auth::Secret) -> anyhow::Result<CapConn> {
+        use regions_proto::capability::CapabilityKey;
+        use regions_proto::frame::Request;
+        let token = CapabilityKey::from_secret(secret).mint(cap);
+        let stream = std::net::TcpStream::connect(daemon)?;
+        stream.set_read_timeout(Some(Duration::from_secs(20)))?;
+        let pd = regions_verbs::Device::open(Some(device), 0)?.protection_domain()?;
+        let qp = regions_verbs::QueuePair::create(&pd, 16)?;
+        let mem = regions_verbs::RegisteredBuffer::new(&pd, 1 << 16)?;
+        let mut c = CapConn {
+            stream,
+            buf: bytes::BytesMut::new(),
+            pd,
+            qp,
+            mem,
+            next_id: 1,
+        };
+        let hello = c.call(Request::Hello { token: token.into() }.to_frame(0, 7))?;
+        ensure!(
+            hello.header.status == 0,
+            "HELLO with a capability refused: {:?}",
+            hello.error_message()
+        );
+        c.connect()?;
+        Ok(c)
+    }
+
+    fn call(&mut self, mut f: regions_proto::frame::Frame) -> anyhow::Result<regions_proto::frame::Frame> {
+        use regions_proto::frame::{Limits, decode_frame};
+        use std::io::{Read, Write};
+        f.header.request_id = self.next_id;
+        self.next_id += 1;
         let mut out = bytes::BytesMut::new();
-        req.to_frame(1, 7).encode(&mut out);
-        stream.write_all(&out)?;
+        f.encode(&mut out);
+        self.stream.write_all(&out)?;
         let limits = Limits::default();
         loop {
-            if let Some(f) = decode_frame(&mut buf, &limits)? {
+            if let Some(f) = decode_frame(&mut self.buf, &limits)? {
                 return Ok(f);
             }
             let mut chunk = [0u8; 4096];
-            let n = stream.read(&mut chunk)?;
+            let n = self.stream.read(&mut chunk)?;
             ensure!(n > 0, "the daemon closed the connection");
-            buf.extend_from_slice(&chunk[..n]);
+            self.buf.extend_from_slice(&chunk[..n]);
         }
+    }
+
+    /// A new queue pair of ours, connected to a new one of the daemon's (RDMA-CONNECT again:
+    /// the daemon drops the old one and its windows).
+    fn connect(&mut self) -> anyhow::Result<()> {
+        use regions_proto::frame::Request;
+        use regions_verbs::{Endpoint, QueuePair};
+        self.qp = QueuePair::create(&self.pd, 16)?;
+        let reply = self.call(
+            Request::RdmaConnect {
+                endpoint: self.qp.endpoint().to_bytes().to_vec().into(),
+            }
+            .to_frame(0, 7),
+        )?;
+        ensure!(
+            reply.header.status == 0,
+            "RDMA-CONNECT refused: {:?}",
+            reply.error_message()
+        );
+        let theirs = Endpoint::from_bytes(&reply.payload[..Endpoint::LEN])?;
+        self.qp.connect(&theirs)?;
+        Ok(())
+    }
+
+    /// Keys for `len` bytes at `region_offset` of region `ino`, whose chunk is at
+    /// `chunk_offset` of `pool`.
+    fn keys(
+        &mut self,
+        (ino, pool, chunk_offset): (u64, u32, u64),
+        region_offset: u64,
+        len: u64,
+        write: bool,
+    ) -> anyhow::Result<std::result::Result<Vec<regions_proto::frame::RdmaChunkKey>, Refusal>> {
+        use regions_proto::frame::{RdmaChunkKey, Request};
+        use regions_proto::layout::CHUNK_SIZE;
+        let pool_offset = chunk_offset + region_offset % CHUNK_SIZE;
+        let mut f = Request::RdmaKeys {
+            pool,
+            offset: pool_offset,
+            len,
+            write,
+        }
+        .to_frame(0, 7);
+        f.header.name_region(ino, region_offset, pool_offset);
+        let reply = self.call(f)?;
+        if reply.header.status != 0 {
+            return Ok(Err((
+                reply.header.status,
+                reply.error_message().unwrap_or_default().to_owned(),
+            )));
+        }
+        Ok(Ok(RdmaChunkKey::decode_all(&reply.payload)?))
+    }
+
+    /// One-sided READ of `len` bytes at `remote` into our buffer; `Err` says why it failed
+    /// (the queue pair is then broken: [`CapConn::connect`] again).
+    fn read(&mut self, remote: regions_verbs::Remote, len: usize) -> std::result::Result<Vec<u8>, String> {
+        use regions_verbs::{Local, Op};
+        self.qp
+            .execute(&mut self.mem, &[Op::Read { local: Local { offset: 0, len }, remote }], Duration::from_secs(5))
+            .map_err(|e| e.to_string())?;
+        Ok(self.mem.bytes()[..len].to_vec())
+    }
+
+    fn write(&mut self, remote: regions_verbs::Remote, data: &[u8]) -> std::result::Result<(), String> {
+        use regions_verbs::{Local, Op};
+        self.mem.bytes_mut()[..data.len()].copy_from_slice(data);
+        self.qp
+            .execute(
+                &mut self.mem,
+                &[Op::Write { local: Local { offset: 0, len: data.len() }, remote }],
+                Duration::from_secs(5),
+            )
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// Section 4b, raw: what a capability connection's keys reach.
+fn windows(cluster: &Cluster, rdma: &Client, device: &str) -> anyhow::Result<()> {
+    use regions_proto::capability::{Capability, RIGHT_READ, RIGHT_WRITE, WHOLE_REGION, now_ms};
+    use regions_verbs::Remote;
+    let attr = rdma.create_path("windows", 0o644, on_host(2), 0)?;
+    let data = pattern(256 << 10, 47);
+    let region = rdma.open(attr.ino, true)?;
+    region.write_at(0, &data)?;
+    let chunk = region.chunk(0)?;
+    let at = (attr.ino, chunk.pool, chunk.pool_offset);
+    let now_ns = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
     };
-    let hello = call(Request::Hello {
-        token: token.into(),
-    })?;
+    let cap = |rights: u8, offset: u64, len: u64, ttl_ms: u64| Capability {
+        ino: attr.ino,
+        rights,
+        expires_ms: now_ms() + ttl_ms,
+        issued: now_ns(),
+        offset,
+        len,
+        host: 1,
+    };
+    let daemon = chunk.addr.clone();
+    // Read-only, bytes [4096, 12288) of the region.
+    let mut a = CapConn::open(&daemon, device, &cap(RIGHT_READ, 4096, 8192, 60_000), &cluster.secret)?;
+    let keys = a.keys(at, 4096, 100, false)?.map_err(|r| anyhow::anyhow!("keys refused: {r:?}"))?;
     ensure!(
-        hello.header.status == 0,
-        "HELLO with a capability refused: {:?}",
-        hello.error_message()
+        keys.len() == 1 && keys[0].len == 8192 && keys[0].pool_offset == chunk.pool_offset + 4096,
+        "the window is not the capability's bytes of the chunk: {keys:?}"
     );
-    let reply = call(Request::RdmaConnect {
-        endpoint: vec![0u8; RDMA_ENDPOINT_LEN].into(),
-    })?;
-    Ok((
-        reply.header.status,
-        reply.error_message().unwrap_or_default().to_owned(),
-    ))
+    let w = Remote { addr: keys[0].addr, rkey: keys[0].rkey };
+    let bytes = a.read(w, 8192).map_err(|e| anyhow::anyhow!("read in the window: {e}"))?;
+    ensure!(bytes == data[4096..12288], "the window reads other bytes");
+    println!("a read-only capability's window reads its 8192 bytes: ok");
+    for (what, remote, len) in [
+        ("the byte before the window", Remote { addr: w.addr - 1, rkey: w.rkey }, 1),
+        ("bytes past the window", Remote { addr: w.addr + 8192, rkey: w.rkey }, 64),
+        ("a read across its end", Remote { addr: w.addr + 8000, rkey: w.rkey }, 400),
+    ] {
+        match a.read(remote, len) {
+            Err(e) => println!("{what}: refused ({e}): ok"),
+            Ok(_) => bail!("{what} was read through a window"),
+        }
+        a.connect()?;
+    }
+    let keys = a.keys(at, 4096, 100, false)?.map_err(|r| anyhow::anyhow!("keys refused: {r:?}"))?;
+    let w = Remote { addr: keys[0].addr, rkey: keys[0].rkey };
+    match a.write(w, b"overwrite") {
+        Err(e) => println!("a WRITE through a read-only window: refused ({e}): ok"),
+        Ok(()) => bail!("a read-only capability's window took a WRITE"),
+    }
+    a.connect()?;
+    for (what, offset, write) in [("outside the capability", 0u64, false), ("write keys with a read-only capability", 4096, true)] {
+        match a.keys(at, offset, 100, write)? {
+            Err((status, msg)) => println!("keys {what}: refused ({status}: {msg}): ok"),
+            Ok(k) => bail!("keys {what} were given: {k:?}"),
+        }
+    }
+    // Another connection's window key does not work on this queue pair (type 2B windows
+    // belong to the queue pair they were bound on).
+    let mut b = CapConn::open(&daemon, device, &cap(RIGHT_READ | RIGHT_WRITE, 0, WHOLE_REGION, 60_000), &cluster.secret)?;
+    let keys = a.keys(at, 4096, 100, false)?.map_err(|r| anyhow::anyhow!("keys refused: {r:?}"))?;
+    let wa = Remote { addr: keys[0].addr, rkey: keys[0].rkey };
+    match b.read(wa, 64) {
+        Err(e) => println!("a window used through another connection's queue pair: refused ({e}): ok"),
+        Ok(_) => bail!("a window worked through another connection's queue pair"),
+    }
+    b.connect()?;
+    // The read-write capability's window takes writes; the bytes land.
+    let keys = b.keys(at, 0, 64, true)?.map_err(|r| anyhow::anyhow!("write keys refused: {r:?}"))?;
+    ensure!(keys[0].len == regions_proto::layout::CHUNK_SIZE, "{keys:?}");
+    b.write(Remote { addr: keys[0].addr, rkey: keys[0].rkey }, b"window write")
+        .map_err(|e| anyhow::anyhow!("write through a read-write window: {e}"))?;
+    let mut landed = [0u8; 12];
+    region.read_at(0, &mut landed)?;
+    ensure!(&landed == b"window write", "the window's WRITE did not land");
+    println!("a read-write capability's window takes a WRITE: ok");
+
+    // Expiry: a window of a capability that expired stops working.
+    let mut e = CapConn::open(&daemon, device, &cap(RIGHT_READ, 0, WHOLE_REGION, 2_500), &cluster.secret)?;
+    let keys = e.keys(at, 0, 64, false)?.map_err(|r| anyhow::anyhow!("keys refused: {r:?}"))?;
+    let we = Remote { addr: keys[0].addr, rkey: keys[0].rkey };
+    e.read(we, 64).map_err(|err| anyhow::anyhow!("read before expiry: {err}"))?;
+    std::thread::sleep(Duration::from_millis(4_500));
+    match e.read(we, 64) {
+        Err(err) => println!("a window after its capability expired: refused ({err}): ok"),
+        Ok(_) => bail!("a window worked after its capability expired"),
+    }
+
+    // Revocation: a shrinking truncate revokes the region's tokens; their windows go with
+    // them before the truncate returns.
+    let keys = a.keys(at, 4096, 100, false)?.map_err(|r| anyhow::anyhow!("keys refused: {r:?}"))?;
+    let wa = Remote { addr: keys[0].addr, rkey: keys[0].rkey };
+    a.read(wa, 64).map_err(|err| anyhow::anyhow!("read before the revocation: {err}"))?;
+    region.set_len(200 << 10)?;
+    match a.read(wa, 64) {
+        Err(err) => println!("a window after its capability was revoked: refused ({err}): ok"),
+        Ok(_) => bail!("a window worked after its capability was revoked"),
+    }
+    Ok(())
 }

@@ -104,11 +104,7 @@ fn serve(device: Option<&str>) -> anyhow::Result<()> {
     // SAFETY: the pool stays mapped for the life of the process.
     let reg = unsafe { Registration::register(&pd, pool.base, POOL, Access::REMOTE)? };
     // The same memory, registered for remote reads only (what a read-only opener is given).
-    let read_only = Access {
-        remote_read: true,
-        remote_write: false,
-        remote_atomic: false,
-    };
+    let read_only = Access::READ;
     // SAFETY: as above.
     let ro = unsafe { Registration::register(&pd, pool.base, POOL, read_only)? };
     let mut qp = QueuePair::create(&pd, 64)?;
