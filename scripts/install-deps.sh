@@ -28,9 +28,11 @@
 #                  the RDMA tests: they boot Debian's kernel, which has soft-RoCE
 #                  (rdma_rxe), in a VM with virtme-ng (from PyPI: `pip install virtme-ng`,
 #                  which this script runs too)
+#   perftest       ib_read_lat / ib_read_bw: the device's own floor beside the benches
+#                  that benches/rdma-vm.sh runs in that VM
 set -eu
 
-packages="ca-certificates fuse3 libclang-dev gcc make pkg-config attr iproute2 python3 python3-numpy r-cran-ff systemd libibverbs-dev cmake libnl-3-dev libnl-route-3-dev ibverbs-providers qemu-system-x86 linux-image-amd64 busybox-static"
+packages="ca-certificates fuse3 libclang-dev gcc make pkg-config attr iproute2 python3 python3-numpy r-cran-ff systemd libibverbs-dev cmake libnl-3-dev libnl-route-3-dev ibverbs-providers qemu-system-x86 linux-image-amd64 busybox-static perftest"
 
 # virtme-ng (PyPI), which boots the RDMA tests' VM; after the Debian packages.
 install_virtme_ng() {

@@ -130,7 +130,10 @@ impl WindowRegistry {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         all.retain(|w| match w.upgrade() {
             Some(w) if revoked(&w.cap) || w.cap.expires_ms <= now => {
-                tracing::debug!(ino = w.cap.ino, "memory window dropped: capability revoked or expired");
+                tracing::debug!(
+                    ino = w.cap.ino,
+                    "memory window dropped: capability revoked or expired"
+                );
                 w.invalidate();
                 false
             }
@@ -382,11 +385,7 @@ impl Rdma {
     /// A queue pair for a transport connection, connected to the client's `endpoint`
     /// (encoded), and its own endpoint to send back.
     /// `for_capabilities`: a capability connection's, in the windows' protection domain.
-    pub fn accept(
-        &self,
-        endpoint: &[u8],
-        for_capabilities: bool,
-    ) -> Result<(QueuePair, Vec<u8>)> {
+    pub fn accept(&self, endpoint: &[u8], for_capabilities: bool) -> Result<(QueuePair, Vec<u8>)> {
         let rdma = |e: regions_verbs::VerbsError| DaemonError::Rdma(e.to_string());
         let client = Endpoint::from_bytes(endpoint).map_err(rdma)?;
         let pd = if for_capabilities {
@@ -474,7 +473,11 @@ impl ChunkKeys {
 
     /// The registration in `pd` of bytes `[from, to)` of the chunk that windows over them
     /// bind to, made now if there is none (ranges no window uses any more are dropped first).
-    fn bindable(&self, pd: &Arc<ProtectionDomain>, (from, to): (u64, u64)) -> Result<Arc<Registration>> {
+    fn bindable(
+        &self,
+        pd: &Arc<ProtectionDomain>,
+        (from, to): (u64, u64),
+    ) -> Result<Arc<Registration>> {
         if from >= to || to > self.len as u64 {
             return Err(DaemonError::Invalid(format!(
                 "a window over bytes {from}..{to} of a {}-byte chunk",

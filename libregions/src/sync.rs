@@ -304,6 +304,8 @@ impl SyncClient {
             let generation = arrived / n + 1;
             let target = generation * n;
             if arrived + 1 == target {
+                // Waiters at the daemon see an arrival made one-sided only when told.
+                t.wake_waiters(&word.span);
                 if old & SLEEPERS != 0 {
                     // Best effort: the sleepers' manager also rereads the word on a tick.
                     if let Err(e) = self.call(SyncOp::BarrierWake, name, 0) {

@@ -178,6 +178,10 @@ pub enum Op {
     RdmaReadKeys = 11,
     /// As [`Op::RdmaReadKeys`], for READ, WRITE and atomics (checked as a WRITE).
     RdmaWriteKeys = 12,
+    /// Wakes the daemon's `WAIT_CHANGE` waiters of the 8-byte word at `offset` (checked as a
+    /// WRITE of it), after a client changed it one-sided over RDMA, which the daemon does not
+    /// see; no payload, reply payload = the word's value.
+    Wake = 13,
 }
 
 /// Encoded size of a queue pair endpoint in [`Op::RdmaConnect`].
@@ -249,6 +253,7 @@ impl TryFrom<u8> for Op {
             10 => Op::RdmaConnect,
             11 => Op::RdmaReadKeys,
             12 => Op::RdmaWriteKeys,
+            13 => Op::Wake,
             other => return Err(FrameError::UnknownOp(other)),
         })
     }
@@ -270,6 +275,7 @@ impl Op {
             Op::RdmaConnect => "rdma-connect",
             Op::RdmaReadKeys => "rdma-read-keys",
             Op::RdmaWriteKeys => "rdma-write-keys",
+            Op::Wake => "wake",
         }
     }
 }
@@ -678,6 +684,13 @@ pub enum Request {
         /// Longest wait in microseconds (the daemon may cap it).
         timeout_us: u64,
     },
+    /// Wake the waiters of an 8-byte word.
+    Wake {
+        /// Pool global id.
+        pool: u32,
+        /// 8-byte aligned offset.
+        offset: u64,
+    },
     /// Set up RDMA: the client's queue pair endpoint.
     RdmaConnect { endpoint: Bytes },
     /// Remote keys for the chunks of a range, to read them (`write`: and write them).
@@ -702,6 +715,7 @@ impl Request {
             Request::FetchAdd { .. } => Op::FetchAdd,
             Request::Ping => Op::Ping,
             Request::WaitChange { .. } => Op::WaitChange,
+            Request::Wake { .. } => Op::Wake,
             Request::RdmaConnect { .. } => Op::RdmaConnect,
             Request::RdmaKeys { write: false, .. } => Op::RdmaReadKeys,
             Request::RdmaKeys { write: true, .. } => Op::RdmaWriteKeys,
@@ -830,6 +844,11 @@ impl Request {
                     timeout_us,
                 }
             }
+            Op::Wake => {
+                expect_len(op, "payload length", 0, plen)?;
+                check_atomic(offset)?;
+                Request::Wake { pool, offset }
+            }
             Op::RdmaConnect => {
                 let n = RDMA_ENDPOINT_LEN as u64;
                 expect_len(op, "payload length (a queue pair endpoint)", n, plen)?;
@@ -917,6 +936,10 @@ impl Request {
                 buf.put_u64_le(expected);
                 buf.put_u64_le(timeout_us);
                 buf.freeze()
+            }
+            &Request::Wake { pool, offset } => {
+                (h.pool, h.offset, h.length) = (pool, offset, 8);
+                Bytes::new()
             }
             Request::RdmaConnect { endpoint } => endpoint.clone(),
             &Request::RdmaKeys {
@@ -1091,6 +1114,10 @@ mod tests {
                 offset: 64,
                 expected: 7,
                 timeout_us: 1000,
+            },
+            Request::Wake {
+                pool: 9,
+                offset: 64,
             },
             Request::RdmaConnect {
                 endpoint: Bytes::from(vec![7u8; RDMA_ENDPOINT_LEN]),

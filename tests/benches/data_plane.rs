@@ -41,6 +41,10 @@
 //!
 //! Latencies on loopback depend on what else runs on the machine: with other work on the CPUs
 //! they can double (the load average is printed at the start and the end).
+//!
+//! `-- --transport rdma [--rdma-device NAME]` runs the daemons and the host-1 client on RDMA
+//! ([`regions_tests::bench_transport`]; on this machine inside the soft-RoCE VM:
+//! `benches/rdma-vm.sh`).
 
 use std::io::{self, BufRead as _, IoSlice, Read as _, Write as _};
 use std::net::{TcpListener, TcpStream};
@@ -57,6 +61,7 @@ use regions::transport::{Span, Transport as _, TransportStats};
 use regions::{Client, ClientConfig, Region};
 use regions_proto::layout::{CHUNK_SIZE, MapEntry};
 use regions_proto::v1;
+use regions_tests::bench_transport::BenchTransport;
 use regions_tests::{Cluster, bin_path};
 
 const KIB: usize = 1 << 10;
@@ -870,7 +875,7 @@ fn small_read_latency(
     }
     // Each run times `latency_iters` reads of each kind, alternating the kinds every
     // LATENCY_BLOCK reads, so that whatever else the machine does meanwhile weighs on all alike.
-    let requests_before = client.stats().remote_requests;
+    let requests_before = requests_sent(client);
     let mut runs: [Vec<Latency>; 5] = Default::default();
     let mut cpu = [Cpu::default(); 5];
     for _ in 0..p.runs {
@@ -908,7 +913,7 @@ fn small_read_latency(
 
     let [r, t, b, d, e] = std::array::from_fn(|kind| Latency::median(&runs[kind]));
     let ops = p.runs * p.latency_iters;
-    let requests = client.stats().remote_requests - requests_before;
+    let requests = requests_sent(client) - requests_before;
     ensure!(
         requests == ops as u64,
         "{ops} 4 KiB read_at calls sent {requests} transport requests, not one each"
@@ -996,7 +1001,7 @@ fn large_read_throughput(
     hot.receive(data.len())?;
     let (mut via_region, mut via_bare, mut via_hot) = (Vec::new(), Vec::new(), Vec::new());
     let mut cpu = [Cpu::default(); 3];
-    let requests_before = client.stats().remote_requests;
+    let requests_before = requests_sent(client);
     for _ in 0..p.runs {
         let mark = meter.start();
         via_region.push(gbps(p.stream_bytes, read_run(p.stream_bytes)?));
@@ -1030,7 +1035,7 @@ fn large_read_throughput(
         list(&via_hot, 2)
     );
     let mibs = p.runs * p.stream_bytes / MIB;
-    let requests = client.stats().remote_requests - requests_before;
+    let requests = requests_sent(client) - requests_before;
     println!(
         "  transport requests per 1 MiB read_at: {:.2} (the region's 128 KiB chunks merge when \
          their pool offsets are consecutive)",
@@ -1324,16 +1329,30 @@ fn local_reads(
     Ok(())
 }
 
+/// Transport requests `client` sent so far, over tcp or RDMA.
+fn requests_sent(client: &Client) -> u64 {
+    let s = client.stats();
+    s.remote_requests + s.rdma_requests
+}
+
 fn bench() -> anyhow::Result<()> {
     let p = Params::from_env()?;
     let total = Instant::now();
     let seed: u64 = rand::random();
     let mut rng = SmallRng::seed_from_u64(seed);
 
-    let cluster = Cluster::start(2, if p.quick { "64M" } else { "1G" })?;
+    let transport = BenchTransport::from_args()?;
+    transport.export();
+    let cluster = Cluster::start_with_daemon_args(
+        2,
+        if p.quick { "64M" } else { "1G" },
+        &[],
+        &transport.daemon_args(),
+    )?;
     let url = cluster.manager_url();
-    let remote_client = Client::connect(ClientConfig::new(&url, cluster.secret.clone(), 1))
-        .context("connect a host-1 client")?;
+    let mut remote_config = ClientConfig::new(&url, cluster.secret.clone(), 1);
+    transport.apply(&mut remote_config);
+    let remote_client = Client::connect(remote_config).context("connect a host-1 client")?;
     let mut local_config = ClientConfig::new(&url, cluster.secret.clone(), 1);
     local_config.agent_socket = Some(cluster.daemon(1)?.socket.clone());
     let local_client =
@@ -1374,8 +1393,10 @@ fn bench() -> anyhow::Result<()> {
 
     println!();
     println!(
-        "regions data plane: manager + 2 daemons on loopback, host-1 client, {} MiB regions, seed {seed:#x}",
-        p.region / MIB
+        "regions data plane: manager + 2 daemons on loopback, host-1 client, {} MiB regions, \
+         transport {}, seed {seed:#x}",
+        p.region / MIB,
+        transport.describe()
     );
     println!(
         "cpus: {}, load average before measuring: {}",
@@ -1423,6 +1444,20 @@ fn bench() -> anyhow::Result<()> {
         local_reads(&p, &local_client, local_ino, &data, &mut rows)?;
     }
     drop(region);
+    if transport.is_rdma() {
+        let s = remote_client.stats();
+        ensure!(
+            s.rdma_bytes_read > 0,
+            "--transport rdma, but no byte went over RDMA: {s:?}"
+        );
+        println!(
+            "over RDMA: {} requests, {} MiB read, {} MiB written (Region::read_at rows; the raw \
+             TcpTransport rows and measurement 3 stay on tcp, 4 on the memfd)",
+            s.rdma_requests,
+            s.rdma_bytes_read / MIB as u64,
+            s.rdma_bytes_written / MIB as u64
+        );
+    }
 
     print_table(&rows, p.quick);
     println!(

@@ -26,6 +26,8 @@
 //!    (`UFFDIO_COPY`), spread over every core of the machine.
 //!
 //! Without `--bench` (as `cargo test --benches` runs it) a tiny version runs as a smoke test.
+//! `-- --transport rdma [--rdma-device NAME]` runs daemons, mount and mapping on RDMA
+//! ([`regions_tests::bench_transport`], `benches/rdma-vm.sh`).
 
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
@@ -38,6 +40,7 @@ use regions::Region;
 use regions::mapping;
 use regions::transport::Span;
 use regions_tests::Cluster;
+use regions_tests::bench_transport::BenchTransport;
 
 const PAGE: usize = 4096;
 /// Rounds of the sequential comparison.
@@ -303,7 +306,10 @@ fn main() -> anyhow::Result<()> {
             seq_region: 8 << 20,
         }
     };
-    let cluster = Cluster::start(2, "3G")?;
+    let transport = BenchTransport::from_args()?;
+    transport.export();
+    println!("transport: {}", transport.describe());
+    let cluster = Cluster::start_with_daemon_args(2, "3G", &[], &transport.daemon_args())?;
     let m1 = cluster.mount(1)?;
     let m2 = cluster.mount(2)?;
     // Regions are created through host 2's mount, so host 2 holds them.

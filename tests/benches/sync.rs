@@ -17,6 +17,8 @@
 //!   barrier with every call through agent and manager.
 //!
 //! `BENCH_OPS` sets the iterations (default 5,000; barrier rounds are a tenth of that).
+//! `-- --transport rdma [--rdma-device NAME]` runs it on RDMA (the fast paths' words through
+//! memory windows; [`regions_tests::bench_transport`], `benches/rdma-vm.sh`).
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -27,6 +29,7 @@ use regions::sync::SyncClient;
 use regions::{Client, ClientConfig};
 use regions_proto::v1;
 use regions_tests::Cluster;
+use regions_tests::bench_transport::BenchTransport;
 
 fn per_op(total: Duration, n: usize) -> Duration {
     total / n.max(1) as u32
@@ -41,16 +44,17 @@ fn run() -> anyhow::Result<()> {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(5_000);
-    let cluster = Cluster::start(3, "256M")?;
+    let transport = BenchTransport::from_args()?;
+    transport.export();
+    let cluster = Cluster::start_with_daemon_args(3, "256M", &[], &transport.daemon_args())?;
+    println!("transport: {}", transport.describe());
     let sock =
         |h: u32| -> anyhow::Result<std::path::PathBuf> { Ok(cluster.daemon(h)?.socket.clone()) };
 
     // Baseline: one CAS round trip to host 2's daemon.
-    let client = Client::connect(ClientConfig::new(
-        &cluster.manager_url(),
-        cluster.secret.clone(),
-        1,
-    ))?;
+    let mut config = ClientConfig::new(&cluster.manager_url(), cluster.secret.clone(), 1);
+    transport.apply(&mut config);
+    let client = Client::connect(config)?;
     let attr = client.create_path(
         "rt",
         0o644,

@@ -919,6 +919,7 @@ pub fn has_errno(status: &tonic::Status) -> bool {
         .is_some()
 }
 
+pub mod bench_transport;
 pub mod heap_runs;
 pub mod memory_cgroup;
 pub mod metrics_page;

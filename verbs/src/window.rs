@@ -67,8 +67,8 @@ impl MemoryWindow {
     /// The key the next binding takes: the window's index with the next 8-bit key
     /// (`ibv_inc_rkey`), so that the keys of earlier bindings stop working.
     pub(crate) fn next_rkey(&self) -> u32 {
-        // SAFETY: `mw` is live until Drop; the key is a plain field.
         let base = if self.rkey == 0 {
+            // SAFETY: `mw` is live until Drop; the key is a plain field.
             unsafe { (*self.mw).rkey }
         } else {
             self.rkey

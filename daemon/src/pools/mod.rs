@@ -1087,7 +1087,12 @@ impl Pinned<'_> {
             .iter()
             .filter_map(|&(index, chunk)| {
                 let b = self.backing_of(index, chunk)?;
-                Some((index, chunk, self.resolved.pools[index].gid, b.region_offset))
+                Some((
+                    index,
+                    chunk,
+                    self.resolved.pools[index].gid,
+                    b.region_offset,
+                ))
             })
             .collect()
     }
@@ -1243,6 +1248,15 @@ impl Pinned<'_> {
             }
         }
         Ok(old)
+    }
+
+    /// Wakes the waiters of the 8-byte word of the first range ([`word_wait`]); returns its
+    /// value.
+    pub fn wake(&self) -> Result<u64> {
+        self.with_word(|w| {
+            word_wait::wake(w);
+            w.load(Ordering::SeqCst)
+        })
     }
 
     /// 8-byte compare-and-swap on the first range; returns the old value. Waiters of the

@@ -746,6 +746,7 @@ impl Conn {
                     timeout,
                 )?;
             }
+            Request::Wake { pool, offset } => self.wake(&h, pool, offset, reach),
             Request::RdmaConnect { endpoint } => self.rdma_connect(&h, &endpoint),
             Request::RdmaKeys {
                 pool,
@@ -822,10 +823,7 @@ impl Conn {
             // memory windows bound on that queue pair (docs/SECURITY.md).
             let for_capabilities = !self.auth.proved_secret();
             if for_capabilities && !rdma.serves_capabilities() {
-                return self.reply_error(
-                    h,
-                    &DaemonError::NoRdma(crate::rdma::NO_WINDOWS.into()),
-                );
+                return self.reply_error(h, &DaemonError::NoRdma(crate::rdma::NO_WINDOWS.into()));
             }
             match rdma.accept(endpoint, for_capabilities) {
                 Ok((qp, mut mine)) => {
@@ -903,9 +901,9 @@ impl Conn {
                 }
                 let keys = pinned.chunk_keys_of(rdma, index, chunk)?;
                 let slot = (cap.issued, gid, chunk as u64, write);
-                let reuse = windows.get(&slot).filter(|w| {
-                    w.is_live() && w.is_for(&cap) && (w.from, w.to) == (from, to)
-                });
+                let reuse = windows
+                    .get(&slot)
+                    .filter(|w| w.is_live() && w.is_for(&cap) && (w.from, w.to) == (from, to));
                 let window = match reuse {
                     Some(w) => Arc::clone(w),
                     None => {
@@ -1043,6 +1041,29 @@ impl Conn {
             });
         match result {
             Ok(old) => self.reply_ok(h, Bytes::copy_from_slice(&old.to_le_bytes())),
+            Err(e) => self.reply_error(h, &e),
+        }
+    }
+
+    /// [`Op::Wake`]: wakes the waiters of the word (changed one-sided over RDMA) and replies
+    /// with its value.
+    fn wake(&mut self, h: &Header, pool: u32, offset: u64, reach: Reach) {
+        let shared = Arc::clone(&self.shared);
+        let result = shared
+            .pools
+            .resolve(&[Range {
+                pool,
+                offset,
+                len: 8,
+                delta: h.stated_delta(),
+            }])
+            .and_then(|resolved| {
+                let pinned = resolved.pin(self.deadline())?;
+                reach.check(&pinned)?;
+                pinned.wake()
+            });
+        match result {
+            Ok(v) => self.reply_ok(h, Bytes::copy_from_slice(&v.to_le_bytes())),
             Err(e) => self.reply_error(h, &e),
         }
     }

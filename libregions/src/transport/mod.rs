@@ -124,6 +124,14 @@ pub trait Transport: Send + Sync {
     }
     /// Whether [`Transport::post_write`] can return before the write is applied (else
     /// posting gains nothing).
+    /// Tells the daemon's waiters of the word at `at` (`wait_change`) that it changed, after
+    /// an atomic this transport applied where the daemon does not see it (one-sided over
+    /// RDMA); nothing to do for the others. Posted where the transport can: the call does not
+    /// wait for the daemon.
+    fn wake_waiters(&self, at: &Span) {
+        let _ = at;
+    }
+
     fn posts_writes(&self) -> bool {
         false
     }

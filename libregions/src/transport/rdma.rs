@@ -220,6 +220,11 @@ impl RdmaTransport {
         }
     }
 
+    /// Whether atomics go one-sided now (without waiting for the session's lock).
+    fn atomics_live(&self) -> bool {
+        matches!(self.session.try_lock().as_deref(), Ok(Session::Live(l)) if l.atomics)
+    }
+
     /// Whether requests go over RDMA now (set up, not broken).
     pub fn is_live(&self) -> bool {
         matches!(self.session.lock().as_deref(), Ok(Session::Live(_)))
@@ -664,7 +669,15 @@ impl Transport for RdmaTransport {
     }
 
     fn posts_atomics(&self) -> bool {
-        self.tcp.posts_atomics()
+        // One-sided, an unlock takes one round trip and no daemon; posted over tcp, the next
+        // lock would wait for the daemon to apply it.
+        !self.atomics_live() && self.tcp.posts_atomics()
+    }
+
+    fn wake_waiters(&self, at: &Span) {
+        if self.atomics_live() {
+            self.tcp.post_wake(at);
+        }
     }
 
     fn post_compare_and_swap(

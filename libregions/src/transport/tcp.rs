@@ -753,6 +753,20 @@ impl TcpTransport {
 
     /// Sends request `header` (its id and capability filled in here) with `payload` on `c`
     /// and returns the payload of the reply; a daemon's refusal is [`RegionsError::Daemon`].
+    /// Posts a WAKE of the word at `at` (see [`Transport::wake_waiters`]); a failure only
+    /// delays the waiters until the daemon re-reads the word.
+    pub(crate) fn post_wake(&self, at: &Span) {
+        let addr = self.addr.clone();
+        let done: super::Completion = Box::new(move |r| {
+            if let Err(e) = r {
+                tracing::debug!(daemon = %addr, error = %e, "wake of a word's waiters failed");
+            }
+        });
+        if let Err(e) = self.post_atomic(Op::Wake, at, &[], done) {
+            tracing::debug!(daemon = %self.addr, error = %e, "cannot post a wake of a word's waiters");
+        }
+    }
+
     pub(crate) fn control_request(
         &self,
         c: &mut ControlConn,

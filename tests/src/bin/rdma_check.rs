@@ -465,7 +465,10 @@ fn applications(cluster: &Cluster, rdma: &Client, device: &str) -> anyhow::Resul
     );
     let mut check = vec![0u8; piece.len()];
     rdma.open(attr.ino, false)?.read_at(4096, &mut check)?;
-    ensure!(check == piece, "a node component does not see the application's RDMA write");
+    ensure!(
+        check == piece,
+        "a node component does not see the application's RDMA write"
+    );
     println!("applications read, write and apply atomics over RDMA (memory windows): ok");
 
     let sync = SyncClient::connect(&socket);
@@ -479,6 +482,31 @@ fn applications(cluster: &Cluster, rdma: &Client, device: &str) -> anyhow::Resul
     ensure!(sync.barrier_wait("rdma-barrier")? == 1, "first round");
     ensure!(sync.barrier_wait("rdma-barrier")? == 2, "second round");
     let barrier_path = sync.barrier_path("rdma-barrier")?;
+    // Two parties: the one that waits is woken (the other's arrival was one-sided).
+    sync.barrier_init("rdma-barrier-2", 2)?;
+    let rounds = std::thread::scope(|s| -> anyhow::Result<Vec<u64>> {
+        let other = s.spawn(|| -> anyhow::Result<Vec<u64>> {
+            let mine = SyncClient::connect(&socket);
+            (0..20)
+                .map(|_| Ok(mine.barrier_wait("rdma-barrier-2")?))
+                .collect()
+        });
+        let here: Vec<u64> = (0..20)
+            .map(|_| sync.barrier_wait("rdma-barrier-2"))
+            .collect::<regions::Result<_>>()?;
+        let there = other
+            .join()
+            .map_err(|_| anyhow::anyhow!("the other party panicked"))??;
+        ensure!(
+            here == there,
+            "the parties saw rounds {here:?} and {there:?}"
+        );
+        Ok(here)
+    })?;
+    ensure!(
+        rounds == (1..=20).collect::<Vec<u64>>(),
+        "a 2-party barrier went through rounds {rounds:?}"
+    );
     ensure!(
         mutex_path.starts_with("rdma ") && barrier_path.starts_with("rdma "),
         "the sync fast paths are not on RDMA: mutex {mutex_path:?}, barrier {barrier_path:?}"
@@ -508,7 +536,12 @@ struct CapConn {
 type Refusal = (u32, String);
 
 impl CapConn {
-    fn open(daemon: &str, device: &str, cap: &regions_proto::capability::Capability, secret: &regions_proto::auth::Secret) -> anyhow::Result<CapConn> {
+    fn open(
+        daemon: &str,
+        device: &str,
+        cap: &regions_proto::capability::Capability,
+        secret: &regions_proto::auth::Secret,
+    ) -> anyhow::Result<CapConn> {
         use regions_proto::capability::CapabilityKey;
         use regions_proto::frame::Request;
         let token = CapabilityKey::from_secret(secret).mint(cap);
@@ -525,7 +558,12 @@ impl CapConn {
             mem,
             next_id: 1,
         };
-        let hello = c.call(Request::Hello { token: token.into() }.to_frame(0, 7))?;
+        let hello = c.call(
+            Request::Hello {
+                token: token.into(),
+            }
+            .to_frame(0, 7),
+        )?;
         ensure!(
             hello.header.status == 0,
             "HELLO with a capability refused: {:?}",
@@ -535,7 +573,10 @@ impl CapConn {
         Ok(c)
     }
 
-    fn call(&mut self, mut f: regions_proto::frame::Frame) -> anyhow::Result<regions_proto::frame::Frame> {
+    fn call(
+        &mut self,
+        mut f: regions_proto::frame::Frame,
+    ) -> anyhow::Result<regions_proto::frame::Frame> {
         use regions_proto::frame::{Limits, decode_frame};
         use std::io::{Read, Write};
         f.header.request_id = self.next_id;
@@ -609,21 +650,42 @@ impl CapConn {
 
     /// One-sided READ of `len` bytes at `remote` into our buffer; `Err` says why it failed
     /// (the queue pair is then broken: [`CapConn::connect`] again).
-    fn read(&mut self, remote: regions_verbs::Remote, len: usize) -> std::result::Result<Vec<u8>, String> {
+    fn read(
+        &mut self,
+        remote: regions_verbs::Remote,
+        len: usize,
+    ) -> std::result::Result<Vec<u8>, String> {
         use regions_verbs::{Local, Op};
         self.qp
-            .execute(&mut self.mem, &[Op::Read { local: Local { offset: 0, len }, remote }], Duration::from_secs(5))
+            .execute(
+                &mut self.mem,
+                &[Op::Read {
+                    local: Local { offset: 0, len },
+                    remote,
+                }],
+                Duration::from_secs(5),
+            )
             .map_err(|e| e.to_string())?;
         Ok(self.mem.bytes()[..len].to_vec())
     }
 
-    fn write(&mut self, remote: regions_verbs::Remote, data: &[u8]) -> std::result::Result<(), String> {
+    fn write(
+        &mut self,
+        remote: regions_verbs::Remote,
+        data: &[u8],
+    ) -> std::result::Result<(), String> {
         use regions_verbs::{Local, Op};
         self.mem.bytes_mut()[..data.len()].copy_from_slice(data);
         self.qp
             .execute(
                 &mut self.mem,
-                &[Op::Write { local: Local { offset: 0, len: data.len() }, remote }],
+                &[Op::Write {
+                    local: Local {
+                        offset: 0,
+                        len: data.len(),
+                    },
+                    remote,
+                }],
                 Duration::from_secs(5),
             )
             .map_err(|e| e.to_string())
@@ -656,20 +718,53 @@ fn windows(cluster: &Cluster, rdma: &Client, device: &str) -> anyhow::Result<()>
     };
     let daemon = chunk.addr.clone();
     // Read-only, bytes [4096, 12288) of the region.
-    let mut a = CapConn::open(&daemon, device, &cap(RIGHT_READ, 4096, 8192, 60_000), &cluster.secret)?;
-    let keys = a.keys(at, 4096, 100, false)?.map_err(|r| anyhow::anyhow!("keys refused: {r:?}"))?;
+    let mut a = CapConn::open(
+        &daemon,
+        device,
+        &cap(RIGHT_READ, 4096, 8192, 60_000),
+        &cluster.secret,
+    )?;
+    let keys = a
+        .keys(at, 4096, 100, false)?
+        .map_err(|r| anyhow::anyhow!("keys refused: {r:?}"))?;
     ensure!(
         keys.len() == 1 && keys[0].len == 8192 && keys[0].pool_offset == chunk.pool_offset + 4096,
         "the window is not the capability's bytes of the chunk: {keys:?}"
     );
-    let w = Remote { addr: keys[0].addr, rkey: keys[0].rkey };
-    let bytes = a.read(w, 8192).map_err(|e| anyhow::anyhow!("read in the window: {e}"))?;
+    let w = Remote {
+        addr: keys[0].addr,
+        rkey: keys[0].rkey,
+    };
+    let bytes = a
+        .read(w, 8192)
+        .map_err(|e| anyhow::anyhow!("read in the window: {e}"))?;
     ensure!(bytes == data[4096..12288], "the window reads other bytes");
     println!("a read-only capability's window reads its 8192 bytes: ok");
     for (what, remote, len) in [
-        ("the byte before the window", Remote { addr: w.addr - 1, rkey: w.rkey }, 1),
-        ("bytes past the window", Remote { addr: w.addr + 8192, rkey: w.rkey }, 64),
-        ("a read across its end", Remote { addr: w.addr + 8000, rkey: w.rkey }, 400),
+        (
+            "the byte before the window",
+            Remote {
+                addr: w.addr - 1,
+                rkey: w.rkey,
+            },
+            1,
+        ),
+        (
+            "bytes past the window",
+            Remote {
+                addr: w.addr + 8192,
+                rkey: w.rkey,
+            },
+            64,
+        ),
+        (
+            "a read across its end",
+            Remote {
+                addr: w.addr + 8000,
+                rkey: w.rkey,
+            },
+            400,
+        ),
     ] {
         match a.read(remote, len) {
             Err(e) => println!("{what}: refused ({e}): ok"),
@@ -677,14 +772,22 @@ fn windows(cluster: &Cluster, rdma: &Client, device: &str) -> anyhow::Result<()>
         }
         a.connect()?;
     }
-    let keys = a.keys(at, 4096, 100, false)?.map_err(|r| anyhow::anyhow!("keys refused: {r:?}"))?;
-    let w = Remote { addr: keys[0].addr, rkey: keys[0].rkey };
+    let keys = a
+        .keys(at, 4096, 100, false)?
+        .map_err(|r| anyhow::anyhow!("keys refused: {r:?}"))?;
+    let w = Remote {
+        addr: keys[0].addr,
+        rkey: keys[0].rkey,
+    };
     match a.write(w, b"overwrite") {
         Err(e) => println!("a WRITE through a read-only window: refused ({e}): ok"),
         Ok(()) => bail!("a read-only capability's window took a WRITE"),
     }
     a.connect()?;
-    for (what, offset, write) in [("outside the capability", 0u64, false), ("write keys with a read-only capability", 4096, true)] {
+    for (what, offset, write) in [
+        ("outside the capability", 0u64, false),
+        ("write keys with a read-only capability", 4096, true),
+    ] {
         match a.keys(at, offset, 100, write)? {
             Err((status, msg)) => println!("keys {what}: refused ({status}: {msg}): ok"),
             Ok(k) => bail!("keys {what} were given: {k:?}"),
@@ -692,29 +795,63 @@ fn windows(cluster: &Cluster, rdma: &Client, device: &str) -> anyhow::Result<()>
     }
     // Another connection's window key does not work on this queue pair (type 2B windows
     // belong to the queue pair they were bound on).
-    let mut b = CapConn::open(&daemon, device, &cap(RIGHT_READ | RIGHT_WRITE, 0, WHOLE_REGION, 60_000), &cluster.secret)?;
-    let keys = a.keys(at, 4096, 100, false)?.map_err(|r| anyhow::anyhow!("keys refused: {r:?}"))?;
-    let wa = Remote { addr: keys[0].addr, rkey: keys[0].rkey };
+    let mut b = CapConn::open(
+        &daemon,
+        device,
+        &cap(RIGHT_READ | RIGHT_WRITE, 0, WHOLE_REGION, 60_000),
+        &cluster.secret,
+    )?;
+    let keys = a
+        .keys(at, 4096, 100, false)?
+        .map_err(|r| anyhow::anyhow!("keys refused: {r:?}"))?;
+    let wa = Remote {
+        addr: keys[0].addr,
+        rkey: keys[0].rkey,
+    };
     match b.read(wa, 64) {
-        Err(e) => println!("a window used through another connection's queue pair: refused ({e}): ok"),
+        Err(e) => {
+            println!("a window used through another connection's queue pair: refused ({e}): ok")
+        }
         Ok(_) => bail!("a window worked through another connection's queue pair"),
     }
     b.connect()?;
     // The read-write capability's window takes writes; the bytes land.
-    let keys = b.keys(at, 0, 64, true)?.map_err(|r| anyhow::anyhow!("write keys refused: {r:?}"))?;
+    let keys = b
+        .keys(at, 0, 64, true)?
+        .map_err(|r| anyhow::anyhow!("write keys refused: {r:?}"))?;
     ensure!(keys[0].len == regions_proto::layout::CHUNK_SIZE, "{keys:?}");
-    b.write(Remote { addr: keys[0].addr, rkey: keys[0].rkey }, b"window write")
-        .map_err(|e| anyhow::anyhow!("write through a read-write window: {e}"))?;
+    b.write(
+        Remote {
+            addr: keys[0].addr,
+            rkey: keys[0].rkey,
+        },
+        b"window write",
+    )
+    .map_err(|e| anyhow::anyhow!("write through a read-write window: {e}"))?;
     let mut landed = [0u8; 12];
     region.read_at(0, &mut landed)?;
-    ensure!(&landed == b"window write", "the window's WRITE did not land");
+    ensure!(
+        &landed == b"window write",
+        "the window's WRITE did not land"
+    );
     println!("a read-write capability's window takes a WRITE: ok");
 
     // Expiry: a window of a capability that expired stops working.
-    let mut e = CapConn::open(&daemon, device, &cap(RIGHT_READ, 0, WHOLE_REGION, 2_500), &cluster.secret)?;
-    let keys = e.keys(at, 0, 64, false)?.map_err(|r| anyhow::anyhow!("keys refused: {r:?}"))?;
-    let we = Remote { addr: keys[0].addr, rkey: keys[0].rkey };
-    e.read(we, 64).map_err(|err| anyhow::anyhow!("read before expiry: {err}"))?;
+    let mut e = CapConn::open(
+        &daemon,
+        device,
+        &cap(RIGHT_READ, 0, WHOLE_REGION, 2_500),
+        &cluster.secret,
+    )?;
+    let keys = e
+        .keys(at, 0, 64, false)?
+        .map_err(|r| anyhow::anyhow!("keys refused: {r:?}"))?;
+    let we = Remote {
+        addr: keys[0].addr,
+        rkey: keys[0].rkey,
+    };
+    e.read(we, 64)
+        .map_err(|err| anyhow::anyhow!("read before expiry: {err}"))?;
     std::thread::sleep(Duration::from_millis(4_500));
     match e.read(we, 64) {
         Err(err) => println!("a window after its capability expired: refused ({err}): ok"),
@@ -723,9 +860,15 @@ fn windows(cluster: &Cluster, rdma: &Client, device: &str) -> anyhow::Result<()>
 
     // Revocation: a shrinking truncate revokes the region's tokens; their windows go with
     // them before the truncate returns.
-    let keys = a.keys(at, 4096, 100, false)?.map_err(|r| anyhow::anyhow!("keys refused: {r:?}"))?;
-    let wa = Remote { addr: keys[0].addr, rkey: keys[0].rkey };
-    a.read(wa, 64).map_err(|err| anyhow::anyhow!("read before the revocation: {err}"))?;
+    let keys = a
+        .keys(at, 4096, 100, false)?
+        .map_err(|r| anyhow::anyhow!("keys refused: {r:?}"))?;
+    let wa = Remote {
+        addr: keys[0].addr,
+        rkey: keys[0].rkey,
+    };
+    a.read(wa, 64)
+        .map_err(|err| anyhow::anyhow!("read before the revocation: {err}"))?;
     region.set_len(200 << 10)?;
     match a.read(wa, 64) {
         Err(err) => println!("a window after its capability was revoked: refused ({err}): ok"),
