@@ -51,6 +51,10 @@ pub enum DaemonError {
     /// An RDMA verbs call failed.
     #[error("RDMA: {0}")]
     Rdma(String),
+    /// An atomic applied through the RDMA device was posted but its answer lost: it may or
+    /// may not have been applied (`ETIMEDOUT`, which clients do not retry elsewhere).
+    #[error("{0}: the atomic may or may not have been applied; read the word to see its state")]
+    AtomicOutcomeUnknown(String),
     /// This daemon serves no RDMA (none configured or found, or built without it).
     #[error("{0}")]
     NoRdma(String),
@@ -177,6 +181,7 @@ impl DaemonError {
             DaemonError::SocketInUse { .. } => libc::EADDRINUSE,
             DaemonError::ManagerUnreachable { .. } => libc::EIO,
             DaemonError::Rdma(_) => libc::EIO,
+            DaemonError::AtomicOutcomeUnknown(_) => libc::ETIMEDOUT,
             DaemonError::NoRdma(_) => libc::EOPNOTSUPP,
         }
     }

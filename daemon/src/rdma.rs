@@ -67,13 +67,13 @@ pub struct BoundWindow {
 impl BoundWindow {
     /// Deallocates the window: its key fails at the device from now on.
     pub fn invalidate(&self) {
-        let taken = self
+        let mut slot = self
             .window
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
-        // The window first, then (if no other window uses it) its registration.
-        if let Some((window, registration)) = taken {
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Under the lock, so that whoever else invalidates it returns only once the window
+        // is gone: the window first, then (if no other window uses it) its registration.
+        if let Some((window, registration)) = slot.take() {
             drop(window);
             drop(registration);
         }
@@ -307,10 +307,14 @@ impl Rdma {
             rkey,
             window: Mutex::new(Some((mw, registration))),
         });
-        keys.windows
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push(Arc::downgrade(&bound));
+        {
+            let mut on_chunk = keys
+                .windows
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            on_chunk.retain(|w| w.is_live());
+            on_chunk.push(Arc::clone(&bound));
+        }
         self.windows.add(&bound);
         Ok(bound)
     }
@@ -371,7 +375,15 @@ impl Rdma {
         };
         lb.qp
             .execute(&mut lb.buf, &[op], LOOPBACK_TIMEOUT)
-            .map_err(rdma)?;
+            .map_err(|e| {
+                if e.surely_not_executed() {
+                    rdma(e)
+                } else {
+                    DaemonError::AtomicOutcomeUnknown(format!(
+                        "atomic through the RDMA device: {e}"
+                    ))
+                }
+            })?;
         let mut old = [0u8; 8];
         old.copy_from_slice(&lb.buf.bytes()[..8]);
         Ok(u64::from_ne_bytes(old))
@@ -437,8 +449,9 @@ pub const NO_WINDOWS: &str = "this daemon's RDMA device binds no memory windows,
 /// The registrations of one mapped pool chunk, and the windows bound to it.
 #[derive(Debug)]
 pub struct ChunkKeys {
-    // Windows go first (see Drop), then the registration they are bound to.
-    windows: Mutex<Vec<Weak<BoundWindow>>>,
+    // Windows go first (see Drop), then the registration they are bound to. Held strongly:
+    // a window its connection dropped meanwhile is still found and invalidated here.
+    windows: Mutex<Vec<Arc<BoundWindow>>>,
     /// Ranges `[from, to)` of the chunk registered in the windows' protection domain, without
     /// remote access of their own, for windows over exactly those bytes: soft-RoCE checks an
     /// access through a window against its registration's range, not the window's, so a
@@ -466,7 +479,7 @@ impl ChunkKeys {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
         );
-        for w in windows.iter().filter_map(Weak::upgrade) {
+        for w in &windows {
             w.invalidate();
         }
     }

@@ -26,6 +26,13 @@ pub enum RegionsError {
         elapsed_ms: u64,
         reason: String,
     },
+    /// An 8-byte atomic was sent but its answer lost: it may or may not have been applied,
+    /// so it is not repeated anywhere.
+    #[error(
+        "daemon {addr}: an atomic was sent but its answer was lost ({reason}); it may or may \
+         not have been applied: read the word to see its state"
+    )]
+    AtomicOutcomeUnknown { addr: String, reason: String },
     /// The host agent (daemon Unix socket) failed.
     #[error("host agent {path}: {message}")]
     Agent {
@@ -81,12 +88,26 @@ impl RegionsError {
             | RegionsError::WriteLost { errno, .. } => *errno,
             RegionsError::ManagerUnreachable { .. }
             | RegionsError::DaemonUnreachable { .. }
+            | RegionsError::AtomicOutcomeUnknown { .. }
             | RegionsError::Protocol { .. } => libc::EIO,
             RegionsError::Invalid(_) => libc::EINVAL,
             RegionsError::SymlinkLoop(_) => libc::ELOOP,
             RegionsError::NoMemory(_) => libc::ENOMEM,
             RegionsError::Io { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
         }
+    }
+
+    /// Whether an atomic may or may not have been applied (its answer was lost after it was
+    /// sent): it must not be tried again elsewhere (through the manager, say).
+    pub fn outcome_unknown(&self) -> bool {
+        matches!(
+            self,
+            RegionsError::AtomicOutcomeUnknown { .. }
+                | RegionsError::Daemon {
+                    errno: libc::ETIMEDOUT,
+                    ..
+                }
+        )
     }
 
     /// Whether a daemon refused the access because what the caller holds may be out of date:

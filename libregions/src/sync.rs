@@ -646,6 +646,12 @@ impl SyncClient {
                         });
                     }
                     Ok(_) => break,
+                    // The swap may have taken the lock: asking the manager would queue this
+                    // thread behind itself.
+                    Err(e) if e.outcome_unknown() => {
+                        self.forget(name);
+                        return Err(e);
+                    }
                     Err(e) => {
                         tracing::debug!(error = %e, "lock word unreachable directly; asking the manager");
                         self.forget(name);
@@ -695,6 +701,11 @@ impl SyncClient {
                             "mutex {name:?} is not held by this thread (lock word {old:#x})"
                         ),
                     });
+                }
+                // The unlock may have landed: the manager would answer EPERM.
+                Err(e) if e.outcome_unknown() => {
+                    self.forget(name);
+                    return Err(e);
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "lock word unreachable directly; asking the manager");

@@ -34,6 +34,10 @@ pub enum VerbsError {
     /// No completion within the deadline.
     #[error("no RDMA completion within {0:?}: the peer or the link is down")]
     Timeout(std::time::Duration),
+    /// Waiting for the completion of requests already posted failed: whether they took
+    /// effect is unknown; the queue pair is broken.
+    #[error("waiting for an RDMA completion failed ({0}); the queue pair is broken")]
+    Lost(String),
     /// A request this crate refuses before posting it.
     #[error("invalid RDMA request: {0}")]
     Invalid(String),
@@ -57,25 +61,23 @@ impl VerbsError {
     }
 
     /// Whether a failed list of one operation surely did not take effect at the peer: it was
-    /// refused before posting, the post failed, or the peer answered with a NAK (a remote
-    /// access or request error: the responder checks before it executes). A timeout or a
-    /// transport failure leaves the outcome unknown (an atomic may have been applied and its
-    /// answer lost), so such an operation must not be repeated elsewhere.
+    /// refused before posting (`Invalid`, `NoDevice`), the post itself failed (`Call`: the
+    /// errors after a post are `Lost`), or the peer answered with a NAK (a remote access or
+    /// request error: the responder checks before it executes). A timeout, a lost wait or a
+    /// local error (which an atomic's requester may report while writing the answer, after
+    /// the responder executed) leave the outcome unknown: such an operation must not be
+    /// repeated elsewhere.
     pub fn surely_not_executed(&self) -> bool {
         use ibverbs_sys::ibv_wc_status as st;
         match self {
             VerbsError::NoDevice(_) | VerbsError::Call { .. } | VerbsError::Invalid(_) => true,
             VerbsError::Completion { status, .. } => matches!(
                 *status,
-                st::IBV_WC_LOC_LEN_ERR
-                    | st::IBV_WC_LOC_QP_OP_ERR
-                    | st::IBV_WC_LOC_PROT_ERR
-                    | st::IBV_WC_LOC_ACCESS_ERR
-                    | st::IBV_WC_REM_INV_REQ_ERR
+                st::IBV_WC_REM_INV_REQ_ERR
                     | st::IBV_WC_REM_ACCESS_ERR
                     | st::IBV_WC_REM_INV_RD_REQ_ERR
             ),
-            VerbsError::Timeout(_) => false,
+            VerbsError::Timeout(_) | VerbsError::Lost(_) => false,
         }
     }
 
@@ -84,7 +86,9 @@ impl VerbsError {
         match self {
             VerbsError::NoDevice(_) => libc::ENODEV,
             VerbsError::Call { cause, .. } => cause.raw_os_error().unwrap_or(libc::EIO),
-            VerbsError::Completion { .. } | VerbsError::Timeout(_) => libc::EIO,
+            VerbsError::Completion { .. } | VerbsError::Timeout(_) | VerbsError::Lost(_) => {
+                libc::EIO
+            }
             VerbsError::Invalid(_) => libc::EINVAL,
         }
     }

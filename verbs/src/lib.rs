@@ -24,6 +24,6 @@ pub mod window;
 
 pub use device::{AtomicScope, Device, ProtectionDomain, device_names};
 pub use error::{Result, VerbsError};
-pub use memory::{Access, RegisteredBuffer, Registration};
+pub use memory::{Access, LocalMemory, RegisteredBuffer, RegisteredSlice, Registration};
 pub use queue_pair::{Endpoint, Local, Op, QueuePair, Remote};
 pub use window::MemoryWindow;

@@ -167,8 +167,9 @@ impl Drop for Registration {
         // touches the memory (and its keys are refused).
         let rc = unsafe { ffi::ibv_dereg_mr(self.mr) };
         if rc != 0 {
-            // Deregistration fails only while memory windows are still bound to the region;
-            // this crate binds none. The MR (and its pinned pages) is then leaked, not freed.
+            // Deregistration fails while memory windows are still bound to the region (their
+            // owners drop them first). The MR (and its pinned pages) is then leaked, not
+            // freed.
             eprintln!("regions-verbs: ibv_dereg_mr failed with errno {rc}; leaking the MR");
         }
     }
@@ -250,6 +251,76 @@ impl RegisteredBuffer {
 
     pub(crate) fn addr(&self) -> u64 {
         self.base as u64
+    }
+}
+
+/// Local memory work requests may name: a [`RegisteredBuffer`], or a caller's buffer
+/// registered for the time of a request ([`RegisteredSlice`]). Only this crate implements it.
+pub trait LocalMemory: private::Sealed {
+    /// Address of the first byte.
+    fn base(&self) -> u64;
+    /// Bytes from [`LocalMemory::base`] requests may use.
+    fn size(&self) -> usize;
+    /// The local key of its registration.
+    fn local_key(&self) -> u32;
+}
+
+mod private {
+    pub trait Sealed {}
+    impl Sealed for super::RegisteredBuffer {}
+    impl Sealed for super::RegisteredSlice<'_> {}
+}
+
+impl LocalMemory for RegisteredBuffer {
+    fn base(&self) -> u64 {
+        self.addr()
+    }
+
+    fn size(&self) -> usize {
+        self.len
+    }
+
+    fn local_key(&self) -> u32 {
+        self.lkey()
+    }
+}
+
+/// A caller's buffer registered for as long as this value lives (it holds the exclusive
+/// borrow, so the memory stays put and nothing else touches it meanwhile; dropping it
+/// deregisters, after which the device no longer writes it). Large transfers read straight
+/// into the caller's buffer this way instead of through a bounce buffer and a copy.
+#[derive(Debug)]
+pub struct RegisteredSlice<'a> {
+    registration: Registration,
+    _buf: std::marker::PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> RegisteredSlice<'a> {
+    /// Registers `buf` (not empty) with `pd` for local reads and writes.
+    pub fn new(pd: &Arc<ProtectionDomain>, buf: &'a mut [u8]) -> Result<RegisteredSlice<'a>> {
+        // SAFETY: `buf` is borrowed exclusively for 'a, which this value does not outlive, and
+        // the registration is dropped with it: the range stays mapped while registered, and
+        // the device writes it only during requests that hold `&mut self`.
+        let registration =
+            unsafe { Registration::register(pd, buf.as_mut_ptr(), buf.len(), Access::LOCAL)? };
+        Ok(RegisteredSlice {
+            registration,
+            _buf: std::marker::PhantomData,
+        })
+    }
+}
+
+impl LocalMemory for RegisteredSlice<'_> {
+    fn base(&self) -> u64 {
+        self.registration.addr()
+    }
+
+    fn size(&self) -> usize {
+        self.registration.len()
+    }
+
+    fn local_key(&self) -> u32 {
+        self.registration.lkey()
     }
 }
 

@@ -9,7 +9,7 @@ use ibverbs_sys as ffi;
 
 use crate::device::ProtectionDomain;
 use crate::error::{Result, VerbsError};
-use crate::memory::{Access, RegisteredBuffer, Registration};
+use crate::memory::{Access, LocalMemory, Registration};
 use crate::window::MemoryWindow;
 
 /// How long a waiter polls the completion queue before it sleeps on the completion channel
@@ -336,7 +336,7 @@ impl QueuePair {
     /// `buf` for these operations.
     pub fn execute(
         &mut self,
-        buf: &mut RegisteredBuffer,
+        buf: &mut impl LocalMemory,
         ops: &[Op],
         timeout: Duration,
     ) -> Result<()> {
@@ -349,7 +349,7 @@ impl QueuePair {
             let l = op.local();
             if l.offset
                 .checked_add(l.len)
-                .is_none_or(|end| end > buf.len())
+                .is_none_or(|end| end > buf.size())
                 || u32::try_from(l.len).is_err()
             {
                 return Err(VerbsError::Invalid(format!(
@@ -357,7 +357,7 @@ impl QueuePair {
                     op.name(),
                     l.len,
                     l.offset,
-                    buf.len()
+                    buf.size()
                 )));
             }
             if matches!(op, Op::CompareSwap { .. } | Op::FetchAdd { .. }) {
@@ -383,11 +383,11 @@ impl QueuePair {
 
     fn execute_batch(
         &mut self,
-        buf: &mut RegisteredBuffer,
+        buf: &mut impl LocalMemory,
         ops: &[Op],
         timeout: Duration,
     ) -> Result<()> {
-        let (base, lkey) = (buf.addr(), buf.lkey());
+        let (base, lkey) = (buf.base(), buf.local_key());
         let mut sges: Vec<ffi::ibv_sge> = ops
             .iter()
             .map(|op| {
@@ -607,7 +607,7 @@ impl QueuePair {
         };
         if n < 0 {
             self.break_now();
-            return Err(VerbsError::Invalid("ibv_poll_cq failed".into()));
+            return Err(VerbsError::Lost("ibv_poll_cq failed".into()));
         }
         for c in wc.iter().take(usize::try_from(n).unwrap_or(0)) {
             if let Some((status, _vendor)) = c.error() {
@@ -645,7 +645,10 @@ impl QueuePair {
         };
         if rc != 0 {
             self.break_now();
-            return Err(VerbsError::errno("ibv_req_notify_cq", rc));
+            return Err(VerbsError::Lost(format!(
+                "ibv_req_notify_cq: {}",
+                std::io::Error::from_raw_os_error(rc)
+            )));
         }
         Ok(())
     }
@@ -672,8 +675,9 @@ impl QueuePair {
         // block); the event names our CQ, acknowledged before the CQ goes.
         let rc = unsafe { ffi::ibv_get_cq_event(self.channel, &mut cq, &mut ctx) };
         if rc != 0 {
+            let cause = std::io::Error::last_os_error();
             self.break_now();
-            return Err(VerbsError::last("ibv_get_cq_event"));
+            return Err(VerbsError::Lost(format!("ibv_get_cq_event: {cause}")));
         }
         self.unacked += 1;
         if self.unacked >= ACK_EVERY {

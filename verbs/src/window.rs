@@ -96,7 +96,10 @@ impl Drop for MemoryWindow {
         unsafe {
             let ctx = (*self.pd.raw()).context;
             if let Some(dealloc) = (*ctx).ops.dealloc_mw {
-                dealloc(self.mw);
+                let rc = dealloc(self.mw);
+                if rc != 0 {
+                    eprintln!("regions-verbs: ibv_dealloc_mw failed with errno {rc}");
+                }
             }
         }
     }

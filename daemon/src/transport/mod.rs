@@ -429,6 +429,8 @@ struct Conn {
 impl Drop for Conn {
     fn drop(&mut self) {
         self.release_budget();
+        #[cfg(feature = "rdma")]
+        self.drop_windows();
     }
 }
 
@@ -829,7 +831,7 @@ impl Conn {
                 Ok((qp, mut mine)) => {
                     mine.push(rdma.connect_flags());
                     // The old queue pair's windows go before it does.
-                    self.windows.clear();
+                    self.drop_windows();
                     self.queue_pair = Some(qp);
                     tracing::debug!(peer = %self.peer, device = rdma.device_name(), "RDMA queue pair connected");
                     self.reply_ok(h, Bytes::from(mine));
@@ -842,6 +844,16 @@ impl Conn {
             let _ = endpoint;
             self.reply_error(h, &no_rdma());
         }
+    }
+
+    /// Deallocates every memory window bound for this connection (before its queue pair
+    /// goes or is replaced).
+    #[cfg(feature = "rdma")]
+    fn drop_windows(&mut self) {
+        for w in self.windows.values() {
+            w.invalidate();
+        }
+        self.windows.clear();
     }
 
     /// [`Op::RdmaReadKeys`] / [`Op::RdmaWriteKeys`] on a capability connection: per chunk
@@ -877,7 +889,7 @@ impl Conn {
         let shared = Arc::clone(&self.shared);
         let deadline = self.deadline();
         if self.windows.len() >= MAX_WINDOWS {
-            self.windows.clear();
+            self.drop_windows();
         }
         let (windows, queue_pair) = (&mut self.windows, &mut self.queue_pair);
         let result = shared.pools.resolve(&[range]).and_then(|resolved| {
@@ -908,7 +920,9 @@ impl Conn {
                     Some(w) => Arc::clone(w),
                     None => {
                         let w = rdma.bind_window(qp, &keys, cap, (from, to), write)?;
-                        windows.insert(slot, Arc::clone(&w));
+                        if let Some(old) = windows.insert(slot, Arc::clone(&w)) {
+                            old.invalidate();
+                        }
                         w
                     }
                 };
@@ -922,7 +936,13 @@ impl Conn {
             // A revocation that came meanwhile wins (and may have missed a window bound
             // after it swept).
             if !reach.still_valid(shared.pools.revocations()) {
-                windows.retain(|_, w| !w.is_for(&cap));
+                windows.retain(|_, w| {
+                    let revoked = w.is_for(&cap);
+                    if revoked {
+                        w.invalidate();
+                    }
+                    !revoked
+                });
                 return Err(reach.refusal());
             }
             Ok(out)
@@ -937,7 +957,7 @@ impl Conn {
             Err(e) => {
                 // A queue pair that failed to bind is broken: the client sets RDMA up anew.
                 if self.queue_pair.as_ref().is_some_and(|q| q.is_broken()) {
-                    self.windows.clear();
+                    self.drop_windows();
                     self.queue_pair = None;
                 }
                 self.reply_error(h, &e);
