@@ -155,6 +155,14 @@ struct UpArgs {
     /// docs/SECURITY.md).
     #[arg(long, env = "REGIONS_SHARE_WRITABLE_SEGMENTS")]
     share_writable_segments: bool,
+    /// Transports the daemon serves and the mount uses: `auto` (RDMA beside tcp where a
+    /// device is found), `tcp`, or `rdma` (fails to start without a device). On one host the
+    /// mount reaches the memory through the memfd either way.
+    #[arg(long, env = "REGIONS_TRANSPORT", value_enum, default_value_t = TransportChoice::Auto)]
+    transport: TransportChoice,
+    /// RDMA device to use (default: the first one).
+    #[arg(long, env = "REGIONS_RDMA_DEVICE")]
+    rdma_device: Option<String>,
     #[command(flatten)]
     fs: FsArgs,
     #[command(flatten)]
@@ -269,6 +277,8 @@ fn run_up(args: UpArgs) -> anyhow::Result<()> {
         listen: args.listen,
         transport_listen: args.transport_listen,
         share_writable_segments: args.share_writable_segments,
+        transport: args.transport,
+        rdma_device: args.rdma_device.clone(),
     })?;
     let signals = Signals::install(cluster.runtime())?;
     let client = Client::connect(cluster.client_config()).with_context(|| {

@@ -80,6 +80,10 @@ pub struct UpConfig {
     /// Writable segment descriptors for every local writer, not only root and the daemon's
     /// user.
     pub share_writable_segments: bool,
+    /// Which transports the daemon serves and the mount uses (`--transport`,
+    /// `--rdma-device`).
+    pub transport: regions_proto::transport_choice::TransportChoice,
+    pub rdma_device: Option<String>,
 }
 
 /// Reads the secret at `path`, generating a random one (mode 0600) when
@@ -118,6 +122,8 @@ pub struct Cluster {
     runtime: tokio::runtime::Runtime,
     manager_url: String,
     secret: Secret,
+    transport: regions_proto::transport_choice::TransportChoice,
+    rdma_device: Option<String>,
     agent_socket: PathBuf,
     daemon: Option<Daemon>,
     stop_manager: Option<oneshot::Sender<()>>,
@@ -189,6 +195,8 @@ impl Cluster {
             secret.clone(),
         );
         dconfig.listen = config.transport_listen;
+        dconfig.rdma.choice = config.transport;
+        dconfig.rdma.device.clone_from(&config.rdma_device);
         if config.share_writable_segments {
             dconfig.segment_writers = regions_daemon::agent::SegmentWriters::Anyone;
         }
@@ -197,6 +205,8 @@ impl Cluster {
             runtime,
             manager_url,
             secret,
+            transport: config.transport,
+            rdma_device: config.rdma_device.clone(),
             agent_socket,
             daemon: None,
             stop_manager: Some(stop_tx),
@@ -232,6 +242,8 @@ impl Cluster {
         c.agent_socket = Some(self.agent_socket.clone());
         // The embedded manager serves plain gRPC on loopback.
         c.tls_ca = None;
+        c.transport = self.transport;
+        c.rdma_device.clone_from(&self.rdma_device);
         c
     }
 

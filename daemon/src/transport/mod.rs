@@ -1035,39 +1035,38 @@ impl Conn {
 
     fn atomic(&mut self, h: &Header, pool: u32, offset: u64, reach: Reach, op: WordOp) {
         let shared = Arc::clone(&self.shared);
-        let result = shared
-            .pools
-            .resolve(&[Range {
-                pool,
-                offset,
-                len: 8,
-                delta: h.stated_delta(),
-            }])
-            .and_then(|resolved| {
-                let pinned = resolved.pin(self.deadline())?;
-                reach.check(&pinned)?;
-                // Where the device's atomics exclude only one another and clients apply them
-                // one-sided, the daemon applies its own through the device too.
-                #[cfg(feature = "rdma")]
-                if let Some(rdma) = shared.rdma.get()
-                    && rdma.routes_atomics()
-                {
-                    let old = pinned.device_word_op(rdma, op)?;
-                    Stats::add(&shared.stats.device_atomics, 1);
-                    counter!("regions_daemon_device_atomics_total").increment(1);
-                    return Ok(old);
-                }
-                pinned.word_op(op)
-            });
-        match result {
-            Ok(old) => self.reply_ok(h, Bytes::copy_from_slice(&old.to_le_bytes())),
-            Err(e) => self.reply_error(h, &e),
-        }
+        self.on_word(h, pool, offset, reach, |pinned| {
+            // Where the device's atomics exclude only one another and clients apply them
+            // one-sided, the daemon applies its own through the device too.
+            #[cfg(feature = "rdma")]
+            if let Some(rdma) = shared.rdma.get()
+                && rdma.routes_atomics()
+            {
+                let old = pinned.device_word_op(rdma, op)?;
+                Stats::add(&shared.stats.device_atomics, 1);
+                counter!("regions_daemon_device_atomics_total").increment(1);
+                return Ok(old);
+            }
+            pinned.word_op(op)
+        });
     }
 
     /// [`Op::Wake`]: wakes the waiters of the word (changed one-sided over RDMA) and replies
     /// with its value.
     fn wake(&mut self, h: &Header, pool: u32, offset: u64, reach: Reach) {
+        self.on_word(h, pool, offset, reach, |p| p.wake());
+    }
+
+    /// Runs `f` on the 8-byte word at `offset` of `pool`, pinned and checked against
+    /// `reach`, and replies with the value it returns.
+    fn on_word(
+        &mut self,
+        h: &Header,
+        pool: u32,
+        offset: u64,
+        reach: Reach,
+        f: impl FnOnce(&Pinned<'_>) -> Result<u64>,
+    ) {
         let shared = Arc::clone(&self.shared);
         let result = shared
             .pools
@@ -1080,7 +1079,7 @@ impl Conn {
             .and_then(|resolved| {
                 let pinned = resolved.pin(self.deadline())?;
                 reach.check(&pinned)?;
-                pinned.wake()
+                f(&pinned)
             });
         match result {
             Ok(v) => self.reply_ok(h, Bytes::copy_from_slice(&v.to_le_bytes())),

@@ -550,6 +550,8 @@ fn random_operations_match_a_model_of_the_semantics() {
         listen: "127.0.0.1:0".parse().expect("an address"),
         transport_listen: "127.0.0.1:0".parse().expect("an address"),
         share_writable_segments: false,
+        transport: regions_proto::transport_choice::TransportChoice::Tcp,
+        rdma_device: None,
     })
     .expect("an in-process cluster");
     let client = Client::connect(cluster.client_config()).expect("a client");

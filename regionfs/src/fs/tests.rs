@@ -65,6 +65,8 @@ fn env_with(options: FsOptions) -> Env {
         listen: "127.0.0.1:0".parse().unwrap(),
         transport_listen: "127.0.0.1:0".parse().unwrap(),
         share_writable_segments: false,
+        transport: regions_proto::transport_choice::TransportChoice::Tcp,
+        rdma_device: None,
     })
     .unwrap();
     let client = Client::connect(cluster.client_config()).unwrap();

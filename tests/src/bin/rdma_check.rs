@@ -648,6 +648,24 @@ impl CapConn {
         Ok(Ok(RdmaChunkKey::decode_all(&reply.payload)?))
     }
 
+    /// The first key of [`CapConn::keys`] as a remote address and key (an error when refused).
+    fn window(
+        &mut self,
+        at: (u64, u32, u64),
+        region_offset: u64,
+        len: u64,
+        write: bool,
+    ) -> anyhow::Result<regions_verbs::Remote> {
+        let keys = self
+            .keys(at, region_offset, len, write)?
+            .map_err(|r| anyhow::anyhow!("keys refused: {r:?}"))?;
+        let k = keys.first().context("an empty keys reply")?;
+        Ok(regions_verbs::Remote {
+            addr: k.addr,
+            rkey: k.rkey,
+        })
+    }
+
     /// One-sided READ of `len` bytes at `remote` into our buffer; `Err` says why it failed
     /// (the queue pair is then broken: [`CapConn::connect`] again).
     fn read(
@@ -772,13 +790,7 @@ fn windows(cluster: &Cluster, rdma: &Client, device: &str) -> anyhow::Result<()>
         }
         a.connect()?;
     }
-    let keys = a
-        .keys(at, 4096, 100, false)?
-        .map_err(|r| anyhow::anyhow!("keys refused: {r:?}"))?;
-    let w = Remote {
-        addr: keys[0].addr,
-        rkey: keys[0].rkey,
-    };
+    let w = a.window(at, 4096, 100, false)?;
     match a.write(w, b"overwrite") {
         Err(e) => println!("a WRITE through a read-only window: refused ({e}): ok"),
         Ok(()) => bail!("a read-only capability's window took a WRITE"),
@@ -801,13 +813,7 @@ fn windows(cluster: &Cluster, rdma: &Client, device: &str) -> anyhow::Result<()>
         &cap(RIGHT_READ | RIGHT_WRITE, 0, WHOLE_REGION, 60_000),
         &cluster.secret,
     )?;
-    let keys = a
-        .keys(at, 4096, 100, false)?
-        .map_err(|r| anyhow::anyhow!("keys refused: {r:?}"))?;
-    let wa = Remote {
-        addr: keys[0].addr,
-        rkey: keys[0].rkey,
-    };
+    let wa = a.window(at, 4096, 100, false)?;
     match b.read(wa, 64) {
         Err(e) => {
             println!("a window used through another connection's queue pair: refused ({e}): ok")
@@ -843,13 +849,7 @@ fn windows(cluster: &Cluster, rdma: &Client, device: &str) -> anyhow::Result<()>
         &cap(RIGHT_READ, 0, WHOLE_REGION, 2_500),
         &cluster.secret,
     )?;
-    let keys = e
-        .keys(at, 0, 64, false)?
-        .map_err(|r| anyhow::anyhow!("keys refused: {r:?}"))?;
-    let we = Remote {
-        addr: keys[0].addr,
-        rkey: keys[0].rkey,
-    };
+    let we = e.window(at, 0, 64, false)?;
     e.read(we, 64)
         .map_err(|err| anyhow::anyhow!("read before expiry: {err}"))?;
     std::thread::sleep(Duration::from_millis(4_500));
@@ -860,13 +860,7 @@ fn windows(cluster: &Cluster, rdma: &Client, device: &str) -> anyhow::Result<()>
 
     // Revocation: a shrinking truncate revokes the region's tokens; their windows go with
     // them before the truncate returns.
-    let keys = a
-        .keys(at, 4096, 100, false)?
-        .map_err(|r| anyhow::anyhow!("keys refused: {r:?}"))?;
-    let wa = Remote {
-        addr: keys[0].addr,
-        rkey: keys[0].rkey,
-    };
+    let wa = a.window(at, 4096, 100, false)?;
     a.read(wa, 64)
         .map_err(|err| anyhow::anyhow!("read before the revocation: {err}"))?;
     region.set_len(200 << 10)?;
