@@ -441,6 +441,22 @@ impl Rdma {
     }
 }
 
+/// The bytes `[from, to)` of a chunk backing region bytes from `region_offset` that `cap`
+/// reaches (`None`: none of them).
+pub fn capability_bytes_of_chunk(cap: &Capability, region_offset: u64) -> Option<(u64, u64)> {
+    use regions_proto::capability::WHOLE_REGION;
+    use regions_proto::layout::CHUNK_SIZE;
+    let cap_end = if cap.len == WHOLE_REGION {
+        u64::MAX
+    } else {
+        cap.offset.saturating_add(cap.len)
+    };
+    let chunk_end = region_offset.saturating_add(CHUNK_SIZE);
+    let from = cap.offset.max(region_offset) - region_offset;
+    let to = cap_end.min(chunk_end).checked_sub(region_offset)?;
+    (from < to).then_some((from, to))
+}
+
 /// Why a capability connection gets no RDMA.
 pub const NO_WINDOWS: &str = "this daemon's RDMA device binds no memory windows, so \
      applications (capability connections) cannot be given keys that reach only their \
@@ -542,5 +558,54 @@ impl ChunkKeys {
         } else {
             self.read.rkey()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use regions_proto::capability::{Capability, RIGHT_READ, WHOLE_REGION};
+    use regions_proto::layout::CHUNK_SIZE;
+
+    use super::capability_bytes_of_chunk;
+
+    fn cap(offset: u64, len: u64) -> Capability {
+        Capability {
+            ino: 7,
+            rights: RIGHT_READ,
+            expires_ms: u64::MAX,
+            issued: 1,
+            offset,
+            len,
+            host: 0,
+        }
+    }
+
+    #[test]
+    fn a_window_covers_the_capabilitys_bytes_of_the_chunk_only() {
+        // The whole region: whole chunks.
+        assert_eq!(
+            capability_bytes_of_chunk(&cap(0, WHOLE_REGION), 3 * CHUNK_SIZE),
+            Some((0, CHUNK_SIZE))
+        );
+        // A mutex's 64-byte slot in the chunk backing region bytes from 128 KiB.
+        assert_eq!(
+            capability_bytes_of_chunk(&cap(CHUNK_SIZE + 4096, 64), CHUNK_SIZE),
+            Some((4096, 4160))
+        );
+        // Across a chunk boundary: each chunk gets its part.
+        let c = cap(CHUNK_SIZE - 100, 300);
+        assert_eq!(
+            capability_bytes_of_chunk(&c, 0),
+            Some((CHUNK_SIZE - 100, CHUNK_SIZE))
+        );
+        assert_eq!(capability_bytes_of_chunk(&c, CHUNK_SIZE), Some((0, 200)));
+        // Chunks the capability does not reach.
+        assert_eq!(capability_bytes_of_chunk(&c, 2 * CHUNK_SIZE), None);
+        assert_eq!(capability_bytes_of_chunk(&cap(5 * CHUNK_SIZE, 10), 0), None);
+        // A chunk at the end of the address space does not overflow.
+        assert_eq!(
+            capability_bytes_of_chunk(&cap(0, WHOLE_REGION), u64::MAX - CHUNK_SIZE + 1),
+            Some((0, CHUNK_SIZE - 1))
+        );
     }
 }

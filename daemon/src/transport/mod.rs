@@ -872,7 +872,6 @@ impl Conn {
         write: bool,
         reach: Reach,
     ) {
-        use regions_proto::capability::WHOLE_REGION;
         use regions_proto::layout::CHUNK_SIZE;
         /// Windows one connection keeps at most; past it they are all dropped (the client
         /// asks again for those it still uses).
@@ -900,17 +899,10 @@ impl Conn {
             };
             let mut out = Vec::new();
             for (index, chunk, gid, region_offset) in pinned.chunk_backings() {
-                // The capability's bytes of this chunk.
-                let cap_end = if cap.len == WHOLE_REGION {
-                    u64::MAX
-                } else {
-                    cap.offset.saturating_add(cap.len)
-                };
-                let from = cap.offset.max(region_offset) - region_offset;
-                let to = cap_end.min(region_offset + CHUNK_SIZE) - region_offset;
-                if from >= to {
+                let Some((from, to)) = crate::rdma::capability_bytes_of_chunk(&cap, region_offset)
+                else {
                     return Err(reach.refusal());
-                }
+                };
                 let keys = pinned.chunk_keys_of(rdma, index, chunk)?;
                 let slot = (cap.issued, gid, chunk as u64, write);
                 let reuse = windows

@@ -763,6 +763,37 @@ mod tests {
     }
 
     #[test]
+    fn keys_serve_only_the_bytes_they_reach() {
+        let k = ChunkKeys {
+            addr: 0x1000,
+            ino: 9,
+            delta: None,
+            read: Some(KeyRange {
+                rkey: 1,
+                from: 4096,
+                to: 8192,
+            }),
+            write: None,
+        };
+        assert_eq!(k.key(4096, 4096, false), Some(1));
+        assert_eq!(k.key(5000, 100, false), Some(1));
+        assert_eq!(k.key(4095, 10, false), None, "starts before the window");
+        assert_eq!(k.key(8000, 200, false), None, "ends past it");
+        assert_eq!(k.key(4096, 8, true), None, "a read key does not write");
+        let rw = ChunkKeys {
+            write: Some(KeyRange {
+                rkey: 2,
+                from: 0,
+                to: CHUNK_SIZE,
+            }),
+            ..k
+        };
+        assert_eq!(rw.key(0, 64, false), Some(2), "a write key also reads");
+        assert_eq!(rw.key(4096, 64, false), Some(1), "the read key first");
+        assert_eq!(rw.key(CHUNK_SIZE - 8, 8, true), Some(2));
+    }
+
+    #[test]
     fn spans_are_cut_at_chunk_boundaries() {
         let s = Span {
             ino: 9,
