@@ -1401,8 +1401,8 @@ mod tests {
             Err(FrameError::UnknownOp(0))
         );
         assert_eq!(
-            with_bytes(&ping, |b| b[3] = 13),
-            Err(FrameError::UnknownOp(13))
+            with_bytes(&ping, |b| b[3] = 14),
+            Err(FrameError::UnknownOp(14))
         );
         assert_eq!(
             with_bytes(&ping, |b| b[0] = 0),
