@@ -1194,12 +1194,23 @@ impl Pinned<'_> {
         }
     }
 
-    fn with_word<T>(&self, f: impl FnOnce(&AtomicU64) -> T) -> Result<T> {
+    /// The pool index and offset of the 8-byte word of the first range (8-byte aligned).
+    fn word_at(&self) -> Result<(usize, u64)> {
         let Some(&(index, offset, _, _)) = self.resolved.spans.first() else {
             return Err(DaemonError::Invalid(
                 "atomic operation without a range".into(),
             ));
         };
+        if !offset.is_multiple_of(8) {
+            return Err(DaemonError::Invalid(format!(
+                "atomic operation at pool offset {offset:#x} is not 8-byte aligned"
+            )));
+        }
+        Ok((index, offset))
+    }
+
+    fn with_word<T>(&self, f: impl FnOnce(&AtomicU64) -> T) -> Result<T> {
+        let (index, offset) = self.word_at()?;
         let pool = &self.resolved.pools[index];
         // SAFETY: the word's chunk is pinned for as long as `self` lives, and the reference
         // does not escape `f`.
@@ -1226,26 +1237,13 @@ impl Pinned<'_> {
     /// the word are woken when it changed.
     #[cfg(feature = "rdma")]
     pub fn device_word_op(&self, rdma: &crate::rdma::Rdma, op: WordOp) -> Result<u64> {
-        let Some(&(index, offset, _, _)) = self.resolved.spans.first() else {
-            return Err(DaemonError::Invalid(
-                "atomic operation without a range".into(),
-            ));
-        };
-        if !offset.is_multiple_of(8) {
-            return Err(DaemonError::Invalid(format!(
-                "atomic operation at pool offset {offset:#x} is not 8-byte aligned"
-            )));
-        }
-        let pool = &self.resolved.pools[index];
+        let (index, offset) = self.word_at()?;
         let chunk = usize::try_from(offset / CHUNK_SIZE).unwrap_or(usize::MAX);
         let keys = self.chunk_keys_of(rdma, index, chunk)?;
         let old = rdma.device_atomic(keys.remote(offset % CHUNK_SIZE), op)?;
         if op.changed(old) {
-            // SAFETY: the word's chunk is pinned for as long as `self` lives, and the
-            // reference does not outlive this statement.
-            if let Some(w) = unsafe { pool.window.word(offset) } {
-                word_wait::wake(w);
-            }
+            // Applied already: the wake's only failure (no such word) leaves nobody to wake.
+            let _ = self.with_word(word_wait::wake);
         }
         Ok(old)
     }

@@ -338,29 +338,29 @@ impl RdmaTransport {
             }
             Err(Miss::TcpOnly) => None,
             Err(Miss::Unknown(why)) => {
-                let wait = backoff(breaks);
-                tracing::info!(daemon = %self.tcp.addr(), reason = %why, "RDMA queue pair broken during an atomic; its outcome is unknown");
-                counter!("regions_client_rdma_broken_total").increment(1);
-                *session = Session::Backoff {
-                    retry_at: Instant::now() + wait,
-                    breaks: breaks + 1,
-                };
+                self.back_off(&mut session, breaks, &why);
                 Some(Err(RegionsError::AtomicOutcomeUnknown {
                     addr: self.tcp.addr().to_owned(),
                     reason: format!("the RDMA queue pair broke during it: {why}"),
                 }))
             }
             Err(Miss::Broken(why)) => {
-                let wait = backoff(breaks);
-                tracing::info!(daemon = %self.tcp.addr(), reason = %why, retry_in_ms = wait.as_millis() as u64, "RDMA queue pair broken; requests go over tcp until RDMA is set up again");
-                counter!("regions_client_rdma_broken_total").increment(1);
-                *session = Session::Backoff {
-                    retry_at: Instant::now() + wait,
-                    breaks: breaks + 1,
-                };
+                self.back_off(&mut session, breaks, &why);
                 None
             }
         }
+    }
+
+    /// Leaves RDMA after the `breaks + 1`th break in a row (`why`): requests go over tcp
+    /// until [`backoff`] passes.
+    fn back_off(&self, session: &mut Session, breaks: u32, why: &str) {
+        let wait = backoff(breaks);
+        tracing::info!(daemon = %self.tcp.addr(), reason = %why, retry_in_ms = wait.as_millis() as u64, "RDMA queue pair broken; requests go over tcp until RDMA is set up again");
+        counter!("regions_client_rdma_broken_total").increment(1);
+        *session = Session::Backoff {
+            retry_at: Instant::now() + wait,
+            breaks: breaks + 1,
+        };
     }
 
     /// `None` (use tcp) under `auto`; the set-up failure under `rdma`.
