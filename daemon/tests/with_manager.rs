@@ -59,6 +59,7 @@ fn root() -> Caller {
         pid: std::process::id(),
         host_id: HOST,
         by_inode: false,
+        lease_session: 0,
     }
 }
 

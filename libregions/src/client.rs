@@ -70,6 +70,7 @@ impl Client {
             pid: config.pid,
             host_id: config.host_id,
             by_inode: false,
+            lease_session: 0,
         };
         Ok(Client {
             shared: Arc::new(Connection::new(manager, caller, config)),

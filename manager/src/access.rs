@@ -30,6 +30,8 @@ pub struct Caller {
     /// The caller named the inode by number (a host agent's client), not by a
     /// path the kernel walked: [`crate::state::State::check_path`] applies.
     pub by_inode: bool,
+    /// The cache-lease session of the mount asking (0: none; see `crate::cache_leases`).
+    pub lease_session: u64,
 }
 
 impl Caller {
@@ -53,6 +55,7 @@ impl Caller {
             pid: c.pid,
             host_id: c.host_id,
             by_inode: c.by_inode,
+            lease_session: c.lease_session,
         })
     }
 
@@ -177,6 +180,7 @@ mod tests {
             pid: 1,
             host_id: 1,
             by_inode: false,
+            lease_session: 0,
         }
     }
 

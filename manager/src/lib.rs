@@ -8,6 +8,7 @@
 
 pub mod access;
 pub mod allocator;
+pub mod cache_leases;
 pub mod capability;
 pub mod cluster;
 pub mod error;

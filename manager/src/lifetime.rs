@@ -391,6 +391,7 @@ mod tests {
             pid,
             host_id: host,
             by_inode: false,
+            lease_session: 0,
         }
     }
 

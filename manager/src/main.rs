@@ -40,6 +40,12 @@ struct Args {
     /// slot has expired by then).
     #[arg(long, env = "REGIONS_CAPABILITY_TTL_SECS", default_value_t = 600)]
     capability_ttl_secs: u64,
+    /// Milliseconds a mount's cache lease lasts after its last heartbeat: while it holds
+    /// one on a directory's names or a file's attributes, its kernel caches them, and a
+    /// change elsewhere first recalls the lease (waiting at most this and a second for a
+    /// mount that does not answer). 0 grants no leases (kernels cache for a second).
+    #[arg(long, env = "REGIONS_CACHE_LEASE_TERM_MS", default_value_t = regions_manager::cache_leases::DEFAULT_TERM.as_millis() as u64)]
+    cache_lease_term_ms: u64,
     /// Bytes of the write-ahead log, written out in full when created: changes are durable
     /// there first, and it keeps them while the data directory is full.
     #[arg(long, env = "REGIONS_WAL_SIZE", default_value_t = regions_manager::wal::WAL_SIZE)]
@@ -95,6 +101,7 @@ async fn main() -> anyhow::Result<()> {
                 .clamp(1, regions_manager::revocations::MAX_TTL.as_secs()),
         ),
         wal_size: args.wal_size,
+        cache_lease_term: Duration::from_millis(args.cache_lease_term_ms),
         ..Config::default()
     };
     let manager = Manager::open(&args.data_dir, config)?;

@@ -15,6 +15,7 @@ use regions_proto::v1::{self, host_event::Event};
 use tokio::sync::{Notify, watch};
 
 use crate::access::Caller;
+use crate::cache_leases::{BreakGuard, CacheLeases, Lease};
 use crate::cluster::HostRegistration;
 use crate::error::{ManagerError, Result};
 use crate::model::{Inode, Kind};
@@ -54,6 +55,8 @@ pub struct Config {
     /// Longest wait of a change nobody waits for (handles opened or closed) for the next
     /// change to share its `fdatasync` ([`DEFERRED_COMMIT`]).
     pub deferred_commit: Duration,
+    /// Term of the cache leases mounts hold (`--cache-lease-term-ms`; zero grants none).
+    pub cache_lease_term: Duration,
 }
 
 impl Default for Config {
@@ -66,6 +69,7 @@ impl Default for Config {
             wal_size: crate::wal::WAL_SIZE,
             capability_ttl: crate::revocations::DEFAULT_TTL,
             deferred_commit: DEFERRED_COMMIT,
+            cache_lease_term: crate::cache_leases::DEFAULT_TERM,
         }
     }
 }
@@ -171,6 +175,8 @@ pub struct Manager {
     run_began: u64,
     /// The data directory (named in errors).
     data_dir: std::path::PathBuf,
+    /// Mounts' leases on what their kernels cache.
+    cache_leases: Arc<CacheLeases>,
     config: Config,
 }
 
@@ -244,6 +250,7 @@ impl Manager {
             file_requests: Default::default(),
             run_began: crate::revocations::tick(),
             data_dir: data_dir.to_path_buf(),
+            cache_leases: Arc::new(CacheLeases::new(data_dir, config.cache_lease_term)),
             config,
         }))
     }
@@ -303,6 +310,18 @@ impl Manager {
         let result = f(&mut inner.state);
         if inner.state.dirty.is_empty() && inner.state.events.is_empty() {
             return Ok((result, inner.applied, inner.observable));
+        }
+        {
+            // Names or attributes changed: a change that recalled the leases on them first is
+            // under way; any other (an owner's exit, a host's expiry) recalls them now.
+            let dirty = &inner.state.dirty;
+            let mut names: Vec<u64> = dirty.dirents.iter().map(|(d, _)| *d).collect();
+            names.dedup();
+            let changed = names
+                .into_iter()
+                .map(Lease::Names)
+                .chain(dirty.inodes.iter().map(|i| Lease::Attrs(*i)));
+            self.cache_leases.changed_unrecalled(changed);
         }
         let handles_only = inner.state.dirty.only_handles() && inner.state.events.is_empty();
         let records = match store::collect(&mut inner.state) {
@@ -559,6 +578,7 @@ impl Manager {
     /// Ends long-lived calls (daemon event streams): the server is stopping.
     pub fn begin_shutdown(&self) {
         self.closing.send_replace(true);
+        self.cache_leases.shut_down();
     }
 
     /// Resolves to true once shutdown has begun.
@@ -717,13 +737,107 @@ fn publish(events: &Mutex<EventLog>, event_seq: &watch::Sender<u64>, batch: Vec<
 impl Manager {
     // ---- namespace ----
 
+    /// Looks a name up; for a mount's lease session, with a lease on `parent`'s names when
+    /// everyone may search it (only such directories' entries are cached by mounts), and one
+    /// on the entry's attributes when nobody has it open for writing.
     pub async fn lookup(&self, caller: &Caller, parent: u64, name: &str) -> Result<v1::Attr> {
-        self.read(|s| s.lookup(caller, parent, name).map(|i| s.attr(i)))
-            .await
+        let snapshot = self.cache_leases.snapshot();
+        let (mut attr, searchable, writers) = self
+            .read(|s| {
+                let attr = s.lookup(caller, parent, name).map(|i| s.attr(i))?;
+                let writers = s.handles_of(attr.ino).any(|h| h.write);
+                Ok((attr, s.inode(parent).is_ok_and(searchable_by_all), writers))
+            })
+            .await?;
+        let session = caller.lease_session;
+        if searchable {
+            attr.dir_lease = self
+                .cache_leases
+                .grant(Lease::Names(parent), session, snapshot);
+        }
+        if !writers && !is_dir_attr(&attr) {
+            attr.attr_lease = self
+                .cache_leases
+                .grant(Lease::Attrs(attr.ino), session, snapshot);
+        }
+        Ok(attr)
     }
 
-    pub async fn getattr(&self, ino: u64) -> Result<v1::Attr> {
-        self.read(|s| s.inode(ino).map(|i| s.attr(i))).await
+    /// The mounts' cache leases.
+    pub fn cache_leases(&self) -> &Arc<CacheLeases> {
+        &self.cache_leases
+    }
+
+    /// Recalls `leases` (but `caller`'s own), for a change of what they cover.
+    async fn recall(&self, caller: &Caller, leases: &[Lease]) -> BreakGuard {
+        self.cache_leases.recall(leases, caller.lease_session).await
+    }
+
+    /// Leases for `caller` on what its own change (under `guard`) left: the names of
+    /// `parent` (when everyone may search it) and the attributes of the entry `attr`.
+    fn grant_own(
+        &self,
+        guard: &BreakGuard,
+        caller: &Caller,
+        parent_mode: u32,
+        parent: u64,
+        attr: &mut v1::Attr,
+    ) {
+        if parent_mode & 0o111 == 0o111 {
+            attr.dir_lease = guard.grant(Lease::Names(parent), caller.lease_session);
+        }
+        if !is_dir_attr(attr) {
+            attr.attr_lease = guard.grant(Lease::Attrs(attr.ino), caller.lease_session);
+        }
+    }
+
+    /// The leases a change of `ino`'s attributes recalls: its attributes, and for a
+    /// directory whose permissions change, its names (who may look them up).
+    fn attr_leases(&self, ino: u64, permissions: bool) -> Vec<Lease> {
+        let is_dir = self
+            .peek(|s| s.inode(ino).is_ok_and(|i| i.kind == Kind::Directory))
+            .unwrap_or(false);
+        if is_dir && permissions {
+            vec![Lease::Attrs(ino), Lease::Names(ino)]
+        } else {
+            vec![Lease::Attrs(ino)]
+        }
+    }
+
+    /// The mode of directory `parent` (0 when it is gone).
+    fn dir_mode(&self, parent: u64) -> u32 {
+        self.peek(|s| s.inode(parent).map_or(0, |i| i.mode))
+            .unwrap_or(0)
+    }
+
+    /// The inode `name` names in `parent`, if any.
+    fn child_ino(&self, parent: u64, name: &str) -> Option<u64> {
+        self.peek(|s| s.child(parent, name).map(|d| d.ino))
+            .flatten()
+    }
+
+    /// Runs `f` on the state as it is now, durable or not (for choosing which leases to
+    /// recall: a change that is not durable yet was recalled for by its own request).
+    fn peek<T>(&self, f: impl FnOnce(&State) -> T) -> Option<T> {
+        self.lock().ok().map(|inner| f(&inner.state))
+    }
+
+    /// The attributes of `ino`; for a mount's lease session, with a lease on them when
+    /// nobody has it open for writing.
+    pub async fn getattr(&self, caller: &Caller, ino: u64) -> Result<v1::Attr> {
+        let snapshot = self.cache_leases.snapshot();
+        let (mut attr, writers) = self
+            .read(|s| {
+                let attr = s.inode(ino).map(|i| s.attr(i))?;
+                Ok((attr, s.handles_of(ino).any(|h| h.write)))
+            })
+            .await?;
+        if !writers && !is_dir_attr(&attr) {
+            attr.attr_lease =
+                self.cache_leases
+                    .grant(Lease::Attrs(ino), caller.lease_session, snapshot);
+        }
+        Ok(attr)
     }
 
     pub async fn mkdir(
@@ -733,8 +847,13 @@ impl Manager {
         name: &str,
         mode: u32,
     ) -> Result<v1::Attr> {
-        self.write(|s| s.mkdir(caller, parent, name, mode).map(|i| s.attr(&i)))
-            .await
+        let guard = self.recall(caller, &[Lease::Names(parent)]).await;
+        let mut attr = self
+            .write(|s| s.mkdir(caller, parent, name, mode).map(|i| s.attr(&i)))
+            .await?;
+        let mode = self.dir_mode(parent);
+        self.grant_own(&guard, caller, mode, parent, &mut attr);
+        Ok(attr)
     }
 
     pub async fn symlink(
@@ -744,8 +863,17 @@ impl Manager {
         name: &str,
         target: &[u8],
     ) -> Result<v1::Attr> {
-        self.write(|s| s.symlink(caller, parent, name, target).map(|i| s.attr(&i)))
-            .await
+        let guard = self.recall(caller, &[Lease::Names(parent)]).await;
+        let mut attr = self
+            .write(|s| {
+                let i = s.symlink(caller, parent, name, target)?;
+                guard.also(Lease::Attrs(i.ino));
+                Ok(s.attr(&i))
+            })
+            .await?;
+        let mode = self.dir_mode(parent);
+        self.grant_own(&guard, caller, mode, parent, &mut attr);
+        Ok(attr)
     }
 
     pub async fn readlink(&self, caller: &Caller, ino: u64) -> Result<Vec<u8>> {
@@ -759,11 +887,18 @@ impl Manager {
         new_parent: u64,
         new_name: &str,
     ) -> Result<v1::Attr> {
-        self.write(|s| {
-            s.link(caller, ino, new_parent, new_name)
-                .map(|i| s.attr(&i))
-        })
-        .await
+        let guard = self
+            .recall(caller, &[Lease::Names(new_parent), Lease::Attrs(ino)])
+            .await;
+        let mut attr = self
+            .write(|s| {
+                s.link(caller, ino, new_parent, new_name)
+                    .map(|i| s.attr(&i))
+            })
+            .await?;
+        let mode = self.dir_mode(new_parent);
+        self.grant_own(&guard, caller, mode, new_parent, &mut attr);
+        Ok(attr)
     }
 
     pub async fn make_node(
@@ -775,14 +910,23 @@ impl Manager {
         mode: u32,
         rdev: u64,
     ) -> Result<v1::Attr> {
-        self.write(|s| {
-            s.make_node(caller, parent, name, kind, mode, rdev)
-                .map(|i| s.attr(&i))
-        })
-        .await
+        let guard = self.recall(caller, &[Lease::Names(parent)]).await;
+        let mut attr = self
+            .write(|s| {
+                let i = s.make_node(caller, parent, name, kind, mode, rdev)?;
+                guard.also(Lease::Attrs(i.ino));
+                Ok(s.attr(&i))
+            })
+            .await?;
+        let mode = self.dir_mode(parent);
+        self.grant_own(&guard, caller, mode, parent, &mut attr);
+        Ok(attr)
     }
 
     pub async fn rmdir(&self, caller: &Caller, parent: u64, name: &str) -> Result<()> {
+        let mut leases = vec![Lease::Names(parent)];
+        leases.extend(self.child_ino(parent, name).map(Lease::Names));
+        let _guard = self.recall(caller, &leases).await;
         self.write(|s| s.rmdir(caller, parent, name)).await
     }
 
@@ -790,6 +934,9 @@ impl Manager {
     /// (like every change that revokes capabilities, see `State::revoke_capabilities`).
     /// Removes a name; returns the inode and the names it has left.
     pub async fn unlink(&self, caller: &Caller, parent: u64, name: &str) -> Result<(u64, u32)> {
+        let mut leases = vec![Lease::Names(parent)];
+        leases.extend(self.child_ino(parent, name).map(Lease::Attrs));
+        let _guard = self.recall(caller, &leases).await;
         let (removed, revoked) = self
             .write(|s| {
                 s.revocation_queued = false;
@@ -812,6 +959,10 @@ impl Manager {
         new_name: &str,
         flags: u32,
     ) -> Result<()> {
+        let mut leases = vec![Lease::Names(parent), Lease::Names(new_parent)];
+        leases.extend(self.child_ino(parent, name).map(Lease::Attrs));
+        leases.extend(self.child_ino(new_parent, new_name).map(Lease::Attrs));
+        let _guard = self.recall(caller, &leases).await;
         let revoked = self
             .write(|s| {
                 s.revocation_queued = false;
@@ -866,11 +1017,15 @@ impl Manager {
         value: &[u8],
         flags: u32,
     ) -> Result<()> {
+        let leases = self.attr_leases(ino, true);
+        let _guard = self.recall(caller, &leases).await;
         self.write(|s| s.setxattr(caller, ino, name, value, flags))
             .await
     }
 
     pub async fn removexattr(&self, caller: &Caller, ino: u64, name: &str) -> Result<()> {
+        let leases = self.attr_leases(ino, true);
+        let _guard = self.recall(caller, &leases).await;
         self.write(|s| s.removexattr(caller, ino, name)).await
     }
 
@@ -901,6 +1056,9 @@ impl Manager {
         change: SetAttr,
         size: Option<u64>,
     ) -> Result<v1::Attr> {
+        let permissions = change.mode.is_some() || change.uid.is_some() || change.gid.is_some();
+        let leases = self.attr_leases(ino, permissions);
+        let _guard = self.recall(&caller, &leases).await;
         let attr = self
             .write_allocating(move |s| {
                 s.revocation_queued = false;
@@ -956,18 +1114,24 @@ impl Manager {
         overrides: Option<v1::RegionAttrOverrides>,
         preallocate: u64,
     ) -> Result<v1::Attr> {
-        self.write_allocating(move |s| {
-            let parent_before = s.inode(parent)?.clone();
-            let inode = s.create_entry(&caller, parent, &name, mode, overrides.as_ref())?;
-            if (preallocate > 0 || inode.attrs.fixvaddr)
-                && let Err(e) = s.resize(inode.ino, None, preallocate, false)
-            {
-                undo_create(s, parent_before, &name, inode.ino);
-                return Err(e);
-            }
-            s.inode(inode.ino).map(|i| s.attr(i))
-        })
-        .await
+        let guard = self.recall(&caller, &[Lease::Names(parent)]).await;
+        let session = caller.clone();
+        let (mut attr, parent_mode) = self
+            .write_allocating(|s| {
+                let parent_before = s.inode(parent)?.clone();
+                let inode = s.create_entry(&caller, parent, &name, mode, overrides.as_ref())?;
+                guard.also(Lease::Attrs(inode.ino));
+                if (preallocate > 0 || inode.attrs.fixvaddr)
+                    && let Err(e) = s.resize(inode.ino, None, preallocate, false)
+                {
+                    undo_create(s, parent_before, &name, inode.ino);
+                    return Err(e);
+                }
+                s.inode(inode.ino).map(|i| (s.attr(i), parent_before.mode))
+            })
+            .await?;
+        self.grant_own(&guard, &session, parent_mode, parent, &mut attr);
+        Ok(attr)
     }
 
     /// Creates a region and opens it in one durable change (see
@@ -985,10 +1149,13 @@ impl Manager {
         preallocate: u64,
         write: bool,
     ) -> Result<v1::RegionInfo> {
-        let info = self
-            .write_allocating(move |s| {
+        let guard = self.recall(&caller, &[Lease::Names(parent)]).await;
+        let session = caller.clone();
+        let (mut info, parent_mode) = self
+            .write_allocating(|s| {
                 let parent_before = s.inode(parent)?.clone();
                 let inode = s.create_entry(&caller, parent, &name, mode, overrides.as_ref())?;
+                guard.also(Lease::Attrs(inode.ino));
                 let ino = inode.ino;
                 let opened = if preallocate > 0 || inode.attrs.fixvaddr {
                     s.resize(ino, None, preallocate, false)
@@ -1008,9 +1175,12 @@ impl Manager {
                 }
                 let mut info = s.region_info(ino, None)?;
                 info.handle = handle.id;
-                Ok(info)
+                Ok((info, parent_before.mode))
             })
             .await?;
+        if let Some(attr) = info.attr.as_mut() {
+            self.grant_own(&guard, &session, parent_mode, parent, attr);
+        }
         // A new region: only events for every region can concern it.
         self.settle_destructive_for(info.attr.as_ref().map_or(0, |a| a.ino))
             .await;
@@ -1025,6 +1195,12 @@ impl Manager {
         ino: u64,
         write: bool,
     ) -> Result<v1::RegionInfo> {
+        // A writer changes the attributes others cache (size, times) from now until its close.
+        let _guard = if write {
+            Some(self.recall(caller, &[Lease::Attrs(ino)]).await)
+        } else {
+            None
+        };
         let info = self
             .write_handles(|s| {
                 let handle = s.open_region(caller, ino, write)?;
@@ -1040,6 +1216,7 @@ impl Manager {
     /// Grows a region to at least `size` bytes, with chunks allocated for
     /// at least `capacity` bytes; with `touch`, sets mtime and ctime to now.
     pub async fn extend(&self, caller: Caller, ino: u64, grow: Extend) -> Result<v1::RegionInfo> {
+        let _guard = self.recall(&caller, &[Lease::Attrs(ino)]).await;
         let info = self
             .write_allocating(move |s| {
                 s.check_write_or_handle(&caller, ino, "extend this region")?;
@@ -1066,6 +1243,7 @@ impl Manager {
 
     /// Sets a region's size.
     pub async fn truncate(&self, caller: Caller, ino: u64, size: u64) -> Result<v1::RegionInfo> {
+        let _guard = self.recall(&caller, &[Lease::Attrs(ino)]).await;
         let info = self
             .write_allocating(move |s| {
                 s.check_write_or_handle(&caller, ino, "truncate this region")?;
@@ -1107,6 +1285,13 @@ impl Manager {
         handle: u64,
         wrote_within_size: bool,
     ) -> Result<bool> {
+        let ino = self
+            .peek(|s| s.handles.get(&handle).map(|h| h.ino))
+            .flatten();
+        let _guard = match ino {
+            Some(ino) => Some(self.recall(caller, &[Lease::Attrs(ino)]).await),
+            None => None,
+        };
         self.write_handles(|s| s.close_handle(caller, handle, wrote_within_size))
             .await
     }
@@ -1220,6 +1405,17 @@ impl Manager {
 
 /// Undoes the creation of region `ino` as `name` in the directory that
 /// was `parent_before`: a region must not exist half made.
+/// Whether everyone may search directory `inode` (mounts cache only such directories'
+/// entries).
+fn searchable_by_all(inode: &Inode) -> bool {
+    inode.kind == Kind::Directory && inode.mode & 0o111 == 0o111
+}
+
+/// Whether `attr` is a directory's (whose attributes mounts cache for the default second).
+fn is_dir_attr(attr: &v1::Attr) -> bool {
+    attr.kind == v1::FileKind::Directory as i32
+}
+
 fn undo_create(s: &mut State, parent_before: Inode, name: &str, ino: u64) {
     s.remove_entry(parent_before.ino, name);
     s.maps.remove(&ino);
@@ -1259,6 +1455,7 @@ mod tests {
             pid: 42,
             host_id: host,
             by_inode: false,
+            lease_session: 0,
         }
     }
 
@@ -1457,7 +1654,10 @@ mod tests {
         m.unlink(&user(1), ROOT_INO, "r2").await.unwrap();
         m.unlink(&user(1), ROOT_INO, "r3").await.unwrap();
         assert_eq!(
-            m.getattr(region).await.unwrap_err().errno(),
+            m.getattr(&Caller::root(1), region)
+                .await
+                .unwrap_err()
+                .errno(),
             libc::ENOENT,
             "freed with its last name after the restart"
         );
@@ -1652,7 +1852,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(err.errno(), libc::ENOSPC);
         assert_eq!(
-            m.getattr(r.ino).await.unwrap().mode,
+            m.getattr(&Caller::root(1), r.ino).await.unwrap().mode,
             0o644,
             "mode change rolled back with the size"
         );

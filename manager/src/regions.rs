@@ -478,6 +478,7 @@ mod tests {
             pid: 77,
             host_id: host,
             by_inode: false,
+            lease_session: 0,
         }
     }
 

@@ -65,8 +65,8 @@ impl Namespace for Services {
 
     async fn get_attr(&self, r: Request<v1::GetAttrRequest>) -> Result<Response<v1::Attr>, Status> {
         let r = r.into_inner();
-        caller(r.caller.as_ref())?;
-        self.reply("getattr", self.manager.getattr(r.ino).await)
+        let c = caller(r.caller.as_ref())?;
+        self.reply("getattr", self.manager.getattr(&c, r.ino).await)
     }
 
     async fn set_attr(&self, r: Request<v1::SetAttrRequest>) -> Result<Response<v1::Attr>, Status> {
@@ -452,6 +452,7 @@ impl Regions for Services {
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<v1::HostEvent, Status>> + Send>>;
+type CacheLeaseStream = Pin<Box<dyn Stream<Item = Result<v1::CacheLeaseEvent, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl Cluster for Services {
@@ -581,6 +582,29 @@ impl Cluster for Services {
                 .await
                 .map(|inos| v1::ReleaseOwnerReply { inos }),
         )
+    }
+
+    type WatchCacheLeasesStream = CacheLeaseStream;
+
+    async fn watch_cache_leases(
+        &self,
+        r: Request<v1::WatchCacheLeasesRequest>,
+    ) -> Result<Response<CacheLeaseStream>, Status> {
+        let host = r.into_inner().host_id;
+        let (session, rx) = self.manager.cache_leases().open_session();
+        tracing::debug!(session, host, "a mount opened a cache-lease session");
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn cache_lease_recalled(
+        &self,
+        r: Request<v1::CacheLeaseRecalledRequest>,
+    ) -> Result<Response<v1::CacheLeaseRecalledReply>, Status> {
+        let r = r.into_inner();
+        self.manager.cache_leases().recalled(r.session, r.recall);
+        Ok(Response::new(v1::CacheLeaseRecalledReply {}))
     }
 
     type WatchHostStream = EventStream;

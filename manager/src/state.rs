@@ -490,6 +490,8 @@ impl State {
             vaddr: inode.vaddr,
             allocated,
             rdev: inode.rdev,
+            dir_lease: 0,
+            attr_lease: 0,
         }
     }
 }

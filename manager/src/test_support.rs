@@ -25,6 +25,7 @@ pub fn user(uid: u32) -> Caller {
         pid: 100 + uid,
         host_id: 1,
         by_inode: false,
+        lease_session: 0,
     }
 }
 

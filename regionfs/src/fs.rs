@@ -375,6 +375,10 @@ pub struct RegionFs {
     fills: fill::Fills,
     /// The page of open and close counts `rmalloc(fd)` checks its descriptor against.
     descriptor_epochs: Option<crate::descriptor_epochs::DescriptorEpochs>,
+    /// What the kernel may cache for longer than the default (names, attributes).
+    cache_leases: crate::cache_leases::CacheLeases,
+    /// Inode → the entries naming it handed to the kernel under a names lease.
+    leased_entries: Mutex<HashMap<u64, Vec<(u64, std::ffi::OsString)>>>,
 }
 
 /// `Err(Fenced)` once the manager has not answered this mount's handle checks for most of a
@@ -432,6 +436,8 @@ impl RegionFs {
             contact: LeaseContact::new(),
             fills,
             descriptor_epochs: crate::descriptor_epochs::DescriptorEpochs::start(),
+            cache_leases: Default::default(),
+            leased_entries: Mutex::new(HashMap::new()),
         })
     }
 
@@ -463,7 +469,9 @@ impl RegionFs {
     }
 
     fn caller(&self, ctx: &RequestCtx) -> v1::Caller {
-        self.identity.caller(ctx)
+        let mut caller = self.identity.caller(ctx);
+        caller.lease_session = self.cache_leases.session();
+        caller
     }
 
     /// Counts an open or create of a region for `rmalloc(fd)` (before it is answered).
@@ -666,12 +674,14 @@ mod data;
 mod fill;
 mod handles;
 mod ioctls;
+mod leases;
 mod meta;
 mod namespace;
 mod passthrough;
 mod xattrs;
 
 use handles::Closer;
+pub use leases::EntryCache;
 
 #[cfg(test)]
 mod model_tests;

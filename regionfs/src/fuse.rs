@@ -18,8 +18,9 @@ use fuser::{
 };
 use regions_proto::v1::{self, FileKind};
 
+use crate::cache_leases::Covered;
 use crate::error::FsError;
-use crate::fs::{CacheMode, KernelCache, Opened, RegionFs, XattrOut};
+use crate::fs::{CacheMode, EntryCache, KernelCache, Opened, RegionFs, XattrOut};
 use crate::identity::RequestCtx;
 use regions::manager_client::{SetAttrIn, SetTime};
 
@@ -156,14 +157,27 @@ impl FuseFs {
         }
     }
 
-    /// TTL of entry `name` of `parent` (0: looked up, and checked, every time), for a reply
-    /// that hands the entry to the kernel.
-    fn entry_ttl(&self, parent: u64, name: &OsStr) -> Duration {
-        if self.core.entry_cacheable_noting(parent, name, TTL) {
-            TTL
-        } else {
-            Duration::ZERO
-        }
+    /// TTL of the attributes of `ino`: longer while this mount holds a lease on them.
+    fn attr_ttl(&self, ino: u64) -> Duration {
+        self.core
+            .lease_ttl(Covered::Attrs(ino))
+            .map_or(TTL, |t| t.max(TTL))
+    }
+
+    /// The (attribute, entry) TTLs of entry `name` of `parent` naming `ino`, for a reply that
+    /// hands the entry to the kernel. An entry is looked up (and checked) every time where
+    /// not everyone may search `parent`; it is kept longer while this mount holds a lease on
+    /// the directory's names, and its attributes while it holds one on them.
+    fn entry_ttls(&self, parent: u64, name: &OsStr, ino: u64) -> (Duration, Duration) {
+        let entry = match self.core.entry_cache(parent, name, TTL) {
+            EntryCache::No => return (Duration::ZERO, Duration::ZERO),
+            EntryCache::Default => TTL,
+            EntryCache::Leased => match self.core.lease_ttl(Covered::Names(parent)) {
+                Some(t) if self.core.leased_entry(parent, name, ino) => t.max(TTL),
+                _ => TTL,
+            },
+        };
+        (self.attr_ttl(ino), entry)
     }
 
     fn unref_backing(&self, ino: u64) {
@@ -337,10 +351,10 @@ impl Filesystem for FuseFs {
         let _timed = Timed::start("lookup");
         match self.core.lookup(&ctx(req), parent.0, name) {
             Ok(a) => {
-                let ttl = self.entry_ttl(parent.0, name);
+                let (attr_ttl, entry_ttl) = self.entry_ttls(parent.0, name, a.ino);
                 reply.entry_with_ttls(
-                    &ttl,
-                    &ttl,
+                    &attr_ttl,
+                    &entry_ttl,
                     &file_attr(&a),
                     Generation(self.core.generation(a.ino)),
                 );
@@ -357,7 +371,7 @@ impl Filesystem for FuseFs {
     fn getattr(&self, req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         let _timed = Timed::start("getattr");
         match self.core.getattr(&ctx(req), ino.0) {
-            Ok(a) => reply.attr(&TTL, &file_attr(&a)),
+            Ok(a) => reply.attr(&self.attr_ttl(a.ino), &file_attr(&a)),
             Err(e) => reply.error(self.fail("getattr", ino.0, &e)),
         }
     }
@@ -394,7 +408,7 @@ impl Filesystem for FuseFs {
             .core
             .setattr(&ctx(req), ino.0, change, ctime.is_some(), fh.map(|f| f.0))
         {
-            Ok(a) => reply.attr(&TTL, &file_attr(&a)),
+            Ok(a) => reply.attr(&self.attr_ttl(a.ino), &file_attr(&a)),
             Err(e) => reply.error(self.fail("setattr", ino.0, &e)),
         }
     }
@@ -414,12 +428,15 @@ impl Filesystem for FuseFs {
             .core
             .mknod(&ctx(req), parent.0, name, mode, umask, rdev)
         {
-            Ok(a) => reply.entry_with_ttls(
-                &self.entry_ttl(parent.0, name),
-                &TTL,
-                &file_attr(&a),
-                Generation(self.core.generation(a.ino)),
-            ),
+            Ok(a) => {
+                let (attr_ttl, entry_ttl) = self.entry_ttls(parent.0, name, a.ino);
+                reply.entry_with_ttls(
+                    &attr_ttl,
+                    &entry_ttl,
+                    &file_attr(&a),
+                    Generation(self.core.generation(a.ino)),
+                )
+            }
             Err(e) => reply.error(self.fail("mknod", parent.0, &e)),
         }
     }
@@ -435,12 +452,15 @@ impl Filesystem for FuseFs {
     ) {
         let _timed = Timed::start("mkdir");
         match self.core.mkdir(&ctx(req), parent.0, name, mode, umask) {
-            Ok(a) => reply.entry_with_ttls(
-                &self.entry_ttl(parent.0, name),
-                &TTL,
-                &file_attr(&a),
-                Generation(self.core.generation(a.ino)),
-            ),
+            Ok(a) => {
+                let (attr_ttl, entry_ttl) = self.entry_ttls(parent.0, name, a.ino);
+                reply.entry_with_ttls(
+                    &attr_ttl,
+                    &entry_ttl,
+                    &file_attr(&a),
+                    Generation(self.core.generation(a.ino)),
+                )
+            }
             Err(e) => reply.error(self.fail("mkdir", parent.0, &e)),
         }
     }
@@ -471,12 +491,15 @@ impl Filesystem for FuseFs {
     ) {
         let _timed = Timed::start("symlink");
         match self.core.symlink(&ctx(req), parent.0, link_name, target) {
-            Ok(a) => reply.entry_with_ttls(
-                &self.entry_ttl(parent.0, link_name),
-                &TTL,
-                &file_attr(&a),
-                Generation(self.core.generation(a.ino)),
-            ),
+            Ok(a) => {
+                let (attr_ttl, entry_ttl) = self.entry_ttls(parent.0, link_name, a.ino);
+                reply.entry_with_ttls(
+                    &attr_ttl,
+                    &entry_ttl,
+                    &file_attr(&a),
+                    Generation(self.core.generation(a.ino)),
+                )
+            }
             Err(e) => reply.error(self.fail("symlink", parent.0, &e)),
         }
     }
@@ -521,12 +544,15 @@ impl Filesystem for FuseFs {
     ) {
         let _timed = Timed::start("link");
         match self.core.link(&ctx(req), ino.0, newparent.0, newname) {
-            Ok(a) => reply.entry_with_ttls(
-                &self.entry_ttl(newparent.0, newname),
-                &TTL,
-                &file_attr(&a),
-                Generation(self.core.generation(a.ino)),
-            ),
+            Ok(a) => {
+                let (attr_ttl, entry_ttl) = self.entry_ttls(newparent.0, newname, a.ino);
+                reply.entry_with_ttls(
+                    &attr_ttl,
+                    &entry_ttl,
+                    &file_attr(&a),
+                    Generation(self.core.generation(a.ino)),
+                )
+            }
             Err(e) => reply.error(self.fail("link", ino.0, &e)),
         }
     }
@@ -688,7 +714,9 @@ impl Filesystem for FuseFs {
                         Some(a) => file_attr(a),
                         None => dot_attr(e.ino),
                     };
-                    let ttl = self.entry_ttl(ino.0, &e.name);
+                    // One TTL for the entry and its attributes: the shorter.
+                    let (attr_ttl, entry_ttl) = self.entry_ttls(ino.0, &e.name, e.ino);
+                    let ttl = attr_ttl.min(entry_ttl);
                     if reply.add(
                         INodeNo(e.ino),
                         e.cookie,
@@ -800,8 +828,10 @@ impl Filesystem for FuseFs {
                 if o.direct_io {
                     f |= FopenFlags::FOPEN_DIRECT_IO;
                 }
+                // One TTL for the entry and its attributes: the shorter.
+                let (attr_ttl, entry_ttl) = self.entry_ttls(parent.0, name, a.ino);
                 reply.created(
-                    &self.entry_ttl(parent.0, name),
+                    &attr_ttl.min(entry_ttl),
                     &file_attr(&a),
                     Generation(self.core.generation(a.ino)),
                     FileHandle(o.fh),

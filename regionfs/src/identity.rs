@@ -104,6 +104,7 @@ impl Identity {
             },
             host_id: self.host_id,
             by_inode: false,
+            lease_session: 0,
         }
     }
 
@@ -116,6 +117,7 @@ impl Identity {
             pid: std::process::id(),
             host_id: self.host_id,
             by_inode: false,
+            lease_session: 0,
         }
     }
 

@@ -23,6 +23,7 @@
 
 #![warn(missing_docs)]
 
+pub mod cache_leases;
 pub mod descriptor_epochs;
 pub mod error;
 pub mod fs;

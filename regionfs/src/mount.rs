@@ -312,6 +312,8 @@ impl Mounted {
         core.set_kernel(Arc::new(Kernel(session.notifier())));
         core.start_handle_watch(HANDLE_CHECK_EVERY)
             .map_err(io_err("cannot start the handle watch thread"))?;
+        core.start_cache_leases()
+            .map_err(io_err("cannot start the cache-lease thread"))?;
         let unmounter = session.unmount_callable();
         let (tx, done) = mpsc::channel();
         let thread = std::thread::Builder::new()

@@ -907,6 +907,7 @@ pub fn caller(uid: u32, host: u32) -> Option<v1::Caller> {
         pid: std::process::id(),
         host_id: host,
         by_inode: false,
+        lease_session: 0,
     })
 }
 

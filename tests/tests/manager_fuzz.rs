@@ -63,6 +63,12 @@ impl Gen {
                 _ => 1,
             },
             by_inode: self.rng.random_bool(0.3),
+            // A session the manager never opened: nothing is granted or spared.
+            lease_session: if self.rng.random_bool(0.2) {
+                self.rng.random()
+            } else {
+                0
+            },
         })
     }
 

@@ -216,6 +216,7 @@ impl AgentHandler {
             host_id: self.host_id,
             // Agent calls name inodes by number: the manager checks the path above them.
             by_inode: true,
+            lease_session: 0,
         }
     }
 

@@ -4,7 +4,24 @@
 use regions_proto::v1;
 
 use super::ManagerClient;
-use crate::error::Result;
+use super::connections::Connection;
+use crate::error::{RegionsError, Result};
+
+/// A mount's cache-lease session (`WatchCacheLeases`): its events, read on a connection of
+/// its own.
+pub struct CacheLeaseStream {
+    connection: Connection,
+    stream: tonic::Streaming<v1::CacheLeaseEvent>,
+}
+
+impl CacheLeaseStream {
+    /// The next event; `None` when the manager ended the session (or went away).
+    pub fn next_event(&mut self) -> Result<Option<v1::CacheLeaseEvent>> {
+        self.connection
+            .block_on(self.stream.message())
+            .map_err(RegionsError::from_status)
+    }
+}
 
 impl ManagerClient {
     /// Every host.
@@ -24,6 +41,30 @@ impl ManagerClient {
     /// Cluster counters.
     pub fn stats(&self) -> Result<v1::StatsReply> {
         self.call(|mut s| async move { s.cluster.stats(v1::StatsRequest {}).await })
+    }
+
+    /// Opens a cache-lease session for a mount on `host_id` (its first event names it).
+    pub fn watch_cache_leases(&self, host_id: u32) -> Result<CacheLeaseStream> {
+        let connection = self.connections.connect()?;
+        let stream = connection
+            .run(|mut s| async move {
+                s.cluster
+                    .watch_cache_leases(v1::WatchCacheLeasesRequest { host_id })
+                    .await
+            })
+            .map_err(RegionsError::from_status)?
+            .into_inner();
+        Ok(CacheLeaseStream { connection, stream })
+    }
+
+    /// Session `session` dropped what recall `recall` named.
+    pub fn cache_lease_recalled(&self, session: u64, recall: u64) -> Result<()> {
+        self.call(|mut s| async move {
+            s.cluster
+                .cache_lease_recalled(v1::CacheLeaseRecalledRequest { session, recall })
+                .await
+        })
+        .map(|_| ())
     }
 
     /// Owner `pid` on host `host_id` exited: the manager deletes every name of its

@@ -60,6 +60,11 @@ impl Connection {
         self.runtime.block_on(rpc(self.services.clone()))
     }
 
+    /// Runs `future` (a stream's next message, say) on this connection's runtime.
+    pub(super) fn block_on<F: std::future::Future>(&self, future: F) -> F::Output {
+        self.runtime.block_on(future)
+    }
+
     /// Whether the manager closed or reset this connection's socket (it restarted, say)
     /// while nobody ran the connection.
     fn peer_gone(&self) -> bool {
@@ -151,7 +156,8 @@ impl Connections {
         }
     }
 
-    fn connect(&self) -> Result<Connection> {
+    /// A new connection of its own (for a stream that holds it).
+    pub(super) fn connect(&self) -> Result<Connection> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()

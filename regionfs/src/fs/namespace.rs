@@ -15,7 +15,10 @@ impl RegionFs {
         }
         let name = wire(name)?;
         let name: &str = &name;
-        let attr = self.with_local_size(self.manager().lookup(&self.caller(ctx), parent, name)?);
+        let caller = self.caller(ctx);
+        let attr = self.manager().lookup(&caller, parent, name)?;
+        self.note_leases(&caller, Some(parent), &attr);
+        let attr = self.with_local_size(attr);
         if is_dir(&attr) {
             self.note_dir(&attr, Some(parent));
         } else {
@@ -33,8 +36,12 @@ impl RegionFs {
         if let Some(attr) = self.recent_attr_while_writing(ino) {
             return Ok(attr);
         }
-        let attr = match self.manager().getattr(&self.caller(ctx), ino) {
-            Ok(a) => self.with_local_size(a),
+        let caller = self.caller(ctx);
+        let attr = match self.manager().getattr(&caller, ino) {
+            Ok(a) => {
+                self.note_leases(&caller, None, &a);
+                self.with_local_size(a)
+            }
             Err(e) if e.errno() == libc::ENOENT => {
                 // fstat of a directory removed while open: st_nlink 0.
                 return self
@@ -107,11 +114,22 @@ impl RegionFs {
     /// at most once per `ttl`, and none is recorded past the bound meanwhile (the manager's
     /// listing covers the rest). Only directories this mount knows (by their mode) record.
     pub fn entry_cacheable_noting(&self, parent: u64, name: &OsStr, ttl: Duration) -> bool {
+        self.note_cached_entry(parent, name, ttl).is_some()
+    }
+
+    /// [`RegionFs::entry_cacheable_noting`], saying also whether the entry is recorded:
+    /// `None` when it may not be cached, `Some(recorded)` when it may.
+    pub(super) fn note_cached_entry(
+        &self,
+        parent: u64,
+        name: &OsStr,
+        ttl: Duration,
+    ) -> Option<bool> {
         /// Records kept before a sweep (a sweep keeps only those younger than the TTL), and at
         /// most.
         const SWEEP_AT: usize = 1 << 16;
         let Ok(mut dirs) = self.dirs.lock() else {
-            return cacheable_in(parent, name, None);
+            return cacheable_in(parent, name, None).then_some(false);
         };
         let now = Instant::now();
         if self.cached_names.load(Ordering::Relaxed) >= SWEEP_AT
@@ -128,17 +146,34 @@ impl RegionFs {
         }
         let known = dirs.get_mut(&parent);
         if !cacheable_in(parent, name, known.as_deref()) {
-            return false;
+            return None;
         }
         let Some(info) = known else {
-            return true;
+            return Some(false);
         };
-        if self.cached_names.load(Ordering::Relaxed) < SWEEP_AT
-            && info.cached.insert(name.to_os_string(), now).is_none()
-        {
+        if self.cached_names.load(Ordering::Relaxed) >= SWEEP_AT {
+            return Some(info.cached.contains_key(name));
+        }
+        if info.cached.insert(name.to_os_string(), now).is_none() {
             self.cached_names.fetch_add(1, Ordering::Relaxed);
         }
-        true
+        Some(true)
+    }
+
+    /// Takes the entries of `dir` recorded as handed to the kernel (for it to forget them).
+    pub(super) fn take_recorded_entries(&self, dir: u64) -> Vec<std::ffi::OsString> {
+        let taken = self
+            .dirs
+            .lock()
+            .ok()
+            .and_then(|mut d| d.get_mut(&dir).map(|i| std::mem::take(&mut i.cached)));
+        match taken {
+            Some(c) => {
+                self.uncount_cached(c.len());
+                c.into_keys().collect()
+            }
+            None => Vec::new(),
+        }
     }
 
     /// Takes `n` records (dropped with their directory's) off the count.
@@ -294,16 +329,7 @@ impl RegionFs {
         let Some(kernel) = self.kernel.get().cloned() else {
             return;
         };
-        let known: Vec<std::ffi::OsString> = self
-            .dirs
-            .lock()
-            .ok()
-            .and_then(|mut d| d.get_mut(&dir).map(|i| std::mem::take(&mut i.cached)))
-            .map(|c| {
-                self.uncount_cached(c.len());
-                c.into_keys().collect()
-            })
-            .unwrap_or_default();
+        let known = self.take_recorded_entries(dir);
         let client = self.client.clone();
         let caller = self.identity.internal();
         let spawned = std::thread::Builder::new()
@@ -346,12 +372,11 @@ impl RegionFs {
         umask: u32,
     ) -> FsResult<v1::Attr> {
         self.check_creatable(ctx, parent, name)?;
-        let attr = self.manager().mkdir(
-            &self.caller(ctx),
-            parent,
-            &wire(name)?,
-            mode & !umask & 0o7777,
-        )?;
+        let caller = self.caller(ctx);
+        let attr = self
+            .manager()
+            .mkdir(&caller, parent, &wire(name)?, mode & !umask & 0o7777)?;
+        self.note_leases(&caller, Some(parent), &attr);
         self.note_dir(&attr, Some(parent));
         Ok(attr)
     }
@@ -395,14 +420,11 @@ impl RegionFs {
         let name: &str = &name;
         let bits = mode & !umask & 0o7777;
         if let Some(kind) = node_kind(mode) {
-            return Ok(self.manager().make_node(
-                &caller,
-                parent,
-                name,
-                kind,
-                bits,
-                u64::from(rdev),
-            )?);
+            let attr =
+                self.manager()
+                    .make_node(&caller, parent, name, kind, bits, u64::from(rdev))?;
+            self.note_leases(&caller, Some(parent), &attr);
+            return Ok(attr);
         }
         if mode & libc::S_IFMT != libc::S_IFREG && mode & libc::S_IFMT != 0 {
             return Err(FsError::Invalid(format!(
@@ -419,6 +441,7 @@ impl RegionFs {
             attrs: defaults,
             preallocate: 0,
         })?;
+        self.note_leases(&caller, Some(parent), &attr);
         self.created(&caller, parent, name, &attr);
         Ok(attr)
     }
@@ -499,6 +522,7 @@ impl RegionFs {
             region
         };
         let mut attr = region.opened_attr().clone();
+        self.note_leases(&caller, Some(parent), &attr);
         self.created(&caller, parent, name, &attr);
         if create_mode != mode {
             // The open write handle keeps its rights after the chmod.
@@ -690,9 +714,11 @@ impl RegionFs {
         self.check_creatable(ctx, parent, name)?;
         let caller = self.caller(ctx);
         let name = wire(name)?;
-        Ok(self
+        let attr = self
             .manager()
-            .symlink(&caller, parent, &name, target.as_os_str().as_bytes())?)
+            .symlink(&caller, parent, &name, target.as_os_str().as_bytes())?;
+        self.note_leases(&caller, Some(parent), &attr);
+        Ok(attr)
     }
 
     /// The target of symbolic link `ino`.
@@ -723,6 +749,7 @@ impl RegionFs {
         let caller = self.caller(ctx);
         let new_name = wire(new_name)?;
         let attr = self.manager().link(&caller, ino, new_parent, &new_name)?;
+        self.note_leases(&caller, Some(new_parent), &attr);
         // The link count changed: answers kept for the kernel are stale.
         self.forget_cached_attrs();
         Ok(self.with_local_size(attr))
@@ -832,6 +859,10 @@ impl RegionFs {
     pub fn forget(&self, ino: u64) {
         if pseudo::is_pseudo(ino) {
             return;
+        }
+        // The kernel dropped the inode, and every entry naming it with it.
+        if let Ok(mut e) = self.leased_entries.lock() {
+            e.remove(&ino);
         }
         let open = !self.handles_of(ino).is_empty();
         if !open {
