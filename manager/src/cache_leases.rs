@@ -2,16 +2,20 @@
 //! cache, for up to a term instead of the default second, either a directory's names
 //! ([`Lease::Names`]) or an inode's attributes ([`Lease::Attrs`]). Nobody changes what a
 //! lease covers without first recalling the leases of every other mount and waiting for
-//! their answers; a mount that does not answer within a term (plus a margin) loses its
-//! session, and by then what its kernel cached has expired.
+//! their answers, or for their leases to run out.
 //!
-//! A session is a mount's `WatchCacheLeases` stream. It carries heartbeats (a mount counts
-//! its leases valid for one term after the last heartbeat it received) and recalls, which
-//! the mount answers with `CacheLeaseRecalled` once its kernel has forgotten what it cached.
+//! A session is a mount's `WatchCacheLeases` stream, which carries recalls; the mount
+//! answers each with `CacheLeaseRecalled` once its kernel has forgotten what it cached, and
+//! renews the session every quarter term (`RenewCacheLeases`). Its leases hold for one term
+//! after it *sent* the last renewal the manager accepted, so the manager, counting from when
+//! it accepted it, never ends a lease earlier than the mount does. A session with a recall
+//! unanswered is not renewed: a mount that cannot answer (stopped, cut off, its recall thread
+//! stuck) loses its leases within a term, and the change waits for that at most. One grant
+//! also lasts at most a term: the kernel asks again once what it cached expires.
 //!
 //! A manager that starts after a run that granted leases (a marker file in its data
-//! directory says so) changes nothing leased for a term and a margin after that run ended:
-//! its mounts may not have seen it end yet. A run that shut down cleanly wrote down when (its
+//! directory says so) changes nothing leased until a term and a margin after that run ended:
+//! its mounts may not have seen it end. A run that shut down cleanly wrote down when (its
 //! sessions' streams closed then); after a crash the wait is counted from the start.
 
 use std::collections::HashMap;
@@ -23,17 +27,16 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use regions_proto::v1;
 use tokio::sync::{mpsc, oneshot};
 
-/// How long a lease holds after the last heartbeat its mount received.
+use crate::error::{ManagerError, Result};
+
+/// How long a lease holds after the renewal the mount sent last.
 pub const DEFAULT_TERM: Duration = Duration::from_secs(4);
 
-/// What a recall waits beyond the term for a mount that does not answer (delays in the
-/// network, a mount's clock read late).
+/// What the manager waits beyond a term (delays between a mount sending a renewal and the
+/// manager accepting it, a clock read late).
 const MARGIN: Duration = Duration::from_secs(1);
 
-/// Heartbeats per term.
-const HEARTBEATS_PER_TERM: u32 = 4;
-
-/// Events a session's stream may hold before the mount is counted as not keeping up.
+/// Events a session's stream may hold before the mount is counted as not reading it.
 const STREAM_BACKLOG: usize = 1024;
 
 /// The file in the data directory that says a run granted leases.
@@ -71,7 +74,7 @@ impl Lease {
 pub struct CacheLeases {
     inner: Mutex<Inner>,
     term: Duration,
-    /// Directory changes wait until then (mounts of an earlier run may hold leases).
+    /// Changes wait until then (mounts of an earlier run may hold leases).
     grace_until: Instant,
     marker: PathBuf,
     marker_written: AtomicBool,
@@ -81,34 +84,50 @@ struct Inner {
     next_session: u64,
     next_grant: u64,
     next_recall: u64,
-    /// Numbers the start of each change; a grant is good only for a state read after the
-    /// last change of what it covers began.
+    /// Numbers the start and the end of each change; a grant is good only for a state read
+    /// after the last change of what it covers ended.
     next_change: u64,
     /// The newest change of anything no longer tracked (see [`Covered::last_change`]).
     pruned_floor: u64,
-    sessions: HashMap<u64, EventSender>,
+    sessions: HashMap<u64, Session>,
     covered: HashMap<Lease, Covered>,
-    /// Recalls waiting for their answer.
-    waiting: HashMap<u64, oneshot::Sender<()>>,
+    /// Recalls waiting for their answer: recall → (session, waiter).
+    waiting: HashMap<u64, (u64, oneshot::Sender<()>)>,
+    /// When expired grants were last swept.
+    swept: Instant,
+    /// Shutting down: no new session.
+    closed: bool,
 }
 
-/// What one lease covers, and who holds it.
+struct Session {
+    /// The only sender of the session's stream: the stream ends when the session does.
+    tx: EventSender,
+    /// When the manager accepted the session's last renewal (or opened it).
+    renewed: Instant,
+    /// Recalls sent and not answered: no renewal meanwhile.
+    unanswered: u32,
+}
+
 #[derive(Default)]
 struct Covered {
-    /// Session → its newest grant.
-    holders: HashMap<u64, u64>,
+    /// Session → (its newest grant, when it was granted, what it covered then: see
+    /// [`attr_digest`]; 0 for names).
+    holders: HashMap<u64, (u64, Instant, u64)>,
     /// Changes under way: no grant meanwhile.
     breaking: u32,
-    /// The number of the newest change that began.
+    /// The number of the newest start or end of a change.
     last_change: u64,
 }
 
 /// A change under way: holds grants off what it changes until dropped.
 pub struct BreakGuard {
     leases: Arc<CacheLeases>,
-    /// (what changes, number of this change).
+    /// (what changes, number of this change's start).
     changes: Mutex<Vec<(Lease, u64)>>,
 }
+
+/// A recall sent: (session, recall, answer, wait at most until).
+type Wait = (u64, u64, oneshot::Receiver<()>, Instant);
 
 impl CacheLeases {
     /// Leases of a manager keeping its state in `data_dir`, each lasting `term`.
@@ -139,9 +158,8 @@ impl CacheLeases {
                 "an earlier run granted cache leases: changes wait until its mounts' leases have run out"
             );
         }
-        let grace_until = now + wait;
-        // Session and grant numbers from the clock: numbers of an earlier run are never
-        // taken for this run's.
+        // Session, grant and recall numbers from the clock: numbers of an earlier run are
+        // never taken for this run's.
         let base = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(1, |d| d.as_nanos() as u64);
@@ -149,15 +167,17 @@ impl CacheLeases {
             inner: Mutex::new(Inner {
                 next_session: base,
                 next_grant: base,
-                next_recall: 1,
+                next_recall: base,
                 next_change: 1,
                 pruned_floor: 0,
                 sessions: HashMap::new(),
                 covered: HashMap::new(),
                 waiting: HashMap::new(),
+                swept: now,
+                closed: false,
             }),
             term,
-            grace_until,
+            grace_until: now + wait,
             marker,
             marker_written: AtomicBool::new(false),
         }
@@ -168,97 +188,80 @@ impl CacheLeases {
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        // A panic while holding the lock leaves maps that are still consistent enough to
-        // recall from: every update is a single insert or remove.
+        // Every update is a single insert or remove: the maps stay consistent after a panic.
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Opens a session for a mount; returns its number and the stream's receiving end (its
-    /// first event names the session). Heartbeats go out until the stream ends.
-    pub fn open_session(self: &Arc<Self>) -> (u64, EventReceiver) {
+    /// first event names the session and the term).
+    pub fn open_session(&self) -> Result<(u64, EventReceiver)> {
         let (tx, rx) = mpsc::channel(STREAM_BACKLOG);
-        let session = {
-            let mut i = self.lock();
-            let session = i.next_session;
-            i.next_session += 1;
-            i.sessions.insert(session, tx.clone());
-            session
-        };
+        let mut i = self.lock();
+        if i.closed {
+            return Err(ManagerError::Unavailable(
+                "the manager is shutting down; open a cache-lease session with its next run".into(),
+            ));
+        }
+        let session = i.next_session;
+        i.next_session += 1;
         let first = v1::CacheLeaseEvent {
             session,
             term_ms: self.term.as_millis().min(u32::MAX as u128) as u32,
             ..Default::default()
         };
         let _ = tx.try_send(Ok(first));
-        let leases = Arc::clone(self);
-        let every = (self.term / HEARTBEATS_PER_TERM).max(Duration::from_millis(10));
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = tick.tick() => {}
-                    () = tx.closed() => break,
-                }
-                if !leases.lock().sessions.contains_key(&session) {
-                    break; // expired: dropping `tx` ends the stream
-                }
-                if tx.try_send(Ok(v1::CacheLeaseEvent::default())).is_err() {
-                    tracing::info!(
-                        session,
-                        "a mount's name-lease stream is not read; ending its session"
-                    );
-                    break;
-                }
-            }
-            leases.end_session(session);
-        });
-        (session, rx)
+        i.sessions.insert(
+            session,
+            Session {
+                tx,
+                renewed: Instant::now(),
+                unanswered: 0,
+            },
+        );
+        Ok((session, rx))
     }
 
-    /// The manager is shutting down: every session ends (their streams close, and their
-    /// mounts drop every lease), and the marker says when, so that the next run waits only
-    /// for what is left of a term.
-    pub fn shut_down(&self) {
-        {
-            let mut i = self.lock();
-            let sessions: Vec<u64> = i.sessions.keys().copied().collect();
-            for session in sessions {
-                i.end_session(session);
-            }
-        }
-        if self.marker_written.load(Ordering::Acquire) {
-            let written = std::fs::write(&self.marker, format!("clean {}\n", unix_ms()))
-                .and_then(|()| std::fs::File::open(&self.marker)?.sync_all());
-            if let Err(e) = written {
-                tracing::warn!(path = %self.marker.display(), error = %e, "cannot record a clean end of the cache leases; the next run waits a whole term");
-            }
-        } else if Instant::now() >= self.grace_until {
-            // An earlier run's leases are over and this run granted none.
-            let _ = std::fs::remove_file(&self.marker);
-        }
-    }
-
-    /// Ends `session`: its leases are gone (its mount drops them when its stream ends).
-    pub fn end_session(&self, session: u64) {
+    /// Renews `session`'s leases for a term from now. Refused while a recall to it is
+    /// unanswered, and for a session that is over (the mount opens a new one).
+    pub fn renew(&self, session: u64) -> Result<()> {
+        let now = Instant::now();
         let mut i = self.lock();
-        i.end_session(session);
+        i.sweep(now, self.term);
+        let Some(s) = i.sessions.get_mut(&session) else {
+            return Err(ManagerError::NotFound(format!(
+                "cache-lease session {session} is over; open a new one"
+            )));
+        };
+        if s.unanswered > 0 {
+            return Err(ManagerError::Unavailable(format!(
+                "cache-lease session {session} has a recall unanswered; answer it first"
+            )));
+        }
+        s.renewed = now;
+        Ok(())
     }
 
-    /// The number directory grants are checked against: take it before reading the state
-    /// a grant will cover.
+    /// Sessions renewed within a term.
+    pub fn live_sessions(&self) -> u64 {
+        let i = self.lock();
+        i.sessions.keys().filter(|s| i.live(**s, self.term)).count() as u64
+    }
+
+    /// The number grants are checked against: take it before reading the state a grant
+    /// will cover.
     pub fn snapshot(&self) -> u64 {
         self.lock().next_change
     }
 
     /// Grants `session` `lease` for a state read after `snapshot`, unless a change of what
-    /// it covers began since (or is under way). Returns the grant, 0 for none.
-    pub fn grant(&self, lease: Lease, session: u64, snapshot: u64) -> u64 {
+    /// it covers ended since (or is under way). `digest` is what it covers ([`attr_digest`]
+    /// of the attributes granted; 0 for names). Returns the grant, 0 for none.
+    pub fn grant(&self, lease: Lease, session: u64, snapshot: u64, digest: u64) -> u64 {
         if session == 0 || self.term.is_zero() {
             return 0;
         }
         let mut i = self.lock();
-        if !i.sessions.contains_key(&session) {
+        if !i.live(session, self.term) {
             return 0;
         }
         let (breaking, last) = i
@@ -268,13 +271,28 @@ impl CacheLeases {
         if breaking > 0 || last >= snapshot {
             return 0;
         }
-        i.grant(lease, session, self)
+        i.grant(lease, session, digest, self)
+    }
+
+    /// Which of `inos` have attribute leases that may be in use.
+    pub fn held_attrs(&self, inos: impl IntoIterator<Item = u64>) -> Vec<u64> {
+        let now = Instant::now();
+        let i = self.lock();
+        inos.into_iter()
+            .filter(|ino| {
+                i.covered.get(&Lease::Attrs(*ino)).is_some_and(|c| {
+                    c.holders
+                        .values()
+                        .any(|(_, at, _)| fresh(*at, now, self.term))
+                })
+            })
+            .collect()
     }
 
     /// Recalls every one of `leases` except `except`'s (the session making the change, whose
-    /// kernel learns of it from the reply), waiting for the answers; a session that does not
-    /// answer within a term and a margin is ended. None of `leases` is granted until the
-    /// guard is dropped.
+    /// kernel learns of it from the reply), waiting for the answers, or for an unanswering
+    /// session's leases to run out (its session then ends). None of `leases` is granted
+    /// until the guard is dropped.
     pub async fn recall(self: &Arc<Self>, leases: &[Lease], except: u64) -> BreakGuard {
         if Instant::now() < self.grace_until {
             tokio::time::sleep_until(self.grace_until.into()).await;
@@ -284,41 +302,52 @@ impl CacheLeases {
         guard
     }
 
-    /// Waits for the answers to recalls; a session that does not answer within a term and a
-    /// margin is ended.
-    async fn wait_answers(&self, waits: Vec<(u64, u64, oneshot::Receiver<()>)>) {
-        if waits.is_empty() {
-            return;
-        }
-        let deadline = tokio::time::Instant::now() + self.term + MARGIN;
-        for (session, recall, answered) in waits {
-            if !matches!(
-                tokio::time::timeout_at(deadline, answered).await,
+    /// Waits for the answers to recalls; a session that does not answer by the time its
+    /// leases ran out is ended.
+    async fn wait_answers(&self, waits: Vec<Wait>) {
+        for (session, recall, answered, until) in waits {
+            if matches!(
+                tokio::time::timeout_at(until.into(), answered).await,
                 Ok(Ok(()))
             ) {
+                continue;
+            }
+            let mut i = self.lock();
+            if i.waiting.remove(&recall).is_some() {
                 tracing::warn!(
                     session,
-                    "a mount did not answer a cache-lease recall within its term; ending its session"
+                    "a mount did not answer a cache-lease recall while its leases held; ending its session"
                 );
-                let mut i = self.lock();
-                i.waiting.remove(&recall);
                 i.end_session(session);
             }
         }
     }
 
-    /// What changed without a [`CacheLeases::recall`] first (an owner's exit, a host's
-    /// expiry, a path this module was not told of): held leases on it are recalled now, in
-    /// the background.
-    pub fn changed_unrecalled(self: &Arc<Self>, changed: impl IntoIterator<Item = Lease>) {
+    /// What may have changed without a [`CacheLeases::recall`] first (an owner's exit, a
+    /// host's expiry, a path this module was not told of), with what it covers now
+    /// ([`attr_digest`]; `None`: gone or names): no grant for a state read before now, and
+    /// leases held on something that did change are recalled at once, their answers waited
+    /// for in the background. (The manager marks an inode changed for internal bookkeeping
+    /// too, which changes none of its attributes: a lease on those is kept.)
+    pub fn changed_unrecalled(
+        self: &Arc<Self>,
+        changed: impl IntoIterator<Item = (Lease, Option<u64>)>,
+    ) {
+        let now = Instant::now();
         let held: Vec<Lease> = {
             let mut i = self.lock();
             let mut held = Vec::new();
             let mut untracked = false;
-            for lease in changed {
+            for (lease, digest) in changed {
                 match i.covered.get(&lease) {
                     Some(c) if c.breaking > 0 => {} // its change recalled it
-                    Some(c) if !c.holders.is_empty() => held.push(lease),
+                    Some(c)
+                        if c.holders
+                            .values()
+                            .any(|(_, at, d)| fresh(*at, now, self.term) && digest != Some(*d)) =>
+                    {
+                        held.push(lease)
+                    }
                     _ => untracked = true,
                 }
             }
@@ -334,23 +363,22 @@ impl CacheLeases {
             return;
         }
         tracing::debug!(?held, "recalling leases after an unannounced change");
+        let (guard, waits) = self.begin_break(&held, 0);
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
         let leases = Arc::clone(self);
         runtime.spawn(async move {
-            drop(leases.recall(&held, 0).await);
+            leases.wait_answers(waits).await;
+            drop(guard);
         });
     }
 
     /// Marks `leases` as changing and sends the recalls; returns the guard and what to wait
     /// for.
-    #[allow(clippy::type_complexity)]
-    fn begin_break(
-        self: &Arc<Self>,
-        leases: &[Lease],
-        except: u64,
-    ) -> (BreakGuard, Vec<(u64, u64, oneshot::Receiver<()>)>) {
+    fn begin_break(self: &Arc<Self>, leases: &[Lease], except: u64) -> (BreakGuard, Vec<Wait>) {
+        let now = Instant::now();
+        let term = self.term;
         let mut waits = Vec::new();
         let mut changes = Vec::new();
         let mut i = self.lock();
@@ -360,36 +388,36 @@ impl CacheLeases {
             }
             let change = i.next_change;
             i.next_change += 1;
-            let d = i.covered.entry(lease).or_default();
-            d.breaking += 1;
-            d.last_change = change;
+            let c = i.covered.entry(lease).or_default();
+            c.breaking += 1;
+            c.last_change = change;
             changes.push((lease, change));
-            let recalled: Vec<(u64, u64)> = d
+            let recalled: Vec<(u64, u64)> = c
                 .holders
                 .iter()
-                .filter(|(s, _)| **s != except)
-                .map(|(s, g)| (*s, *g))
+                .filter(|(s, (_, at, _))| **s != except && fresh(*at, now, term))
+                .map(|(s, (g, _, _))| (*s, *g))
                 .collect();
-            for (session, _) in &recalled {
-                d.holders.remove(session);
-            }
+            c.holders.retain(|s, _| *s == except);
             for (session, grant) in recalled {
                 let recall = i.next_recall;
                 i.next_recall += 1;
-                let event = lease.event(recall, grant);
-                let sent = i
-                    .sessions
-                    .get(&session)
-                    .is_some_and(|tx| tx.try_send(Ok(event)).is_ok());
-                if sent {
-                    let (tx, rx) = oneshot::channel();
-                    i.waiting.insert(recall, tx);
-                    waits.push((session, recall, rx));
-                } else {
-                    // Gone, or not reading its stream: its session ends (and its stream with
-                    // it, so the mount drops every lease).
-                    i.end_session(session);
+                let Some(s) = i.sessions.get_mut(&session) else {
+                    continue; // over, and its leases ran out with it
+                };
+                // Its leases hold until a term after the last renewal it sent, which the
+                // manager accepted at `renewed` or later; none is accepted from now on.
+                let until = s.renewed + term + MARGIN;
+                s.unanswered += 1;
+                if s.tx.try_send(Ok(lease.event(recall, grant))).is_err() {
+                    tracing::info!(
+                        session,
+                        "a mount's cache-lease stream is not read; its leases are waited out"
+                    );
                 }
+                let (tx, rx) = oneshot::channel();
+                i.waiting.insert(recall, (session, tx));
+                waits.push((session, recall, rx, until));
             }
         }
         drop(i);
@@ -403,14 +431,44 @@ impl CacheLeases {
     /// `session` answered recall `recall`.
     pub fn recalled(&self, session: u64, recall: u64) {
         let mut i = self.lock();
-        if let Some(tx) = i.waiting.remove(&recall) {
-            let _ = tx.send(());
-        } else {
-            tracing::debug!(
+        match i.waiting.get(&recall) {
+            Some((s, _)) if *s == session => {
+                if let Some((_, tx)) = i.waiting.remove(&recall) {
+                    let _ = tx.send(());
+                }
+                if let Some(s) = i.sessions.get_mut(&session) {
+                    s.unanswered = s.unanswered.saturating_sub(1);
+                }
+            }
+            _ => tracing::debug!(
                 session,
                 recall,
-                "a cache-lease recall answered late or twice"
-            );
+                "a cache-lease recall answered late, twice, or by another session"
+            ),
+        }
+    }
+
+    /// The manager is shutting down: no new session, every session ends (their streams
+    /// close, and their mounts drop every lease), and the marker says when, so that the next
+    /// run waits only for what is left of a term.
+    pub fn shut_down(&self) {
+        {
+            let mut i = self.lock();
+            i.closed = true;
+            let sessions: Vec<u64> = i.sessions.keys().copied().collect();
+            for session in sessions {
+                i.end_session(session);
+            }
+        }
+        if self.marker_written.load(Ordering::Acquire) {
+            let written = std::fs::write(&self.marker, format!("clean {}\n", unix_ms()))
+                .and_then(|()| std::fs::File::open(&self.marker)?.sync_all());
+            if let Err(e) = written {
+                tracing::warn!(path = %self.marker.display(), error = %e, "cannot record a clean end of the cache leases; the next run waits a whole term");
+            }
+        } else if Instant::now() >= self.grace_until {
+            // An earlier run's leases are over and this run granted none.
+            let _ = std::fs::remove_file(&self.marker);
         }
     }
 
@@ -435,11 +493,28 @@ impl CacheLeases {
         let mut h: Vec<u64> = i
             .covered
             .get(&lease)
-            .map(|d| d.holders.keys().copied().collect())
+            .map(|c| c.holders.keys().copied().collect())
             .unwrap_or_default();
         h.sort_unstable();
         h
     }
+}
+
+/// What a lease on attributes `attr` covers: a hash of everything in them but the grants.
+pub fn attr_digest(attr: &v1::Attr) -> u64 {
+    use prost::Message;
+    use std::hash::{Hash, Hasher};
+    let mut bare = attr.clone();
+    bare.dir_lease = 0;
+    bare.attr_lease = 0;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    bare.encode_to_vec().hash(&mut h);
+    h.finish()
+}
+
+/// Whether a grant made at `at` may still be in use (the kernel asks again after a term).
+fn fresh(at: Instant, now: Instant, term: Duration) -> bool {
+    now.saturating_duration_since(at) < term + MARGIN
 }
 
 /// Milliseconds since the epoch.
@@ -450,7 +525,14 @@ fn unix_ms() -> u64 {
 }
 
 impl Inner {
-    fn grant(&mut self, lease: Lease, session: u64, leases: &CacheLeases) -> u64 {
+    /// Whether `session` is open and renewed within a term.
+    fn live(&self, session: u64, term: Duration) -> bool {
+        self.sessions
+            .get(&session)
+            .is_some_and(|s| s.renewed.elapsed() < term)
+    }
+
+    fn grant(&mut self, lease: Lease, session: u64, digest: u64, leases: &CacheLeases) -> u64 {
         leases.mark_granted();
         let grant = self.next_grant;
         self.next_grant += 1;
@@ -458,17 +540,29 @@ impl Inner {
             .entry(lease)
             .or_default()
             .holders
-            .insert(session, grant);
+            .insert(session, (grant, Instant::now(), digest));
         grant
     }
 
+    /// Ends `session`: its stream closes. Its recalls still wait for its leases to run out
+    /// (its mount may not have seen the end yet).
     fn end_session(&mut self, session: u64) {
-        if self.sessions.remove(&session).is_none() {
+        self.sessions.remove(&session);
+    }
+
+    /// Drops grants that ran out and sessions that stopped renewing, at most once a term.
+    fn sweep(&mut self, now: Instant, term: Duration) {
+        if now.saturating_duration_since(self.swept) < term {
             return;
         }
+        self.swept = now;
+        self.sessions.retain(|_, s| {
+            s.unanswered > 0 || now.saturating_duration_since(s.renewed) < term + MARGIN
+        });
         let mut emptied = Vec::new();
         for (lease, c) in &mut self.covered {
-            if c.holders.remove(&session).is_some() && c.holders.is_empty() && c.breaking == 0 {
+            c.holders.retain(|_, (_, at, _)| fresh(*at, now, term));
+            if c.holders.is_empty() && c.breaking == 0 {
                 emptied.push(*lease);
             }
         }
@@ -491,8 +585,9 @@ impl Inner {
 
 impl BreakGuard {
     /// Grants `session` (the one making this change) `lease` for the state this change
-    /// leaves, unless another change of what it covers began meanwhile. Returns 0 for none.
-    pub fn grant(&self, lease: Lease, session: u64) -> u64 {
+    /// leaves (`digest` as for [`CacheLeases::grant`]), unless another change of what it
+    /// covers began meanwhile. Returns 0 for none.
+    pub fn grant(&self, lease: Lease, session: u64, digest: u64) -> u64 {
         let change = self
             .changes
             .lock()
@@ -505,7 +600,7 @@ impl BreakGuard {
             return 0;
         }
         let mut i = self.leases.lock();
-        if !i.sessions.contains_key(&session) {
+        if !i.live(session, self.leases.term) {
             return 0;
         }
         let alone = i
@@ -515,11 +610,9 @@ impl BreakGuard {
         if !alone {
             return 0;
         }
-        i.grant(lease, session, &self.leases)
+        i.grant(lease, session, digest, &self.leases)
     }
-}
 
-impl BreakGuard {
     /// Adds `lease` to this change, from inside it (an inode it creates): no grant of it
     /// until the guard is dropped; a holder (there is none for a new inode) is recalled in
     /// the background.
@@ -552,8 +645,12 @@ impl Drop for BreakGuard {
         };
         let mut i = self.leases.lock();
         for (lease, _) in &changes {
+            // The change ends: no grant for a state read while it was under way.
+            let end = i.next_change;
+            i.next_change += 1;
             if let Some(c) = i.covered.get_mut(lease) {
                 c.breaking = c.breaking.saturating_sub(1);
+                c.last_change = end;
             }
             i.prune(*lease);
         }
@@ -587,13 +684,13 @@ mod tests {
     async fn a_change_recalls_other_sessions_and_waits_for_their_answer() {
         let tmp = tempfile::tempdir().unwrap();
         let l = leases(tmp.path());
-        let (a, mut rx_a) = l.open_session();
-        let (b, _rx_b) = l.open_session();
+        let (a, mut rx_a) = l.open_session().unwrap();
+        let (b, _rx_b) = l.open_session().unwrap();
         let first = rx_a.recv().await.unwrap().unwrap();
         assert_eq!(first.session, a);
         let snap = l.snapshot();
-        let ga = l.grant(D7, a, snap);
-        let gb = l.grant(D7, b, snap);
+        let ga = l.grant(D7, a, snap, 0);
+        let gb = l.grant(D7, b, snap, 0);
         assert!(ga != 0 && gb != 0);
         assert_eq!(l.holders(D7), {
             let mut v = vec![a, b];
@@ -610,49 +707,79 @@ mod tests {
             !change.is_finished(),
             "the change waits for the recall's answer"
         );
+        assert!(l.renew(a).is_err(), "no renewal with a recall unanswered");
+        l.recalled(b, recall.recall);
+        assert!(
+            !change.is_finished(),
+            "an answer from another session does not count"
+        );
         l.recalled(a, recall.recall);
         let guard = change.await.unwrap();
         assert_eq!(l.holders(D7), vec![b]);
-        // No grant while the change is under way, nor for a state read before it.
-        assert_eq!(l.grant(D7, a, l.snapshot()), 0);
+        l.renew(a).unwrap();
+        // No grant while the change is under way, nor for a state read before it ended.
+        let during = l.snapshot();
+        assert_eq!(l.grant(D7, a, during, 0), 0);
         drop(guard);
-        assert_eq!(l.grant(D7, a, snap), 0, "read before the change");
-        assert_ne!(l.grant(D7, a, l.snapshot()), 0);
+        assert_eq!(l.grant(D7, a, snap, 0), 0, "read before the change");
+        assert_eq!(
+            l.grant(D7, a, during, 0),
+            0,
+            "read while the change was under way"
+        );
+        assert_ne!(l.grant(D7, a, l.snapshot(), 0), 0);
     }
 
     #[tokio::test]
-    async fn a_session_that_does_not_answer_is_ended_after_its_term() {
+    async fn a_session_that_does_not_answer_is_waited_out_then_ended() {
         let tmp = tempfile::tempdir().unwrap();
         let l = leases(tmp.path());
-        let (a, mut rx_a) = l.open_session();
-        let g = l.grant(Lease::Attrs(3), a, l.snapshot());
+        let (a, mut rx_a) = l.open_session().unwrap();
+        let g = l.grant(Lease::Attrs(3), a, l.snapshot(), 0);
         assert_ne!(g, 0);
         let started = Instant::now();
         let guard = l.recall(&[Lease::Attrs(3)], 0).await;
         let waited = started.elapsed();
+        // Its leases hold a term (400 ms) from its last renewal (its opening), plus the
+        // margin (1 s).
         assert!(
-            waited >= Duration::from_millis(400) && waited < Duration::from_secs(5),
+            waited >= Duration::from_millis(1300) && waited < Duration::from_secs(5),
             "waited {waited:?}"
         );
         drop(guard);
-        // The session is over: no grant, and its stream ends.
-        assert_eq!(l.grant(Lease::Attrs(3), a, l.snapshot()), 0);
+        // The session is over: no grant, no renewal, and its stream ends.
+        assert_eq!(l.grant(Lease::Attrs(3), a, l.snapshot(), 0), 0);
+        assert!(l.renew(a).is_err());
         let ended = tokio::time::timeout(Duration::from_secs(5), async {
-            while let Some(e) = rx_a.recv().await {
-                drop(e);
-            }
+            while rx_a.recv().await.is_some() {}
         })
         .await;
         assert!(ended.is_ok(), "the stream of an ended session closes");
     }
 
     #[tokio::test]
+    async fn grants_run_out_after_a_term_and_are_not_recalled() {
+        let tmp = tempfile::tempdir().unwrap();
+        let l = leases(tmp.path());
+        let (a, _rx) = l.open_session().unwrap();
+        assert_ne!(l.grant(Lease::Names(5), a, l.snapshot(), 0), 0);
+        // The mount renews its session every quarter term; the grant alone runs out.
+        for _ in 0..15 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            l.renew(a).unwrap();
+        }
+        let started = Instant::now();
+        drop(l.recall(&[Lease::Names(5)], 0).await);
+        assert!(started.elapsed() < Duration::from_millis(200));
+    }
+
+    #[tokio::test]
     async fn a_change_by_the_holder_grants_it_the_new_state() {
         let tmp = tempfile::tempdir().unwrap();
         let l = leases(tmp.path());
-        let (a, _rx) = l.open_session();
+        let (a, _rx) = l.open_session().unwrap();
         let guard = l.recall(&[Lease::Names(9)], a).await;
-        assert_ne!(guard.grant(Lease::Names(9), a), 0);
+        assert_ne!(guard.grant(Lease::Names(9), a, 0), 0);
         // Another change of the directory meanwhile takes the grant away.
         let (guard2, waits) = l.begin_break(&[Lease::Names(9)], 0);
         assert_eq!(
@@ -660,7 +787,7 @@ mod tests {
             1,
             "a's own grant is recalled by the second change"
         );
-        assert_eq!(guard.grant(Lease::Names(9), a), 0);
+        assert_eq!(guard.grant(Lease::Names(9), a, 0), 0);
         drop((guard, guard2));
     }
 
@@ -669,9 +796,10 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         {
             let l = leases(tmp.path());
-            let (a, mut rx) = l.open_session();
-            assert_ne!(l.grant(Lease::Names(1), a, l.snapshot()), 0);
+            let (a, mut rx) = l.open_session().unwrap();
+            assert_ne!(l.grant(Lease::Names(1), a, l.snapshot(), 0), 0);
             l.shut_down();
+            assert!(l.open_session().is_err(), "no session after the shutdown");
             // The session's stream ends with the shutdown.
             let ended = tokio::time::timeout(Duration::from_secs(5), async {
                 while rx.recv().await.is_some() {}
@@ -696,12 +824,12 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         {
             let l = leases(tmp.path());
-            let (a, _rx) = l.open_session();
-            assert_ne!(l.grant(Lease::Names(1), a, l.snapshot()), 0);
+            let (a, _rx) = l.open_session().unwrap();
+            assert_ne!(l.grant(Lease::Names(1), a, l.snapshot(), 0), 0);
         }
         let l = leases(tmp.path());
         let started = Instant::now();
         drop(l.recall(&[Lease::Names(1)], 0).await);
-        assert!(started.elapsed() >= Duration::from_millis(400));
+        assert!(started.elapsed() >= Duration::from_millis(1400));
     }
 }

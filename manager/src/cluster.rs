@@ -241,6 +241,7 @@ impl State {
             file_requests: 0,
             lost_regions,
             region_bytes,
+            cache_lease_sessions: 0,
         }
     }
 }

@@ -15,7 +15,7 @@ use regions_proto::v1::{self, host_event::Event};
 use tokio::sync::{Notify, watch};
 
 use crate::access::Caller;
-use crate::cache_leases::{BreakGuard, CacheLeases, Lease};
+use crate::cache_leases::{BreakGuard, CacheLeases, Lease, attr_digest};
 use crate::cluster::HostRegistration;
 use crate::error::{ManagerError, Result};
 use crate::model::{Inode, Kind};
@@ -314,14 +314,33 @@ impl Manager {
         {
             // Names or attributes changed: a change that recalled the leases on them first is
             // under way; any other (an owner's exit, a host's expiry) recalls them now.
-            let dirty = &inner.state.dirty;
-            let mut names: Vec<u64> = dirty.dirents.iter().map(|(d, _)| *d).collect();
+            let state = &inner.state;
+            let mut names: Vec<u64> = state.dirty.dirents.iter().map(|(d, _)| *d).collect();
             names.dedup();
+            // The attributes of leased inodes as they are now: a lease is recalled only if
+            // they changed.
+            let held = self
+                .cache_leases
+                .held_attrs(state.dirty.inodes.iter().copied());
+            // Unheld inodes changed too: no grant for a state read before this change.
+            let untracked = state
+                .dirty
+                .inodes
+                .iter()
+                .filter(|i| !held.contains(i))
+                .map(|i| (Lease::Attrs(*i), None))
+                .collect::<Vec<_>>();
+            let attrs = held.into_iter().map(|ino| {
+                let now = state.inodes.get(&ino).map(|i| attr_digest(&state.attr(i)));
+                (Lease::Attrs(ino), now)
+            });
             let changed = names
                 .into_iter()
-                .map(Lease::Names)
-                .chain(dirty.inodes.iter().map(|i| Lease::Attrs(*i)));
-            self.cache_leases.changed_unrecalled(changed);
+                .map(|d| (Lease::Names(d), None))
+                .chain(attrs)
+                .collect::<Vec<_>>();
+            self.cache_leases
+                .changed_unrecalled(changed.into_iter().chain(untracked));
         }
         let handles_only = inner.state.dirty.only_handles() && inner.state.events.is_empty();
         let records = match store::collect(&mut inner.state) {
@@ -739,26 +758,27 @@ impl Manager {
 
     /// Looks a name up; for a mount's lease session, with a lease on `parent`'s names when
     /// everyone may search it (only such directories' entries are cached by mounts), and one
-    /// on the entry's attributes when nobody has it open for writing.
+    /// on the entry's attributes when no other mount or process has it open for writing.
     pub async fn lookup(&self, caller: &Caller, parent: u64, name: &str) -> Result<v1::Attr> {
         let snapshot = self.cache_leases.snapshot();
         let (mut attr, searchable, writers) = self
             .read(|s| {
                 let attr = s.lookup(caller, parent, name).map(|i| s.attr(i))?;
-                let writers = s.handles_of(attr.ino).any(|h| h.write);
+                let writers = others_write(s, attr.ino, caller.lease_session);
                 Ok((attr, s.inode(parent).is_ok_and(searchable_by_all), writers))
             })
             .await?;
         let session = caller.lease_session;
+        if !writers && !is_dir_attr(&attr) {
+            let digest = attr_digest(&attr);
+            attr.attr_lease =
+                self.cache_leases
+                    .grant(Lease::Attrs(attr.ino), session, snapshot, digest);
+        }
         if searchable {
             attr.dir_lease = self
                 .cache_leases
-                .grant(Lease::Names(parent), session, snapshot);
-        }
-        if !writers && !is_dir_attr(&attr) {
-            attr.attr_lease = self
-                .cache_leases
-                .grant(Lease::Attrs(attr.ino), session, snapshot);
+                .grant(Lease::Names(parent), session, snapshot, 0);
         }
         Ok(attr)
     }
@@ -783,11 +803,12 @@ impl Manager {
         parent: u64,
         attr: &mut v1::Attr,
     ) {
-        if parent_mode & 0o111 == 0o111 {
-            attr.dir_lease = guard.grant(Lease::Names(parent), caller.lease_session);
-        }
         if !is_dir_attr(attr) {
-            attr.attr_lease = guard.grant(Lease::Attrs(attr.ino), caller.lease_session);
+            let digest = attr_digest(attr);
+            attr.attr_lease = guard.grant(Lease::Attrs(attr.ino), caller.lease_session, digest);
+        }
+        if parent_mode & 0o111 == 0o111 {
+            attr.dir_lease = guard.grant(Lease::Names(parent), caller.lease_session, 0);
         }
     }
 
@@ -810,6 +831,38 @@ impl Manager {
             .unwrap_or(0)
     }
 
+    /// Recalls `fixed` and the leases `child` makes of the inodes the `children` names name,
+    /// as they are once the recall is done: a name that meanwhile came to name another inode
+    /// is recalled again (three times at most; past that, the change recalls after itself,
+    /// see `apply_marking`). The caller changes them right after, with no wait between.
+    async fn recall_with_children(
+        &self,
+        caller: &Caller,
+        fixed: &[Lease],
+        children: &[(u64, &str)],
+        child: fn(u64) -> Lease,
+    ) -> BreakGuard {
+        let resolve = || -> Vec<Option<u64>> {
+            children
+                .iter()
+                .map(|(parent, name)| self.child_ino(*parent, name))
+                .collect()
+        };
+        let mut inos = resolve();
+        let mut attempt = 0;
+        loop {
+            let mut leases = fixed.to_vec();
+            leases.extend(inos.iter().flatten().map(|i| child(*i)));
+            let guard = self.recall(caller, &leases).await;
+            let now = resolve();
+            attempt += 1;
+            if now == inos || attempt == 3 {
+                return guard;
+            }
+            inos = now;
+        }
+    }
+
     /// The inode `name` names in `parent`, if any.
     fn child_ino(&self, parent: u64, name: &str) -> Option<u64> {
         self.peek(|s| s.child(parent, name).map(|d| d.ino))
@@ -822,20 +875,21 @@ impl Manager {
         self.lock().ok().map(|inner| f(&inner.state))
     }
 
-    /// The attributes of `ino`; for a mount's lease session, with a lease on them when
-    /// nobody has it open for writing.
+    /// The attributes of `ino`; for a mount's lease session, with a lease on them when no
+    /// other mount or process has it open for writing.
     pub async fn getattr(&self, caller: &Caller, ino: u64) -> Result<v1::Attr> {
         let snapshot = self.cache_leases.snapshot();
         let (mut attr, writers) = self
             .read(|s| {
                 let attr = s.inode(ino).map(|i| s.attr(i))?;
-                Ok((attr, s.handles_of(ino).any(|h| h.write)))
+                Ok((attr, others_write(s, ino, caller.lease_session)))
             })
             .await?;
         if !writers && !is_dir_attr(&attr) {
+            let digest = attr_digest(&attr);
             attr.attr_lease =
                 self.cache_leases
-                    .grant(Lease::Attrs(ino), caller.lease_session, snapshot);
+                    .grant(Lease::Attrs(ino), caller.lease_session, snapshot, digest);
         }
         Ok(attr)
     }
@@ -924,9 +978,14 @@ impl Manager {
     }
 
     pub async fn rmdir(&self, caller: &Caller, parent: u64, name: &str) -> Result<()> {
-        let mut leases = vec![Lease::Names(parent)];
-        leases.extend(self.child_ino(parent, name).map(Lease::Names));
-        let _guard = self.recall(caller, &leases).await;
+        let _guard = self
+            .recall_with_children(
+                caller,
+                &[Lease::Names(parent)],
+                &[(parent, name)],
+                Lease::Names,
+            )
+            .await;
         self.write(|s| s.rmdir(caller, parent, name)).await
     }
 
@@ -934,9 +993,14 @@ impl Manager {
     /// (like every change that revokes capabilities, see `State::revoke_capabilities`).
     /// Removes a name; returns the inode and the names it has left.
     pub async fn unlink(&self, caller: &Caller, parent: u64, name: &str) -> Result<(u64, u32)> {
-        let mut leases = vec![Lease::Names(parent)];
-        leases.extend(self.child_ino(parent, name).map(Lease::Attrs));
-        let _guard = self.recall(caller, &leases).await;
+        let _guard = self
+            .recall_with_children(
+                caller,
+                &[Lease::Names(parent)],
+                &[(parent, name)],
+                Lease::Attrs,
+            )
+            .await;
         let (removed, revoked) = self
             .write(|s| {
                 s.revocation_queued = false;
@@ -959,10 +1023,14 @@ impl Manager {
         new_name: &str,
         flags: u32,
     ) -> Result<()> {
-        let mut leases = vec![Lease::Names(parent), Lease::Names(new_parent)];
-        leases.extend(self.child_ino(parent, name).map(Lease::Attrs));
-        leases.extend(self.child_ino(new_parent, new_name).map(Lease::Attrs));
-        let _guard = self.recall(caller, &leases).await;
+        let _guard = self
+            .recall_with_children(
+                caller,
+                &[Lease::Names(parent), Lease::Names(new_parent)],
+                &[(parent, name), (new_parent, new_name)],
+                Lease::Attrs,
+            )
+            .await;
         let revoked = self
             .write(|s| {
                 s.revocation_queued = false;
@@ -1399,16 +1467,22 @@ impl Manager {
         stats.file_requests = self
             .file_requests
             .load(std::sync::atomic::Ordering::Relaxed);
+        stats.cache_lease_sessions = self.cache_leases.live_sessions();
         Ok(stats)
     }
 }
 
-/// Undoes the creation of region `ino` as `name` in the directory that
-/// was `parent_before`: a region must not exist half made.
 /// Whether everyone may search directory `inode` (mounts cache only such directories'
 /// entries).
 fn searchable_by_all(inode: &Inode) -> bool {
     inode.kind == Kind::Directory && inode.mode & 0o111 == 0o111
+}
+
+/// Whether anyone but mount session `session` (whose kernel knows its own writes) has `ino`
+/// open for writing: its attributes may change under a lease then.
+fn others_write(s: &State, ino: u64, session: u64) -> bool {
+    s.handles_of(ino)
+        .any(|h| h.write && (session == 0 || s.write_sessions.get(&h.id) != Some(&session)))
 }
 
 /// Whether `attr` is a directory's (whose attributes mounts cache for the default second).
@@ -1416,6 +1490,8 @@ fn is_dir_attr(attr: &v1::Attr) -> bool {
     attr.kind == v1::FileKind::Directory as i32
 }
 
+/// Undoes the creation of region `ino` as `name` in the directory that
+/// was `parent_before`: a region must not exist half made.
 fn undo_create(s: &mut State, parent_before: Inode, name: &str, ino: u64) {
     s.remove_entry(parent_before.ino, name);
     s.maps.remove(&ino);

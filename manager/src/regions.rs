@@ -296,6 +296,9 @@ impl State {
         };
         self.counters.next_handle += 1;
         self.dirty.counters = true;
+        if write && caller.lease_session != 0 {
+            self.write_sessions.insert(handle.id, caller.lease_session);
+        }
         self.handles.insert(handle.id, handle);
         self.open.entry(ino).or_default().insert(handle.id);
         self.dirty.handles.insert(handle.id);
@@ -364,6 +367,7 @@ impl State {
         let Some(handle) = self.handles.remove(&id) else {
             return false;
         };
+        self.write_sessions.remove(&id);
         self.dirty.handles.insert(id);
         if handle.write {
             if !wrote_within_size {

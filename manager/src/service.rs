@@ -591,11 +591,29 @@ impl Cluster for Services {
         r: Request<v1::WatchCacheLeasesRequest>,
     ) -> Result<Response<CacheLeaseStream>, Status> {
         let host = r.into_inner().host_id;
-        let (session, rx) = self.manager.cache_leases().open_session();
+        let (session, rx) = self
+            .manager
+            .cache_leases()
+            .open_session()
+            .map_err(Status::from)?;
         tracing::debug!(session, host, "a mount opened a cache-lease session");
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
+    }
+
+    async fn renew_cache_leases(
+        &self,
+        r: Request<v1::RenewCacheLeasesRequest>,
+    ) -> Result<Response<v1::RenewCacheLeasesReply>, Status> {
+        let session = r.into_inner().session;
+        reply(
+            "renew_cache_leases",
+            self.manager
+                .cache_leases()
+                .renew(session)
+                .map(|()| v1::RenewCacheLeasesReply {}),
+        )
     }
 
     async fn cache_lease_recalled(

@@ -73,6 +73,10 @@ impl Default for Counters {
 #[derive(Debug)]
 pub struct State {
     pub inodes: HashMap<u64, Inode>,
+    /// Write handle → the cache-lease session of the mount that opened it (not stored: a
+    /// session ends with the manager run). Its own writes do not stop that mount's kernel
+    /// from caching the region's attributes (see `crate::cache_leases`).
+    pub write_sessions: HashMap<u64, u64>,
     pub dirs: HashMap<u64, DirIndex>,
     /// Region map of every region: one entry per chunk.
     pub maps: HashMap<u64, Vec<u64>>,
@@ -166,6 +170,7 @@ impl State {
     pub fn empty(lease: Duration) -> State {
         State {
             inodes: HashMap::new(),
+            write_sessions: HashMap::new(),
             dirs: HashMap::new(),
             maps: HashMap::new(),
             hosts: BTreeMap::new(),

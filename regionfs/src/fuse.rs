@@ -157,27 +157,27 @@ impl FuseFs {
         }
     }
 
-    /// TTL of the attributes of `ino`: longer while this mount holds a lease on them.
-    fn attr_ttl(&self, ino: u64) -> Duration {
+    /// TTL of attributes `a`: longer when their reply brought a lease this mount holds.
+    fn attr_ttl(&self, a: &v1::Attr) -> Duration {
         self.core
-            .lease_ttl(Covered::Attrs(ino))
+            .lease_ttl(Covered::Attrs(a.ino), a.attr_lease)
             .map_or(TTL, |t| t.max(TTL))
     }
 
-    /// The (attribute, entry) TTLs of entry `name` of `parent` naming `ino`, for a reply that
-    /// hands the entry to the kernel. An entry is looked up (and checked) every time where
-    /// not everyone may search `parent`; it is kept longer while this mount holds a lease on
-    /// the directory's names, and its attributes while it holds one on them.
-    fn entry_ttls(&self, parent: u64, name: &OsStr, ino: u64) -> (Duration, Duration) {
+    /// The (attribute, entry) TTLs of entry `name` of `parent` with attributes `a`, for a
+    /// reply that hands the entry to the kernel. An entry is looked up (and checked) every
+    /// time where not everyone may search `parent`; it is kept longer when its reply brought
+    /// a lease on the directory's names that this mount holds, and its attributes likewise.
+    fn entry_ttls(&self, parent: u64, name: &OsStr, a: &v1::Attr) -> (Duration, Duration) {
         let entry = match self.core.entry_cache(parent, name, TTL) {
             EntryCache::No => return (Duration::ZERO, Duration::ZERO),
             EntryCache::Default => TTL,
-            EntryCache::Leased => match self.core.lease_ttl(Covered::Names(parent)) {
-                Some(t) if self.core.leased_entry(parent, name, ino) => t.max(TTL),
+            EntryCache::Leased => match self.core.lease_ttl(Covered::Names(parent), a.dir_lease) {
+                Some(t) if self.core.leased_entry(parent, name, a.ino) => t.max(TTL),
                 _ => TTL,
             },
         };
-        (self.attr_ttl(ino), entry)
+        (self.attr_ttl(a), entry)
     }
 
     fn unref_backing(&self, ino: u64) {
@@ -351,7 +351,7 @@ impl Filesystem for FuseFs {
         let _timed = Timed::start("lookup");
         match self.core.lookup(&ctx(req), parent.0, name) {
             Ok(a) => {
-                let (attr_ttl, entry_ttl) = self.entry_ttls(parent.0, name, a.ino);
+                let (attr_ttl, entry_ttl) = self.entry_ttls(parent.0, name, &a);
                 reply.entry_with_ttls(
                     &attr_ttl,
                     &entry_ttl,
@@ -371,7 +371,7 @@ impl Filesystem for FuseFs {
     fn getattr(&self, req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
         let _timed = Timed::start("getattr");
         match self.core.getattr(&ctx(req), ino.0) {
-            Ok(a) => reply.attr(&self.attr_ttl(a.ino), &file_attr(&a)),
+            Ok(a) => reply.attr(&self.attr_ttl(&a), &file_attr(&a)),
             Err(e) => reply.error(self.fail("getattr", ino.0, &e)),
         }
     }
@@ -408,7 +408,7 @@ impl Filesystem for FuseFs {
             .core
             .setattr(&ctx(req), ino.0, change, ctime.is_some(), fh.map(|f| f.0))
         {
-            Ok(a) => reply.attr(&self.attr_ttl(a.ino), &file_attr(&a)),
+            Ok(a) => reply.attr(&self.attr_ttl(&a), &file_attr(&a)),
             Err(e) => reply.error(self.fail("setattr", ino.0, &e)),
         }
     }
@@ -429,7 +429,7 @@ impl Filesystem for FuseFs {
             .mknod(&ctx(req), parent.0, name, mode, umask, rdev)
         {
             Ok(a) => {
-                let (attr_ttl, entry_ttl) = self.entry_ttls(parent.0, name, a.ino);
+                let (attr_ttl, entry_ttl) = self.entry_ttls(parent.0, name, &a);
                 reply.entry_with_ttls(
                     &attr_ttl,
                     &entry_ttl,
@@ -453,7 +453,7 @@ impl Filesystem for FuseFs {
         let _timed = Timed::start("mkdir");
         match self.core.mkdir(&ctx(req), parent.0, name, mode, umask) {
             Ok(a) => {
-                let (attr_ttl, entry_ttl) = self.entry_ttls(parent.0, name, a.ino);
+                let (attr_ttl, entry_ttl) = self.entry_ttls(parent.0, name, &a);
                 reply.entry_with_ttls(
                     &attr_ttl,
                     &entry_ttl,
@@ -492,7 +492,7 @@ impl Filesystem for FuseFs {
         let _timed = Timed::start("symlink");
         match self.core.symlink(&ctx(req), parent.0, link_name, target) {
             Ok(a) => {
-                let (attr_ttl, entry_ttl) = self.entry_ttls(parent.0, link_name, a.ino);
+                let (attr_ttl, entry_ttl) = self.entry_ttls(parent.0, link_name, &a);
                 reply.entry_with_ttls(
                     &attr_ttl,
                     &entry_ttl,
@@ -545,7 +545,7 @@ impl Filesystem for FuseFs {
         let _timed = Timed::start("link");
         match self.core.link(&ctx(req), ino.0, newparent.0, newname) {
             Ok(a) => {
-                let (attr_ttl, entry_ttl) = self.entry_ttls(newparent.0, newname, a.ino);
+                let (attr_ttl, entry_ttl) = self.entry_ttls(newparent.0, newname, &a);
                 reply.entry_with_ttls(
                     &attr_ttl,
                     &entry_ttl,
@@ -714,8 +714,14 @@ impl Filesystem for FuseFs {
                         Some(a) => file_attr(a),
                         None => dot_attr(e.ino),
                     };
-                    // One TTL for the entry and its attributes: the shorter.
-                    let (attr_ttl, entry_ttl) = self.entry_ttls(ino.0, &e.name, e.ino);
+                    // One TTL for the entry and its attributes: the shorter (listings
+                    // bring no lease, so the default at most).
+                    let granted = v1::Attr {
+                        ino: e.ino,
+                        ..v1::Attr::default()
+                    };
+                    let (attr_ttl, entry_ttl) =
+                        self.entry_ttls(ino.0, &e.name, e.attr.as_ref().unwrap_or(&granted));
                     let ttl = attr_ttl.min(entry_ttl);
                     if reply.add(
                         INodeNo(e.ino),
@@ -829,7 +835,7 @@ impl Filesystem for FuseFs {
                     f |= FopenFlags::FOPEN_DIRECT_IO;
                 }
                 // One TTL for the entry and its attributes: the shorter.
-                let (attr_ttl, entry_ttl) = self.entry_ttls(parent.0, name, a.ino);
+                let (attr_ttl, entry_ttl) = self.entry_ttls(parent.0, name, &a);
                 reply.created(
                     &attr_ttl.min(entry_ttl),
                     &file_attr(&a),

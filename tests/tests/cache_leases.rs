@@ -33,12 +33,24 @@ fn two_mounts(term_ms: u64) -> Two {
     let a = cluster.mount(1).unwrap();
     let b = cluster.mount(2).unwrap();
     // Each mount opens its lease session right after mounting.
-    std::thread::sleep(Duration::from_millis(300));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while stats(&cluster).cache_lease_sessions < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the mounts opened no cache-lease session within 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     Two { a, b, cluster }
 }
 
 /// Namespace and region requests the manager has answered so far.
 fn file_requests(cluster: &Cluster) -> u64 {
+    stats(cluster).file_requests
+}
+
+/// The manager's counters.
+fn stats(cluster: &Cluster) -> v1::StatsReply {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -52,7 +64,6 @@ fn file_requests(cluster: &Cluster) -> u64 {
             .await
             .unwrap()
             .into_inner()
-            .file_requests
     })
 }
 
@@ -69,8 +80,9 @@ fn size(path: &std::path::Path) -> std::io::Result<u64> {
 #[test]
 fn a_lease_keeps_names_and_attributes_cached_and_a_change_elsewhere_is_seen_at_once() {
     let t = two_mounts(TERM_MS);
-    std::fs::create_dir(t.a.path("d")).unwrap();
-    std::fs::write(t.a.path("d/f"), b"one").unwrap();
+    std::fs::create_dir(t.b.path("d")).unwrap();
+    std::fs::write(t.b.path("d/f"), b"one").unwrap();
+    // A looks the file up (its first sight of it): the manager grants the leases.
     assert_eq!(size(&t.a.path("d/f")).unwrap(), 3);
 
     // Past the default TTL, the lease still keeps the entry and its attributes: the manager

@@ -14,12 +14,27 @@ pub struct CacheLeaseStream {
     stream: tonic::Streaming<v1::CacheLeaseEvent>,
 }
 
+/// What [`CacheLeaseStream::next_event`] found.
+pub enum LeaseStreamNext {
+    Event(v1::CacheLeaseEvent),
+    /// The manager ended the session (or went away).
+    Ended,
+    /// Nothing within the wait.
+    Idle,
+}
+
 impl CacheLeaseStream {
-    /// The next event; `None` when the manager ended the session (or went away).
-    pub fn next_event(&mut self) -> Result<Option<v1::CacheLeaseEvent>> {
-        self.connection
-            .block_on(self.stream.message())
-            .map_err(RegionsError::from_status)
+    /// The next event, waiting at most `wait`.
+    pub fn next_event(&mut self, wait: std::time::Duration) -> Result<LeaseStreamNext> {
+        let next = self
+            .connection
+            .block_on(async { tokio::time::timeout(wait, self.stream.message()).await });
+        match next {
+            Err(_) => Ok(LeaseStreamNext::Idle),
+            Ok(Ok(Some(e))) => Ok(LeaseStreamNext::Event(e)),
+            Ok(Ok(None)) => Ok(LeaseStreamNext::Ended),
+            Ok(Err(status)) => Err(RegionsError::from_status(status)),
+        }
     }
 }
 
@@ -55,6 +70,16 @@ impl ManagerClient {
             .map_err(RegionsError::from_status)?
             .into_inner();
         Ok(CacheLeaseStream { connection, stream })
+    }
+
+    /// Renews cache-lease session `session` (its leases hold a term from now).
+    pub fn renew_cache_leases(&self, session: u64) -> Result<()> {
+        self.call(|mut s| async move {
+            s.cluster
+                .renew_cache_leases(v1::RenewCacheLeasesRequest { session })
+                .await
+        })
+        .map(|_| ())
     }
 
     /// Session `session` dropped what recall `recall` named.

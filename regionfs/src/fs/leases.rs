@@ -1,10 +1,10 @@
 //! The mount's cache-lease session (see `crate::cache_leases`): one thread keeps it with the
-//! manager, counts its heartbeats, and answers each recall once the kernel has forgotten what
-//! it cached under the lease.
+//! manager and answers each recall once the kernel has forgotten what it cached under the
+//! lease; another renews it every quarter term.
 
 use std::sync::Weak;
 
-use regions::manager_client::cluster::CacheLeaseStream;
+use regions::manager_client::cluster::{CacheLeaseStream, LeaseStreamNext};
 
 use super::*;
 use crate::cache_leases::Covered;
@@ -22,6 +22,15 @@ const LEASED_ENTRIES_KEPT: usize = 1 << 16;
 /// Pause before a new session after one ended.
 const RECONNECT_AFTER: Duration = Duration::from_secs(1);
 
+/// Renewals per term.
+const RENEWALS_PER_TERM: u32 = 4;
+
+/// How often the renewing thread looks for a session while there is none.
+const RENEW_IDLE: Duration = Duration::from_millis(200);
+
+/// How long the stream is read before checking whether the session is over.
+const IDLE_CHECK: Duration = Duration::from_secs(1);
+
 /// What the kernel may cache of an entry handed to it (see [`RegionFs::entry_cache`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EntryCache {
@@ -34,7 +43,8 @@ pub enum EntryCache {
 }
 
 impl RegionFs {
-    /// Starts the thread that keeps this mount's cache-lease session.
+    /// Starts the threads that keep this mount's cache-lease session: one reads its stream
+    /// (recalls) and opens a new session when one ends, the other renews it.
     pub fn start_cache_leases(self: &Arc<Self>) -> std::io::Result<()> {
         let fs = Arc::downgrade(self);
         std::thread::Builder::new()
@@ -42,13 +52,14 @@ impl RegionFs {
             .spawn(move || {
                 loop {
                     let Some(this) = fs.upgrade() else { return };
+                    let asked = Instant::now();
                     let stream = this
                         .client
                         .manager()
                         .watch_cache_leases(this.identity.host_id());
                     drop(this);
                     match stream {
-                        Ok(mut stream) => run_session(&fs, &mut stream),
+                        Ok(mut stream) => run_session(&fs, &mut stream, asked),
                         Err(e) => {
                             tracing::debug!(error = %e, "cannot open a cache-lease session")
                         }
@@ -65,18 +76,59 @@ impl RegionFs {
                     drop(this);
                     std::thread::sleep(RECONNECT_AFTER);
                 }
+            })?;
+        let fs = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("regionfs-renew".into())
+            .spawn(move || {
+                loop {
+                    let every = {
+                        let Some(this) = fs.upgrade() else { return };
+                        let Some((session, term)) = this.cache_leases.current() else {
+                            drop(this);
+                            std::thread::sleep(RENEW_IDLE);
+                            continue;
+                        };
+                        let asked = Instant::now();
+                        match this.client.manager().renew_cache_leases(session) {
+                            Ok(()) => this.cache_leases.renewed(session, asked),
+                            Err(e) if e.errno() == libc::ENOENT => {
+                                tracing::info!(
+                                    session,
+                                    "the manager ended this mount's cache-lease session"
+                                );
+                                this.cache_leases.over(session);
+                            }
+                            // A recall unanswered, or the manager out of reach: the leases
+                            // run out unless a later renewal goes through.
+                            Err(e) => {
+                                tracing::debug!(session, error = %e, "cache leases not renewed")
+                            }
+                        }
+                        (term / RENEWALS_PER_TERM).max(Duration::from_millis(10))
+                    };
+                    std::thread::sleep(every);
+                }
             })
             .map(drop)
     }
 
-    /// How long the kernel may cache what `covered` covers, beyond the default.
-    pub fn lease_ttl(&self, covered: Covered) -> Option<Duration> {
-        self.cache_leases.ttl(covered)
+    /// How long the kernel may cache what a reply brought under grant `grant` on `covered`,
+    /// beyond the default.
+    pub fn lease_ttl(&self, covered: Covered, grant: u64) -> Option<Duration> {
+        self.cache_leases.ttl(covered, grant)
     }
 
-    /// Takes the leases a manager reply to `caller`'s request granted.
-    pub(super) fn note_leases(&self, caller: &v1::Caller, parent: Option<u64>, attr: &v1::Attr) {
-        self.cache_leases.note(caller.lease_session, parent, attr);
+    /// Takes the leases a manager reply to `caller`'s request, sent at `asked`, granted.
+    pub(super) fn note_leases(
+        &self,
+        caller: &v1::Caller,
+        asked: Instant,
+        parent: Option<u64>,
+        attr: &v1::Attr,
+    ) {
+        self.cache_leases
+            .note(caller.lease_session, asked, parent, attr);
     }
 
     /// What the kernel may cache of entry `name` of `parent`, recording it when it may (see
@@ -159,13 +211,21 @@ impl RegionFs {
     }
 }
 
-/// Serves one session until it ends.
-fn run_session(fs: &Weak<RegionFs>, stream: &mut CacheLeaseStream) {
+/// Serves one session until it ends (or the manager says it is over).
+fn run_session(fs: &Weak<RegionFs>, stream: &mut CacheLeaseStream, asked: Instant) {
     let mut session = 0;
     loop {
-        let event = match stream.next_event() {
-            Ok(Some(e)) => e,
-            Ok(None) => return,
+        let event = match stream.next_event(IDLE_CHECK) {
+            Ok(LeaseStreamNext::Event(e)) => e,
+            Ok(LeaseStreamNext::Ended) => return,
+            Ok(LeaseStreamNext::Idle) => {
+                // A session the manager ended behind a connection that never closed.
+                match fs.upgrade() {
+                    Some(this) if session != 0 && this.cache_leases.is_over() => return,
+                    Some(_) => continue,
+                    None => return,
+                }
+            }
             Err(e) => {
                 tracing::debug!(error = %e, "the cache-lease session broke");
                 return;
@@ -175,12 +235,11 @@ fn run_session(fs: &Weak<RegionFs>, stream: &mut CacheLeaseStream) {
         if event.session != 0 {
             session = event.session;
             let term = Duration::from_millis(event.term_ms.into());
-            this.cache_leases.started(session, term);
-            tracing::debug!(session, ?term, "cache-lease session started");
+            this.cache_leases.started(session, term, asked);
+            tracing::info!(session, ?term, "cache-lease session started");
             continue;
         }
         if event.recall == 0 {
-            this.cache_leases.heartbeat();
             continue;
         }
         let covered = Covered::of_recall(&event);
@@ -191,7 +250,7 @@ fn run_session(fs: &Weak<RegionFs>, stream: &mut CacheLeaseStream) {
             .manager()
             .cache_lease_recalled(session, event.recall)
         {
-            // The manager ends the session when no answer comes.
+            // The manager waits the leases out when no answer comes.
             tracing::debug!(error = %e, "cannot answer a cache-lease recall");
         }
     }

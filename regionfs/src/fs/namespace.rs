@@ -16,8 +16,9 @@ impl RegionFs {
         let name = wire(name)?;
         let name: &str = &name;
         let caller = self.caller(ctx);
+        let asked = Instant::now();
         let attr = self.manager().lookup(&caller, parent, name)?;
-        self.note_leases(&caller, Some(parent), &attr);
+        self.note_leases(&caller, asked, Some(parent), &attr);
         let attr = self.with_local_size(attr);
         if is_dir(&attr) {
             self.note_dir(&attr, Some(parent));
@@ -37,9 +38,10 @@ impl RegionFs {
             return Ok(attr);
         }
         let caller = self.caller(ctx);
+        let asked = Instant::now();
         let attr = match self.manager().getattr(&caller, ino) {
             Ok(a) => {
-                self.note_leases(&caller, None, &a);
+                self.note_leases(&caller, asked, None, &a);
                 self.with_local_size(a)
             }
             Err(e) if e.errno() == libc::ENOENT => {
@@ -373,10 +375,11 @@ impl RegionFs {
     ) -> FsResult<v1::Attr> {
         self.check_creatable(ctx, parent, name)?;
         let caller = self.caller(ctx);
+        let asked = Instant::now();
         let attr = self
             .manager()
             .mkdir(&caller, parent, &wire(name)?, mode & !umask & 0o7777)?;
-        self.note_leases(&caller, Some(parent), &attr);
+        self.note_leases(&caller, asked, Some(parent), &attr);
         self.note_dir(&attr, Some(parent));
         Ok(attr)
     }
@@ -416,6 +419,7 @@ impl RegionFs {
     ) -> FsResult<v1::Attr> {
         self.check_creatable(ctx, parent, name)?;
         let caller = self.caller(ctx);
+        let asked = Instant::now();
         let name = wire(name)?;
         let name: &str = &name;
         let bits = mode & !umask & 0o7777;
@@ -423,7 +427,7 @@ impl RegionFs {
             let attr =
                 self.manager()
                     .make_node(&caller, parent, name, kind, bits, u64::from(rdev))?;
-            self.note_leases(&caller, Some(parent), &attr);
+            self.note_leases(&caller, asked, Some(parent), &attr);
             return Ok(attr);
         }
         if mode & libc::S_IFMT != libc::S_IFREG && mode & libc::S_IFMT != 0 {
@@ -441,7 +445,7 @@ impl RegionFs {
             attrs: defaults,
             preallocate: 0,
         })?;
-        self.note_leases(&caller, Some(parent), &attr);
+        self.note_leases(&caller, asked, Some(parent), &attr);
         self.created(&caller, parent, name, &attr);
         Ok(attr)
     }
@@ -487,6 +491,7 @@ impl RegionFs {
         self.check_creatable(ctx, parent, name)?;
         self.count_open();
         let caller = self.caller(ctx);
+        let asked = Instant::now();
         let name = wire(name)?;
         let name: &str = &name;
         let mode = mode & !umask & 0o7777;
@@ -522,7 +527,7 @@ impl RegionFs {
             region
         };
         let mut attr = region.opened_attr().clone();
-        self.note_leases(&caller, Some(parent), &attr);
+        self.note_leases(&caller, asked, Some(parent), &attr);
         self.created(&caller, parent, name, &attr);
         if create_mode != mode {
             // The open write handle keeps its rights after the chmod.
@@ -713,11 +718,12 @@ impl RegionFs {
     ) -> FsResult<v1::Attr> {
         self.check_creatable(ctx, parent, name)?;
         let caller = self.caller(ctx);
+        let asked = Instant::now();
         let name = wire(name)?;
         let attr = self
             .manager()
             .symlink(&caller, parent, &name, target.as_os_str().as_bytes())?;
-        self.note_leases(&caller, Some(parent), &attr);
+        self.note_leases(&caller, asked, Some(parent), &attr);
         Ok(attr)
     }
 
@@ -747,9 +753,10 @@ impl RegionFs {
         }
         self.check_creatable(ctx, new_parent, new_name)?;
         let caller = self.caller(ctx);
+        let asked = Instant::now();
         let new_name = wire(new_name)?;
         let attr = self.manager().link(&caller, ino, new_parent, &new_name)?;
-        self.note_leases(&caller, Some(new_parent), &attr);
+        self.note_leases(&caller, asked, Some(new_parent), &attr);
         // The link count changed: answers kept for the kernel are stale.
         self.forget_cached_attrs();
         Ok(self.with_local_size(attr))
