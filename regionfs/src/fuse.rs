@@ -157,6 +157,18 @@ impl FuseFs {
         }
     }
 
+    /// Answers a request that hands entry `name` of `parent`, with attributes `a`, to the
+    /// kernel.
+    fn reply_entry(&self, reply: ReplyEntry, parent: u64, name: &OsStr, a: &v1::Attr) {
+        let (attr_ttl, entry_ttl) = self.entry_ttls(parent, name, a);
+        reply.entry_with_ttls(
+            &attr_ttl,
+            &entry_ttl,
+            &file_attr(a),
+            Generation(self.core.generation(a.ino)),
+        );
+    }
+
     /// TTL of attributes `a`: longer when their reply brought a lease this mount holds.
     fn attr_ttl(&self, a: &v1::Attr) -> Duration {
         self.core
@@ -350,15 +362,7 @@ impl Filesystem for FuseFs {
     fn lookup(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let _timed = Timed::start("lookup");
         match self.core.lookup(&ctx(req), parent.0, name) {
-            Ok(a) => {
-                let (attr_ttl, entry_ttl) = self.entry_ttls(parent.0, name, &a);
-                reply.entry_with_ttls(
-                    &attr_ttl,
-                    &entry_ttl,
-                    &file_attr(&a),
-                    Generation(self.core.generation(a.ino)),
-                );
-            }
+            Ok(a) => self.reply_entry(reply, parent.0, name, &a),
             Err(e) => reply.error(self.fail("lookup", parent.0, &e)),
         }
     }
@@ -428,15 +432,7 @@ impl Filesystem for FuseFs {
             .core
             .mknod(&ctx(req), parent.0, name, mode, umask, rdev)
         {
-            Ok(a) => {
-                let (attr_ttl, entry_ttl) = self.entry_ttls(parent.0, name, &a);
-                reply.entry_with_ttls(
-                    &attr_ttl,
-                    &entry_ttl,
-                    &file_attr(&a),
-                    Generation(self.core.generation(a.ino)),
-                )
-            }
+            Ok(a) => self.reply_entry(reply, parent.0, name, &a),
             Err(e) => reply.error(self.fail("mknod", parent.0, &e)),
         }
     }
@@ -452,15 +448,7 @@ impl Filesystem for FuseFs {
     ) {
         let _timed = Timed::start("mkdir");
         match self.core.mkdir(&ctx(req), parent.0, name, mode, umask) {
-            Ok(a) => {
-                let (attr_ttl, entry_ttl) = self.entry_ttls(parent.0, name, &a);
-                reply.entry_with_ttls(
-                    &attr_ttl,
-                    &entry_ttl,
-                    &file_attr(&a),
-                    Generation(self.core.generation(a.ino)),
-                )
-            }
+            Ok(a) => self.reply_entry(reply, parent.0, name, &a),
             Err(e) => reply.error(self.fail("mkdir", parent.0, &e)),
         }
     }
@@ -491,15 +479,7 @@ impl Filesystem for FuseFs {
     ) {
         let _timed = Timed::start("symlink");
         match self.core.symlink(&ctx(req), parent.0, link_name, target) {
-            Ok(a) => {
-                let (attr_ttl, entry_ttl) = self.entry_ttls(parent.0, link_name, &a);
-                reply.entry_with_ttls(
-                    &attr_ttl,
-                    &entry_ttl,
-                    &file_attr(&a),
-                    Generation(self.core.generation(a.ino)),
-                )
-            }
+            Ok(a) => self.reply_entry(reply, parent.0, link_name, &a),
             Err(e) => reply.error(self.fail("symlink", parent.0, &e)),
         }
     }
@@ -544,15 +524,7 @@ impl Filesystem for FuseFs {
     ) {
         let _timed = Timed::start("link");
         match self.core.link(&ctx(req), ino.0, newparent.0, newname) {
-            Ok(a) => {
-                let (attr_ttl, entry_ttl) = self.entry_ttls(newparent.0, newname, &a);
-                reply.entry_with_ttls(
-                    &attr_ttl,
-                    &entry_ttl,
-                    &file_attr(&a),
-                    Generation(self.core.generation(a.ino)),
-                )
-            }
+            Ok(a) => self.reply_entry(reply, newparent.0, newname, &a),
             Err(e) => reply.error(self.fail("link", ino.0, &e)),
         }
     }

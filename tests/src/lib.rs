@@ -835,6 +835,17 @@ impl Cluster {
         format!("http://{}", self.manager.addr)
     }
 
+    /// The manager's counters (`Cluster.Stats`), from a plain thread.
+    pub fn stats(&self) -> anyhow::Result<v1::StatsReply> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        rt.block_on(async {
+            let mut c = connect(self.manager.addr, &self.secret).await?;
+            Ok(c.cluster.stats(v1::StatsRequest {}).await?.into_inner())
+        })
+    }
+
     /// Mounts the cluster as host `host` at a fresh directory.
     pub fn mount(&self, host: u32) -> anyhow::Result<MountProcess> {
         let daemon = self.daemon(host)?;

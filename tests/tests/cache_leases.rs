@@ -10,7 +10,6 @@ use std::os::unix::process::CommandExt;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use regions_proto::v1;
 use regions_tests::{Cluster, MountProcess};
 
 /// The lease term the manager is started with here.
@@ -34,7 +33,7 @@ fn two_mounts(term_ms: u64) -> Two {
     let b = cluster.mount(2).unwrap();
     // Each mount opens its lease session right after mounting.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while stats(&cluster).cache_lease_sessions < 2 {
+    while cluster.stats().unwrap().cache_lease_sessions < 2 {
         assert!(
             Instant::now() < deadline,
             "the mounts opened no cache-lease session within 10 s"
@@ -46,25 +45,7 @@ fn two_mounts(term_ms: u64) -> Two {
 
 /// Namespace and region requests the manager has answered so far.
 fn file_requests(cluster: &Cluster) -> u64 {
-    stats(cluster).file_requests
-}
-
-/// The manager's counters.
-fn stats(cluster: &Cluster) -> v1::StatsReply {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let mut c = regions_tests::connect(cluster.manager.addr, &cluster.secret)
-            .await
-            .unwrap();
-        c.cluster
-            .stats(v1::StatsRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-    })
+    cluster.stats().unwrap().file_requests
 }
 
 /// Sends `sig` (`-STOP`, `-CONT`) to process `pid`.

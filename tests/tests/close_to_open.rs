@@ -11,7 +11,6 @@ use std::path::Path;
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng, rngs::StdRng};
-use regions_proto::v1;
 use regions_tests::{Cluster, MountProcess};
 
 struct Two {
@@ -29,21 +28,7 @@ fn two_mounts() -> Two {
 
 /// Namespace and region requests the manager has answered so far.
 fn file_requests(cluster: &Cluster) -> u64 {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let mut c = regions_tests::connect(cluster.manager.addr, &cluster.secret)
-            .await
-            .unwrap();
-        c.cluster
-            .stats(v1::StatsRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .file_requests
-    })
+    cluster.stats().unwrap().file_requests
 }
 
 /// Opens `path`, checks its size and every byte against `want`, closes.
