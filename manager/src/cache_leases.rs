@@ -183,10 +183,6 @@ impl CacheLeases {
         }
     }
 
-    pub fn term(&self) -> Duration {
-        self.term
-    }
-
     fn lock(&self) -> MutexGuard<'_, Inner> {
         // Every update is a single insert or remove: the maps stay consistent after a panic.
         self.inner.lock().unwrap_or_else(|p| p.into_inner())

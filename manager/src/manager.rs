@@ -315,32 +315,25 @@ impl Manager {
             // Names or attributes changed: a change that recalled the leases on them first is
             // under way; any other (an owner's exit, a host's expiry) recalls them now.
             let state = &inner.state;
-            let mut names: Vec<u64> = state.dirty.dirents.iter().map(|(d, _)| *d).collect();
-            names.dedup();
-            // The attributes of leased inodes as they are now: a lease is recalled only if
-            // they changed.
+            let mut changed: Vec<(Lease, Option<u64>)> = Vec::new();
+            for (dir, _) in &state.dirty.dirents {
+                if changed.last().is_none_or(|(l, _)| *l != Lease::Names(*dir)) {
+                    changed.push((Lease::Names(*dir), None));
+                }
+            }
+            // The attributes of leased inodes as they are now: their leases are recalled only
+            // if they changed.
             let held = self
                 .cache_leases
                 .held_attrs(state.dirty.inodes.iter().copied());
-            // Unheld inodes changed too: no grant for a state read before this change.
-            let untracked = state
-                .dirty
-                .inodes
-                .iter()
-                .filter(|i| !held.contains(i))
-                .map(|i| (Lease::Attrs(*i), None))
-                .collect::<Vec<_>>();
-            let attrs = held.into_iter().map(|ino| {
-                let now = state.inodes.get(&ino).map(|i| attr_digest(&state.attr(i)));
-                (Lease::Attrs(ino), now)
-            });
-            let changed = names
-                .into_iter()
-                .map(|d| (Lease::Names(d), None))
-                .chain(attrs)
-                .collect::<Vec<_>>();
-            self.cache_leases
-                .changed_unrecalled(changed.into_iter().chain(untracked));
+            for ino in &state.dirty.inodes {
+                let now = held
+                    .contains(ino)
+                    .then(|| state.inodes.get(ino).map(|i| attr_digest(&state.attr(i))))
+                    .flatten();
+                changed.push((Lease::Attrs(*ino), now));
+            }
+            self.cache_leases.changed_unrecalled(changed);
         }
         let handles_only = inner.state.dirty.only_handles() && inner.state.events.is_empty();
         let records = match store::collect(&mut inner.state) {
@@ -769,12 +762,7 @@ impl Manager {
             })
             .await?;
         let session = caller.lease_session;
-        if !writers && !is_dir_attr(&attr) {
-            let digest = attr_digest(&attr);
-            attr.attr_lease =
-                self.cache_leases
-                    .grant(Lease::Attrs(attr.ino), session, snapshot, digest);
-        }
+        self.grant_attrs(&mut attr, session, snapshot, writers);
         if searchable {
             attr.dir_lease = self
                 .cache_leases
@@ -793,21 +781,28 @@ impl Manager {
         self.cache_leases.recall(leases, caller.lease_session).await
     }
 
+    /// A lease on the attributes `attr` for `session`, for a state read after `snapshot`
+    /// (none for a directory's, nor while someone else has the inode open for writing).
+    fn grant_attrs(&self, attr: &mut v1::Attr, session: u64, snapshot: u64, writers: bool) {
+        if !writers && !is_dir_attr(attr) {
+            let digest = attr_digest(attr);
+            attr.attr_lease =
+                self.cache_leases
+                    .grant(Lease::Attrs(attr.ino), session, snapshot, digest);
+        }
+    }
+
     /// Leases for `caller` on what its own change (under `guard`) left: the names of
     /// `parent` (when everyone may search it) and the attributes of the entry `attr`.
-    fn grant_own(
-        &self,
-        guard: &BreakGuard,
-        caller: &Caller,
-        parent_mode: u32,
-        parent: u64,
-        attr: &mut v1::Attr,
-    ) {
+    fn grant_own(&self, guard: &BreakGuard, caller: &Caller, parent: u64, attr: &mut v1::Attr) {
         if !is_dir_attr(attr) {
             let digest = attr_digest(attr);
             attr.attr_lease = guard.grant(Lease::Attrs(attr.ino), caller.lease_session, digest);
         }
-        if parent_mode & 0o111 == 0o111 {
+        let searchable = self
+            .peek(|s| s.inode(parent).is_ok_and(searchable_by_all))
+            .unwrap_or(false);
+        if searchable {
             attr.dir_lease = guard.grant(Lease::Names(parent), caller.lease_session, 0);
         }
     }
@@ -823,12 +818,6 @@ impl Manager {
         } else {
             vec![Lease::Attrs(ino)]
         }
-    }
-
-    /// The mode of directory `parent` (0 when it is gone).
-    fn dir_mode(&self, parent: u64) -> u32 {
-        self.peek(|s| s.inode(parent).map_or(0, |i| i.mode))
-            .unwrap_or(0)
     }
 
     /// Recalls `fixed` and the leases `child` makes of the inodes the `children` names name,
@@ -885,12 +874,7 @@ impl Manager {
                 Ok((attr, others_write(s, ino, caller.lease_session)))
             })
             .await?;
-        if !writers && !is_dir_attr(&attr) {
-            let digest = attr_digest(&attr);
-            attr.attr_lease =
-                self.cache_leases
-                    .grant(Lease::Attrs(ino), caller.lease_session, snapshot, digest);
-        }
+        self.grant_attrs(&mut attr, caller.lease_session, snapshot, writers);
         Ok(attr)
     }
 
@@ -905,8 +889,7 @@ impl Manager {
         let mut attr = self
             .write(|s| s.mkdir(caller, parent, name, mode).map(|i| s.attr(&i)))
             .await?;
-        let mode = self.dir_mode(parent);
-        self.grant_own(&guard, caller, mode, parent, &mut attr);
+        self.grant_own(&guard, caller, parent, &mut attr);
         Ok(attr)
     }
 
@@ -925,8 +908,7 @@ impl Manager {
                 Ok(s.attr(&i))
             })
             .await?;
-        let mode = self.dir_mode(parent);
-        self.grant_own(&guard, caller, mode, parent, &mut attr);
+        self.grant_own(&guard, caller, parent, &mut attr);
         Ok(attr)
     }
 
@@ -950,8 +932,7 @@ impl Manager {
                     .map(|i| s.attr(&i))
             })
             .await?;
-        let mode = self.dir_mode(new_parent);
-        self.grant_own(&guard, caller, mode, new_parent, &mut attr);
+        self.grant_own(&guard, caller, new_parent, &mut attr);
         Ok(attr)
     }
 
@@ -972,8 +953,7 @@ impl Manager {
                 Ok(s.attr(&i))
             })
             .await?;
-        let mode = self.dir_mode(parent);
-        self.grant_own(&guard, caller, mode, parent, &mut attr);
+        self.grant_own(&guard, caller, parent, &mut attr);
         Ok(attr)
     }
 
@@ -1183,8 +1163,7 @@ impl Manager {
         preallocate: u64,
     ) -> Result<v1::Attr> {
         let guard = self.recall(&caller, &[Lease::Names(parent)]).await;
-        let session = caller.clone();
-        let (mut attr, parent_mode) = self
+        let mut attr = self
             .write_allocating(|s| {
                 let parent_before = s.inode(parent)?.clone();
                 let inode = s.create_entry(&caller, parent, &name, mode, overrides.as_ref())?;
@@ -1195,10 +1174,10 @@ impl Manager {
                     undo_create(s, parent_before, &name, inode.ino);
                     return Err(e);
                 }
-                s.inode(inode.ino).map(|i| (s.attr(i), parent_before.mode))
+                s.inode(inode.ino).map(|i| s.attr(i))
             })
             .await?;
-        self.grant_own(&guard, &session, parent_mode, parent, &mut attr);
+        self.grant_own(&guard, &caller, parent, &mut attr);
         Ok(attr)
     }
 
@@ -1218,8 +1197,7 @@ impl Manager {
         write: bool,
     ) -> Result<v1::RegionInfo> {
         let guard = self.recall(&caller, &[Lease::Names(parent)]).await;
-        let session = caller.clone();
-        let (mut info, parent_mode) = self
+        let mut info = self
             .write_allocating(|s| {
                 let parent_before = s.inode(parent)?.clone();
                 let inode = s.create_entry(&caller, parent, &name, mode, overrides.as_ref())?;
@@ -1243,11 +1221,11 @@ impl Manager {
                 }
                 let mut info = s.region_info(ino, None)?;
                 info.handle = handle.id;
-                Ok((info, parent_before.mode))
+                Ok(info)
             })
             .await?;
         if let Some(attr) = info.attr.as_mut() {
-            self.grant_own(&guard, &session, parent_mode, parent, attr);
+            self.grant_own(&guard, &caller, parent, attr);
         }
         // A new region: only events for every region can concern it.
         self.settle_destructive_for(info.attr.as_ref().map_or(0, |a| a.ino))
