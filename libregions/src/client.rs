@@ -263,6 +263,14 @@ impl Client {
         Region::new(Arc::clone(&self.shared), caller.clone(), info, write)
     }
 
+    /// A read-only [`Region`] from a placement this client already holds (see
+    /// [`Region::placement`]), opened without asking the manager and without a handle
+    /// there: for a node component that knows, by a cache lease, that nothing changed the
+    /// region since that placement was current (regionfs's leased opens).
+    pub fn open_placed(&self, caller: &v1::Caller, placement: v1::RegionInfo) -> Result<Region> {
+        Region::without_handle(Arc::clone(&self.shared), caller.clone(), placement)
+    }
+
     /// Creates a region as `create` says and opens it, in one manager
     /// request, on behalf of `create.caller` (see [`Client::open_as`]).
     pub fn create_open_as(&self, create: v1::CreateRequest, write: bool) -> Result<Region> {

@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::access::Caller;
+use crate::cache_leases::Lease;
 use crate::error::{ManagerError, Result};
 use crate::manager::Manager;
 use crate::model::{LOST_KEY, Time};
@@ -216,6 +217,15 @@ impl Manager {
                 "release of owner pid {pid} on host {host}: both must be non-zero"
             )));
         }
+        // Mounts reading these regions under a lease hold handles of their own before they
+        // go (docs/SEMANTICS.md, "Cache leases"): recalled first, like an unlink.
+        let owned: Vec<Lease> = self
+            .peek(|s| s.owned_regions(host, Some(pid)))
+            .unwrap_or_default()
+            .into_iter()
+            .map(Lease::Attrs)
+            .collect();
+        let _guard = self.recall(&Caller::root(host), &owned).await;
         let deleted = self
             .write_for_liveness(|s| Ok(s.release_owner(host, Some(pid))))
             .await?;

@@ -777,7 +777,7 @@ impl Manager {
     }
 
     /// Recalls `leases` (but `caller`'s own), for a change of what they cover.
-    async fn recall(&self, caller: &Caller, leases: &[Lease]) -> BreakGuard {
+    pub(crate) async fn recall(&self, caller: &Caller, leases: &[Lease]) -> BreakGuard {
         self.cache_leases.recall(leases, caller.lease_session).await
     }
 
@@ -860,7 +860,7 @@ impl Manager {
 
     /// Runs `f` on the state as it is now, durable or not (for choosing which leases to
     /// recall: a change that is not durable yet was recalled for by its own request).
-    fn peek<T>(&self, f: impl FnOnce(&State) -> T) -> Option<T> {
+    pub(crate) fn peek<T>(&self, f: impl FnOnce(&State) -> T) -> Option<T> {
         self.lock().ok().map(|inner| f(&inner.state))
     }
 
@@ -1247,14 +1247,20 @@ impl Manager {
         } else {
             None
         };
-        let info = self
+        let snapshot = self.cache_leases.snapshot();
+        let (mut info, writers) = self
             .write_handles(|s| {
                 let handle = s.open_region(caller, ino, write)?;
                 let mut info = s.region_info(ino, None)?;
                 info.handle = handle.id;
-                Ok(info)
+                Ok((info, others_write(s, ino, caller.lease_session)))
             })
             .await?;
+        // A reader's mount may open the region again without asking while this lease holds
+        // (docs/SEMANTICS.md, "Cache leases").
+        if !write && let Some(attr) = info.attr.as_mut() {
+            self.grant_attrs(attr, caller.lease_session, snapshot, writers);
+        }
         self.settle_destructive_for(ino).await;
         Ok(info)
     }
@@ -1331,10 +1337,12 @@ impl Manager {
         handle: u64,
         wrote_within_size: bool,
     ) -> Result<bool> {
-        let ino = self
-            .peek(|s| s.handles.get(&handle).map(|h| h.ino))
+        // A reader's close changes nothing others cache (an unlinked region it frees has no
+        // name and no lease left); a writer's may (the size, the times).
+        let written = self
+            .peek(|s| s.handles.get(&handle).filter(|h| h.write).map(|h| h.ino))
             .flatten();
-        let _guard = match ino {
+        let _guard = match written {
             Some(ino) => Some(self.recall(caller, &[Lease::Attrs(ino)]).await),
             None => None,
         };

@@ -56,15 +56,43 @@ struct State {
     valid_from: Option<Instant>,
     /// The session is over at the manager (a new one is due).
     over: bool,
-    /// Covered → the newest grant, and when the request that brought it was sent (a grant
-    /// lasts a term from then at most).
-    held: HashMap<Covered, (u64, Instant)>,
+    /// Covered → the newest grant held on it.
+    held: HashMap<Covered, Held>,
+    /// The last chain number handed out (see [`Held::chain`]).
+    chains: u64,
     /// Covered → the newest grant recalled, and when (a reply granting an older one may
     /// still be on its way).
     recalled: HashMap<Covered, (u64, Instant)>,
 }
 
+/// A grant this mount holds.
+#[derive(Clone, Copy, Debug)]
+struct Held {
+    grant: u64,
+    /// When the request that brought it was sent (a grant lasts a term from then at most).
+    asked: Instant,
+    /// Its chain: grants on one thing held without a gap (each taken while the one before
+    /// still held, no recall and no lapse of the session between) share a chain number,
+    /// so nothing but this mount changed what they cover since the chain began.
+    chain: u64,
+    /// The grant that began the chain.
+    first: u64,
+}
+
 impl State {
+    /// Whether `h` holds now: the session's leases hold and it is within a term of its
+    /// request.
+    fn holds(&self, h: &Held, now: Instant) -> bool {
+        self.valid_until()
+            .is_some_and(|until| now < until.min(h.asked + self.term))
+    }
+
+    /// A new chain number.
+    fn new_chain(&mut self) -> u64 {
+        self.chains += 1;
+        self.chains
+    }
+
     /// Until when the session's leases hold (none when there is no session).
     fn valid_until(&self) -> Option<Instant> {
         if self.session == 0 || self.over {
@@ -102,6 +130,8 @@ impl CacheLeases {
             session,
             term,
             valid_from: Some(asked),
+            // Chain numbers never repeat, across sessions too.
+            chains: s.chains,
             ..State::default()
         };
     }
@@ -110,6 +140,11 @@ impl CacheLeases {
     pub fn renewed(&self, session: u64, asked: Instant) {
         let mut s = self.lock();
         if s.session == session {
+            if s.valid_until().is_some_and(|until| asked > until) {
+                // The leases lapsed before this renewal was sent: whatever the manager did
+                // meanwhile was not recalled here, so no grant taken before continues.
+                s.held.clear();
+            }
             s.valid_from = Some(s.valid_from.map_or(asked, |v| v.max(asked)));
         }
     }
@@ -138,24 +173,46 @@ impl CacheLeases {
         if s.session != session {
             return; // granted in a session that has ended
         }
+        let now = Instant::now();
         if s.held.len() >= HELD_KEPT {
             // A grant lasts a term at most: older ones are of no use.
             let term = s.term;
-            s.held.retain(|_, (_, at)| at.elapsed() < term);
+            s.held.retain(|_, h| h.asked.elapsed() < term);
         }
         let mut take = |covered: Covered, grant: u64| {
             if grant == 0 || s.recalled.get(&covered).is_some_and(|(r, _)| grant <= *r) {
                 return;
             }
-            let newest = s.held.entry(covered).or_insert((grant, asked));
-            if grant >= newest.0 {
-                *newest = (grant, asked);
+            let before = s.held.get(&covered).copied();
+            if before.is_some_and(|b| grant < b.grant) {
+                return; // a late reply: a newer grant is held
             }
+            let (chain, first) = match before {
+                Some(b) if s.holds(&b, now) => (b.chain, b.first),
+                _ => (s.new_chain(), grant),
+            };
+            s.held.insert(
+                covered,
+                Held {
+                    grant,
+                    asked,
+                    chain,
+                    first,
+                },
+            );
         };
         if let Some(parent) = parent {
             take(Covered::Names(parent), attr.dir_lease);
         }
         take(Covered::Attrs(attr.ino), attr.attr_lease);
+    }
+
+    /// The chain of the lease held on `covered` now (see [`Held::chain`]), and the grant
+    /// that began it; `None` when none holds.
+    pub fn chain(&self, covered: Covered) -> Option<(u64, u64)> {
+        let s = self.lock();
+        let h = s.held.get(&covered)?;
+        s.holds(h, Instant::now()).then_some((h.chain, h.first))
     }
 
     /// How long the kernel may cache what a reply brought under grant `grant` on
@@ -167,11 +224,11 @@ impl CacheLeases {
             return None;
         }
         let s = self.lock();
-        let &(held, asked) = s.held.get(&covered)?;
-        if held != grant {
+        let h = s.held.get(&covered)?;
+        if h.grant != grant {
             return None;
         }
-        let until = s.valid_until()?.min(asked + s.term);
+        let until = s.valid_until()?.min(h.asked + s.term);
         let left = until.checked_duration_since(Instant::now())?;
         (!left.is_zero()).then_some(left)
     }
@@ -185,8 +242,24 @@ impl CacheLeases {
     /// makes the kernel forget what it cached, then answers).
     pub fn recall(&self, covered: Covered, grant: u64) {
         let mut s = self.lock();
-        if s.held.get(&covered).is_some_and(|(g, _)| *g <= grant) {
-            s.held.remove(&covered);
+        match s.held.get(&covered).copied() {
+            Some(h) if h.grant <= grant => {
+                s.held.remove(&covered);
+            }
+            Some(h) => {
+                // A grant newer than the recall's was given after the change began, for a
+                // state after it ended: it holds on, but begins a chain of its own.
+                let chain = s.new_chain();
+                s.held.insert(
+                    covered,
+                    Held {
+                        chain,
+                        first: h.grant,
+                        ..h
+                    },
+                );
+            }
+            None => {}
         }
         if s.recalled.len() >= RECALLED_KEPT {
             // Replies older than a few terms are not on their way any more.
@@ -202,7 +275,10 @@ impl CacheLeases {
     pub fn end(&self) -> Vec<Covered> {
         let mut s = self.lock();
         let held = s.held.keys().copied().collect();
-        *s = State::default();
+        *s = State {
+            chains: s.chains,
+            ..State::default()
+        };
         held
     }
 }
@@ -270,5 +346,53 @@ mod tests {
         assert!(l.is_over());
         assert!(!l.end().is_empty());
         assert_eq!(l.current(), None);
+    }
+
+    #[test]
+    fn a_chain_lasts_while_grants_follow_each_other_without_a_gap_or_a_recall() {
+        let l = CacheLeases::default();
+        let term = Duration::from_millis(300);
+        l.started(7, term, Instant::now());
+        let a = Covered::Attrs(5);
+        assert_eq!(l.chain(a), None);
+        l.note(7, Instant::now(), None, &attr(5, 0, 10));
+        let (chain, first) = l.chain(a).expect("held");
+        assert_eq!(first, 10);
+        // A newer grant while the last holds continues the chain; an older one is not taken.
+        l.note(7, Instant::now(), None, &attr(5, 0, 12));
+        l.note(7, Instant::now(), None, &attr(5, 0, 11));
+        assert_eq!(l.chain(a), Some((chain, 10)));
+        assert!(l.ttl(a, 12).is_some());
+        // A recall of an older grant than the one held keeps the lease but breaks the chain.
+        l.recall(a, 11);
+        let (after, first) = l.chain(a).expect("still held");
+        assert_ne!(after, chain);
+        assert_eq!(first, 12);
+        // A recall of the grant held ends it; the next grant begins a new chain.
+        l.recall(a, 12);
+        assert_eq!(l.chain(a), None);
+        l.note(7, Instant::now(), None, &attr(5, 0, 13));
+        let (next, first) = l.chain(a).expect("held again");
+        assert!(next != after && first == 13);
+        // A grant that ran out (the session renewed all along) is a gap: the next one
+        // begins a new chain.
+        for _ in 0..4 {
+            std::thread::sleep(Duration::from_millis(90));
+            l.renewed(7, Instant::now());
+        }
+        assert_eq!(l.chain(a), None, "ran out");
+        l.note(7, Instant::now(), None, &attr(5, 0, 14));
+        assert_eq!(l.chain(a).map(|(_, f)| f), Some(14));
+        assert_ne!(l.chain(a).map(|(c, _)| c), Some(next));
+        // A lapse of the session is a gap for every chain, and chains never repeat across
+        // sessions.
+        let held = l.chain(a).expect("held");
+        std::thread::sleep(Duration::from_millis(320));
+        l.renewed(7, Instant::now());
+        assert_eq!(l.chain(a), None, "the session lapsed");
+        l.end();
+        l.started(8, term, Instant::now());
+        l.note(8, Instant::now(), None, &attr(5, 0, 1));
+        assert!(l.chain(a).is_some_and(|(c, _)| c > held.0));
     }
 }

@@ -209,6 +209,14 @@ struct RegionHandle {
     region: Region,
     caller: v1::Caller,
     write: bool,
+    /// Opened under a cache lease without asking the manager (`fs/leased_opens.rs`): its
+    /// region has no handle there.
+    leased: bool,
+    /// For a leased open, the handle it took at the manager once the region could lose its
+    /// last name (shared by the leased opens of the region, closed with the last).
+    pin: Mutex<Option<Arc<Region>>>,
+    /// For a writer, what its release keeps the placement it knows with.
+    writer: Option<leased_opens::Writer>,
     io: Mutex<IoMode>,
     /// The manager closed this open's handle for it: this host's lease ended (see
     /// [`RegionFs::check_handles`]). Every use answers `EIO` from then on.
@@ -379,6 +387,8 @@ pub struct RegionFs {
     cache_leases: crate::cache_leases::CacheLeases,
     /// Inode → the entries naming it handed to the kernel under a names lease.
     leased_entries: Mutex<HashMap<u64, Vec<(u64, std::ffi::OsString)>>>,
+    /// Placements read-only opens are answered from under a lease.
+    leased_opens: Arc<leased_opens::LeasedOpens>,
 }
 
 /// `Err(Fenced)` once the manager has not answered this mount's handle checks for most of a
@@ -438,6 +448,7 @@ impl RegionFs {
             descriptor_epochs: crate::descriptor_epochs::DescriptorEpochs::start(),
             cache_leases: Default::default(),
             leased_entries: Mutex::new(HashMap::new()),
+            leased_opens: Arc::default(),
         })
     }
 
@@ -674,11 +685,14 @@ mod data;
 mod fill;
 mod handles;
 mod ioctls;
+mod leased_opens;
 mod leases;
 mod meta;
 mod namespace;
 mod passthrough;
 mod xattrs;
+
+use handles::Opening;
 
 use handles::Closer;
 pub use leases::EntryCache;

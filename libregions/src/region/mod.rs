@@ -125,6 +125,51 @@ impl Region {
         })
     }
 
+    /// A region read with no open handle at the manager, from a map this client holds
+    /// (regionfs's leased opens, docs/SEMANTICS.md "Cache leases"): nothing is closed when
+    /// it is dropped, and nothing keeps the region's memory from being freed meanwhile; its
+    /// holder keeps a handle of its own for that when it must.
+    pub(crate) fn without_handle(
+        conn: Arc<Connection>,
+        caller: v1::Caller,
+        mut info: v1::RegionInfo,
+    ) -> Result<Region> {
+        info.handle = 0;
+        let region = Self::new(conn, caller, info, false)?;
+        region.closed.store(true, Ordering::Relaxed);
+        Ok(region)
+    }
+
+    /// What this handle knows of the region's placement, as a map reply (no handle, no
+    /// capability): the attributes it was opened with at its size now, and the map entries
+    /// the size covers. `None` while it holds growth it has not published, or after a
+    /// write through it was lost.
+    pub fn placement(&self) -> Option<v1::RegionInfo> {
+        if self.lost_write.load(Ordering::Relaxed) || self.tail_unsure.load(Ordering::Relaxed) {
+            return None;
+        }
+        let s = self.state.read().ok()?;
+        if s.unpublished {
+            return None;
+        }
+        let chunks = usize::try_from(s.size.div_ceil(CHUNK_SIZE)).ok()?;
+        let map: Vec<u64> = s.entries.iter().take(chunks).copied().collect();
+        if map.len() < chunks {
+            return None;
+        }
+        Some(v1::RegionInfo {
+            attr: Some(v1::Attr {
+                size: s.size,
+                ..self.opened.clone()
+            }),
+            map,
+            map_version: s.version,
+            pools: s.pools.values().cloned().collect(),
+            map_included: true,
+            ..v1::RegionInfo::default()
+        })
+    }
+
     /// The region's attributes when it was opened.
     pub fn opened_attr(&self) -> &v1::Attr {
         &self.opened

@@ -19,7 +19,7 @@ impl RegionFs {
         if write {
             self.wait_for_passthrough_readers(ino)?;
         }
-        let region = self.open_region(&caller, ino, write)?;
+        let (region, how, leased_ticket) = self.open_region_as_leases_allow(&caller, ino, flags)?;
         let attr = self.with_local_size(region.opened_attr().clone());
         if is_dir(&attr) {
             return Err(FsError::IsDir(format!("inode {ino}")));
@@ -47,7 +47,9 @@ impl RegionFs {
                 kernel_size: attr.size,
                 ..InodeState::default()
             });
-            let keep = st.seen == Some(now);
+            // A leased open's placement is what the kernel's cache holds: nothing changed
+            // the region since (but this mount, whose writes are in that cache).
+            let keep = st.seen == Some(now) || leased_ticket.is_some();
             st.seen = Some(now);
             let grown = if self.writeback() && attr.size > st.kernel_size {
                 let old = st.kernel_size;
@@ -72,9 +74,12 @@ impl RegionFs {
             self.push_size(ino, old, attr.size, Some(&region));
         }
         let (io, fd) = self.choose_io(ino, write, &region, &attr)?;
-        let fh = self.add_region_handle(ino, caller, region, write, io);
+        let fh = self.add_region_handle(ino, caller, region, (write, how), io);
         if let Some(hold) = hold {
             hold.keep();
+        }
+        if let Some(leased) = leased_ticket {
+            self.confirm_leased(&leased);
         }
         tracing::trace!(ino, fh, write, keep, io = io.name(), "open");
         Ok(Opened {
@@ -84,6 +89,40 @@ impl RegionFs {
             passthrough: io == IoMode::Passthrough,
             backing: fd,
         })
+    }
+
+    /// Opens region `ino` for `caller` with open(2) `flags`: read-only under a cache lease
+    /// without asking the manager when this mount holds a placement the lease covers
+    /// (`fs/leased_opens.rs`; the ticket to confirm once the handle is registered), else at
+    /// the manager, keeping the placement a read-only open brings for the next one.
+    fn open_region_as_leases_allow(
+        &self,
+        caller: &v1::Caller,
+        ino: u64,
+        flags: i32,
+    ) -> FsResult<(Region, Opening, Option<leased_opens::Ticket>)> {
+        let write = flags & libc::O_ACCMODE != libc::O_RDONLY;
+        if write {
+            // This mount changes the region: no leased open is made from what it knew.
+            let writer = self.leased_opens.writer(ino, self.attr_chain(ino));
+            let region = self.open_region(caller, ino, true)?;
+            return Ok((region, Opening::Writer(writer), None));
+        }
+        if flags & (FMODE_EXEC | libc::O_TRUNC) == 0
+            && let Some((region, ticket)) = self.open_leased(caller, ino)?
+        {
+            return Ok((region, Opening::Leased, Some(ticket)));
+        }
+        let ticket = self.leased_opens.ticket(ino, self.attr_chain(ino));
+        let asked = Instant::now();
+        let region = self.open_region(caller, ino, false)?;
+        let attr = region.opened_attr();
+        self.note_leases(caller, asked, None, attr);
+        if let Some(placement) = region.placement() {
+            self.leased_opens
+                .keep(&ticket, placement, self.attr_chain(ino), attr.attr_lease);
+        }
+        Ok((region, Opening::Plain, None))
     }
 
     /// Whether the kernel's inode of `attr`'s region holds a larger size
@@ -406,6 +445,9 @@ impl RegionFs {
         }
         let mut passthrough = false;
         if let Body::Region(r) = &h.body {
+            if let Some(writer) = &r.writer {
+                self.writer_released(h.ino, writer, &r.region);
+            }
             let io = r.io.lock().map(|i| *i).unwrap_or(IoMode::Direct);
             passthrough = io == IoMode::Passthrough;
             let last = self.handles_of(h.ino).is_empty();

@@ -55,6 +55,34 @@ impl Drop for Closer {
     }
 }
 
+/// How a region handle was opened.
+#[derive(Debug)]
+pub(super) enum Opening {
+    /// At the manager; nothing is kept at its release.
+    Plain,
+    /// At the manager, for writing: its release keeps what it knows of the placement
+    /// (`fs/leased_opens.rs`).
+    Writer(leased_opens::Writer),
+    /// Under a cache lease, without asking the manager.
+    Leased,
+}
+
+impl RegionHandle {
+    /// The handle the manager holds for this open: its own, or for a leased open the one
+    /// it took (0: none).
+    fn manager_handle(&self) -> u64 {
+        match self.region.handle() {
+            0 => self
+                .pin
+                .lock()
+                .ok()
+                .and_then(|p| p.as_ref().map(|r| r.handle()))
+                .unwrap_or(0),
+            h => h,
+        }
+    }
+}
+
 impl RegionFs {
     pub(super) fn handle(&self, fh: u64) -> FsResult<Arc<Handle>> {
         self.handles
@@ -65,13 +93,13 @@ impl RegionFs {
     }
 
     /// Adds the open of region `ino` by `caller` (for writing when `write`), its data moving
-    /// by `io`; returns its handle number.
+    /// by `io`, opened as `how` says; returns its handle number.
     pub(super) fn add_region_handle(
         &self,
         ino: u64,
         caller: v1::Caller,
         region: Region,
-        write: bool,
+        (write, how): (bool, Opening),
         io: IoMode,
     ) -> u64 {
         self.add_handle(Handle {
@@ -82,6 +110,12 @@ impl RegionFs {
                 region,
                 caller,
                 write,
+                leased: matches!(how, Opening::Leased),
+                pin: Mutex::new(None),
+                writer: match how {
+                    Opening::Writer(w) => Some(w),
+                    _ => None,
+                },
                 io: Mutex::new(io),
                 fenced: AtomicBool::new(false),
             })),
@@ -111,7 +145,7 @@ impl RegionFs {
                 h.values()
                     .filter_map(|x| match &x.body {
                         Body::Region(r) if !r.fenced.load(Ordering::Relaxed) => {
-                            Some(r.region.handle())
+                            Some(r.manager_handle()).filter(|h| *h != 0)
                         }
                         _ => None,
                     })
@@ -136,10 +170,10 @@ impl RegionFs {
                 h.values()
                     .filter_map(|x| match &x.body {
                         Body::Region(r)
-                            if gone.contains(&r.region.handle())
+                            if gone.contains(&r.manager_handle())
                                 && !r.fenced.swap(true, Ordering::Relaxed) =>
                         {
-                            Some((x.ino, r.region.handle(), x.pid))
+                            Some((x.ino, r.manager_handle(), x.pid))
                         }
                         _ => None,
                     })

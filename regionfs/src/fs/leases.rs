@@ -73,6 +73,9 @@ impl RegionFs {
                         );
                     }
                     this.forget_leased(&held);
+                    // Nothing recalls what the manager may change from now on.
+                    this.leased_opens.forget_all();
+                    this.pin_all_leased();
                     drop(this);
                     std::thread::sleep(RECONNECT_AFTER);
                 }
@@ -245,6 +248,11 @@ fn run_session(fs: &Weak<RegionFs>, stream: &mut CacheLeaseStream, asked: Instan
         let covered = Covered::of_recall(&event);
         this.cache_leases.recall(covered, event.grant);
         this.forget_leased(&[covered]);
+        if let Covered::Attrs(ino) = covered {
+            // The change may remove the region: its leased opens hold a handle first.
+            this.leased_opens.forget(ino);
+            this.pin_leased(ino);
+        }
         if let Err(e) = this
             .client
             .manager()

@@ -37,11 +37,19 @@ impl RegionFs {
         if let Some(attr) = self.recent_attr_while_writing(ino) {
             return Ok(attr);
         }
+        if let Some(attr) = self.leased_attr(ino) {
+            return Ok(self.with_local_size(attr));
+        }
         let caller = self.caller(ctx);
+        let ticket = self.leased_opens.ticket(ino, self.attr_chain(ino));
         let asked = Instant::now();
         let attr = match self.manager().getattr(&caller, ino) {
             Ok(a) => {
                 self.note_leases(&caller, asked, None, &a);
+                if is_region(&a) {
+                    self.leased_opens
+                        .keep_attr(&ticket, &a, self.attr_chain(ino));
+                }
                 self.with_local_size(a)
             }
             Err(e) if e.errno() == libc::ENOENT => {
@@ -227,6 +235,12 @@ impl RegionFs {
             && change.uid.is_none()
             && change.gid.is_none()
             && change.size.is_none();
+        if only_times {
+            self.leased_opens.attrs_changed(ino);
+        } else {
+            // Leased opens must not read by an older size or check an older mode.
+            self.leased_opens.changed(ino);
+        }
         if only_times
             && ctime
             && fh.is_none()
@@ -551,7 +565,17 @@ impl RegionFs {
                 st.writers += 1;
             }
         }
-        let fh = self.add_region_handle(attr.ino, caller, region, write, IoMode::Cached);
+        // A writer's release keeps what it knows of the new region for leased opens, unless
+        // the mode was set after the open (its placement has the mode it was created with).
+        let how = if write && create_mode == mode {
+            Opening::Writer(
+                self.leased_opens
+                    .writer(attr.ino, self.attr_chain(attr.ino)),
+            )
+        } else {
+            Opening::Plain
+        };
+        let fh = self.add_region_handle(attr.ino, caller, region, (write, how), IoMode::Cached);
         Ok((
             attr,
             Opened {
@@ -602,6 +626,7 @@ impl RegionFs {
             }
             _ => None,
         };
+        self.removing_name(&caller, parent, name);
         let removed = self.manager().unlink(&caller, parent, name)?;
         self.forget_cached_attrs();
         if removed.nlink == 0
@@ -636,6 +661,7 @@ impl RegionFs {
     /// Drops the attributes kept for answering the kernel while writing: a
     /// name went away or moved, so link counts and times changed.
     pub(super) fn forget_cached_attrs(&self) {
+        self.leased_opens.all_attrs_changed();
         for st in self.lock_inodes().values_mut() {
             st.attr = None;
         }
@@ -686,6 +712,10 @@ impl RegionFs {
         } else {
             None
         };
+        if flags & libc::RENAME_EXCHANGE == 0 {
+            // The name it lands on may have been a region's last.
+            self.removing_name(&caller, new_parent, new_name);
+        }
         self.manager()
             .rename(&caller, (parent, name), (new_parent, new_name), flags)?;
         self.forget_cached_attrs();

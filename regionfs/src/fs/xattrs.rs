@@ -105,6 +105,8 @@ impl RegionFs {
             return r;
         }
         self.not_created_here(ino);
+        // Region attributes (`user.regions.*`) are part of what a placement holds.
+        self.leased_opens.changed(ino);
         Ok(self
             .manager()
             .setxattr(&self.caller(ctx), ino, utf8(name)?, value, flags as u32)?)
@@ -147,6 +149,8 @@ impl RegionFs {
             return r;
         }
         self.not_created_here(ino);
+        // Region attributes (`user.regions.*`) are part of what a placement holds.
+        self.leased_opens.changed(ino);
         Ok(self
             .manager()
             .removexattr(&self.caller(ctx), ino, utf8(name)?)?)
