@@ -246,6 +246,19 @@ impl Manager {
         {
             return Ok(Vec::new());
         }
+        // Mounts reading the regions about to go under a lease take handles first (as for
+        // an unlink; the expired host's own mount has stopped renewing, so is not waited for
+        // past its leases).
+        let doomed: Vec<Lease> = self
+            .peek(|s| {
+                s.expired_hosts(grace_over)
+                    .into_iter()
+                    .flat_map(|h| s.owned_regions(h, None))
+                    .map(Lease::Attrs)
+                    .collect()
+            })
+            .unwrap_or_default();
+        let _guard = self.recall(&Caller::root(0), &doomed).await;
         let (out, fenced) = self
             .write_for_liveness(|s| {
                 let mut out = Vec::new();

@@ -1337,10 +1337,16 @@ impl Manager {
         handle: u64,
         wrote_within_size: bool,
     ) -> Result<bool> {
-        // A reader's close changes nothing others cache (an unlinked region it frees has no
-        // name and no lease left); a writer's may (the size, the times).
+        // A reader's close changes nothing others cache, unless it frees an unlinked region
+        // (mounts reading it under a lease take handles first); a writer's may (the size, the
+        // times).
         let written = self
-            .peek(|s| s.handles.get(&handle).filter(|h| h.write).map(|h| h.ino))
+            .peek(|s| {
+                s.handles
+                    .get(&handle)
+                    .filter(|h| h.write || s.inode(h.ino).is_ok_and(|i| i.nlink == 0))
+                    .map(|h| h.ino)
+            })
             .flatten();
         let _guard = match written {
             Some(ino) => Some(self.recall(caller, &[Lease::Attrs(ino)]).await),

@@ -429,6 +429,7 @@ impl Regions for Services {
                     Ok(v1::CheckHandlesReply {
                         gone: s.gone_handles(c.host_id, &r.handles),
                         lease_ms: s.lease.as_millis() as u64,
+                        host_fenced: s.lease_lost.contains(&c.host_id),
                     })
                 })
                 .await,

@@ -216,7 +216,7 @@ struct RegionHandle {
     /// last name (shared by the leased opens of the region, closed with the last).
     pin: Mutex<Option<Arc<Region>>>,
     /// For a writer, what its release keeps the placement it knows with.
-    writer: Option<leased_opens::Writer>,
+    writer: Option<crate::placements::Writer>,
     io: Mutex<IoMode>,
     /// The manager closed this open's handle for it: this host's lease ended (see
     /// [`RegionFs::check_handles`]). Every use answers `EIO` from then on.
@@ -387,8 +387,8 @@ pub struct RegionFs {
     cache_leases: crate::cache_leases::CacheLeases,
     /// Inode → the entries naming it handed to the kernel under a names lease.
     leased_entries: Mutex<HashMap<u64, Vec<(u64, std::ffi::OsString)>>>,
-    /// Placements read-only opens are answered from under a lease.
-    leased_opens: Arc<leased_opens::LeasedOpens>,
+    /// What leased opens and getattrs are answered from (see `fs/leased_opens.rs`).
+    placements: Arc<crate::placements::Placements>,
 }
 
 /// `Err(Fenced)` once the manager has not answered this mount's handle checks for most of a
@@ -448,7 +448,7 @@ impl RegionFs {
             descriptor_epochs: crate::descriptor_epochs::DescriptorEpochs::start(),
             cache_leases: Default::default(),
             leased_entries: Mutex::new(HashMap::new()),
-            leased_opens: Arc::default(),
+            placements: Arc::default(),
         })
     }
 
@@ -692,6 +692,7 @@ mod namespace;
 mod passthrough;
 mod xattrs;
 
+use crate::placements::LeasedCheck;
 use handles::Opening;
 
 use handles::Closer;

@@ -33,6 +33,7 @@ pub mod ioctl;
 pub mod mount;
 pub mod names;
 pub mod owners;
+pub mod placements;
 pub mod pseudo;
 pub mod status;
 pub mod thread_defaults;

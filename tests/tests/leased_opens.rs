@@ -276,6 +276,37 @@ fn stat_after_close_is_answered_under_the_lease_and_sees_every_change() {
     drop(t);
 }
 
+#[test]
+fn the_last_of_two_writers_leaves_no_placement_it_did_not_see_grow() {
+    let t = two_mounts();
+    std::fs::write(t.a.path("w"), b"").unwrap();
+    // Two write handles of one mount; only the first writes (O_DIRECT: through its own
+    // handle, not the page cache) and closes first: the second, released last, never saw
+    // the region grow.
+    let data = pattern(9);
+    let mut first = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(t.a.path("w"))
+        .unwrap();
+    let second = std::fs::OpenOptions::new()
+        .write(true)
+        .open(t.a.path("w"))
+        .unwrap();
+    let mut raw = vec![0u8; LEN + 4096];
+    let skew = raw.as_ptr().align_offset(4096);
+    raw[skew..skew + LEN].copy_from_slice(&data);
+    first.write_all(&raw[skew..skew + LEN]).unwrap();
+    drop(first);
+    drop(second);
+    wait_open_handles(&t.cluster, 0, "after both writers");
+    // Read through the region (O_DIRECT), by whatever this mount kept: the whole of it.
+    for _ in 0..3 {
+        assert!(read_direct(&open_direct(&t.a.path("w"))).unwrap() == data);
+    }
+    drop(t);
+}
+
 /// Runs `cat path` as nobody; returns whether it succeeded, and its stdout.
 fn cat_as_nobody(path: &Path) -> (bool, Vec<u8>) {
     let mut cmd = Command::new("cat");

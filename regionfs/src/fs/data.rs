@@ -19,7 +19,7 @@ impl RegionFs {
         if write {
             self.wait_for_passthrough_readers(ino)?;
         }
-        let (region, how, leased_ticket) = self.open_region_as_leases_allow(&caller, ino, flags)?;
+        let (region, how, leased) = self.open_region_as_leases_allow(&caller, ino, flags)?;
         let attr = self.with_local_size(region.opened_attr().clone());
         if is_dir(&attr) {
             return Err(FsError::IsDir(format!("inode {ino}")));
@@ -49,7 +49,7 @@ impl RegionFs {
             });
             // A leased open's placement is what the kernel's cache holds: nothing changed
             // the region since (but this mount, whose writes are in that cache).
-            let keep = st.seen == Some(now) || leased_ticket.is_some();
+            let keep = st.seen == Some(now) || leased.is_some();
             st.seen = Some(now);
             let grown = if self.writeback() && attr.size > st.kernel_size {
                 let old = st.kernel_size;
@@ -78,8 +78,11 @@ impl RegionFs {
         if let Some(hold) = hold {
             hold.keep();
         }
-        if let Some(leased) = leased_ticket {
-            self.confirm_leased(&leased);
+        if let Some(check) = &leased
+            && let Err(e) = self.confirm_leased(fh, check)
+        {
+            let _ = self.release(fh);
+            return Err(e);
         }
         tracing::trace!(ino, fh, write, keep, io = io.name(), "open");
         Ok(Opened {
@@ -100,26 +103,26 @@ impl RegionFs {
         caller: &v1::Caller,
         ino: u64,
         flags: i32,
-    ) -> FsResult<(Region, Opening, Option<leased_opens::Ticket>)> {
+    ) -> FsResult<(Region, Opening, Option<LeasedCheck>)> {
         let write = flags & libc::O_ACCMODE != libc::O_RDONLY;
         if write {
             // This mount changes the region: no leased open is made from what it knew.
-            let writer = self.leased_opens.writer(ino, self.attr_chain(ino));
+            let writer = self.placements.writer(ino, self.attr_chain(ino), true);
             let region = self.open_region(caller, ino, true)?;
             return Ok((region, Opening::Writer(writer), None));
         }
         if flags & (FMODE_EXEC | libc::O_TRUNC) == 0
-            && let Some((region, ticket)) = self.open_leased(caller, ino)?
+            && let Some((region, check)) = self.open_leased(caller, ino)
         {
-            return Ok((region, Opening::Leased, Some(ticket)));
+            return Ok((region, Opening::Leased, Some(check)));
         }
-        let ticket = self.leased_opens.ticket(ino, self.attr_chain(ino));
+        let ticket = self.placements.ticket(ino, self.attr_chain(ino));
         let asked = Instant::now();
         let region = self.open_region(caller, ino, false)?;
         let attr = region.opened_attr();
         self.note_leases(caller, asked, None, attr);
         if let Some(placement) = region.placement() {
-            self.leased_opens
+            self.placements
                 .keep(&ticket, placement, self.attr_chain(ino), attr.attr_lease);
         }
         Ok((region, Opening::Plain, None))

@@ -62,7 +62,7 @@ pub(super) enum Opening {
     Plain,
     /// At the manager, for writing: its release keeps what it knows of the placement
     /// (`fs/leased_opens.rs`).
-    Writer(leased_opens::Writer),
+    Writer(crate::placements::Writer),
     /// Under a cache lease, without asking the manager.
     Leased,
 }
@@ -158,6 +158,11 @@ impl RegionFs {
             .manager()
             .check_handles(self.client.caller(), &ids)?;
         self.contact.heard(Duration::from_millis(reply.lease_ms));
+        // Opens made under a lease hold no handle the manager could name as gone.
+        self.placements.set_fenced(reply.host_fenced);
+        if reply.host_fenced {
+            self.fence_unpinned_leased();
+        }
         if reply.gone.is_empty() {
             return Ok(0);
         }
@@ -197,6 +202,27 @@ impl RegionFs {
             }
         }
         Ok(fenced.len())
+    }
+
+    /// This host lost its lease: the leased opens that hold no handle answer `EIO` from
+    /// now on, as its opens whose handles the manager closed do.
+    fn fence_unpinned_leased(&self) {
+        let Ok(handles) = self.handles.read() else {
+            return;
+        };
+        for h in handles.values() {
+            if let Body::Region(r) = &h.body
+                && r.leased
+                && r.pin.lock().is_ok_and(|p| p.is_none())
+                && !r.fenced.swap(true, Ordering::Relaxed)
+            {
+                tracing::warn!(
+                    ino = h.ino,
+                    pid = h.pid,
+                    "this host's lease ended while a region was open here under a cache lease: it answers EIO now"
+                );
+            }
+        }
     }
 
     /// Checks the open handles with the manager every `every` (see

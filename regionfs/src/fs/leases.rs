@@ -74,7 +74,7 @@ impl RegionFs {
                     }
                     this.forget_leased(&held);
                     // Nothing recalls what the manager may change from now on.
-                    this.leased_opens.forget_all();
+                    this.placements.forget_all();
                     this.pin_all_leased();
                     drop(this);
                     std::thread::sleep(RECONNECT_AFTER);
@@ -240,6 +240,10 @@ fn run_session(fs: &Weak<RegionFs>, stream: &mut CacheLeaseStream, asked: Instan
             let term = Duration::from_millis(event.term_ms.into());
             this.cache_leases.started(session, term, asked);
             tracing::info!(session, ?term, "cache-lease session started");
+            // Leased opens whose handle the last session's end could not take (the manager
+            // was out of reach): a restarted manager changes nothing before the old leases
+            // have run out, so this is in time.
+            this.pin_all_leased();
             continue;
         }
         if event.recall == 0 {
@@ -250,7 +254,7 @@ fn run_session(fs: &Weak<RegionFs>, stream: &mut CacheLeaseStream, asked: Instan
         this.forget_leased(&[covered]);
         if let Covered::Attrs(ino) = covered {
             // The change may remove the region: its leased opens hold a handle first.
-            this.leased_opens.forget(ino);
+            this.placements.forget(ino);
             this.pin_leased(ino);
         }
         if let Err(e) = this

@@ -41,14 +41,13 @@ impl RegionFs {
             return Ok(self.with_local_size(attr));
         }
         let caller = self.caller(ctx);
-        let ticket = self.leased_opens.ticket(ino, self.attr_chain(ino));
+        let ticket = self.placements.ticket(ino, self.attr_chain(ino));
         let asked = Instant::now();
         let attr = match self.manager().getattr(&caller, ino) {
             Ok(a) => {
                 self.note_leases(&caller, asked, None, &a);
                 if is_region(&a) {
-                    self.leased_opens
-                        .keep_attr(&ticket, &a, self.attr_chain(ino));
+                    self.placements.keep_attr(&ticket, &a, self.attr_chain(ino));
                 }
                 self.with_local_size(a)
             }
@@ -235,12 +234,10 @@ impl RegionFs {
             && change.uid.is_none()
             && change.gid.is_none()
             && change.size.is_none();
-        if only_times {
-            self.leased_opens.attrs_changed(ino);
-        } else {
-            // Leased opens must not read by an older size or check an older mode.
-            self.leased_opens.changed(ino);
-        }
+        // Until the change is answered, and for replies to requests sent before, leased opens
+        // and getattrs of the region are not answered from what this mount knew (an older
+        // size or mode); a change of times voids only attributes.
+        let _change = self.placements.change(ino, only_times);
         if only_times
             && ctime
             && fh.is_none()
@@ -567,11 +564,14 @@ impl RegionFs {
         }
         // A writer's release keeps what it knows of the new region for leased opens, unless
         // the mode was set after the open (its placement has the mode it was created with).
-        let how = if write && create_mode == mode {
-            Opening::Writer(
-                self.leased_opens
-                    .writer(attr.ino, self.attr_chain(attr.ino)),
-            )
+        // A writer's release keeps what it knows of the new region for leased opens, unless
+        // the mode was set after the open (its placement has the mode it was created with).
+        let how = if write {
+            Opening::Writer(self.placements.writer(
+                attr.ino,
+                self.attr_chain(attr.ino),
+                create_mode == mode,
+            ))
         } else {
             Opening::Plain
         };
@@ -626,8 +626,12 @@ impl RegionFs {
             }
             _ => None,
         };
-        self.removing_name(&caller, parent, name);
+        let removal = self.placements.removal();
+        self.pin_before_removal(&caller, parent, name);
         let removed = self.manager().unlink(&caller, parent, name)?;
+        // Nothing this mount knew of the region serves a leased open any more.
+        drop(self.placements.change(removed.ino, false));
+        drop(removal);
         self.forget_cached_attrs();
         if removed.nlink == 0
             && self.handles_of(removed.ino).is_empty()
@@ -661,7 +665,7 @@ impl RegionFs {
     /// Drops the attributes kept for answering the kernel while writing: a
     /// name went away or moved, so link counts and times changed.
     pub(super) fn forget_cached_attrs(&self) {
-        self.leased_opens.all_attrs_changed();
+        self.placements.all_attrs_changed();
         for st in self.lock_inodes().values_mut() {
             st.attr = None;
         }
@@ -707,17 +711,34 @@ impl RegionFs {
         } else {
             None
         };
-        let replaced = if self.owners.is_some() {
-            self.manager().lookup(&caller, new_parent, new_name).ok()
+        let exchange = flags & libc::RENAME_EXCHANGE != 0;
+        // The name it lands on may be a region's last: what this mount knows of that region
+        // is void after the rename, and its leased opens take a handle before.
+        let removal = (!exchange).then(|| self.placements.removal());
+        let replaced = if self.owners.is_some() || !exchange {
+            match self.manager().lookup(&caller, new_parent, new_name) {
+                Ok(b) => Some(b),
+                Err(e) if e.errno() == libc::ENOENT => None,
+                Err(_) => {
+                    // Which region the name names is unknown: every leased open holds on.
+                    if !exchange {
+                        self.pin_all_leased();
+                    }
+                    None
+                }
+            }
         } else {
             None
         };
-        if flags & libc::RENAME_EXCHANGE == 0 {
-            // The name it lands on may have been a region's last.
-            self.removing_name(&caller, new_parent, new_name);
+        if !exchange && let Some(b) = &replaced {
+            self.pin_leased(b.ino);
         }
         self.manager()
             .rename(&caller, (parent, name), (new_parent, new_name), flags)?;
+        if !exchange && let Some(b) = &replaced {
+            drop(self.placements.change(b.ino, false));
+        }
+        drop(removal);
         self.forget_cached_attrs();
         if let Some(w) = &self.owners {
             if let Some(a) = &moved {

@@ -106,7 +106,7 @@ impl RegionFs {
         }
         self.not_created_here(ino);
         // Region attributes (`user.regions.*`) are part of what a placement holds.
-        self.leased_opens.changed(ino);
+        let _change = self.placements.change(ino, false);
         Ok(self
             .manager()
             .setxattr(&self.caller(ctx), ino, utf8(name)?, value, flags as u32)?)
@@ -150,7 +150,7 @@ impl RegionFs {
         }
         self.not_created_here(ino);
         // Region attributes (`user.regions.*`) are part of what a placement holds.
-        self.leased_opens.changed(ino);
+        let _change = self.placements.change(ino, false);
         Ok(self
             .manager()
             .removexattr(&self.caller(ctx), ino, utf8(name)?)?)
