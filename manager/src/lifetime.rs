@@ -249,13 +249,16 @@ impl Manager {
         // Mounts reading the regions about to go under a lease take handles first (as for
         // an unlink; the expired host's own mount has stopped renewing, so is not waited for
         // past its leases).
-        let doomed: Vec<Lease> = self
+        // Hosts that expire during the recall are taken up at the next check.
+        let (hosts, doomed): (Vec<u32>, Vec<Lease>) = self
             .peek(|s| {
-                s.expired_hosts(grace_over)
-                    .into_iter()
-                    .flat_map(|h| s.owned_regions(h, None))
+                let hosts = s.expired_hosts(grace_over);
+                let doomed = hosts
+                    .iter()
+                    .flat_map(|h| s.owned_regions(*h, None))
                     .map(Lease::Attrs)
-                    .collect()
+                    .collect();
+                (hosts, doomed)
             })
             .unwrap_or_default();
         let _guard = self.recall(&Caller::root(0), &doomed).await;
@@ -263,7 +266,8 @@ impl Manager {
             .write_for_liveness(|s| {
                 let mut out = Vec::new();
                 let mut fenced = Vec::new();
-                for host in s.expired_hosts(grace_over) {
+                let expired = s.expired_hosts(grace_over);
+                for host in hosts.iter().copied().filter(|h| expired.contains(h)) {
                     if s.lease_lost.insert(host) {
                         s.fence_host(host);
                         fenced.push(host);

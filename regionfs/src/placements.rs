@@ -162,14 +162,14 @@ impl Inner {
 
     fn insert_placement(&mut self, ino: u64, placement: v1::RegionInfo, chain: u64) {
         self.remove_placement(ino);
+        if placement.map.len() > ENTRIES_KEPT / 16 {
+            return; // a large region: its open costs little next to reading it
+        }
         if self.placements.len() >= PLACEMENTS_KEPT
             || self.entries + placement.map.len() > ENTRIES_KEPT
         {
             self.placements.clear();
             self.entries = 0;
-        }
-        if placement.map.len() > ENTRIES_KEPT {
-            return;
         }
         self.entries += placement.map.len();
         self.placements.insert(ino, (Arc::new(placement), chain));
@@ -230,7 +230,7 @@ impl Placements {
             return;
         }
         let mut s = self.lock();
-        if s.changed_since(ticket) {
+        if s.fenced || s.changed_since(ticket) {
             return;
         }
         if !s.attrs_changed_since(ticket)
@@ -293,9 +293,15 @@ impl Placements {
     /// taken, or the lease chain is not the one it was taken under (`chain`: now).
     pub fn outdated(&self, check: &LeasedCheck, chain: Option<(u64, u64)>) -> bool {
         let s = self.lock();
-        s.changed_since(&check.ticket)
+        s.fenced
+            || s.changed_since(&check.ticket)
             || s.removals != check.removals
             || chain != check.ticket.chain
+    }
+
+    /// Whether the manager said this host lost its lease (see [`Placements::set_fenced`]).
+    pub fn fenced(&self) -> bool {
+        self.lock().fenced
     }
 
     /// This mount begins a change of region `ino` (`attrs_only`: of its attributes alone:
@@ -613,6 +619,12 @@ mod tests {
         assert!(p.outdated(&open, Some((2, 6))), "the chain went meanwhile");
         p.set_fenced(true);
         assert!(p.placement(9, C1).is_none());
+        assert!(
+            p.outdated(&open, C1),
+            "an open that began before the host was fenced"
+        );
+        let t = p.ticket(9, C1);
+        p.keep(&t, info(9, 10), C1, 0);
         p.set_fenced(false);
         let t = p.ticket(9, C1);
         p.keep(&t, info(9, 10), C1, 0);

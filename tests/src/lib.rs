@@ -846,6 +846,11 @@ impl Cluster {
         })
     }
 
+    /// Namespace and region requests the manager has answered so far.
+    pub fn file_requests(&self) -> anyhow::Result<u64> {
+        Ok(self.stats()?.file_requests)
+    }
+
     /// Mounts the cluster as host `host` at a fresh directory.
     pub fn mount(&self, host: u32) -> anyhow::Result<MountProcess> {
         let daemon = self.daemon(host)?;
@@ -1010,4 +1015,44 @@ pub fn python_with_numpy() -> std::ffi::OsString {
         "none of {candidates:?} imports numpy: this test needs numpy (apt-get install -y \
          python3-numpy, or set {PYTHON_ENV} to a Python that has it)"
     );
+}
+
+/// Runs `cat path` as nobody (uid and gid 65534), 20 s at most: how the tests show a file
+/// refused to an unprivileged user.
+pub fn cat_as_nobody(path: &Path) -> anyhow::Result<std::process::Output> {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new("cat");
+    cmd.arg(path).uid(65534).gid(65534);
+    output_within(&mut cmd, Duration::from_secs(20))
+}
+
+/// A two-host cluster whose manager grants cache leases of term `term_ms`, with a mount on
+/// each host that has opened its lease session (tests of cache leases and leased opens).
+/// The mounts go before the cluster.
+pub struct LeaseMounts {
+    /// Host 1's mount.
+    pub a: MountProcess,
+    /// Host 2's mount.
+    pub b: MountProcess,
+    /// The cluster.
+    pub cluster: Cluster,
+}
+
+impl LeaseMounts {
+    /// Starts the cluster and the mounts; waits (10 s at most) for both lease sessions.
+    pub fn start(term_ms: u64) -> anyhow::Result<LeaseMounts> {
+        let term = term_ms.to_string();
+        let cluster = Cluster::start_with(2, "256M", &["--cache-lease-term-ms", term.as_str()])?;
+        let a = cluster.mount(1)?;
+        let b = cluster.mount(2)?;
+        // Each mount opens its lease session right after mounting.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while cluster.stats()?.cache_lease_sessions < 2 {
+            if Instant::now() >= deadline {
+                bail!("the mounts opened no cache-lease session within 10 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(LeaseMounts { a, b, cluster })
+    }
 }

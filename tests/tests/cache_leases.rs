@@ -6,47 +6,15 @@
 //! through the directory before.
 
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::CommandExt;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use regions_tests::{Cluster, MountProcess};
+use regions_tests::LeaseMounts;
 
 /// The lease term the manager is started with here.
 const TERM_MS: u64 = 3000;
 /// Past the default TTL of what a kernel caches without a lease.
 const PAST_DEFAULT_TTL: Duration = Duration::from_millis(1500);
-/// Unprivileged uid and gid (nobody).
-const NOBODY: u32 = 65534;
-
-struct Two {
-    a: MountProcess,
-    b: MountProcess,
-    cluster: Cluster,
-}
-
-fn two_mounts(term_ms: u64) -> Two {
-    let term = term_ms.to_string();
-    let cluster =
-        Cluster::start_with(2, "256M", &["--cache-lease-term-ms", term.as_str()]).unwrap();
-    let a = cluster.mount(1).unwrap();
-    let b = cluster.mount(2).unwrap();
-    // Each mount opens its lease session right after mounting.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while cluster.stats().unwrap().cache_lease_sessions < 2 {
-        assert!(
-            Instant::now() < deadline,
-            "the mounts opened no cache-lease session within 10 s"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Two { a, b, cluster }
-}
-
-/// Namespace and region requests the manager has answered so far.
-fn file_requests(cluster: &Cluster) -> u64 {
-    cluster.stats().unwrap().file_requests
-}
 
 /// Sends `sig` (`-STOP`, `-CONT`) to process `pid`.
 fn signal(sig: &str, pid: &str) {
@@ -60,7 +28,7 @@ fn size(path: &std::path::Path) -> std::io::Result<u64> {
 
 #[test]
 fn a_lease_keeps_names_and_attributes_cached_and_a_change_elsewhere_is_seen_at_once() {
-    let t = two_mounts(TERM_MS);
+    let t = LeaseMounts::start(TERM_MS).unwrap();
     std::fs::create_dir(t.b.path("d")).unwrap();
     std::fs::write(t.b.path("d/f"), b"one").unwrap();
     // A looks the file up (its first sight of it): the manager grants the leases.
@@ -69,10 +37,10 @@ fn a_lease_keeps_names_and_attributes_cached_and_a_change_elsewhere_is_seen_at_o
     // Past the default TTL, the lease still keeps the entry and its attributes: the manager
     // is not asked again.
     std::thread::sleep(PAST_DEFAULT_TTL);
-    let before = file_requests(&t.cluster);
+    let before = t.cluster.file_requests().unwrap();
     assert_eq!(size(&t.a.path("d/f")).unwrap(), 3);
     assert_eq!(
-        file_requests(&t.cluster) - before,
+        t.cluster.file_requests().unwrap() - before,
         0,
         "a stat under a lease asked the manager"
     );
@@ -122,9 +90,7 @@ fn a_lease_keeps_names_and_attributes_cached_and_a_change_elsewhere_is_seen_at_o
 
 /// Runs `cat path` as nobody; returns its exit status and stderr.
 fn cat_as_nobody(path: &std::path::Path) -> (bool, String) {
-    let mut cmd = Command::new("cat");
-    cmd.arg(path).uid(NOBODY).gid(NOBODY);
-    let out = regions_tests::output_within(&mut cmd, Duration::from_secs(20)).unwrap();
+    let out = regions_tests::cat_as_nobody(path).unwrap();
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
@@ -133,7 +99,7 @@ fn cat_as_nobody(path: &std::path::Path) -> (bool, String) {
 
 #[test]
 fn a_chmod_elsewhere_shuts_an_unprivileged_user_out_at_once() {
-    let t = two_mounts(TERM_MS);
+    let t = LeaseMounts::start(TERM_MS).unwrap();
     let dir = t.a.path("open");
     std::fs::create_dir(&dir).unwrap();
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -155,7 +121,7 @@ fn a_chmod_elsewhere_shuts_an_unprivileged_user_out_at_once() {
 #[test]
 fn a_mount_that_stops_answering_holds_a_change_up_for_at_most_its_term() {
     let term_ms = 1000;
-    let t = two_mounts(term_ms);
+    let t = LeaseMounts::start(term_ms).unwrap();
     std::fs::create_dir(t.a.path("d")).unwrap();
     std::fs::write(t.a.path("d/f"), b"x").unwrap();
     assert_eq!(size(&t.a.path("d/f")).unwrap(), 1);

@@ -6,47 +6,16 @@
 
 use std::io::{Read, Write};
 use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
-use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use regions_tests::{Cluster, MountProcess};
+use regions_tests::{Cluster, LeaseMounts};
 
 /// The lease term the manager is started with here (long enough for a slow machine to
 /// read several times within one).
 const TERM_MS: u64 = 8000;
-/// Unprivileged uid and gid (nobody).
-const NOBODY: u32 = 65534;
 /// Bytes of the regions read through their memory (several chunks, on purpose).
 const LEN: usize = 3 << 17;
-
-struct Two {
-    a: MountProcess,
-    b: MountProcess,
-    cluster: Cluster,
-}
-
-fn two_mounts() -> Two {
-    let term = TERM_MS.to_string();
-    let cluster =
-        Cluster::start_with(2, "256M", &["--cache-lease-term-ms", term.as_str()]).unwrap();
-    let a = cluster.mount(1).unwrap();
-    let b = cluster.mount(2).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while cluster.stats().unwrap().cache_lease_sessions < 2 {
-        assert!(
-            Instant::now() < deadline,
-            "the mounts opened no cache-lease session within 10 s"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Two { a, b, cluster }
-}
-
-fn file_requests(cluster: &Cluster) -> u64 {
-    cluster.stats().unwrap().file_requests
-}
 
 fn open_handles(cluster: &Cluster) -> u64 {
     cluster.stats().unwrap().open_handles
@@ -118,7 +87,7 @@ fn wait_open_handles(cluster: &Cluster, want: u64, what: &str) {
 
 #[test]
 fn reading_again_under_a_lease_asks_the_manager_nothing_and_sees_a_write_elsewhere() {
-    let t = two_mounts();
+    let t = LeaseMounts::start(TERM_MS).unwrap();
     std::fs::create_dir(t.a.path("d")).unwrap();
     let first = pattern(1);
     std::fs::write(t.a.path("d/f"), &first).unwrap();
@@ -126,12 +95,12 @@ fn reading_again_under_a_lease_asks_the_manager_nothing_and_sees_a_write_elsewhe
     // is closed at the manager, its release kept the placement.
     wait_open_handles(&t.cluster, 0, "after the write");
     // A wrote it: reading it back, again and again, asks the manager nothing.
-    let before = file_requests(&t.cluster);
+    let before = t.cluster.file_requests().unwrap();
     for _ in 0..10 {
         assert!(read_plain(&t.a.path("d/f")) == first);
     }
     assert_eq!(
-        file_requests(&t.cluster) - before,
+        t.cluster.file_requests().unwrap() - before,
         0,
         "opens of a file this mount wrote, under its lease, asked the manager"
     );
@@ -139,12 +108,12 @@ fn reading_again_under_a_lease_asks_the_manager_nothing_and_sees_a_write_elsewhe
     // memory on host 1: O_DIRECT).
     assert!(read_direct(&open_direct(&t.b.path("d/f"))).unwrap() == first);
     wait_open_handles(&t.cluster, 0, "after B's first open");
-    let before = file_requests(&t.cluster);
+    let before = t.cluster.file_requests().unwrap();
     for _ in 0..10 {
         assert!(read_direct(&open_direct(&t.b.path("d/f"))).unwrap() == first);
     }
     assert_eq!(
-        file_requests(&t.cluster) - before,
+        t.cluster.file_requests().unwrap() - before,
         0,
         "opens on another host, under its lease, asked the manager"
     );
@@ -178,7 +147,7 @@ fn reading_again_under_a_lease_asks_the_manager_nothing_and_sees_a_write_elsewhe
 
 #[test]
 fn a_leased_open_keeps_reading_a_region_whose_last_name_goes() {
-    let t = two_mounts();
+    let t = LeaseMounts::start(TERM_MS).unwrap();
     let data = pattern(7);
     // Removed elsewhere: B created it (its memory is on host 2), A opens it under a lease.
     std::fs::write(t.b.path("elsewhere"), &data).unwrap();
@@ -186,10 +155,10 @@ fn a_leased_open_keeps_reading_a_region_whose_last_name_goes() {
     wait_open_handles(&t.cluster, 0, "after B's write");
     assert!(read_direct(&open_direct(&t.a.path("elsewhere"))).unwrap() == data);
     wait_open_handles(&t.cluster, 0, "after A's first open");
-    let before = file_requests(&t.cluster);
+    let before = t.cluster.file_requests().unwrap();
     let f = open_direct(&t.a.path("elsewhere"));
     assert_eq!(
-        file_requests(&t.cluster) - before,
+        t.cluster.file_requests().unwrap() - before,
         0,
         "the second open was not leased"
     );
@@ -232,21 +201,21 @@ fn a_leased_open_keeps_reading_a_region_whose_last_name_goes() {
 #[test]
 fn stat_after_close_is_answered_under_the_lease_and_sees_every_change() {
     use std::os::unix::fs::MetadataExt;
-    let t = two_mounts();
+    let t = LeaseMounts::start(TERM_MS).unwrap();
     std::fs::write(t.a.path("s"), b"0123456789").unwrap();
     wait_open_handles(&t.cluster, 0, "after the write");
     // A read and a stat, as cat does: after the close the kernel asks for the attributes
     // again at the next stat, which the mount answers under its lease from the second on.
     assert_eq!(std::fs::read(t.a.path("s")).unwrap(), b"0123456789");
-    let before = file_requests(&t.cluster);
+    let before = t.cluster.file_requests().unwrap();
     for _ in 0..10 {
         assert_eq!(std::fs::read(t.a.path("s")).unwrap(), b"0123456789");
         assert_eq!(std::fs::metadata(t.a.path("s")).unwrap().len(), 10);
     }
     assert!(
-        file_requests(&t.cluster) - before <= 1,
+        t.cluster.file_requests().unwrap() - before <= 1,
         "reads and stats under a lease asked the manager {} times",
-        file_requests(&t.cluster) - before
+        t.cluster.file_requests().unwrap() - before
     );
     // This mount's own changes show at once: mode, links, times.
     std::fs::set_permissions(t.a.path("s"), std::fs::Permissions::from_mode(0o640)).unwrap();
@@ -278,7 +247,7 @@ fn stat_after_close_is_answered_under_the_lease_and_sees_every_change() {
 
 #[test]
 fn the_last_of_two_writers_leaves_no_placement_it_did_not_see_grow() {
-    let t = two_mounts();
+    let t = LeaseMounts::start(TERM_MS).unwrap();
     std::fs::write(t.a.path("w"), b"").unwrap();
     // Two write handles of one mount; only the first writes (O_DIRECT: through its own
     // handle, not the page cache) and closes first: the second, released last, never saw
@@ -309,15 +278,13 @@ fn the_last_of_two_writers_leaves_no_placement_it_did_not_see_grow() {
 
 /// Runs `cat path` as nobody; returns whether it succeeded, and its stdout.
 fn cat_as_nobody(path: &Path) -> (bool, Vec<u8>) {
-    let mut cmd = Command::new("cat");
-    cmd.arg(path).uid(NOBODY).gid(NOBODY);
-    let out = regions_tests::output_within(&mut cmd, Duration::from_secs(20)).unwrap();
+    let out = regions_tests::cat_as_nobody(path).unwrap();
     (out.status.success(), out.stdout)
 }
 
 #[test]
 fn a_leased_open_refuses_what_the_manager_would() {
-    let t = two_mounts();
+    let t = LeaseMounts::start(TERM_MS).unwrap();
     let dir = t.a.path("open");
     std::fs::create_dir(&dir).unwrap();
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();

@@ -102,6 +102,14 @@ fn every_process_serves_the_counters_of_its_work() {
     }
     assert!(std::fs::metadata(mount.path("missing")).is_err());
     let held = std::fs::File::open(mount.path("near")).unwrap();
+    // (A read-only open of a file this mount just wrote asks the manager nothing, under the
+    // mount's lease: an open for writing does.)
+    drop(
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(mount.path("far/blob"))
+            .unwrap(),
+    );
 
     // The mount: FUSE requests, bytes, open files, and the client's split local / tcp.
     let page = wait_for("the mount's open file", &f_addr, |p| {

@@ -3,16 +3,19 @@
 
 use super::*;
 
+/// What the closer drops.
+type Closing = Box<dyn Send>;
+
 /// A thread that drops released handles (closing them at the manager), so
 /// that a release costs the application no manager round trip.
 pub(super) struct Closer {
-    queue: Option<std::sync::mpsc::Sender<Arc<Handle>>>,
+    queue: Option<std::sync::mpsc::Sender<Closing>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Closer {
     pub(super) fn start() -> Closer {
-        let (tx, rx) = std::sync::mpsc::channel::<Arc<Handle>>();
+        let (tx, rx) = std::sync::mpsc::channel::<Closing>();
         let thread = std::thread::Builder::new()
             .name("regionfs-close".into())
             .spawn(move || {
@@ -35,12 +38,13 @@ impl Closer {
         }
     }
 
-    /// Closes `handle` in the background (at once when no thread runs).
-    pub(super) fn close(&self, handle: Arc<Handle>) {
+    /// Drops `handle` (a handle, a region: closing it at the manager) in the background (at
+    /// once when no thread runs).
+    pub(super) fn close<T: Send + 'static>(&self, handle: T) {
         if let Some(tx) = &self.queue {
             // A send fails only when the thread is gone: the handle comes
             // back and is dropped (closed) here.
-            let _ = tx.send(handle);
+            let _ = tx.send(Box::new(handle));
         }
     }
 }
@@ -68,6 +72,13 @@ pub(super) enum Opening {
 }
 
 impl RegionHandle {
+    /// A leased open that holds no handle at the manager and is not fenced.
+    pub(super) fn needs_pin(&self) -> bool {
+        self.leased
+            && !self.fenced.load(Ordering::Relaxed)
+            && self.pin.lock().is_ok_and(|p| p.is_none())
+    }
+
     /// The handle the manager holds for this open: its own, or for a leased open the one
     /// it took (0: none).
     fn manager_handle(&self) -> u64 {
@@ -212,8 +223,7 @@ impl RegionFs {
         };
         for h in handles.values() {
             if let Body::Region(r) = &h.body
-                && r.leased
-                && r.pin.lock().is_ok_and(|p| p.is_none())
+                && r.needs_pin()
                 && !r.fenced.swap(true, Ordering::Relaxed)
             {
                 tracing::warn!(

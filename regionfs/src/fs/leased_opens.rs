@@ -85,6 +85,11 @@ impl RegionFs {
     /// looks the name up again.
     pub(super) fn confirm_leased(&self, fh: u64, check: &LeasedCheck) -> FsResult<()> {
         let ino = check.ino();
+        if self.placements.fenced() {
+            return Err(FsError::Fenced(format!(
+                "this host's lease ended while region {ino} was being opened: open it again                  once the host is back"
+            )));
+        }
         if !self.placements.outdated(check, self.attr_chain(ino)) {
             return Ok(());
         }
@@ -112,7 +117,7 @@ impl RegionFs {
             .handles_of(ino)
             .into_iter()
             .filter(|h| match &h.body {
-                Body::Region(r) => r.leased && r.pin.lock().is_ok_and(|p| p.is_none()),
+                Body::Region(r) => r.needs_pin(),
                 Body::Pseudo(_) => false,
             })
             .collect();
@@ -122,7 +127,9 @@ impl RegionFs {
         let pin = match self.client.open_as(self.client.caller(), ino, false) {
             Ok(region) => Arc::new(region),
             Err(e) => {
-                let gone = matches!(e.errno(), libc::ENOENT | libc::ESTALE | libc::EIO);
+                // Only the manager's word that the region is gone fences them (not a manager
+                // out of reach: the next session takes the handle, in time).
+                let gone = matches!(e.errno(), libc::ENOENT | libc::ESTALE);
                 if gone {
                     for h in &unpinned {
                         if let Body::Region(r) = &h.body {
@@ -142,6 +149,9 @@ impl RegionFs {
                 *p = Some(Arc::clone(&pin));
             }
         }
+        // A handle none took (they went, or took another meanwhile) is closed off this
+        // thread: the recall thread must not wait on a close that may recall this mount.
+        self.closer.close(pin);
     }
 
     /// [`RegionFs::pin_leased`] for every region with leased opens that hold no handle (the
@@ -158,10 +168,7 @@ impl RegionFs {
             .read()
             .map(|h| {
                 h.values()
-                    .filter(|x| {
-                        matches!(&x.body, Body::Region(r)
-                            if r.leased && r.pin.lock().is_ok_and(|p| p.is_none()))
-                    })
+                    .filter(|x| matches!(&x.body, Body::Region(r) if r.needs_pin()))
                     .map(|x| x.ino)
                     .collect()
             })
@@ -207,6 +214,8 @@ impl RegionFs {
                     *attr = published;
                 }
             }
+            // None recorded (a link count changed since): the writer's own view.
+            (Some(_), None) => {}
             _ => placement = None,
         }
         writer.released(placement, self.attr_chain(ino));

@@ -564,8 +564,6 @@ impl RegionFs {
         }
         // A writer's release keeps what it knows of the new region for leased opens, unless
         // the mode was set after the open (its placement has the mode it was created with).
-        // A writer's release keeps what it knows of the new region for leased opens, unless
-        // the mode was set after the open (its placement has the mode it was created with).
         let how = if write {
             Opening::Writer(self.placements.writer(
                 attr.ino,
@@ -720,9 +718,11 @@ impl RegionFs {
                 Ok(b) => Some(b),
                 Err(e) if e.errno() == libc::ENOENT => None,
                 Err(_) => {
-                    // Which region the name names is unknown: every leased open holds on.
+                    // Which region the name names is unknown: every leased open holds on, and
+                    // nothing known of any region serves another.
                     if !exchange {
                         self.pin_all_leased();
+                        self.placements.forget_all();
                     }
                     None
                 }
