@@ -246,6 +246,45 @@ fn stat_after_close_is_answered_under_the_lease_and_sees_every_change() {
 }
 
 #[test]
+fn a_leased_open_reads_on_across_a_manager_restart_and_an_unlink_after_it() {
+    let mut t = LeaseMounts::start(TERM_MS).unwrap();
+    let data = pattern(5);
+    std::fs::write(t.b.path("kept"), &data).unwrap();
+    wait_open_handles(&t.cluster, 0, "after B's write");
+    assert!(read_direct(&open_direct(&t.a.path("kept"))).unwrap() == data);
+    wait_open_handles(&t.cluster, 0, "after A's first open");
+    let f = open_direct(&t.a.path("kept"));
+    assert_eq!(open_handles(&t.cluster), 0, "the open was not leased");
+
+    // The manager dies and comes back on its address. A's session ends while the manager
+    // is out of reach: its leased open cannot take a handle then, and is not fenced for
+    // that (it reads on); it takes one when a new session begins, or at the next recall.
+    let addr = t.cluster.manager.addr.to_string();
+    t.cluster.manager.sigkill().unwrap();
+    let data_dir = t.cluster.dir.path().join("manager");
+    let term = TERM_MS.to_string();
+    t.cluster.manager = regions_tests::ManagerProcess::start_in(
+        &[],
+        &addr,
+        &data_dir,
+        &t.cluster.secret_file,
+        &["--cache-lease-term-ms", term.as_str()],
+    )
+    .unwrap();
+    assert!(read_direct(&f).unwrap() == data, "a read after the restart");
+
+    // B removes the file (once the restarted manager has waited out the old leases) and
+    // writes others: A's open still reads what it opened.
+    std::fs::remove_file(t.b.path("kept")).unwrap();
+    for i in 0..4 {
+        std::fs::write(t.b.path(&format!("after{i}")), pattern(120 + i)).unwrap();
+    }
+    assert!(read_direct(&f).unwrap() == data, "a read after the unlink");
+    drop(f);
+    drop(t);
+}
+
+#[test]
 fn the_last_of_two_writers_leaves_no_placement_it_did_not_see_grow() {
     let t = LeaseMounts::start(TERM_MS).unwrap();
     std::fs::write(t.a.path("w"), b"").unwrap();
