@@ -209,14 +209,13 @@ struct RegionHandle {
     region: Region,
     caller: v1::Caller,
     write: bool,
-    /// Opened under a cache lease without asking the manager (`fs/leased_opens.rs`): its
-    /// region has no handle there.
-    leased: bool,
+    /// How it was opened: at the manager, as a writer whose release keeps the placement it
+    /// knows, or under a cache lease without asking the manager (`fs/leased_opens.rs`: its
+    /// region has no handle there).
+    opening: Opening,
     /// For a leased open, the handle it took at the manager once the region could lose its
     /// last name (shared by the leased opens of the region, closed with the last).
     pin: Mutex<Option<Arc<Region>>>,
-    /// For a writer, what its release keeps the placement it knows with.
-    writer: Option<crate::placements::Writer>,
     io: Mutex<IoMode>,
     /// The manager closed this open's handle for it: this host's lease ended (see
     /// [`RegionFs::check_handles`]). Every use answers `EIO` from then on.

@@ -19,7 +19,7 @@ impl RegionFs {
         if write {
             self.wait_for_passthrough_readers(ino)?;
         }
-        let (region, how, leased) = self.open_region_as_leases_allow(&caller, ino, flags)?;
+        let (region, how, leased) = self.open_region_as_leases_allow(&caller, ino, write, flags)?;
         let attr = self.with_local_size(region.opened_attr().clone());
         if is_dir(&attr) {
             return Err(FsError::IsDir(format!("inode {ino}")));
@@ -94,17 +94,18 @@ impl RegionFs {
         })
     }
 
-    /// Opens region `ino` for `caller` with open(2) `flags`: read-only under a cache lease
-    /// without asking the manager when this mount holds a placement the lease covers
-    /// (`fs/leased_opens.rs`; the ticket to confirm once the handle is registered), else at
-    /// the manager, keeping the placement a read-only open brings for the next one.
+    /// Opens region `ino` for `caller` (for writing when `write`) with open(2) `flags`:
+    /// read-only under a cache lease without asking the manager when this mount holds a
+    /// placement the lease covers (`fs/leased_opens.rs`; what to confirm once the handle is
+    /// registered), else at the manager, keeping the placement a read-only open brings for
+    /// the next one.
     fn open_region_as_leases_allow(
         &self,
         caller: &v1::Caller,
         ino: u64,
+        write: bool,
         flags: i32,
     ) -> FsResult<(Region, Opening, Option<LeasedCheck>)> {
-        let write = flags & libc::O_ACCMODE != libc::O_RDONLY;
         if write {
             // This mount changes the region: no leased open is made from what it knew.
             let writer = self.placements.writer(ino, self.attr_chain(ino), true);
@@ -448,7 +449,7 @@ impl RegionFs {
         }
         let mut passthrough = false;
         if let Body::Region(r) = &h.body {
-            if let Some(writer) = &r.writer {
+            if let Opening::Writer(writer) = &r.opening {
                 self.writer_released(h.ino, writer, &r.region);
             }
             let io = r.io.lock().map(|i| *i).unwrap_or(IoMode::Direct);

@@ -74,7 +74,7 @@ pub(super) enum Opening {
 impl RegionHandle {
     /// A leased open that holds no handle at the manager and is not fenced.
     pub(super) fn needs_pin(&self) -> bool {
-        self.leased
+        matches!(self.opening, Opening::Leased)
             && !self.fenced.load(Ordering::Relaxed)
             && self.pin.lock().is_ok_and(|p| p.is_none())
     }
@@ -121,12 +121,8 @@ impl RegionFs {
                 region,
                 caller,
                 write,
-                leased: matches!(how, Opening::Leased),
+                opening: how,
                 pin: Mutex::new(None),
-                writer: match how {
-                    Opening::Writer(w) => Some(w),
-                    _ => None,
-                },
                 io: Mutex::new(io),
                 fenced: AtomicBool::new(false),
             })),
