@@ -38,6 +38,11 @@ pub struct Args {
     /// Memory this host offers to pools, with an optional K, M, G or T suffix (powers of 1024).
     #[arg(long, env = "REGIONS_MEMORY", default_value = "1G", value_parser = parse_size)]
     pub memory: u64,
+    /// Memory for small regions stored as objects in blocks of their size class (K, M, G
+    /// suffixes; 0: none, every region a segment of whole chunks). Pages are taken as objects
+    /// are written and given back as they are freed and compacted.
+    #[arg(long, env = "REGIONS_OBJECT_MEMORY", default_value = "256M", value_parser = parse_size)]
+    pub object_memory: u64,
     /// Path of the host-agent Unix socket (its directory must exist).
     #[arg(
         long,
@@ -123,6 +128,9 @@ pub struct RdmaConfig {
     pub gid_index: u8,
 }
 
+/// The object store's memory unless configured (`--object-memory`).
+pub const DEFAULT_OBJECT_MEMORY: u64 = 256 << 20;
+
 /// Everything a daemon needs to start.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -138,6 +146,8 @@ pub struct Config {
     pub advertise: Option<String>,
     /// Memory offered to pools, in bytes (rounded down to whole chunks).
     pub memory: u64,
+    /// Memory of the object store for small regions (0: none).
+    pub object_memory: u64,
     /// Host-agent socket path.
     pub socket: PathBuf,
     /// The cluster secret.
@@ -177,6 +187,7 @@ impl Config {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             advertise: None,
             memory,
+            object_memory: DEFAULT_OBJECT_MEMORY,
             socket,
             secret,
             ready_file: None,
@@ -200,6 +211,7 @@ impl Config {
             listen: args.listen,
             advertise: args.advertise.clone(),
             memory: args.memory,
+            object_memory: args.object_memory,
             socket: args.socket.clone(),
             secret,
             ready_file: args.ready_file.clone(),

@@ -32,6 +32,7 @@ pub struct Daemon {
     advertised: String,
     socket: PathBuf,
     pools: Arc<Pools>,
+    objects: Option<Arc<crate::objects::ObjectStore>>,
     stats: Arc<Stats>,
     status: Arc<RegistrationStatus>,
     incarnation: u64,
@@ -123,6 +124,13 @@ impl Daemon {
             Arc::clone(&stats),
             config.transport,
         )?;
+        let objects = match config.object_memory {
+            0 => None,
+            bytes => Some(Arc::new(crate::objects::ObjectStore::new(bytes)?)),
+        };
+        if let Some(store) = &objects {
+            transport.serve_objects(Arc::clone(store));
+        }
         let transports = rdma.serve(&transport);
         let mut registration = Registration::new(
             clients,
@@ -165,6 +173,7 @@ impl Daemon {
             advertised,
             socket: config.socket.clone(),
             pools,
+            objects,
             stats,
             status,
             incarnation,
@@ -198,6 +207,11 @@ impl Daemon {
     /// The host-agent socket.
     pub fn socket_path(&self) -> &Path {
         &self.socket
+    }
+
+    /// The object store of small regions (`None` with `--object-memory 0`).
+    pub fn objects(&self) -> Option<&Arc<crate::objects::ObjectStore>> {
+        self.objects.as_ref()
     }
 
     /// The pools and their chunk tables.

@@ -58,6 +58,9 @@ pub enum DaemonError {
     /// This daemon serves no RDMA (none configured or found, or built without it).
     #[error("{0}")]
     NoRdma(String),
+    /// This daemon keeps no object store (`EOPNOTSUPP`).
+    #[error("{0}")]
+    NoObjects(String),
     /// An access through a stale map (`ESTALE`).
     #[error("{0}")]
     Stale(String),
@@ -182,7 +185,7 @@ impl DaemonError {
             DaemonError::ManagerUnreachable { .. } => libc::EIO,
             DaemonError::Rdma(_) => libc::EIO,
             DaemonError::AtomicOutcomeUnknown(_) => libc::ETIMEDOUT,
-            DaemonError::NoRdma(_) => libc::EOPNOTSUPP,
+            DaemonError::NoRdma(_) | DaemonError::NoObjects(_) => libc::EOPNOTSUPP,
         }
     }
 

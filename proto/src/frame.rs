@@ -85,7 +85,7 @@ pub enum FrameError {
     )]
     UnsupportedVersion(u8),
     /// The op byte names no known [`Op`].
-    #[error("unknown frame op {0} (known ops are 1..=8)")]
+    #[error("unknown frame op {0} (known ops are 1..=17)")]
     UnknownOp(u8),
     /// Flag bits other than [`FLAG_REPLY`] and [`FLAG_DELTAS`] are set.
     #[error("unknown frame flags {0:#06x} (only 0x0001 = reply and 0x0002 = deltas are defined)")]
@@ -182,6 +182,64 @@ pub enum Op {
     /// WRITE of it), after a client changed it one-sided over RDMA, which the daemon does not
     /// see; no payload, reply payload = the word's value.
     Wake = 13,
+    /// A new object of `length` bytes (zeros) for the region `object_id` in the daemon's
+    /// object store (cluster secret only: the manager places small regions); reply payload =
+    /// the [`ObjectRef`] then its capacity as a u32.
+    ObjAlloc = 14,
+    /// Frees the object named by the payload ([`ObjectRef`]) of the region `object_id`
+    /// (cluster secret only); no reply payload.
+    ObjFree = 15,
+    /// Reads `length` bytes at `offset` of the region `object_id`'s object named by the
+    /// payload ([`ObjectRef`]); reply payload = where the object is now ([`ObjectRef`]), then
+    /// the bytes.
+    ObjRead = 16,
+    /// Writes at `offset` of the region `object_id`'s object: payload = its [`ObjectRef`],
+    /// then `length` bytes; reply payload = where the object is now ([`ObjectRef`]).
+    ObjWrite = 17,
+}
+
+/// Encoded size of an [`ObjectRef`].
+pub const OBJECT_REF_LEN: usize = 12;
+
+/// Where a small region's object is in a daemon's object store: a block address, the slot it
+/// was in when the pointer was made (a hint once compaction moved it), and its id in the
+/// block. Object requests name it; the daemon finds a moved object by id and replies with
+/// where it is now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct ObjectRef {
+    /// The block address.
+    pub address: u32,
+    /// The slot (a hint after compaction).
+    pub slot: u32,
+    /// The object's id in its block (never 0).
+    pub id: u32,
+}
+
+impl ObjectRef {
+    /// Appends the 12-byte encoding.
+    pub fn encode(&self, buf: &mut BytesMut) {
+        buf.put_u32_le(self.address);
+        buf.put_u32_le(self.slot);
+        buf.put_u32_le(self.id);
+    }
+
+    /// The reference at the start of `payload`, and the bytes after it.
+    pub fn decode(op: Op, mut payload: &[u8]) -> Result<(ObjectRef, &[u8]), FrameError> {
+        if payload.len() < OBJECT_REF_LEN {
+            return Err(bad_length(
+                op,
+                "payload length (an object reference first)",
+                OBJECT_REF_LEN as u64,
+                payload.len() as u64,
+            ));
+        }
+        let at = ObjectRef {
+            address: payload.get_u32_le(),
+            slot: payload.get_u32_le(),
+            id: payload.get_u32_le(),
+        };
+        Ok((at, payload))
+    }
 }
 
 /// Encoded size of a queue pair endpoint in [`Op::RdmaConnect`].
@@ -254,6 +312,10 @@ impl TryFrom<u8> for Op {
             11 => Op::RdmaReadKeys,
             12 => Op::RdmaWriteKeys,
             13 => Op::Wake,
+            14 => Op::ObjAlloc,
+            15 => Op::ObjFree,
+            16 => Op::ObjRead,
+            17 => Op::ObjWrite,
             other => return Err(FrameError::UnknownOp(other)),
         })
     }
@@ -276,6 +338,10 @@ impl Op {
             Op::RdmaReadKeys => "rdma-read-keys",
             Op::RdmaWriteKeys => "rdma-write-keys",
             Op::Wake => "wake",
+            Op::ObjAlloc => "object-alloc",
+            Op::ObjFree => "object-free",
+            Op::ObjRead => "object-read",
+            Op::ObjWrite => "object-write",
         }
     }
 }
@@ -700,6 +766,24 @@ pub enum Request {
         len: u64,
         write: bool,
     },
+    /// A new object of `len` bytes for region `ino`.
+    ObjAlloc { ino: u64, len: u32 },
+    /// Free region `ino`'s object `at`.
+    ObjFree { ino: u64, at: ObjectRef },
+    /// Read `len` bytes at `offset` of region `ino`'s object `at`.
+    ObjRead {
+        ino: u64,
+        at: ObjectRef,
+        offset: u32,
+        len: u32,
+    },
+    /// Write `data` at `offset` of region `ino`'s object `at`.
+    ObjWrite {
+        ino: u64,
+        at: ObjectRef,
+        offset: u32,
+        data: Bytes,
+    },
 }
 
 impl Request {
@@ -719,6 +803,10 @@ impl Request {
             Request::RdmaConnect { .. } => Op::RdmaConnect,
             Request::RdmaKeys { write: false, .. } => Op::RdmaReadKeys,
             Request::RdmaKeys { write: true, .. } => Op::RdmaWriteKeys,
+            Request::ObjAlloc { .. } => Op::ObjAlloc,
+            Request::ObjFree { .. } => Op::ObjFree,
+            Request::ObjRead { .. } => Op::ObjRead,
+            Request::ObjWrite { .. } => Op::ObjWrite,
         }
     }
 
@@ -867,6 +955,7 @@ impl Request {
                     write: op == Op::RdmaWriteKeys,
                 }
             }
+            Op::ObjAlloc | Op::ObjFree | Op::ObjRead | Op::ObjWrite => parse_object(h, payload)?,
         })
     }
 
@@ -948,10 +1037,104 @@ impl Request {
                 (h.pool, h.offset, h.length) = (pool, offset, len);
                 Bytes::new()
             }
+            &Request::ObjAlloc { ino, len } => {
+                (h.object_id, h.length) = (ino, u64::from(len));
+                Bytes::new()
+            }
+            &Request::ObjFree { ino, at } => {
+                h.object_id = ino;
+                at.encode(&mut buf);
+                buf.freeze()
+            }
+            &Request::ObjRead {
+                ino,
+                at,
+                offset,
+                len,
+            } => {
+                (h.object_id, h.offset, h.length) = (ino, u64::from(offset), u64::from(len));
+                at.encode(&mut buf);
+                buf.freeze()
+            }
+            Request::ObjWrite {
+                ino,
+                at,
+                offset,
+                data,
+            } => {
+                (h.object_id, h.offset, h.length) = (*ino, u64::from(*offset), data.len() as u64);
+                buf.reserve(OBJECT_REF_LEN + data.len());
+                at.encode(&mut buf);
+                buf.extend_from_slice(data);
+                buf.freeze()
+            }
         };
         h.payload_len = u32::try_from(payload.len()).unwrap_or(u32::MAX);
         Frame { header: h, payload }
     }
+}
+
+/// Largest object an object request may name: no size class holds more.
+pub const MAX_OBJECT: u32 = 1 << 20;
+
+/// Parses an object request: it names its region (`object_id`, never 0) and keeps within
+/// [`MAX_OBJECT`].
+fn parse_object(h: &Header, payload: &Bytes) -> Result<Request, FrameError> {
+    let op = h.op;
+    let ino = h.object_id;
+    if ino == 0 {
+        return Err(bad_length(op, "object_id field (the region)", 1, 0));
+    }
+    let small = |what: &'static str, v: u64| -> Result<u32, FrameError> {
+        u32::try_from(v)
+            .ok()
+            .filter(|&v| v <= MAX_OBJECT)
+            .ok_or(bad_length(op, what, u64::from(MAX_OBJECT), v))
+    };
+    let plen = payload.len() as u64;
+    Ok(match op {
+        Op::ObjAlloc => {
+            expect_len(op, "payload length", 0, plen)?;
+            Request::ObjAlloc {
+                ino,
+                len: small("length field (at most)", h.length)?,
+            }
+        }
+        Op::ObjFree => {
+            expect_len(op, "payload length", OBJECT_REF_LEN as u64, plen)?;
+            let (at, _) = ObjectRef::decode(op, payload)?;
+            Request::ObjFree { ino, at }
+        }
+        Op::ObjRead => {
+            expect_len(op, "payload length", OBJECT_REF_LEN as u64, plen)?;
+            let (at, _) = ObjectRef::decode(op, payload)?;
+            let offset = small("offset field (at most)", h.offset)?;
+            let len = small("length field (at most)", h.length)?;
+            small(
+                "offset + length (at most)",
+                u64::from(offset) + u64::from(len),
+            )?;
+            Request::ObjRead {
+                ino,
+                at,
+                offset,
+                len,
+            }
+        }
+        _ => {
+            let (at, data) = ObjectRef::decode(op, payload)?;
+            let what = "length field (must equal the data after the object reference)";
+            expect_len(op, what, data.len() as u64, h.length)?;
+            let offset = small("offset field (at most)", h.offset)?;
+            small("offset + length (at most)", u64::from(offset) + h.length)?;
+            Request::ObjWrite {
+                ino,
+                at,
+                offset,
+                data: payload.slice_ref(data),
+            }
+        }
+    })
 }
 
 fn bad_length(op: Op, what: &'static str, expected: u64, actual: u64) -> FrameError {
@@ -1134,7 +1317,81 @@ mod tests {
                 len: 1,
                 write: true,
             },
+            Request::ObjAlloc { ino: 7, len: 100 },
+            Request::ObjFree {
+                ino: 7,
+                at: ObjectRef {
+                    address: 3,
+                    slot: 9,
+                    id: 0xdead,
+                },
+            },
+            Request::ObjRead {
+                ino: 7,
+                at: ObjectRef {
+                    address: 3,
+                    slot: 9,
+                    id: 0xdead,
+                },
+                offset: 10,
+                len: 90,
+            },
+            Request::ObjWrite {
+                ino: 7,
+                at: ObjectRef {
+                    address: 0,
+                    slot: 0,
+                    id: 1,
+                },
+                offset: 4,
+                data: Bytes::from_static(b"small region"),
+            },
         ]
+    }
+
+    #[test]
+    fn object_requests_name_their_region_and_stay_small() {
+        let at = ObjectRef {
+            address: 1,
+            slot: 2,
+            id: 3,
+        };
+        let limits = Limits::default();
+        let no_region = Request::ObjRead {
+            ino: 0,
+            at,
+            offset: 0,
+            len: 8,
+        }
+        .to_frame(1, 0);
+        assert!(Request::parse(&no_region, &limits).is_err());
+        let huge = Request::ObjAlloc {
+            ino: 5,
+            len: MAX_OBJECT + 1,
+        }
+        .to_frame(1, 0);
+        assert!(Request::parse(&huge, &limits).is_err());
+        let past = Request::ObjRead {
+            ino: 5,
+            at,
+            offset: MAX_OBJECT,
+            len: 1,
+        }
+        .to_frame(1, 0);
+        assert!(Request::parse(&past, &limits).is_err());
+        let mut short = Request::ObjFree { ino: 5, at }.to_frame(1, 0);
+        short.payload = short.payload.slice(..OBJECT_REF_LEN - 1);
+        short.header.payload_len = (OBJECT_REF_LEN - 1) as u32;
+        assert!(Request::parse(&short, &limits).is_err());
+        let mut lying = Request::ObjWrite {
+            ino: 5,
+            at,
+            offset: 0,
+            data: Bytes::from_static(b"abc"),
+        }
+        .to_frame(1, 0);
+        lying.header.length = 4;
+        assert!(Request::parse(&lying, &limits).is_err());
     }
 
     #[test]
@@ -1401,8 +1658,8 @@ mod tests {
             Err(FrameError::UnknownOp(0))
         );
         assert_eq!(
-            with_bytes(&ping, |b| b[3] = 14),
-            Err(FrameError::UnknownOp(14))
+            with_bytes(&ping, |b| b[3] = 18),
+            Err(FrameError::UnknownOp(18))
         );
         assert_eq!(
             with_bytes(&ping, |b| b[0] = 0),

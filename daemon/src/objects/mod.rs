@@ -51,16 +51,9 @@ const FRAGMENTATION_THRESHOLD: f64 = 0.2;
 /// Merges one compaction of a class makes at most (bounds how long it holds the store).
 const MERGES_PER_PASS: usize = 64;
 
-/// Where an object is: what a small region's map entry holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct ObjectRef {
-    /// The block address (its index in the window of block addresses).
-    pub address: u32,
-    /// The slot the object was in when the pointer was made (a hint after compaction).
-    pub slot: u32,
-    /// The object's id in its block.
-    pub id: u32,
-}
+/// Where an object is: what a small region's map entry holds (block address, slot hint, id;
+/// the transport's wire type).
+pub use regions_proto::frame::ObjectRef;
 
 /// The region an object belongs to; every access names it and is refused for another.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -154,6 +147,14 @@ struct Inner {
     classes: Vec<ClassState>,
 }
 
+impl std::fmt::Debug for ObjectStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ObjectStore")
+            .field("allocated_bytes", &self.allocated_bytes())
+            .finish_non_exhaustive()
+    }
+}
+
 impl ObjectStore {
     /// A store of at most `capacity` bytes of blocks (rounded down to whole blocks).
     pub fn new(capacity: u64) -> Result<ObjectStore> {
@@ -195,6 +196,13 @@ impl ObjectStore {
         self.inner
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A new object of `len` bytes (zeros) for `owner`, and the bytes its slot can hold.
+    pub fn alloc_with_capacity(&self, owner: Owner, len: u32) -> Result<(ObjectRef, u32)> {
+        let at = self.alloc(owner, len)?;
+        let capacity = class_for(len).map_or(len, |c| slot_size(c) - HEADER as u32);
+        Ok((at, capacity))
     }
 
     /// A new object of `len` bytes (zeros) for `owner`.

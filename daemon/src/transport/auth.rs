@@ -104,7 +104,15 @@ pub const OUT_OF_REACH: &str = "the range lies outside the region or the byte ra
 fn writes(op: Op) -> bool {
     matches!(
         op,
-        Op::Write | Op::WriteV | Op::Cas | Op::FetchAdd | Op::RdmaWriteKeys | Op::Wake
+        Op::Write
+            | Op::WriteV
+            | Op::Cas
+            | Op::FetchAdd
+            | Op::RdmaWriteKeys
+            | Op::Wake
+            | Op::ObjAlloc
+            | Op::ObjFree
+            | Op::ObjWrite
     )
 }
 

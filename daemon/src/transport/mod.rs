@@ -22,6 +22,7 @@
 
 pub mod admission;
 pub mod auth;
+pub mod objects;
 pub mod rawio;
 pub mod revocations;
 
@@ -40,6 +41,7 @@ use regions_proto::frame::{
 };
 
 use crate::error::{DaemonError, Result};
+use crate::objects::ObjectStore;
 use crate::pools::{Pinned, Pools, Resolved, WordOp};
 use crate::stats::Stats;
 use crate::transport::auth::{ConnAuth, Reach};
@@ -122,6 +124,8 @@ struct Shared {
     /// The RDMA device connections may set up queue pairs on ([`TransportServer::serve_rdma`]).
     #[cfg(feature = "rdma")]
     rdma: std::sync::OnceLock<Arc<crate::rdma::Rdma>>,
+    /// The object store object requests reach ([`TransportServer::serve_objects`]).
+    objects: std::sync::OnceLock<Arc<ObjectStore>>,
 }
 
 /// A running transport server.
@@ -138,6 +142,12 @@ impl TransportServer {
     #[cfg(feature = "rdma")]
     pub fn serve_rdma(&self, rdma: Arc<crate::rdma::Rdma>) {
         let _ = self.shared.rdma.set(rdma);
+    }
+
+    /// Serves object requests from `objects` ([`objects`]). Without it they are answered
+    /// `EOPNOTSUPP`.
+    pub fn serve_objects(&self, objects: Arc<ObjectStore>) {
+        let _ = self.shared.objects.set(objects);
     }
 
     /// Binds the transport address (port 0 picks a free port).
@@ -179,6 +189,7 @@ impl TransportServer {
             next_conn: AtomicU64::new(1),
             #[cfg(feature = "rdma")]
             rdma: std::sync::OnceLock::new(),
+            objects: std::sync::OnceLock::new(),
         });
         let for_thread = Arc::clone(&shared);
         let accept = std::thread::Builder::new()
@@ -756,6 +767,21 @@ impl Conn {
                 len,
                 write,
             } => self.rdma_keys(&h, pool, offset, len, write, reach),
+            request @ (Request::ObjAlloc { .. }
+            | Request::ObjFree { .. }
+            | Request::ObjRead { .. }
+            | Request::ObjWrite { .. }) => {
+                let served = match self.shared.objects.get() {
+                    Some(store) => objects::serve(store, self.auth.proved_secret(), reach, request),
+                    None => Err(DaemonError::NoObjects(
+                        "this daemon keeps no object store (its small regions are segments)".into(),
+                    )),
+                };
+                match served {
+                    Ok(payload) => self.reply_ok(&h, payload),
+                    Err(e) => self.reply_error(&h, &e),
+                }
+            }
             // Handled above; kept for exhaustiveness.
             Request::Hello { .. } | Request::Write { .. } => {
                 self.reply_err(&h, libc::EINVAL, "unexpected request");

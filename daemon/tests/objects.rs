@@ -1,0 +1,237 @@
+//! Object requests (small regions stored as objects, docs/ARCHITECTURE.md "Small regions as
+//! objects") against a real transport server over sockets: the manager (cluster secret)
+//! allocates and frees; a capability reads and writes only its own region's object, with its
+//! rights; objects keep their bytes while compaction moves them, and requests through the old
+//! pointer are answered with where the object is now.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use common::{Client, TOKEN, server, status};
+use regions_daemon::objects::ObjectStore;
+use regions_daemon::pools::Pools;
+use regions_proto::auth::Secret;
+use regions_proto::capability::{Capability, CapabilityKey, RIGHT_READ, RIGHT_WRITE, now_ms};
+use regions_proto::frame::{Frame, OBJECT_REF_LEN, ObjectRef, Op, Request};
+
+fn token(ino: u64, rights: u8, range: (u64, u64)) -> Bytes {
+    let key = CapabilityKey::from_secret(&Secret::new(TOKEN).unwrap());
+    Bytes::from(key.mint(&Capability {
+        ino,
+        rights,
+        expires_ms: now_ms() + 60_000,
+        issued: 3,
+        offset: range.0,
+        len: range.1,
+        host: 0,
+    }))
+}
+
+fn call(c: &mut Client, req: &Request, cap: u64) -> Frame {
+    let mut out = BytesMut::new();
+    req.to_frame(7, cap).encode(&mut out);
+    c.send_raw(&out).unwrap();
+    c.recv().expect("the server closed the connection")
+}
+
+fn alloc(node: &mut Client, ino: u64, len: u32) -> ObjectRef {
+    let reply = node.call(&Request::ObjAlloc { ino, len });
+    assert_eq!(status(&reply), 0, "{:?}", reply.error_message());
+    let (at, rest) = ObjectRef::decode(Op::ObjAlloc, &reply.payload).unwrap();
+    let capacity = u32::from_le_bytes(rest.try_into().unwrap());
+    assert!(
+        capacity >= len && capacity < len + 512,
+        "capacity {capacity}"
+    );
+    at
+}
+
+fn write(ino: u64, at: ObjectRef, offset: u32, data: &[u8]) -> Request {
+    Request::ObjWrite {
+        ino,
+        at,
+        offset,
+        data: Bytes::copy_from_slice(data),
+    }
+}
+
+fn read(ino: u64, at: ObjectRef, offset: u32, len: u32) -> Request {
+    Request::ObjRead {
+        ino,
+        at,
+        offset,
+        len,
+    }
+}
+
+/// The bytes of a read reply and where the object is now.
+fn bytes_of(reply: &Frame) -> (ObjectRef, Vec<u8>) {
+    assert_eq!(status(reply), 0, "{:?}", reply.error_message());
+    assert!(reply.payload.len() >= OBJECT_REF_LEN);
+    let (now, data) = ObjectRef::decode(Op::ObjRead, &reply.payload).unwrap();
+    (now, data.to_vec())
+}
+
+fn serving_objects(store: &Arc<ObjectStore>) -> regions_daemon::transport::TransportServer {
+    let (srv, _) = server(Arc::new(Pools::new()), Duration::from_millis(50));
+    srv.serve_objects(Arc::clone(store));
+    srv
+}
+
+#[test]
+fn a_capability_reaches_its_own_regions_object_only() {
+    let store = Arc::new(ObjectStore::new(4 << 20).unwrap());
+    let srv = serving_objects(&store);
+    let mut node = Client::authenticated(srv.local_addr(), TOKEN);
+    let mine = alloc(&mut node, 10, 300);
+    let theirs = alloc(&mut node, 11, 300);
+    assert_eq!(
+        status(&node.call(&write(11, theirs, 0, b"secret of 11"))),
+        0
+    );
+
+    let mut app = Client::connect(srv.local_addr());
+    let ok = call(
+        &mut app,
+        &Request::Hello {
+            token: token(10, RIGHT_READ | RIGHT_WRITE, (0, u64::MAX)),
+        },
+        5,
+    );
+    assert_eq!(status(&ok), 0);
+    assert_eq!(
+        status(&call(&mut app, &write(10, mine, 100, b"hello object"), 5)),
+        0
+    );
+    let (now, data) = bytes_of(&call(&mut app, &read(10, mine, 98, 16), 5));
+    assert_eq!(now, mine);
+    assert_eq!(&data, b"\0\0hello object\0\0");
+
+    // Attacks from a capability for region 10: its own region named with the other object,
+    // the other region named, allocating, freeing, reading past the slot.
+    let stolen = call(&mut app, &read(10, theirs, 0, 12), 5);
+    assert_eq!(
+        status(&stolen),
+        libc::ESTALE,
+        "{:?}",
+        stolen.error_message()
+    );
+    assert_eq!(
+        status(&call(&mut app, &read(11, theirs, 0, 12), 5)),
+        libc::EACCES
+    );
+    assert_eq!(
+        status(&call(&mut app, &write(11, theirs, 0, b"overwrite"), 5)),
+        libc::EACCES
+    );
+    let grab = call(&mut app, &Request::ObjAlloc { ino: 10, len: 10 }, 5);
+    assert_eq!(status(&grab), libc::EACCES);
+    assert!(grab.error_message().unwrap().contains("manager"));
+    assert_eq!(
+        status(&call(
+            &mut app,
+            &Request::ObjFree {
+                ino: 11,
+                at: theirs
+            },
+            5
+        )),
+        libc::EACCES
+    );
+    assert_eq!(
+        status(&call(&mut app, &read(10, mine, 0, 8192), 5)),
+        libc::EINVAL
+    );
+    let (_, untouched) = bytes_of(&node.call(&read(11, theirs, 0, 12)));
+    assert_eq!(&untouched, b"secret of 11");
+
+    // Read-only, and a byte range: writes and bytes outside are refused.
+    let ro = call(
+        &mut app,
+        &Request::Hello {
+            token: token(10, RIGHT_READ, (0, 64)),
+        },
+        6,
+    );
+    assert_eq!(status(&ro), 0);
+    assert_eq!(
+        status(&call(&mut app, &write(10, mine, 0, b"x"), 6)),
+        libc::EACCES
+    );
+    assert_eq!(status(&call(&mut app, &read(10, mine, 0, 64), 6)), 0);
+    assert_eq!(
+        status(&call(&mut app, &read(10, mine, 60, 8), 6)),
+        libc::EACCES
+    );
+
+    // Past its slot a write is EFBIG: the region must move to a segment first.
+    let big = call(&mut app, &write(10, mine, 300, &[1u8; 8192]), 5);
+    assert_eq!(status(&big), libc::EFBIG, "{:?}", big.error_message());
+
+    // Freed by the manager: the next access through the old pointer is stale.
+    assert_eq!(
+        status(&node.call(&Request::ObjFree { ino: 10, at: mine })),
+        0
+    );
+    assert_eq!(
+        status(&call(&mut app, &read(10, mine, 0, 4), 5)),
+        libc::ESTALE
+    );
+}
+
+#[test]
+fn objects_keep_their_bytes_across_compaction_and_old_pointers_are_corrected() {
+    let store = Arc::new(ObjectStore::new(16 << 20).unwrap());
+    store.set_auto_compaction(false);
+    let srv = serving_objects(&store);
+    let mut node = Client::authenticated(srv.local_addr(), TOKEN);
+    let content = |ino: u64| format!("region {ino} ").repeat(8).into_bytes();
+    let mut live: Vec<(u64, ObjectRef)> = (0..600u64)
+        .map(|i| {
+            let ino = 100 + i;
+            let at = alloc(&mut node, ino, 120);
+            assert_eq!(status(&node.call(&write(ino, at, 0, &content(ino)))), 0);
+            (ino, at)
+        })
+        .collect();
+    // Free most of them, every block keeping a few: sparse blocks to merge.
+    let mut kept = Vec::new();
+    for (i, (ino, at)) in live.drain(..).enumerate() {
+        if i % 5 == 0 {
+            kept.push((ino, at));
+        } else {
+            assert_eq!(status(&node.call(&Request::ObjFree { ino, at })), 0);
+        }
+    }
+    let before = store.allocated_bytes();
+    let done = store.compact(None).unwrap();
+    assert!(done.blocks_freed > 0, "{done:?}");
+    assert!(store.allocated_bytes() < before);
+    // Every kept object reads back through the pointer taken before the compaction; a moved
+    // one is answered with its new slot, which works too.
+    let mut moved = 0;
+    for (ino, at) in kept {
+        let want = content(ino);
+        let (now, data) = bytes_of(&node.call(&read(ino, at, 0, want.len() as u32)));
+        assert_eq!(data, want, "region {ino}");
+        if now != at {
+            moved += 1;
+            assert_eq!((now.address, now.id), (at.address, at.id));
+            let (again, data) = bytes_of(&node.call(&read(ino, now, 0, want.len() as u32)));
+            assert_eq!((again, data), (now, want));
+        }
+    }
+    assert!(moved as u64 <= done.objects_moved);
+}
+
+#[test]
+fn a_daemon_without_an_object_store_says_so() {
+    let (srv, _) = server(Arc::new(Pools::new()), Duration::from_millis(50));
+    let mut node = Client::authenticated(srv.local_addr(), TOKEN);
+    let reply = node.call(&Request::ObjAlloc { ino: 3, len: 10 });
+    assert_eq!(status(&reply), libc::EOPNOTSUPP);
+    assert!(reply.error_message().unwrap().contains("object store"));
+}
