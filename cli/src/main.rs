@@ -23,6 +23,8 @@ use regions_proto::auth::Secret;
 use regions_proto::transport_choice::TransportChoice;
 use tokio::signal::unix::{SignalKind, signal};
 
+mod cluster_access;
+mod compact_cli;
 mod sync_cli;
 
 /// Remote memory regions as files.
@@ -43,28 +45,18 @@ enum Command {
     Sync(sync_cli::SyncArgs),
     /// The cluster at a glance: manager health, hosts and leases, memory, regions, warnings.
     Status(StatusArgs),
+    /// Compact the object stores of small regions now (every live host, or --host N) and say
+    /// what each gave back.
+    Compact(compact_cli::CompactArgs),
 }
 
 #[derive(Args, Debug)]
 struct StatusArgs {
-    /// URL of the manager (`http://host:port`, `https://host:port` when it serves TLS; a bare
-    /// `host:port` means http).
-    #[arg(long, env = "REGIONS_MANAGER", default_value = "http://127.0.0.1:7070")]
-    manager: String,
-    /// CA certificate (PEM) that signed the manager's TLS certificate (https:// URLs; default:
-    /// the system's roots).
-    #[arg(long, env = "REGIONS_TLS_CA")]
-    tls_ca: Option<PathBuf>,
-    /// File holding the cluster secret (default: /etc/regions/secret, else the one
-    /// `regionfs up` keeps in /var/lib/regions).
-    #[arg(long, env = "REGIONS_SECRET_FILE")]
-    secret_file: Option<PathBuf>,
+    #[command(flatten)]
+    cluster: cluster_access::ClusterAccess,
     /// Print JSON for scripts instead of text.
     #[arg(long)]
     json: bool,
-    /// How long to wait for the manager.
-    #[arg(long, env = "REGIONS_STATUS_TIMEOUT_MS", default_value_t = 5_000)]
-    timeout_ms: u64,
     #[command(flatten)]
     config: regions_proto::config::ConfigArgs,
 }
@@ -183,6 +175,7 @@ fn main() {
         Command::Up(args) => run_up(args),
         Command::Sync(args) => sync_cli::run(args).map(|code| std::process::exit(code)),
         Command::Status(args) => run_status(args),
+        Command::Compact(args) => compact_cli::run(&args),
     };
     if let Err(e) = result {
         tracing::error!("{e:#}");
@@ -226,31 +219,8 @@ fn run_mount(args: MountArgs) -> anyhow::Result<()> {
 
 /// The secret files `regionfs status` tries when none is named: a cluster's, then the one
 /// `regionfs up` writes under its default data directory.
-const STATUS_SECRET_FILES: [&str; 2] = ["/etc/regions/secret", "/var/lib/regions/secret"];
-
 fn run_status(args: StatusArgs) -> anyhow::Result<()> {
-    let secret_file = match &args.secret_file {
-        Some(path) => path.clone(),
-        None => STATUS_SECRET_FILES
-            .iter()
-            .map(PathBuf::from)
-            .find(|p| p.exists())
-            .with_context(|| {
-                format!(
-                    "no cluster secret in {}: name it with --secret-file",
-                    STATUS_SECRET_FILES.join(" or ")
-                )
-            })?,
-    };
-    let secret = Secret::from_file(&secret_file)?;
-    let url = manager_url(&args.manager);
-    let manager = regions::manager_client::ManagerClient::connect(
-        &url,
-        &secret,
-        args.tls_ca.as_deref(),
-        Duration::from_millis(args.timeout_ms),
-    )
-    .with_context(|| format!("cannot reach the manager at {url}: is it running?"))?;
+    let (manager, _, url) = args.cluster.connect()?;
     let status = regionfs::status::Status::gather(&manager)
         .with_context(|| format!("the manager at {url} did not answer the status requests"))?;
     if args.json {

@@ -43,6 +43,10 @@ pub struct Args {
     /// are written and given back as they are freed and compacted.
     #[arg(long, env = "REGIONS_OBJECT_MEMORY", default_value = "256M", value_parser = parse_size)]
     pub object_memory: u64,
+    /// Whether a size class of the object store is compacted on its own once frees leave it
+    /// sparse (`false`: only when the store is full and on `regionfs compact`).
+    #[arg(long, env = "REGIONS_OBJECT_AUTO_COMPACTION", default_value_t = true, action = clap::ArgAction::Set)]
+    pub object_auto_compaction: bool,
     /// Path of the host-agent Unix socket (its directory must exist).
     #[arg(
         long,
@@ -148,6 +152,8 @@ pub struct Config {
     pub memory: u64,
     /// Memory of the object store for small regions (0: none).
     pub object_memory: u64,
+    /// Whether frees that leave a size class sparse compact it.
+    pub object_auto_compaction: bool,
     /// Host-agent socket path.
     pub socket: PathBuf,
     /// The cluster secret.
@@ -188,6 +194,7 @@ impl Config {
             advertise: None,
             memory,
             object_memory: DEFAULT_OBJECT_MEMORY,
+            object_auto_compaction: true,
             socket,
             secret,
             ready_file: None,
@@ -212,6 +219,7 @@ impl Config {
             advertise: args.advertise.clone(),
             memory: args.memory,
             object_memory: args.object_memory,
+            object_auto_compaction: args.object_auto_compaction,
             socket: args.socket.clone(),
             secret,
             ready_file: args.ready_file.clone(),

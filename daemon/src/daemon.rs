@@ -67,6 +67,14 @@ impl Daemon {
         let agent_listener = AgentServer::bind(&config.socket)?;
 
         let pools = Arc::new(Pools::new());
+        let objects = match config.object_memory {
+            0 => None,
+            bytes => {
+                let store = crate::objects::ObjectStore::new(bytes)?;
+                store.set_auto_compaction(config.object_auto_compaction);
+                Some(Arc::new(store))
+            }
+        };
         let stats = Arc::new(Stats::default());
         let status = Arc::new(RegistrationStatus::default());
         let authority: Arc<dyn crate::manager_client::Authority> = Arc::new(ManagerAuthority::new(
@@ -90,6 +98,7 @@ impl Daemon {
             pools: Arc::clone(&pools),
             stats: Arc::clone(&stats),
             memory_limit: config.pool_memory(),
+            objects: objects.clone(),
             authority,
             owners: Some(Arc::new(owners)),
             handles,
@@ -124,10 +133,6 @@ impl Daemon {
             Arc::clone(&stats),
             config.transport,
         )?;
-        let objects = match config.object_memory {
-            0 => None,
-            bytes => Some(Arc::new(crate::objects::ObjectStore::new(bytes)?)),
-        };
         if let Some(store) = &objects {
             transport.serve_objects(Arc::clone(store));
         }
@@ -236,7 +241,12 @@ impl Daemon {
 
     /// The daemon's counters (as the host agent's `AgentStats` reports them).
     pub fn stats(&self) -> DaemonStats {
-        self.stats.snapshot(self.host_id, &self.pools, self.memory)
+        self.stats.snapshot(
+            self.host_id,
+            &self.pools,
+            self.objects.as_deref(),
+            self.memory,
+        )
     }
 
     /// Stops the manager session and both servers, removes the agent socket.

@@ -20,9 +20,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use metrics::{counter, gauge};
 use regions_proto::metrics::{GAUGE_PERIOD, enabled};
-use regions_proto::v1::DaemonStats;
+use regions_proto::v1::{DaemonStats, ObjectClassStats};
 use tokio::sync::watch;
 
+use crate::objects::ObjectStore;
 use crate::pools::Pools;
 
 /// Transport counters, updated by every connection.
@@ -67,9 +68,35 @@ impl Stats {
     }
 
     /// The counters together with the pools' usage.
-    pub fn snapshot(&self, host_id: u32, pools: &Pools, memory_limit: u64) -> DaemonStats {
+    pub fn snapshot(
+        &self,
+        host_id: u32,
+        pools: &Pools,
+        objects: Option<&ObjectStore>,
+        memory_limit: u64,
+    ) -> DaemonStats {
         let (segments, segment_bytes) = pools.segment_usage();
+        let object_classes = objects.map_or_else(Vec::new, |store| {
+            store
+                .stats()
+                .into_iter()
+                .filter(|c| c.blocks > 0 || c.compactions > 0)
+                .map(|c| ObjectClassStats {
+                    slot_size: c.slot_size,
+                    blocks: c.blocks,
+                    objects: c.objects,
+                    live_bytes: c.live_bytes,
+                    block_bytes: c.block_bytes,
+                    fragmentation: c.fragmentation,
+                    compactions: c.compactions,
+                    moved_objects: c.moved_objects,
+                })
+                .collect()
+        });
         DaemonStats {
+            object_classes,
+            object_bytes: objects.map_or(0, ObjectStore::allocated_bytes),
+            object_memory: objects.map_or(0, ObjectStore::capacity),
             host_id,
             transport_requests: self.requests.load(Ordering::Relaxed),
             transport_bytes_read: self.bytes_read.load(Ordering::Relaxed),
@@ -126,7 +153,7 @@ mod tests {
         Stats::dec(&stats.connections);
         let pools = Pools::new();
         pools.add_pool(1, 1 << 20).unwrap();
-        let s = stats.snapshot(4, &pools, 2 << 20);
+        let s = stats.snapshot(4, &pools, None, 2 << 20);
         assert_eq!(
             (s.host_id, s.transport_requests, s.transport_connections),
             (4, 3, 1)

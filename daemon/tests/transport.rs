@@ -206,7 +206,7 @@ fn read_write_readv_writev_round_trip() {
     assert_eq!(reply.header.request_id, id);
     assert_eq!(&reply.payload[..], &big[..]);
 
-    let s = stats.snapshot(1, &pools, 0);
+    let s = stats.snapshot(1, &pools, None, 0);
     assert_eq!(s.transport_requests, 9, "two hello steps + 7 requests");
     assert!(s.transport_bytes_read >= (data.len() + big.len()) as u64);
     assert!(s.transport_bytes_written >= (data.len() + big.len() + 7) as u64);

@@ -85,7 +85,7 @@ pub enum FrameError {
     )]
     UnsupportedVersion(u8),
     /// The op byte names no known [`Op`].
-    #[error("unknown frame op {0} (known ops are 1..=17)")]
+    #[error("unknown frame op {0} (known ops are 1..=18)")]
     UnknownOp(u8),
     /// Flag bits other than [`FLAG_REPLY`] and [`FLAG_DELTAS`] are set.
     #[error("unknown frame flags {0:#06x} (only 0x0001 = reply and 0x0002 = deltas are defined)")]
@@ -196,6 +196,58 @@ pub enum Op {
     /// Writes at `offset` of the region `object_id`'s object: payload = its [`ObjectRef`],
     /// then `length` bytes; reply payload = where the object is now ([`ObjectRef`]).
     ObjWrite = 17,
+    /// Compacts every size class of the daemon's object store now (cluster secret only);
+    /// reply payload = [`ObjectCompaction`].
+    ObjCompact = 18,
+}
+
+/// Encoded size of an [`ObjectCompaction`].
+pub const OBJECT_COMPACTION_LEN: usize = 32;
+
+/// What one compaction of a daemon's object store did ([`Op::ObjCompact`]'s reply).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct ObjectCompaction {
+    /// Blocks merged into others (their memory given back).
+    pub blocks_freed: u64,
+    /// Objects copied into another block.
+    pub objects_merged: u64,
+    /// Of those, objects that took another slot.
+    pub objects_moved: u64,
+    /// Bytes of memory the store held before less after.
+    pub bytes_freed: u64,
+}
+
+impl ObjectCompaction {
+    /// The 32-byte encoding.
+    pub fn encode(&self) -> Bytes {
+        let mut buf = BytesMut::with_capacity(OBJECT_COMPACTION_LEN);
+        for v in [
+            self.blocks_freed,
+            self.objects_merged,
+            self.objects_moved,
+            self.bytes_freed,
+        ] {
+            buf.put_u64_le(v);
+        }
+        buf.freeze()
+    }
+
+    /// Decodes a reply payload.
+    pub fn decode(mut payload: &[u8]) -> Result<ObjectCompaction, FrameError> {
+        let n = OBJECT_COMPACTION_LEN as u64;
+        expect_len(
+            Op::ObjCompact,
+            "reply payload length",
+            n,
+            payload.len() as u64,
+        )?;
+        Ok(ObjectCompaction {
+            blocks_freed: payload.get_u64_le(),
+            objects_merged: payload.get_u64_le(),
+            objects_moved: payload.get_u64_le(),
+            bytes_freed: payload.get_u64_le(),
+        })
+    }
 }
 
 /// Encoded size of an [`ObjectRef`].
@@ -316,6 +368,7 @@ impl TryFrom<u8> for Op {
             15 => Op::ObjFree,
             16 => Op::ObjRead,
             17 => Op::ObjWrite,
+            18 => Op::ObjCompact,
             other => return Err(FrameError::UnknownOp(other)),
         })
     }
@@ -342,6 +395,7 @@ impl Op {
             Op::ObjFree => "object-free",
             Op::ObjRead => "object-read",
             Op::ObjWrite => "object-write",
+            Op::ObjCompact => "object-compact",
         }
     }
 }
@@ -784,6 +838,8 @@ pub enum Request {
         offset: u32,
         data: Bytes,
     },
+    /// Compact the daemon's object store.
+    ObjCompact,
 }
 
 impl Request {
@@ -807,6 +863,7 @@ impl Request {
             Request::ObjFree { .. } => Op::ObjFree,
             Request::ObjRead { .. } => Op::ObjRead,
             Request::ObjWrite { .. } => Op::ObjWrite,
+            Request::ObjCompact => Op::ObjCompact,
         }
     }
 
@@ -956,6 +1013,10 @@ impl Request {
                 }
             }
             Op::ObjAlloc | Op::ObjFree | Op::ObjRead | Op::ObjWrite => parse_object(h, payload)?,
+            Op::ObjCompact => {
+                expect_len(op, "payload length", 0, plen)?;
+                Request::ObjCompact
+            }
         })
     }
 
@@ -1068,6 +1129,7 @@ impl Request {
                 buf.extend_from_slice(data);
                 buf.freeze()
             }
+            Request::ObjCompact => Bytes::new(),
         };
         h.payload_len = u32::try_from(payload.len()).unwrap_or(u32::MAX);
         Frame { header: h, payload }
@@ -1346,6 +1408,7 @@ mod tests {
                 offset: 4,
                 data: Bytes::from_static(b"small region"),
             },
+            Request::ObjCompact,
         ]
     }
 
@@ -1658,8 +1721,8 @@ mod tests {
             Err(FrameError::UnknownOp(0))
         );
         assert_eq!(
-            with_bytes(&ping, |b| b[3] = 18),
-            Err(FrameError::UnknownOp(18))
+            with_bytes(&ping, |b| b[3] = 19),
+            Err(FrameError::UnknownOp(19))
         );
         assert_eq!(
             with_bytes(&ping, |b| b[0] = 0),

@@ -133,7 +133,11 @@ pub fn render_hosts(hosts: &[v1::HostRecord]) -> String {
 }
 
 /// `pools`.
-pub fn render_pools(pools: &[v1::PoolRecord]) -> String {
+pub fn render_pools(
+    pools: &[v1::PoolRecord],
+    host_id: u32,
+    daemon: Result<&v1::DaemonStats, &str>,
+) -> String {
     let mut out = String::from("pool\thost\tsize\tused\tfree\n");
     for p in pools {
         let _ = writeln!(
@@ -144,6 +148,42 @@ pub fn render_pools(pools: &[v1::PoolRecord]) -> String {
             p.size,
             p.size.saturating_sub(p.free),
             p.free
+        );
+    }
+    let d = match daemon {
+        Ok(d) if d.object_memory > 0 => d,
+        Ok(_) => {
+            let _ = writeln!(
+                out,
+                "# host {host_id} keeps no object store for small regions"
+            );
+            return out;
+        }
+        Err(why) => {
+            let _ = writeln!(out, "# objects of host {host_id} unknown: {why}");
+            return out;
+        }
+    };
+    let _ = writeln!(
+        out,
+        "# small regions as objects on host {host_id}: {} bytes of memory held, at most {}",
+        d.object_bytes, d.object_memory
+    );
+    out.push_str(
+        "class_slot\tblocks\tobjects\tlive_bytes\tactive_bytes\tfragmentation\tcompactions\tmoved_objects\n",
+    );
+    for c in &d.object_classes {
+        let _ = writeln!(
+            out,
+            "{}\t{}\t{}\t{}\t{}\t{:.3}\t{}\t{}",
+            c.slot_size,
+            c.blocks,
+            c.objects,
+            c.live_bytes,
+            c.block_bytes,
+            c.fragmentation,
+            c.compactions,
+            c.moved_objects
         );
     }
     out
@@ -437,13 +477,33 @@ mod tests {
             rdma.lines().nth(1).unwrap().ends_with("\ttcp rdma:rxe0"),
             "{rdma}"
         );
-        let p = render_pools(&[v1::PoolRecord {
+        let pool = v1::PoolRecord {
             gid: 2,
             host_id: 1,
             size: 100,
             free: 40,
-        }]);
+        };
+        let daemon = v1::DaemonStats {
+            object_memory: 1 << 20,
+            object_bytes: 8192,
+            object_classes: vec![v1::ObjectClassStats {
+                slot_size: 96,
+                blocks: 1,
+                objects: 3,
+                live_bytes: 200,
+                block_bytes: 32768,
+                fragmentation: 0.25,
+                compactions: 2,
+                moved_objects: 1,
+            }],
+            ..v1::DaemonStats::default()
+        };
+        let p = render_pools(std::slice::from_ref(&pool), 1, Ok(&daemon));
         assert_eq!(p.lines().nth(1), Some("2\t1\t100\t60\t40"));
+        assert!(p.contains("8192 bytes of memory held"), "{p}");
+        assert_eq!(p.lines().last(), Some("96\t1\t3\t200\t32768\t0.250\t2\t1"));
+        let none = render_pools(&[pool], 1, Err("agent down"));
+        assert!(none.ends_with("unknown: agent down\n"), "{none}");
         let procs = render_procs(
             &[ProcLine {
                 pid: 5,

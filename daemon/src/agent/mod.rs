@@ -123,6 +123,8 @@ pub struct AgentHandler {
     pub stats: Arc<Stats>,
     /// The configured memory limit (for stats).
     pub memory_limit: u64,
+    /// The object store of small regions (for stats).
+    pub objects: Option<Arc<crate::objects::ObjectStore>>,
     /// Who decides rights.
     pub authority: Arc<dyn Authority>,
     /// Owners of regions created through this agent, and processes holding handles it
@@ -274,9 +276,12 @@ impl AgentHandler {
                 None,
             ),
             Some(agent_request::Request::Stats(_)) => {
-                let stats = self
-                    .stats
-                    .snapshot(self.host_id, &self.pools, self.memory_limit);
+                let stats = self.stats.snapshot(
+                    self.host_id,
+                    &self.pools,
+                    self.objects.as_deref(),
+                    self.memory_limit,
+                );
                 (ok_reply(Body::Stats(stats)), None)
             }
             None => (
@@ -669,6 +674,7 @@ mod tests {
             pools,
             stats: Arc::default(),
             memory_limit: 1 << 30,
+            objects: None,
             authority: Arc::new(Fake),
             owners: None,
             handles: Arc::default(),

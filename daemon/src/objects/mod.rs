@@ -534,6 +534,11 @@ impl ObjectStore {
         out
     }
 
+    /// The most memory the blocks may hold.
+    pub fn capacity(&self) -> u64 {
+        u64::from(self.read_inner().max_blocks) * BLOCK_SIZE
+    }
+
     /// Bytes of memory the blocks hold (pages actually allocated).
     pub fn allocated_bytes(&self) -> u64 {
         self.memory.allocated_bytes()

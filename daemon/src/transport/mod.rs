@@ -770,7 +770,8 @@ impl Conn {
             request @ (Request::ObjAlloc { .. }
             | Request::ObjFree { .. }
             | Request::ObjRead { .. }
-            | Request::ObjWrite { .. }) => {
+            | Request::ObjWrite { .. }
+            | Request::ObjCompact) => {
                 let served = match self.shared.objects.get() {
                     Some(store) => objects::serve(store, self.auth.proved_secret(), reach, request),
                     None => Err(DaemonError::NoObjects(

@@ -3,15 +3,15 @@
 //! "Small regions as objects"), reached only through the daemon, never through shared memory.
 //!
 //! Who may do what:
-//! - allocating and freeing objects is the manager's (a connection that proved the cluster
-//!   secret): it places small regions and frees them with their region;
+//! - allocating and freeing objects is the manager's, compacting on demand the
+//!   administrator's (`regionfs compact`): connections that proved the cluster secret;
 //! - reads and writes need the region named by the request: a node component (cluster secret)
 //!   names it in the header, an application's capability must be for that region and cover
 //!   the bytes. The store then checks that the object belongs to that region (`ESTALE` when
 //!   it does not: the caller's map is stale).
 
 use bytes::{BufMut, Bytes, BytesMut};
-use regions_proto::frame::{OBJECT_REF_LEN, ObjectRef, Request};
+use regions_proto::frame::{OBJECT_REF_LEN, ObjectCompaction, ObjectRef, Request};
 
 use crate::error::{DaemonError, Result};
 use crate::objects::{ObjectStore, Owner};
@@ -41,8 +41,8 @@ fn node_only(secret: bool, what: &str) -> Result<()> {
         return Ok(());
     }
     Err(DaemonError::Denied(format!(
-        "{what} refused: objects are allocated and freed by the manager only (a connection \
-         that proved the cluster secret)"
+        "{what} refused: only node components and administrators holding the cluster secret \
+         may (the manager allocates and frees objects, `regionfs compact` compacts)"
     )))
 }
 
@@ -91,6 +91,18 @@ pub fn serve(store: &ObjectStore, secret: bool, reach: Reach, request: Request) 
             check_reach(reach, ino, offset, len)?;
             let now = store.write(owner(ino), at, offset, &data)?.unwrap_or(at);
             Ok(with_ref(now, 0).freeze())
+        }
+        Request::ObjCompact => {
+            node_only(secret, "compacting the object store")?;
+            let done = store.compact(None)?;
+            tracing::info!(?done, "object store compacted on request");
+            Ok(ObjectCompaction {
+                blocks_freed: u64::from(done.blocks_freed),
+                objects_merged: done.objects_merged,
+                objects_moved: done.objects_moved,
+                bytes_freed: done.bytes_freed,
+            }
+            .encode())
         }
         other => Err(DaemonError::Invalid(format!(
             "{} is not an object request",

@@ -710,6 +710,44 @@ fn read_atomic_reply(stream: &mut TcpStream, id: u64, addr: &str) -> Result<u64,
 }
 
 impl TcpTransport {
+    /// Sends one `request` (its id and this transport's capability filled in) and returns the
+    /// payload of its reply; a daemon's refusal is [`RegionsError::Daemon`]. An `idempotent`
+    /// request is sent again on another connection when one breaks; any other is sent once.
+    /// Object requests and administration (`regionfs compact`) go this way.
+    pub fn request(
+        &self,
+        request: &regions_proto::frame::Request,
+        idempotent: bool,
+    ) -> Result<Vec<u8>> {
+        self.wait_posted_writes();
+        self.with_conn(idempotent, |conn| {
+            let frame = request.to_frame(self.id(), self.cap_id);
+            send(&mut conn.stream, &frame.header, &[&frame.payload])?;
+            TransportStats::add(&self.stats.remote_requests, 1);
+            let reply = recv_header(&mut conn.stream)?;
+            if reply.request_id != frame.header.request_id {
+                return Err(Failure::Retry(format!(
+                    "reply to request {} while waiting for {}",
+                    reply.request_id, frame.header.request_id
+                )));
+            }
+            if reply.status != 0 {
+                let msg = recv_message(&mut conn.stream, &reply)?;
+                return Err(Failure::Final(daemon_error(&self.addr, reply.status, &msg)));
+            }
+            let most = regions_proto::frame::Limits::default().max_payload;
+            if reply.payload_len > most {
+                return Err(Failure::Final(RegionsError::Invalid(format!(
+                    "the daemon at {} replied with {} bytes, more than any reply holds ({most})",
+                    self.addr, reply.payload_len
+                ))));
+            }
+            let mut body = vec![0u8; reply.payload_len as usize];
+            conn.stream.read_exact(&mut body)?;
+            Ok(body)
+        })
+    }
+
     /// Writes `src` to the spans and waits for the replies (not ordered after posted
     /// writes: [`Transport::write`] is).
     fn write_spans(&self, spans: &[Span], src: &[u8]) -> Result<()> {

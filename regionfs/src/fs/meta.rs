@@ -157,7 +157,15 @@ impl RegionFs {
         match node {
             Node::Root => Err(FsError::IsDir(".regions".into())),
             Node::Hosts => Ok(pseudo::render_hosts(&self.manager().list_hosts()?)),
-            Node::Pools => Ok(pseudo::render_pools(&self.manager().list_pools(0)?)),
+            Node::Pools => {
+                let pools = self.manager().list_pools(0)?;
+                let daemon = self.daemon_stats().map_err(|e| e.to_string());
+                Ok(pseudo::render_pools(
+                    &pools,
+                    host_id,
+                    daemon.as_ref().map_err(String::as_str),
+                ))
+            }
             Node::MemUsage => {
                 let hosts = self.manager().list_hosts()?;
                 let pools = self.manager().list_pools(host_id)?;

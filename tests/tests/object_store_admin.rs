@@ -1,0 +1,206 @@
+//! The object stores of small regions as an administrator sees them, through real processes:
+//! `.regions/pools` shows each size class of this host's daemon (blocks, objects, live and
+//! active bytes, fragmentation, compactions, moved objects), and `regionfs compact` compacts
+//! one host or every live host and prints what each gave back. Objects are placed as the
+//! manager places them, over the daemon's transport with the cluster secret, and every one
+//! left reads back its bytes after the compaction. Without the secret, `regionfs compact`
+//! is refused.
+
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use regions::transport::tcp::{RetryPolicy, TcpTransport};
+use regions_proto::frame::{ObjectRef, Op, Request};
+use regions_tests::{Cluster, bin_path, output_within};
+
+/// One size class row of `.regions/pools`.
+#[derive(Debug)]
+struct ClassRow {
+    objects: u64,
+    fragmentation: f64,
+    compactions: u64,
+}
+
+/// The memory held and the class rows of `.regions/pools`.
+fn object_section(text: &str) -> (u64, Vec<ClassRow>) {
+    let held = text
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("# small regions as objects on host 1: ")
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|n| n.parse().ok())
+        })
+        .unwrap_or_else(|| panic!("no object section in .regions/pools:\n{text}"));
+    let rows = text
+        .lines()
+        .skip_while(|l| !l.starts_with("class_slot"))
+        .skip(1)
+        .map(|l| {
+            let f: Vec<&str> = l.split('\t').collect();
+            assert_eq!(f.len(), 8, "{l}");
+            ClassRow {
+                objects: f[2].parse().unwrap(),
+                fragmentation: f[5].parse().unwrap(),
+                compactions: f[6].parse().unwrap(),
+            }
+        })
+        .collect();
+    (held, rows)
+}
+
+fn compact(cluster: &Cluster, args: &[&str]) -> std::process::Output {
+    let mut cmd = Command::new(bin_path("regionfs").unwrap());
+    cmd.arg("compact")
+        .arg("--manager")
+        .arg(cluster.manager_url())
+        .arg("--secret-file")
+        .arg(&cluster.secret_file)
+        .args(args);
+    output_within(&mut cmd, Duration::from_secs(30)).unwrap()
+}
+
+fn content(ino: u64, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (ino as usize * 31 + i) as u8).collect()
+}
+
+#[test]
+fn pools_show_the_size_classes_and_compact_gives_memory_back() {
+    let cluster =
+        Cluster::start_with_daemon_args(2, "256M", &[], &["--object-auto-compaction", "false"])
+            .unwrap();
+    let mount = cluster.mount(1).unwrap();
+    let node = TcpTransport::new(
+        &cluster.daemon(1).unwrap().addr,
+        &cluster.secret,
+        RetryPolicy::default(),
+        Arc::default(),
+    );
+    let mut rng = rand::rngs::StdRng::seed_from_u64(15);
+    let mut objects: Vec<(u64, usize, ObjectRef)> = (0..1200u64)
+        .map(|i| {
+            let ino = 1_000_000 + i;
+            let len = rng.random_range(64..=1024usize);
+            let reply = node
+                .request(
+                    &Request::ObjAlloc {
+                        ino,
+                        len: len as u32,
+                    },
+                    false,
+                )
+                .unwrap();
+            let (at, _) = ObjectRef::decode(Op::ObjAlloc, &reply).unwrap();
+            let write = Request::ObjWrite {
+                ino,
+                at,
+                offset: 0,
+                data: content(ino, len).into(),
+            };
+            node.request(&write, false).unwrap();
+            (ino, len, at)
+        })
+        .collect();
+    objects.shuffle(&mut rng);
+    let kept = objects.split_off(objects.len() * 3 / 4);
+    for (ino, _, at) in objects {
+        node.request(&Request::ObjFree { ino, at }, false).unwrap();
+    }
+
+    let before = std::fs::read_to_string(mount.path(".regions/pools")).unwrap();
+    let (held_before, rows) = object_section(&before);
+    assert_eq!(
+        rows.iter().map(|r| r.objects).sum::<u64>(),
+        kept.len() as u64,
+        "{before}"
+    );
+    assert!(rows.iter().any(|r| r.fragmentation > 0.5), "{before}");
+    assert!(rows.iter().all(|r| r.compactions == 0), "{before}");
+
+    let one = compact(&cluster, &["--host", "1"]);
+    let said = String::from_utf8_lossy(&one.stdout);
+    assert!(
+        one.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&one.stderr)
+    );
+    let freed: u64 = said
+        .strip_prefix("host 1: freed ")
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("unexpected output: {said}"));
+    assert!(freed > 0, "{said}");
+
+    let after = std::fs::read_to_string(mount.path(".regions/pools")).unwrap();
+    let (held_after, rows) = object_section(&after);
+    assert_eq!(held_before - held_after, freed, "{before}{after}");
+    assert!(
+        rows.iter().map(|r| r.compactions).sum::<u64>() > 0,
+        "{after}"
+    );
+    for (ino, len, at) in &kept {
+        let read = Request::ObjRead {
+            ino: *ino,
+            at: *at,
+            offset: 0,
+            len: *len as u32,
+        };
+        let reply = node.request(&read, true).unwrap();
+        let (_, bytes) = ObjectRef::decode(Op::ObjRead, &reply).unwrap();
+        assert_eq!(bytes, &content(*ino, *len)[..], "region {ino}");
+    }
+
+    // Every live host: host 1 has nothing more to merge, host 2 holds no object.
+    let all = compact(&cluster, &[]);
+    let said = String::from_utf8_lossy(&all.stdout);
+    assert!(
+        all.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&all.stderr)
+    );
+    assert!(said.contains("host 1: freed 0 bytes"), "{said}");
+    assert!(said.contains("host 2: freed 0 bytes"), "{said}");
+    assert!(said.contains("freed 0 bytes on 2 hosts"), "{said}");
+    let unknown = compact(&cluster, &["--host", "9"]);
+    assert!(!unknown.status.success());
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("no host 9"));
+    drop(mount);
+}
+
+#[test]
+fn compact_without_the_cluster_secret_is_refused() {
+    use std::os::unix::process::CommandExt;
+    let cluster = Cluster::start(1, "64M").unwrap();
+    // As nobody: the secret file (0600, root's) cannot be read.
+    let mut cmd = Command::new(bin_path("regionfs").unwrap());
+    cmd.arg("compact")
+        .arg("--manager")
+        .arg(cluster.manager_url())
+        .arg("--secret-file")
+        .arg(&cluster.secret_file)
+        .uid(65534)
+        .gid(65534);
+    let out = output_within(&mut cmd, Duration::from_secs(30)).unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cluster secret"), "{err}");
+    // With a secret of its own making: the manager refuses to list its hosts.
+    let forged = cluster.dir.path().join("forged");
+    regions_proto::auth::Secret::new("not-the-cluster-secret")
+        .unwrap()
+        .write_file(&forged)
+        .unwrap();
+    let mut cmd = Command::new(bin_path("regionfs").unwrap());
+    cmd.arg("compact")
+        .arg("--manager")
+        .arg(cluster.manager_url())
+        .arg("--secret-file")
+        .arg(&forged)
+        .arg("--timeout-ms")
+        .arg("3000");
+    let out = output_within(&mut cmd, Duration::from_secs(30)).unwrap();
+    assert!(!out.status.success());
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("freed"));
+}
