@@ -12,6 +12,9 @@ use regions::RegionsError;
 use regions::transport::tcp::{RetryPolicy, TcpTransport};
 use regions_proto::frame::{ObjectCompaction, Request};
 
+/// How long one host's compaction is waited for.
+const COMPACTION_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
 /// `regionfs compact`.
 #[derive(Args, Debug)]
 pub struct CompactArgs {
@@ -52,14 +55,16 @@ pub fn run(args: &CompactArgs) -> anyhow::Result<()> {
         }
     }
     let mut failed = 0;
+    let mut compacted = 0;
     let mut total = 0u64;
     for h in &chosen {
-        let transport = TcpTransport::new(
-            &h.transport_addr,
-            &secret,
-            RetryPolicy::default(),
-            Arc::default(),
-        );
+        // A compaction of a large store can take a while: wait for it rather than report a
+        // compaction that went on as failed.
+        let patient = RetryPolicy {
+            deadline: COMPACTION_WAIT,
+            ..RetryPolicy::default()
+        };
+        let transport = TcpTransport::new(&h.transport_addr, &secret, patient, Arc::default());
         let answer = transport
             .request(&Request::ObjCompact, false)
             .and_then(|payload| {
@@ -68,6 +73,7 @@ pub fn run(args: &CompactArgs) -> anyhow::Result<()> {
             });
         match answer {
             Ok(done) => {
+                compacted += 1;
                 total += done.bytes_freed;
                 println!("{}", describe(h.host_id, &done));
             }
@@ -87,7 +93,7 @@ pub fn run(args: &CompactArgs) -> anyhow::Result<()> {
         }
     }
     if chosen.len() > 1 {
-        println!("freed {total} bytes on {} hosts", chosen.len() - failed);
+        println!("freed {total} bytes on {compacted} hosts");
     }
     if failed > 0 {
         anyhow::bail!("{failed} of {} hosts could not be compacted", chosen.len());

@@ -265,6 +265,14 @@ impl Config {
                 self.memory
             )));
         }
+        let block = crate::objects::classes::BLOCK_SIZE;
+        if self.object_memory != 0 && self.object_memory < block {
+            return Err(DaemonError::Config(format!(
+                "--object-memory {} is less than one block of the object store ({block} \
+                 bytes): give at least 32K, or 0 for no object store",
+                self.object_memory
+            )));
+        }
         if self.heartbeat.is_some_and(|d| d.is_zero()) {
             return Err(DaemonError::Config(
                 "--heartbeat-ms must be positive".into(),

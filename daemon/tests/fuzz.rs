@@ -13,7 +13,7 @@ use bytes::{Bytes, BytesMut};
 use common::{Client, TOKEN, server, status};
 use proptest::prelude::*;
 use regions_daemon::pools::Pools;
-use regions_proto::frame::{Header, MAX_POOL, Op, Range, Request};
+use regions_proto::frame::{Header, MAX_POOL, ObjectRef, Op, Range, Request};
 use regions_proto::layout::CHUNK_SIZE;
 
 const C: u64 = CHUNK_SIZE;
@@ -115,6 +115,40 @@ fn arb_request() -> impl Strategy<Value = Request> {
         }),
         Just(Request::Ping),
         prop::collection::vec(any::<u8>(), 0..40).prop_map(|t| Request::Hello { token: t.into() }),
+        arb_object_request(),
+    ]
+}
+
+/// Object requests: of the objects the fuzzed server's store holds (regions 1 and 2) and of
+/// made-up ones, at any offset.
+fn arb_object_request() -> impl Strategy<Value = Request> {
+    let ino = prop_oneof![1u64..3, any::<u64>()];
+    let at = (0u32..4, 0u32..300, any::<u32>()).prop_map(|(address, slot, id)| ObjectRef {
+        address,
+        slot,
+        id,
+    });
+    let offset = prop_oneof![0u32..9000, any::<u32>()];
+    prop_oneof![
+        (ino.clone(), 0u32..10_000).prop_map(|(ino, len)| Request::ObjAlloc { ino, len }),
+        (ino.clone(), at.clone()).prop_map(|(ino, at)| Request::ObjFree { ino, at }),
+        (ino.clone(), at.clone(), offset.clone(), 0u32..9000).prop_map(|(ino, at, offset, len)| {
+            Request::ObjRead {
+                ino,
+                at,
+                offset,
+                len,
+            }
+        }),
+        (ino, at, offset, prop::collection::vec(any::<u8>(), 0..600)).prop_map(
+            |(ino, at, offset, data)| Request::ObjWrite {
+                ino,
+                at,
+                offset,
+                data: data.into()
+            }
+        ),
+        Just(Request::ObjCompact),
     ]
 }
 
@@ -245,6 +279,13 @@ fn fixture() -> (regions_daemon::transport::TransportServer, Arc<Pools>) {
     pools.add_pool(1, 8 * C).unwrap();
     pools.assign(1, 0, 10, 0, 6 * C).unwrap();
     let (srv, _) = server(Arc::clone(&pools), Duration::from_millis(5));
+    // An object store holding objects of regions 1 and 2, for object requests to reach.
+    let store = regions_daemon::objects::ObjectStore::new(1 << 20).unwrap();
+    for ino in [1, 2, 1, 2] {
+        let owner = regions_daemon::objects::Owner { ino, generation: 0 };
+        store.alloc(owner, 100 * ino as u32).unwrap();
+    }
+    srv.serve_objects(Arc::new(store));
     (srv, pools)
 }
 

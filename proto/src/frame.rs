@@ -1136,8 +1136,10 @@ impl Request {
     }
 }
 
-/// Largest object an object request may name: no size class holds more.
-pub const MAX_OBJECT: u32 = 1 << 20;
+/// Bound on the offsets and lengths of object requests: the largest slot of a daemon's object
+/// store (8 KiB with its header; the daemon refuses, exactly, what runs past an object's own
+/// slot).
+pub const MAX_OBJECT: u32 = 8 << 10;
 
 /// Parses an object request: it names its region (`object_id`, never 0) and keeps within
 /// [`MAX_OBJECT`].
@@ -1925,6 +1927,40 @@ mod tests {
                     write,
                 }
             ),
+            (1..u64::MAX, 0..=MAX_OBJECT).prop_map(|(ino, len)| Request::ObjAlloc { ino, len }),
+            (1..u64::MAX, any::<[u32; 3]>()).prop_map(|(ino, [address, slot, id])| {
+                Request::ObjFree {
+                    ino,
+                    at: ObjectRef { address, slot, id },
+                }
+            }),
+            (
+                1..u64::MAX,
+                any::<[u32; 3]>(),
+                0..=MAX_OBJECT,
+                0..=MAX_OBJECT
+            )
+                .prop_map(|(ino, [address, slot, id], offset, len)| Request::ObjRead {
+                    ino,
+                    at: ObjectRef { address, slot, id },
+                    offset: offset.min(MAX_OBJECT - len),
+                    len,
+                }),
+            (
+                1..u64::MAX,
+                any::<[u32; 3]>(),
+                0..=MAX_OBJECT,
+                arb_bytes(300)
+            )
+                .prop_map(|(ino, [address, slot, id], offset, data)| {
+                    Request::ObjWrite {
+                        ino,
+                        at: ObjectRef { address, slot, id },
+                        offset: offset.min(MAX_OBJECT - data.len() as u32),
+                        data,
+                    }
+                }),
+            Just(Request::ObjCompact),
         ]
     }
 
@@ -1934,7 +1970,7 @@ mod tests {
     fn plausible_stream() -> impl Strategy<Value = Vec<u8>> {
         let plen = prop_oneof![Just(0u32), Just(8), Just(16), Just(24), Just(56), 0u32..300];
         let flags = prop_oneof![3 => Just(0u16), 1 => 0u16..3];
-        let header = (1u8..=12, flags, any::<[u64; 4]>(), any::<bool>(), plen);
+        let header = (1u8..=18, flags, any::<[u64; 4]>(), any::<bool>(), plen);
         let frame = header.prop_flat_map(|(op, flags, [id, offset, length, pool], tame, plen)| {
             let op = Op::try_from(op).unwrap_or(Op::Ping);
             let header = Header {
@@ -1946,6 +1982,7 @@ mod tests {
                 },
                 offset: if tame { offset & 0xff8 } else { offset },
                 length: if tame { u64::from(plen) } else { length },
+                object_id: if tame { (id & 0xffff) | 1 } else { 0 },
                 payload_len: plen,
                 ..Header::new(op, id)
             };

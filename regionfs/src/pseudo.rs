@@ -150,6 +150,7 @@ pub fn render_pools(
             p.free
         );
     }
+    let host_id = daemon.map_or(host_id, |d| d.host_id);
     let d = match daemon {
         Ok(d) if d.object_memory > 0 => d,
         Ok(_) => {
@@ -170,7 +171,7 @@ pub fn render_pools(
         d.object_bytes, d.object_memory
     );
     out.push_str(
-        "class_slot\tblocks\tobjects\tlive_bytes\tactive_bytes\tfragmentation\tcompactions\tmoved_objects\n",
+        "class_slot\tblocks\tobjects\tlive_bytes\tblock_bytes\tfragmentation\tcompactions\tmoved_objects\n",
     );
     for c in &d.object_classes {
         let _ = writeln!(
@@ -484,6 +485,7 @@ mod tests {
             free: 40,
         };
         let daemon = v1::DaemonStats {
+            host_id: 1,
             object_memory: 1 << 20,
             object_bytes: 8192,
             object_classes: vec![v1::ObjectClassStats {

@@ -185,7 +185,7 @@ fn compact_without_the_cluster_secret_is_refused() {
     let out = output_within(&mut cmd, Duration::from_secs(30)).unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("cluster secret"), "{err}");
+    assert!(err.contains("cannot read the cluster secret"), "{err}");
     // With a secret of its own making: the manager refuses to list its hosts.
     let forged = cluster.dir.path().join("forged");
     regions_proto::auth::Secret::new("not-the-cluster-secret")
@@ -203,4 +203,16 @@ fn compact_without_the_cluster_secret_is_refused() {
     let out = output_within(&mut cmd, Duration::from_secs(30)).unwrap();
     assert!(!out.status.success());
     assert!(!String::from_utf8_lossy(&out.stdout).contains("freed"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("did not list its hosts"), "{err}");
+    // Straight to the daemon with the forged secret: the handshake fails, nothing compacts.
+    let forged = regions_proto::auth::Secret::from_file(&forged).unwrap();
+    let attacker = TcpTransport::new(
+        &cluster.daemon(1).unwrap().addr,
+        &forged,
+        RetryPolicy::default(),
+        Arc::default(),
+    );
+    let refused = attacker.request(&Request::ObjCompact, false).unwrap_err();
+    assert_eq!(refused.errno(), libc::EACCES, "{refused}");
 }

@@ -779,7 +779,14 @@ impl Conn {
                     )),
                 };
                 match served {
-                    Ok(payload) => self.reply_ok(&h, payload),
+                    Ok(payload) => {
+                        match h.op {
+                            Op::ObjRead => self.shared.stats.bytes_out(h.length),
+                            Op::ObjWrite => self.shared.stats.bytes_in(h.length),
+                            _ => {}
+                        }
+                        self.reply_ok(&h, payload);
+                    }
                     Err(e) => self.reply_error(&h, &e),
                 }
             }

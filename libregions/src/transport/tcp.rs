@@ -694,6 +694,20 @@ fn atomic_header(t: &TcpTransport, op: Op, at: &Span, operands: &[u64]) -> (Head
 }
 
 /// Reads the reply to atomic request `id`: the old value of the word.
+/// Whether a pooled connection is still open: nothing is owed on it, so anything to read
+/// means the daemon closed it (or broke it); an error counts as closed.
+fn still_open(stream: &TcpStream) -> bool {
+    use std::os::fd::AsFd;
+    let mut fds = [nix::poll::PollFd::new(
+        stream.as_fd(),
+        nix::poll::PollFlags::POLLIN,
+    )];
+    matches!(
+        nix::poll::poll(&mut fds, nix::poll::PollTimeout::ZERO),
+        Ok(0)
+    )
+}
+
 fn read_atomic_reply(stream: &mut TcpStream, id: u64, addr: &str) -> Result<u64, Failure> {
     let reply = recv_header(stream)?;
     if reply.request_id != id {
@@ -712,8 +726,10 @@ fn read_atomic_reply(stream: &mut TcpStream, id: u64, addr: &str) -> Result<u64,
 impl TcpTransport {
     /// Sends one `request` (its id and this transport's capability filled in) and returns the
     /// payload of its reply; a daemon's refusal is [`RegionsError::Daemon`]. An `idempotent`
-    /// request is sent again on another connection when one breaks; any other is sent once.
-    /// Object requests and administration (`regionfs compact`) go this way.
+    /// request is sent again on another connection when one breaks. Any other is sent at most
+    /// once: a pooled connection the daemon closed is found before the send (and another
+    /// taken), and a failure after the send is reported, not retried. Object requests and
+    /// administration (`regionfs compact`) go this way.
     pub fn request(
         &self,
         request: &regions_proto::frame::Request,
@@ -721,31 +737,57 @@ impl TcpTransport {
     ) -> Result<Vec<u8>> {
         self.wait_posted_writes();
         self.with_conn(idempotent, |conn| {
+            if !idempotent && !still_open(&conn.stream) {
+                return Err(Failure::Retry(
+                    "the daemon closed the pooled connection".into(),
+                ));
+            }
             let frame = request.to_frame(self.id(), self.cap_id);
             send(&mut conn.stream, &frame.header, &[&frame.payload])?;
             TransportStats::add(&self.stats.remote_requests, 1);
-            let reply = recv_header(&mut conn.stream)?;
-            if reply.request_id != frame.header.request_id {
-                return Err(Failure::Retry(format!(
-                    "reply to request {} while waiting for {}",
-                    reply.request_id, frame.header.request_id
-                )));
+            let reply = self.reply_payload(&mut conn.stream, frame.header.request_id);
+            match reply {
+                Err(Failure::Retry(reason)) if !idempotent => {
+                    count_unreachable("not_idempotent");
+                    Err(Failure::Final(RegionsError::DaemonUnreachable {
+                        addr: self.addr.clone(),
+                        attempts: 1,
+                        elapsed_ms: 0,
+                        reason: format!(
+                            "{reason} after the {} request was sent (not retried: it may have \
+                             been applied)",
+                            request.op()
+                        ),
+                    }))
+                }
+                other => other,
             }
-            if reply.status != 0 {
-                let msg = recv_message(&mut conn.stream, &reply)?;
-                return Err(Failure::Final(daemon_error(&self.addr, reply.status, &msg)));
-            }
-            let most = regions_proto::frame::Limits::default().max_payload;
-            if reply.payload_len > most {
-                return Err(Failure::Final(RegionsError::Invalid(format!(
-                    "the daemon at {} replied with {} bytes, more than any reply holds ({most})",
-                    self.addr, reply.payload_len
-                ))));
-            }
-            let mut body = vec![0u8; reply.payload_len as usize];
-            conn.stream.read_exact(&mut body)?;
-            Ok(body)
         })
+    }
+
+    /// The payload of the reply to request `id`, read from `stream`.
+    fn reply_payload(&self, stream: &mut TcpStream, id: u64) -> Result<Vec<u8>, Failure> {
+        let reply = recv_header(stream)?;
+        if reply.request_id != id {
+            return Err(Failure::Retry(format!(
+                "reply to request {} while waiting for {id}",
+                reply.request_id
+            )));
+        }
+        if reply.status != 0 {
+            let msg = recv_message(stream, &reply)?;
+            return Err(Failure::Final(daemon_error(&self.addr, reply.status, &msg)));
+        }
+        let most = regions_proto::frame::Limits::default().max_payload;
+        if reply.payload_len > most {
+            return Err(Failure::Final(RegionsError::Invalid(format!(
+                "the daemon at {} replied with {} bytes, more than any reply holds ({most})",
+                self.addr, reply.payload_len
+            ))));
+        }
+        let mut body = vec![0u8; reply.payload_len as usize];
+        stream.read_exact(&mut body)?;
+        Ok(body)
     }
 
     /// Writes `src` to the spans and waits for the replies (not ordered after posted
