@@ -148,7 +148,8 @@ impl Daemon {
             Arc::clone(&status),
         )
         .with_destructive_event_delay(config.destructive_event_delay)
-        .with_transports(transports);
+        .with_transports(transports)
+        .with_object_memory(objects.as_ref().map_or(0, |s| s.capacity()));
         let incarnation = registration.incarnation();
         // On error the servers drop here: threads stop and the socket file goes.
         let first = registration

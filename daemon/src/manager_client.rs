@@ -120,8 +120,15 @@ pub trait Authority: Send + Sync {
             "this authority serves no region maps".into(),
         ))
     }
-    /// Grows region `ino` to at least `size` bytes (`Regions.Extend`).
-    fn extend(&self, _caller: &Caller, _ino: u64, _size: u64) -> Result<v1::RegionInfo> {
+    /// Grows region `ino` to at least `size` bytes (`Regions.Extend`); with `chunks`, a small
+    /// region stored as an object moves to chunks.
+    fn extend(
+        &self,
+        _caller: &Caller,
+        _ino: u64,
+        _size: u64,
+        _chunks: bool,
+    ) -> Result<v1::RegionInfo> {
         Err(DaemonError::Invalid(
             "this authority cannot grow regions".into(),
         ))
@@ -203,12 +210,13 @@ impl Authority for ManagerAuthority {
             .map_err(|s| DaemonError::from_status(&s))
     }
 
-    fn extend(&self, caller: &Caller, ino: u64, size: u64) -> Result<v1::RegionInfo> {
+    fn extend(&self, caller: &Caller, ino: u64, size: u64, chunks: bool) -> Result<v1::RegionInfo> {
         let mut client = self.clients.regions.clone();
         let req = v1::ExtendRequest {
             caller: Some(caller.clone()),
             ino,
             size,
+            chunks,
             ..Default::default()
         };
         self.runtime

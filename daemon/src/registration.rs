@@ -52,6 +52,8 @@ pub struct Session {
 pub struct Registration {
     /// The data transports this daemon serves, as registration tells the manager.
     transports: String,
+    /// Bytes of the object store (0: none).
+    object_memory: u64,
     clients: ManagerClients,
     host_id: u32,
     transport_addr: String,
@@ -109,6 +111,7 @@ impl Registration {
         };
         Registration {
             transports: "tcp".into(),
+            object_memory: 0,
             clients,
             host_id,
             transport_addr,
@@ -155,6 +158,12 @@ impl Registration {
         self
     }
 
+    /// Says how much memory the object store of small regions has (registered with the host).
+    pub fn with_object_memory(mut self, bytes: u64) -> Registration {
+        self.object_memory = bytes;
+        self
+    }
+
     /// Registers the host and its pools and resyncs every pool.
     pub async fn register(&mut self) -> Result<Session> {
         let req = v1::RegisterHostRequest {
@@ -164,6 +173,7 @@ impl Registration {
             memory_offered: self.memory,
             incarnation: self.incarnation,
             transports: self.transports.clone(),
+            object_memory: self.object_memory,
         };
         let reply = self
             .clients

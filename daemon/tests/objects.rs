@@ -173,6 +173,17 @@ fn a_capability_reaches_its_own_regions_object_only() {
     let big = call(&mut app, &write(10, mine, 300, &[1u8; 1000]), 5);
     assert_eq!(status(&big), libc::EFBIG, "{:?}", big.error_message());
 
+    // Moving to chunks: the manager freezes the object; writes are refused (ESTALE, the
+    // writer refreshes its map), reads still served. Only the manager may freeze.
+    let freeze = Request::ObjFreeze { ino: 10, at: mine };
+    assert_eq!(status(&call(&mut app, &freeze, 5)), libc::EACCES);
+    assert_eq!(status(&node.call(&freeze)), 0);
+    let late = call(&mut app, &write(10, mine, 0, b"late"), 5);
+    assert_eq!(status(&late), libc::ESTALE, "{:?}", late.error_message());
+    let (_, kept) = bytes_of(&call(&mut app, &read(10, mine, 100, 12), 5));
+    assert_eq!(&kept, b"hello object");
+    assert_eq!(status(&node.call(&write(11, theirs, 0, b"still free"))), 0);
+
     // Freed by the manager: the next access through the old pointer is stale.
     assert_eq!(
         status(&node.call(&Request::ObjFree { ino: 10, at: mine })),

@@ -297,8 +297,8 @@ impl AgentClient {
     }
 
     /// Grows region `ino` to at least `size` bytes.
-    pub fn map_extend(&mut self, ino: u64, size: u64) -> Result<v1::RegionInfo> {
-        let (reply, _) = self.call(Request::MapExtend(v1::MapExtend { ino, size }))?;
+    pub fn map_extend(&mut self, ino: u64, size: u64, chunks: bool) -> Result<v1::RegionInfo> {
+        let (reply, _) = self.call(Request::MapExtend(v1::MapExtend { ino, size, chunks }))?;
         match reply.body {
             Some(Body::Region(info)) => Ok(info),
             _ => Err(self.error(libc::EIO, "extend reply without region info")),

@@ -19,6 +19,8 @@ pub struct HostRegistration {
     pub incarnation: u64,
     /// The data transports the daemon serves ("tcp", "tcp rdma:rxe0"; empty: tcp).
     pub transports: String,
+    /// Bytes of its object store for small regions (0: none).
+    pub object_memory: u64,
 }
 
 impl State {
@@ -50,6 +52,7 @@ impl State {
             r.transports.clone()
         };
         self.host_transports.insert(r.host_id, transports);
+        self.objects.hosts.insert(r.host_id, r.object_memory);
         if self.hosts.get(&r.host_id) != Some(&host) {
             self.hosts.insert(r.host_id, host);
             self.dirty.hosts.insert(r.host_id);
@@ -260,6 +263,7 @@ mod tests {
             memory_offered: memory,
             incarnation,
             transports: String::new(),
+            object_memory: 0,
         }
     }
 

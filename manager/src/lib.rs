@@ -18,6 +18,7 @@ pub mod manager;
 pub mod metrics;
 pub mod model;
 pub mod namespace;
+pub mod objects;
 pub mod regions;
 pub mod revocations;
 pub mod server;

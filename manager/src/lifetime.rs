@@ -52,9 +52,6 @@ impl State {
     /// memory is gone); returns them.
     pub fn mark_lost_on(&mut self, host: u32, reason: &str) -> Vec<u64> {
         let gids: HashSet<u32> = self.alloc.host_pools(host).map(|p| p.pool.gid).collect();
-        if gids.is_empty() {
-            return Vec::new();
-        }
         let mut hit: Vec<u64> = self
             .maps
             .iter()
@@ -63,8 +60,10 @@ impl State {
                     .any(|e| entry_gid(*e).is_some_and(|g| gids.contains(&g)))
             })
             .map(|(ino, _)| *ino)
+            .chain(self.objects_on(host))
             .filter(|ino| self.inodes.contains_key(ino) && self.lost_reason(*ino).is_none())
             .collect();
+        hit.dedup();
         hit.sort_unstable();
         for ino in &hit {
             if let Ok(inode) = self.inode_mut(*ino) {
@@ -398,6 +397,7 @@ mod tests {
             memory_offered: 64 * MIB,
             incarnation,
             transports: String::new(),
+            object_memory: 0,
         }
     }
 

@@ -46,6 +46,11 @@ struct Args {
     /// mount that does not answer). 0 grants no leases (kernels cache for a second).
     #[arg(long, env = "REGIONS_CACHE_LEASE_TERM_MS", default_value_t = regions_manager::cache_leases::DEFAULT_TERM.as_millis() as u64)]
     cache_lease_term_ms: u64,
+    /// Regions that stay at most this many bytes (K suffix; at most 8160) are stored as
+    /// objects packed into the daemons' object stores instead of whole 128 KiB chunks, and
+    /// move to chunks when they grow past it or are mapped; 0 stores none.
+    #[arg(long, env = "REGIONS_SMALL_REGIONS", default_value = "0", value_parser = regions_proto::config::parse_size)]
+    small_regions: u64,
     /// Bytes of the write-ahead log, written out in full when created: changes are durable
     /// there first, and it keeps them while the data directory is full.
     #[arg(long, env = "REGIONS_WAL_SIZE", default_value_t = regions_manager::wal::WAL_SIZE)]
@@ -102,6 +107,7 @@ async fn main() -> anyhow::Result<()> {
         ),
         wal_size: args.wal_size,
         cache_lease_term: Duration::from_millis(args.cache_lease_term_ms),
+        small_regions: args.small_regions,
         ..Config::default()
     };
     let manager = Manager::open(&args.data_dir, config)?;

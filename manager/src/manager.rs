@@ -35,6 +35,8 @@ pub struct Extend {
     pub capacity: u64,
     /// Set mtime and ctime to now.
     pub touch: bool,
+    /// A small region stored as an object moves to chunks (`ExtendRequest.chunks`).
+    pub chunks: bool,
 }
 
 /// Settings of a manager.
@@ -57,6 +59,8 @@ pub struct Config {
     pub deferred_commit: Duration,
     /// Term of the cache leases mounts hold (`--cache-lease-term-ms`; zero grants none).
     pub cache_lease_term: Duration,
+    /// Regions up to this many bytes are stored as objects (`--small-regions`; 0: none).
+    pub small_regions: u64,
 }
 
 impl Default for Config {
@@ -70,6 +74,7 @@ impl Default for Config {
             capability_ttl: crate::revocations::DEFAULT_TTL,
             deferred_commit: DEFERRED_COMMIT,
             cache_lease_term: crate::cache_leases::DEFAULT_TERM,
+            small_regions: 0,
         }
     }
 }
@@ -177,6 +182,8 @@ pub struct Manager {
     data_dir: std::path::PathBuf,
     /// Mounts' leases on what their kernels cache.
     cache_leases: Arc<CacheLeases>,
+    /// Object requests to daemons (small regions), once the server gave the secret.
+    objects_client: std::sync::OnceLock<Arc<crate::word_client::WordClient>>,
     config: Config,
 }
 
@@ -193,6 +200,8 @@ impl Manager {
         // stored (see `write_handles`): never hand them out again.
         state.counters.next_handle = state.counters.next_handle.saturating_add(HANDLE_ID_GAP);
         state.dirty.counters = true;
+        state.objects.small_regions = config.small_regions;
+        state.resume_moves();
         state.free_orphans();
         if state.restrict_lock_region() {
             tracing::info!("the sync lock region is now mode 0600 (root only)");
@@ -251,12 +260,41 @@ impl Manager {
             run_began: crate::revocations::tick(),
             data_dir: data_dir.to_path_buf(),
             cache_leases: Arc::new(CacheLeases::new(data_dir, config.cache_lease_term)),
+            objects_client: std::sync::OnceLock::new(),
             config,
         }))
     }
 
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// Lets the manager place small regions as objects (with `--small-regions`), sending
+    /// object requests to daemons with the cluster `secret`.
+    pub fn serve_objects(&self, secret: regions_proto::auth::Secret) {
+        let _ = self
+            .objects_client
+            .set(Arc::new(crate::word_client::WordClient::new(secret)));
+    }
+
+    /// The client of daemons' object stores ([`Manager::serve_objects`]).
+    pub(crate) fn objects_client(&self) -> Option<&Arc<crate::word_client::WordClient>> {
+        self.objects_client
+            .get()
+            .filter(|_| self.config.small_regions > 0)
+    }
+
+    /// Applies a change without waiting for it to be durable: it is stored with the next
+    /// batch, in order, so any later durable change stores it too (a small region's object
+    /// placed at its create: until its size is published nothing depends on it).
+    pub(crate) fn write_unwaited<T>(&self, f: impl FnOnce(&mut State) -> Result<T>) -> Result<T> {
+        self.refuse_if_stalled(Need::Change)?;
+        self.apply(f)?.0
+    }
+
+    /// Changes what the manager keeps in memory only (nothing stored, nothing waited for).
+    pub(crate) fn in_memory<T>(&self, f: impl FnOnce(&mut State) -> T) -> Option<T> {
+        self.lock().ok().map(|mut inner| f(&mut inner.state))
     }
 
     /// The capability clock when this manager run began.
@@ -1197,12 +1235,18 @@ impl Manager {
         write: bool,
     ) -> Result<v1::RegionInfo> {
         let guard = self.recall(&caller, &[Lease::Names(parent)]).await;
-        let mut info = self
+        let objects = self.objects_client().is_some();
+        let (mut info, as_object) = self
             .write_allocating(|s| {
                 let parent_before = s.inode(parent)?.clone();
                 let inode = s.create_entry(&caller, parent, &name, mode, overrides.as_ref())?;
                 guard.also(Lease::Attrs(inode.ino));
                 let ino = inode.ino;
+                // A writer's space up front may be an object (placed once this is durable).
+                let small = s.small_object_bytes();
+                let as_object =
+                    objects && write && preallocate > 0 && s.object_host(ino, small).is_some();
+                let preallocate = if as_object { 0 } else { preallocate };
                 let opened = if preallocate > 0 || inode.attrs.fixvaddr {
                     s.resize(ino, None, preallocate, false)
                 } else {
@@ -1221,9 +1265,17 @@ impl Manager {
                 }
                 let mut info = s.region_info(ino, None)?;
                 info.handle = handle.id;
-                Ok(info)
+                Ok((info, as_object))
             })
             .await?;
+        if as_object && let Some(ino) = info.attr.as_ref().map(|a| a.ino) {
+            let small = self.peek(State::small_object_bytes).unwrap_or(0);
+            self.place_small_object(&caller, ino, small, false).await;
+            if let Some(Ok(placed)) = self.peek(|s| s.region_info(ino, None)) {
+                info.object = placed.object;
+                info.map_version = placed.map_version;
+            }
+        }
         if let Some(attr) = info.attr.as_mut() {
             self.grant_own(&guard, &caller, parent, attr);
         }
@@ -1269,10 +1321,17 @@ impl Manager {
     /// at least `capacity` bytes; with `touch`, sets mtime and ctime to now.
     pub async fn extend(&self, caller: Caller, ino: u64, grow: Extend) -> Result<v1::RegionInfo> {
         let _guard = self.recall(&caller, &[Lease::Attrs(ino)]).await;
+        if !grow.chunks {
+            self.place_small(&caller, ino, grow.size, grow.capacity)
+                .await?;
+        }
         let info = self
             .write_allocating(move |s| {
                 s.check_write_or_handle(&caller, ino, "extend this region")?;
                 let size = grow.size.max(s.region(ino)?.size);
+                if grow.chunks {
+                    s.resize_object(ino, size, size.max(grow.capacity), true)?;
+                }
                 s.resize(ino, Some(size), size.max(grow.capacity), false)?;
                 if grow.capacity > size {
                     s.note_reserved(ino);
@@ -1283,7 +1342,18 @@ impl Manager {
                 s.region_info(ino, None)
             })
             .await?;
+        let info = self.after_object_change(ino, info).await?;
         self.settle_destructive_for(ino).await;
+        Ok(info)
+    }
+
+    /// Does the object work a change queued; when it moved region `ino` to chunks, the
+    /// region's info after the move instead of `info`.
+    async fn after_object_change(&self, ino: u64, info: v1::RegionInfo) -> Result<v1::RegionInfo> {
+        self.object_work().await;
+        if info.object.as_ref().is_some_and(|o| o.moving) {
+            return self.read(|s| s.region_info(ino, None)).await;
+        }
         Ok(info)
     }
 
@@ -1303,6 +1373,7 @@ impl Manager {
                 s.region_info(ino, None)
             })
             .await?;
+        let info = self.after_object_change(ino, info).await?;
         self.settle_destructive_for(ino).await;
         Ok(info)
     }
@@ -1352,8 +1423,11 @@ impl Manager {
             Some(ino) => Some(self.recall(caller, &[Lease::Attrs(ino)]).await),
             None => None,
         };
-        self.write_handles(|s| s.close_handle(caller, handle, wrote_within_size))
-            .await
+        let freed = self
+            .write_handles(|s| s.close_handle(caller, handle, wrote_within_size))
+            .await;
+        self.object_work().await;
+        freed
     }
 
     // ---- cluster ----
@@ -1535,6 +1609,7 @@ mod tests {
             memory_offered: offered,
             incarnation: 1,
             transports: String::new(),
+            object_memory: 0,
         })
         .await
         .unwrap();
@@ -1874,12 +1949,14 @@ mod tests {
             size: 0,
             capacity: 2 * MIB,
             touch: false,
+            chunks: false,
         };
         m.extend(user(1), ino, grow).await.unwrap();
         let publish = Extend {
             size: MIB + 1,
             capacity: 0,
             touch: true,
+            chunks: false,
         };
         let after = m.extend(user(1), ino, publish).await.unwrap();
         assert_eq!(after.attr.unwrap().size, MIB + 1);

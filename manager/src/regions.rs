@@ -91,15 +91,19 @@ impl State {
             // that never became part of it) is freed and allocated afresh.
             self.trim_reserved(ino, true);
         }
-        let inode = self.region(ino)?.clone();
         self.check_not_lost(ino)?;
-        let new_size = size.unwrap_or(inode.size);
+        let new_size = size.unwrap_or(self.region(ino)?.size);
         if new_size > MAX_REGION_SIZE || capacity > MAX_REGION_SIZE {
             return Err(ManagerError::TooBig(format!(
                 "{} bytes is over the region limit of {MAX_REGION_SIZE} bytes",
                 new_size.max(capacity)
             )));
         }
+        // A small region's object takes what fits in it; past that it moves to chunks.
+        if self.resize_object(ino, new_size, capacity, false)? {
+            return Ok(());
+        }
+        let inode = self.region(ino)?.clone();
         let map = self.maps.get(&ino).cloned().unwrap_or_default();
         let have = map.len() as u64;
         let mut target = chunks_for(new_size).max(chunks_for(capacity));
@@ -255,6 +259,9 @@ impl State {
     /// Frees a region: its chunks, address range, map and inode.
     pub fn free_region(&mut self, ino: u64) {
         self.reserved.remove(&ino);
+        if let Some(inode) = self.inodes.get(&ino).cloned() {
+            self.free_object(&inode);
+        }
         if let Some(map) = self.maps.remove(&ino) {
             self.queue_backing(ino, 0, &map, false);
             self.alloc.release_entries(&map);
@@ -376,6 +383,9 @@ impl State {
             if self.writers(handle.ino) == 0 {
                 let zero_tail = self.tail_written.remove(&handle.ino);
                 self.trim_reserved(handle.ino, zero_tail);
+                if zero_tail {
+                    self.zero_object_tail(handle.ino);
+                }
             }
         }
         let last = match self.open.get_mut(&handle.ino) {
@@ -439,6 +449,7 @@ impl State {
             pools,
             handle: 0,
             map_included: include,
+            object: self.object_info(inode),
             ..Default::default()
         })
     }
@@ -467,6 +478,7 @@ mod tests {
                 memory_offered: pool,
                 incarnation: 1,
                 transports: String::new(),
+                object_memory: 0,
             })
             .unwrap();
             s.register_pool(h, 0, pool).unwrap();

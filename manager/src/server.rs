@@ -94,6 +94,8 @@ pub async fn serve_with_tls(
     };
     // Ends by itself once shutdown begins.
     tokio::spawn(crate::lifetime::run_lease_expiry(Arc::clone(&manager)));
+    manager.serve_objects(secret.clone());
+    tokio::spawn(crate::objects::run_object_work(Arc::clone(&manager)));
     // Metrics gauges (only when this process serves metrics); end once shutdown begins.
     tokio::spawn(crate::metrics::run_gauges(Arc::clone(&manager)));
     // Barriers, mutexes and doorbells; the expiry task ends once shutdown begins.

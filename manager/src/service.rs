@@ -359,6 +359,7 @@ impl Regions for Services {
             size: r.size,
             capacity: r.capacity,
             touch: r.touch,
+            chunks: r.chunks,
         };
         self.reply("extend", self.manager.extend(c, r.ino, grow).await)
     }
@@ -469,6 +470,7 @@ impl Cluster for Services {
             memory_offered: r.memory_offered,
             incarnation: r.incarnation,
             transports: r.transports,
+            object_memory: r.object_memory,
         };
         reply(
             "register_host",

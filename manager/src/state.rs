@@ -126,6 +126,9 @@ pub struct State {
     /// while a handle that is merely unknown (lost with a manager crash before its commit)
     /// is not held against its opener.
     pub fenced_handles: std::collections::HashSet<u64>,
+    /// Small regions stored as objects: the hosts with object stores, the size limit, and
+    /// the work queued for daemons (crate::objects).
+    pub objects: crate::objects::ObjectState,
 }
 
 impl State {
@@ -193,6 +196,7 @@ impl State {
             lease_lost: Default::default(),
             fence_settled: Default::default(),
             fenced_handles: Default::default(),
+            objects: crate::objects::ObjectState::default(),
         }
     }
 
@@ -437,7 +441,13 @@ impl State {
 
     /// Hosts holding data of a region, in order of first use.
     pub fn region_hosts(&self, ino: u64) -> Vec<u32> {
-        let mut hosts = Vec::new();
+        let mut hosts: Vec<u32> = self
+            .inodes
+            .get(&ino)
+            .and_then(Inode::object)
+            .map(|o| o.host)
+            .into_iter()
+            .collect();
         for piece in pieces_of(self.maps.get(&ino).map_or(&[][..], Vec::as_slice)) {
             if let Some(h) = self.pool_host(piece.gid)
                 && !hosts.contains(&h)

@@ -1,6 +1,7 @@
-//! The manager's requests to the daemon that holds a lock word (docs/ARCHITECTURE.md,
-//! "Barriers, mutexes and doorbells"): a compare-and-swap or a fetch-add on one 8-byte word,
-//! sent over that daemon's transport port with the cluster secret.
+//! The manager's requests to daemons, over their transport port with the cluster secret: a
+//! compare-and-swap or a fetch-add on the 8-byte lock word a daemon holds
+//! (docs/ARCHITECTURE.md, "Barriers, mutexes and doorbells"), and the object requests that
+//! place, move and free small regions ([`WordClient::call`]).
 //!
 //! The manager moves no region data. It changes a mutex's word only to queue callers and hand
 //! the mutex on, and reads a barrier's word to wake sleepers; the daemon that holds the word
@@ -18,7 +19,7 @@ use std::time::{Duration, Instant};
 use bytes::BytesMut;
 use regions_proto::auth::Secret;
 pub use regions_proto::frame::WordAt;
-use regions_proto::frame::{FLAG_REPLY, HEADER_LEN, Header, Op};
+use regions_proto::frame::{FLAG_REPLY, HEADER_LEN, Header, Op, Request};
 use regions_proto::handshake::{CHALLENGE_REPLY_LEN, ClientHello};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -139,11 +140,7 @@ impl WordClient {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// One atomic, sent once: on an idle connection that is still open, else on a new one
-    /// (connecting is retried until the deadline). Once the request is out, nothing is sent
-    /// again: the operation may have been applied. The reply is awaited for a bounded time.
-    /// After a daemon failed, operations on it fail at once for a while, then one probes
-    /// with a shorter deadline ([`Timeouts`]).
+    /// One atomic, sent once (see [`WordClient::once`]); the old value of the word.
     async fn atomic(
         &self,
         addr: &str,
@@ -151,18 +148,78 @@ impl WordClient {
         at: &WordAt,
         operands: &[u64],
     ) -> Result<u64, WordError> {
+        // Capability 0: the connection proved the cluster secret.
+        let (header, payload) = Header::atomic(op, self.id(), 0, at, operands);
+        let reply = self.once(addr, header, &payload, 8).await?;
+        let word: [u8; 8] = reply
+            .try_into()
+            .map_err(|r: Vec<u8>| WordError::Unreachable {
+                addr: addr.to_owned(),
+                attempts: 1,
+                reason: format!("atomic reply of {} bytes", r.len()),
+            })?;
+        Ok(u64::from_le_bytes(word))
+    }
+
+    /// Sends `request` (cluster secret, no capability) to the daemon at `addr` once, as
+    /// [`WordClient::once`] does; the payload of its reply, at most `max_reply` bytes. The
+    /// objects of small regions are allocated, moved and freed this way.
+    pub async fn call(
+        &self,
+        addr: &str,
+        request: &Request,
+        max_reply: usize,
+    ) -> Result<Vec<u8>, WordError> {
+        let frame = request.to_frame(self.id(), 0);
+        self.once(addr, frame.header, &frame.payload, max_reply)
+            .await
+    }
+
+    /// Writes `data` at the start of the chunk `entry` of region `ino` (its first chunk),
+    /// naming the region, so that the daemon refuses (`ESTALE`) a chunk that backs anything
+    /// else by then.
+    pub async fn write_region(
+        &self,
+        addr: &str,
+        ino: u64,
+        entry: regions_proto::layout::MapEntry,
+        data: &[u8],
+    ) -> Result<(), WordError> {
+        let mut frame = Request::Write {
+            pool: entry.gid,
+            offset: entry.pool_offset,
+            data: bytes::Bytes::copy_from_slice(data),
+        }
+        .to_frame(self.id(), 0);
+        frame.header.name_region(ino, 0, entry.pool_offset);
+        self.once(addr, frame.header, &frame.payload, 0)
+            .await
+            .map(drop)
+    }
+
+    /// One request, sent once: on an idle connection that is still open, else on a new one
+    /// (connecting is retried until the deadline). Once the request is out, nothing is sent
+    /// again: the operation may have been applied. The reply is awaited for a bounded time.
+    /// After a daemon failed, operations on it fail at once for a while, then one probes
+    /// with a shorter deadline ([`Timeouts`]).
+    async fn once(
+        &self,
+        addr: &str,
+        header: Header,
+        payload: &[u8],
+        max_reply: usize,
+    ) -> Result<Vec<u8>, WordError> {
         let (pooled, deadline) = self.take(addr)?;
         let mut stream = match pooled {
             Some(stream) => stream,
             None => self.connect_within(addr, deadline).await?,
         };
         let io = self.timeouts.io;
-        let outcome =
-            tokio::time::timeout(io, self.request(addr, &mut stream, op, at, operands)).await;
-        let reason = match outcome {
-            Ok(Ok(word)) => {
+        let exchange = self.exchange(addr, &mut stream, &header, payload, max_reply);
+        let reason = match tokio::time::timeout(io, exchange).await {
+            Ok(Ok(reply)) => {
                 self.answered(addr, Some(stream));
-                return Ok(word);
+                return Ok(reply);
             }
             Ok(Err(Failure::Final(e))) => {
                 self.answered(addr, None);
@@ -315,28 +372,26 @@ impl WordClient {
         Ok(out)
     }
 
-    /// Sends one atomic request to the daemon at `addr` and reads the old value of the word.
-    async fn request(
+    /// Sends one request to the daemon at `addr` and reads the payload of its reply.
+    async fn exchange(
         &self,
         addr: &str,
         stream: &mut TcpStream,
-        op: Op,
-        at: &WordAt,
-        operands: &[u64],
-    ) -> Result<u64, Failure> {
-        // Capability 0: the connection proved the cluster secret.
-        let (header, payload) = Header::atomic(op, self.id(), 0, at, operands);
-        send(stream, &header, &payload).await?;
+        header: &Header,
+        payload: &[u8],
+        max_reply: usize,
+    ) -> Result<Vec<u8>, Failure> {
+        send(stream, header, payload).await?;
         let reply = recv_reply(addr, stream, header.request_id).await?;
-        if reply.payload_len != 8 {
+        if reply.payload_len as usize > max_reply {
             return Err(Failure::Retry(format!(
-                "atomic reply of {} bytes",
-                reply.payload_len
+                "{} reply of {} bytes (at most {max_reply} expected)",
+                header.op, reply.payload_len
             )));
         }
-        let mut word = [0u8; 8];
-        stream.read_exact(&mut word).await?;
-        Ok(u64::from_le_bytes(word))
+        let mut body = vec![0u8; reply.payload_len as usize];
+        stream.read_exact(&mut body).await?;
+        Ok(body)
     }
 }
 

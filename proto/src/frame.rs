@@ -85,7 +85,7 @@ pub enum FrameError {
     )]
     UnsupportedVersion(u8),
     /// The op byte names no known [`Op`].
-    #[error("unknown frame op {0} (known ops are 1..=18)")]
+    #[error("unknown frame op {0} (known ops are 1..=19)")]
     UnknownOp(u8),
     /// Flag bits other than [`FLAG_REPLY`] and [`FLAG_DELTAS`] are set.
     #[error("unknown frame flags {0:#06x} (only 0x0001 = reply and 0x0002 = deltas are defined)")]
@@ -199,6 +199,10 @@ pub enum Op {
     /// Compacts every size class of the daemon's object store now (cluster secret only);
     /// reply payload = [`ObjectCompaction`].
     ObjCompact = 18,
+    /// Marks the region `object_id`'s object named by the payload ([`ObjectRef`]) as moving
+    /// to chunks (cluster secret only): writes to it are refused with `ESTALE` from then on,
+    /// reads still served; no reply payload.
+    ObjFreeze = 19,
 }
 
 /// Encoded size of an [`ObjectCompaction`].
@@ -369,6 +373,7 @@ impl TryFrom<u8> for Op {
             16 => Op::ObjRead,
             17 => Op::ObjWrite,
             18 => Op::ObjCompact,
+            19 => Op::ObjFreeze,
             other => return Err(FrameError::UnknownOp(other)),
         })
     }
@@ -396,6 +401,7 @@ impl Op {
             Op::ObjRead => "object-read",
             Op::ObjWrite => "object-write",
             Op::ObjCompact => "object-compact",
+            Op::ObjFreeze => "object-freeze",
         }
     }
 }
@@ -840,6 +846,8 @@ pub enum Request {
     },
     /// Compact the daemon's object store.
     ObjCompact,
+    /// Refuse writes to region `ino`'s object `at` from now on (it moves to chunks).
+    ObjFreeze { ino: u64, at: ObjectRef },
 }
 
 impl Request {
@@ -864,6 +872,7 @@ impl Request {
             Request::ObjRead { .. } => Op::ObjRead,
             Request::ObjWrite { .. } => Op::ObjWrite,
             Request::ObjCompact => Op::ObjCompact,
+            Request::ObjFreeze { .. } => Op::ObjFreeze,
         }
     }
 
@@ -1012,7 +1021,9 @@ impl Request {
                     write: op == Op::RdmaWriteKeys,
                 }
             }
-            Op::ObjAlloc | Op::ObjFree | Op::ObjRead | Op::ObjWrite => parse_object(h, payload)?,
+            Op::ObjAlloc | Op::ObjFree | Op::ObjRead | Op::ObjWrite | Op::ObjFreeze => {
+                parse_object(h, payload)?
+            }
             Op::ObjCompact => {
                 expect_len(op, "payload length", 0, plen)?;
                 Request::ObjCompact
@@ -1102,7 +1113,7 @@ impl Request {
                 (h.object_id, h.length) = (ino, u64::from(len));
                 Bytes::new()
             }
-            &Request::ObjFree { ino, at } => {
+            &Request::ObjFree { ino, at } | &Request::ObjFreeze { ino, at } => {
                 h.object_id = ino;
                 at.encode(&mut buf);
                 buf.freeze()
@@ -1164,10 +1175,14 @@ fn parse_object(h: &Header, payload: &Bytes) -> Result<Request, FrameError> {
                 len: small("length field (at most)", h.length)?,
             }
         }
-        Op::ObjFree => {
+        Op::ObjFree | Op::ObjFreeze => {
             expect_len(op, "payload length", OBJECT_REF_LEN as u64, plen)?;
             let (at, _) = ObjectRef::decode(op, payload)?;
-            Request::ObjFree { ino, at }
+            if op == Op::ObjFree {
+                Request::ObjFree { ino, at }
+            } else {
+                Request::ObjFreeze { ino, at }
+            }
         }
         Op::ObjRead => {
             expect_len(op, "payload length", OBJECT_REF_LEN as u64, plen)?;
@@ -1411,6 +1426,14 @@ mod tests {
                 data: Bytes::from_static(b"small region"),
             },
             Request::ObjCompact,
+            Request::ObjFreeze {
+                ino: 7,
+                at: ObjectRef {
+                    address: 3,
+                    slot: 9,
+                    id: 0xdead,
+                },
+            },
         ]
     }
 
@@ -1723,8 +1746,8 @@ mod tests {
             Err(FrameError::UnknownOp(0))
         );
         assert_eq!(
-            with_bytes(&ping, |b| b[3] = 19),
-            Err(FrameError::UnknownOp(19))
+            with_bytes(&ping, |b| b[3] = 20),
+            Err(FrameError::UnknownOp(20))
         );
         assert_eq!(
             with_bytes(&ping, |b| b[0] = 0),
@@ -1961,6 +1984,12 @@ mod tests {
                     }
                 }),
             Just(Request::ObjCompact),
+            (1..u64::MAX, any::<[u32; 3]>()).prop_map(|(ino, [address, slot, id])| {
+                Request::ObjFreeze {
+                    ino,
+                    at: ObjectRef { address, slot, id },
+                }
+            }),
         ]
     }
 
@@ -1970,7 +1999,7 @@ mod tests {
     fn plausible_stream() -> impl Strategy<Value = Vec<u8>> {
         let plen = prop_oneof![Just(0u32), Just(8), Just(16), Just(24), Just(56), 0u32..300];
         let flags = prop_oneof![3 => Just(0u16), 1 => 0u16..3];
-        let header = (1u8..=18, flags, any::<[u64; 4]>(), any::<bool>(), plen);
+        let header = (1u8..=19, flags, any::<[u64; 4]>(), any::<bool>(), plen);
         let frame = header.prop_flat_map(|(op, flags, [id, offset, length, pool], tame, plen)| {
             let op = Op::try_from(op).unwrap_or(Op::Ping);
             let header = Header {

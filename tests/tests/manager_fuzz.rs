@@ -413,6 +413,7 @@ async fn one(c: &mut Clients, g: &mut Gen) -> (&'static str, Result<(), Status>)
                 size: g.size(),
                 capacity: if g.rng.random_bool(0.8) { 0 } else { g.size() },
                 touch: g.rng.random(),
+                chunks: g.rng.random_bool(0.1),
             }),
             |r| learn(&mut g.seen, r.attr.as_ref(), 0)
         ),

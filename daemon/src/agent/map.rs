@@ -16,7 +16,7 @@ pub fn refresh(authority: &dyn Authority, caller: &Caller, r: &MapRefresh) -> Re
 
 /// Grows the region.
 pub fn extend(authority: &dyn Authority, caller: &Caller, r: &MapExtend) -> Result<RegionInfo> {
-    authority.extend(caller, r.ino, r.size)
+    authority.extend(caller, r.ino, r.size, r.chunks)
 }
 
 /// Closes an open handle of `caller`, the process that started at `start_time`.

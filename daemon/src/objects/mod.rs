@@ -144,6 +144,8 @@ struct Inner {
     next_file_block: u32,
     /// File blocks the memory budget allows.
     max_blocks: u32,
+    /// Regions whose object is moving to chunks: writes to it are refused.
+    frozen: HashSet<u64>,
     classes: Vec<ClassState>,
 }
 
@@ -174,6 +176,7 @@ impl ObjectStore {
                 free_file_blocks: Vec::new(),
                 next_file_block: 0,
                 max_blocks,
+                frozen: HashSet::new(),
                 classes: slot_sizes().iter().map(|_| ClassState::default()).collect(),
             }),
             auto_compact: std::sync::atomic::AtomicBool::new(true),
@@ -299,6 +302,7 @@ impl ObjectStore {
                 .write(address, at + 8, &[0u8; HEADER as usize - 8])
         };
         inner.forget_pointer(&self.memory, file_block, ptr.id);
+        inner.frozen.remove(&owner.ino);
         let block = inner
             .blocks
             .get_mut(&file_block)
@@ -392,6 +396,12 @@ impl ObjectStore {
     ) -> Result<Option<ObjectRef>> {
         let inner = self.read_inner();
         let (address, at, corrected) = self.locate(&inner, owner, ptr, offset, src.len(), true)?;
+        if inner.frozen.contains(&owner.ino) {
+            return Err(DaemonError::Stale(format!(
+                "region {} is moving from its object to chunks: refresh its map and write there",
+                owner.ino
+            )));
+        }
         // SAFETY: as in `read`: mapped and stable while `inner` is held; the slot's own word.
         let Some(word) = (unsafe { self.version(address, at) }) else {
             return Err(DaemonError::Invalid("misaligned object header".into()));
@@ -462,6 +472,17 @@ impl ObjectStore {
             id: ptr.id,
         });
         Ok((ptr.address, at, corrected))
+    }
+
+    /// Refuses writes to `owner`'s object `ptr` from now on (its region moves to chunks);
+    /// reads go on. Takes the store exclusively, so no write is under way when it returns.
+    pub fn freeze(&self, owner: Owner, ptr: ObjectRef) -> Result<()> {
+        let mut inner = self.write_inner();
+        let (file_block, slot) = inner.resolve(ptr)?;
+        let block = &inner.blocks[&file_block];
+        self.check_owner(block.address, slot * slot_size(block.class), owner)?;
+        inner.frozen.insert(owner.ino);
+        Ok(())
     }
 
     /// The pointer to `owner`'s object `ptr` at its block's own address and slot (the pointer

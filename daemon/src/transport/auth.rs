@@ -113,6 +113,7 @@ fn writes(op: Op) -> bool {
             | Op::ObjAlloc
             | Op::ObjFree
             | Op::ObjWrite
+            | Op::ObjFreeze
     )
 }
 

@@ -771,7 +771,8 @@ impl Conn {
             | Request::ObjFree { .. }
             | Request::ObjRead { .. }
             | Request::ObjWrite { .. }
-            | Request::ObjCompact) => {
+            | Request::ObjCompact
+            | Request::ObjFreeze { .. }) => {
                 let served = match self.shared.objects.get() {
                     Some(store) => objects::serve(store, self.auth.proved_secret(), reach, request),
                     None => Err(DaemonError::NoObjects(

@@ -92,6 +92,11 @@ pub fn serve(store: &ObjectStore, secret: bool, reach: Reach, request: Request) 
             let now = store.write(owner(ino), at, offset, &data)?.unwrap_or(at);
             Ok(with_ref(now, 0).freeze())
         }
+        Request::ObjFreeze { ino, at } => {
+            node_only(secret, "freezing an object")?;
+            store.freeze(owner(ino), at)?;
+            Ok(Bytes::new())
+        }
         Request::ObjCompact => {
             node_only(secret, "compacting the object store")?;
             let done = store.compact(None)?;

@@ -124,6 +124,22 @@ impl ManagerClient {
                     size,
                     capacity,
                     touch,
+                    chunks: false,
+                })
+                .await
+        })
+    }
+
+    /// Moves region `ino` to chunks if it is a small region stored as an object (for what
+    /// needs region memory: a mapping, a segment, words for atomics); the region's info after.
+    pub fn to_chunks(&self, caller: &v1::Caller, ino: u64) -> Result<v1::RegionInfo> {
+        self.call(|mut s| async move {
+            s.regions
+                .extend(v1::ExtendRequest {
+                    caller: Some(caller.clone()),
+                    ino,
+                    chunks: true,
+                    ..Default::default()
                 })
                 .await
         })

@@ -243,7 +243,23 @@ impl Authority {
                  the mounted file instead"
                     .into(),
             )),
-            Authority::Agent(s) => s.agent()?.map_extend(ino, size),
+            Authority::Agent(s) => s.agent()?.map_extend(ino, size, false),
+        }
+    }
+
+    /// Moves a small region stored as an object to chunks (for what needs region memory).
+    pub(crate) fn to_chunks(&self, ino: u64) -> Result<v1::RegionInfo> {
+        match self {
+            Authority::Cluster { conn, caller } => conn.manager.to_chunks(caller, ino),
+            Authority::Agent(s) => s.agent()?.map_extend(ino, 0, true),
+        }
+    }
+
+    /// The tcp transport to the daemon at `addr` (object requests go over tcp).
+    pub(crate) fn tcp_transport(&self, addr: &str) -> Result<Arc<TcpTransport>> {
+        match self {
+            Authority::Cluster { conn, .. } => Ok(conn.transport(addr)),
+            Authority::Agent(s) => s.transport(addr),
         }
     }
 

@@ -17,6 +17,7 @@
 
 pub(crate) mod authority;
 mod from_file;
+mod object_io;
 mod placement;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -259,18 +260,20 @@ impl Region {
     /// Whether every chunk of the region is held by this host's daemon.
     pub fn is_wholly_local(&self) -> bool {
         self.state.read().is_ok_and(|s| {
-            s.entries.iter().all(|e| {
-                MapEntry::decode(*e)
-                    .and_then(|m| s.pools.get(&m.gid))
-                    .is_some_and(|p| p.host_id == self.authority.host_id())
-            })
+            s.object.is_none()
+                && s.entries.iter().all(|e| {
+                    MapEntry::decode(*e)
+                        .and_then(|m| s.pools.get(&m.gid))
+                        .is_some_and(|p| p.host_id == self.authority.host_id())
+                })
         })
     }
 
-    /// Hosts holding the region's chunks, in order of first appearance.
+    /// Hosts holding the region's object or chunks, in order of first appearance.
     pub fn hosts(&self) -> Vec<u32> {
         let mut hosts = Vec::new();
         if let Ok(s) = self.state.read() {
+            hosts.extend(s.object.as_ref().map(|o| o.host_id));
             for e in &s.entries {
                 if let Some(h) = MapEntry::decode(*e)
                     .and_then(|m| s.pools.get(&m.gid))
@@ -560,6 +563,10 @@ impl Region {
                 return Ok(0);
             }
             let n = (size - offset).min(buf.len() as u64) as usize;
+            if let Some(o) = self.object()? {
+                self.object_read(&o, offset, &mut buf[..n])?;
+                return Ok(n);
+            }
             self.ensure_local(offset + n as u64);
             self.renew_if_due_for(offset, n as u64, false)?;
             let state = self.state.read().map_err(|_| Self::poisoned())?;
@@ -584,12 +591,17 @@ impl Region {
         // (the region was truncated through another handle) is refreshed, and the region may
         // then be smaller and need space.
         let written = self.with_fresh_map(|| {
+            self.wait_moved()?;
             let (size, capacity) = {
                 let s = self.state.read().map_err(|_| Self::poisoned())?;
                 (s.size, s.capacity())
             };
             if end > capacity || (end > size && self.policy == SizePolicy::Eager) {
                 self.reserve(end)?;
+                self.wait_moved()?;
+            }
+            if let Some(o) = self.object()? {
+                return self.object_write(&o, offset, data);
             }
             self.ensure_local(end);
             self.renew_if_due_for(offset, data.len() as u64, true)?;
@@ -636,7 +648,9 @@ impl Region {
         if end <= capacity && (!eager || end <= size) {
             return Ok(());
         }
-        let ahead = if end <= capacity {
+        let ahead = if end <= capacity || (capacity == 0 && end <= CHUNK_SIZE) {
+            // A new region's first chunk is asked for as what it needs: a small one may be
+            // stored as an object (the manager's choice), a larger one gets the chunk anyway.
             end
         } else {
             let step = capacity.clamp(RESERVE_MIN, RESERVE_MAX);
@@ -715,6 +729,7 @@ impl Region {
                 self.size()
             )));
         }
+        self.ensure_chunks()?;
         self.ensure_local(offset + 8);
         self.renew_if_due_for(offset, 8, true)?;
         let state = self.state.read().map_err(|_| Self::poisoned())?;
@@ -796,6 +811,7 @@ impl Region {
 
     /// This host's segment memfd of the region, if this host holds part of it.
     pub fn segment(&self) -> Result<Option<Segment>> {
+        self.ensure_chunks()?;
         let covering = self
             .state
             .read()
@@ -811,6 +827,7 @@ impl Region {
 
     /// Where chunk `index` lives.
     pub fn chunk(&self, index: u64) -> Result<ChunkLoc> {
+        self.ensure_chunks()?;
         let state = self.state.read().map_err(|_| Self::poisoned())?;
         state.chunk(
             self.ino,

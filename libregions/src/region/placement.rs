@@ -25,6 +25,9 @@ pub(crate) struct MapState {
     pub(crate) fixvaddr: bool,
     pub(crate) entries: Vec<u64>,
     pub(crate) pools: HashMap<u32, v1::PoolInfo>,
+    /// The object of a small region stored as one (docs/ARCHITECTURE.md, "Small regions as
+    /// objects"): read and written with object requests, never through a segment.
+    pub(crate) object: Option<v1::ObjectPlacement>,
     /// This host's segment, mapped (same-host access).
     pub(crate) local: Option<Arc<LocalSegment>>,
     /// Map version at which the agent was last asked for the segment (or at which the map put
@@ -97,6 +100,7 @@ impl MapState {
             fixvaddr: false,
             entries: Vec::new(),
             pools: HashMap::new(),
+            object: None,
             local: None,
             local_checked: None,
             local_retry_at: None,
@@ -123,6 +127,7 @@ impl MapState {
             self.fixvaddr = attr.region_attrs.as_ref().is_some_and(|a| a.fixvaddr);
         }
         if info.map_included {
+            self.object = info.object;
             self.entries = info.map;
             for p in info.pools {
                 self.pools.insert(p.gid, p);
@@ -133,7 +138,10 @@ impl MapState {
 
     /// Bytes the allocated chunks cover.
     pub(crate) fn capacity(&self) -> u64 {
-        self.entries.len() as u64 * CHUNK_SIZE
+        match &self.object {
+            Some(o) if !o.moving => u64::from(o.capacity),
+            _ => self.entries.len() as u64 * CHUNK_SIZE,
+        }
     }
 
     /// The map entry of chunk `index` and the pool it names.

@@ -340,6 +340,7 @@ mod tests {
             memory_offered: 8 * CHUNK_SIZE,
             incarnation: 1,
             transports: String::new(),
+            object_memory: 0,
         })
         .unwrap();
         s.register_pool(1, 0, 8 * CHUNK_SIZE).unwrap();

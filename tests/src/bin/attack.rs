@@ -324,7 +324,7 @@ fn by_inode(agent: &mut AgentClient, ino: u64) {
     report_call("open-write", agent.open(ino, true));
     report_call("segment", agent.segment(ino, false));
     report_call("map-refresh", agent.map_refresh(ino, 0, false, 0));
-    report_call("map-extend", agent.map_extend(ino, 1 << 20));
+    report_call("map-extend", agent.map_extend(ino, 1 << 20, false));
 }
 
 mod fuzz {
@@ -387,7 +387,11 @@ mod fuzz {
                     rng.random_range(0..64)
                 },
             }),
-            4 => Request::MapExtend(v1::MapExtend { ino, size }),
+            4 => Request::MapExtend(v1::MapExtend {
+                ino,
+                size,
+                chunks: size % 2 == 0,
+            }),
             5 => Request::MapClose(v1::MapClose {
                 handle: rng.random_range(0..64),
             }),

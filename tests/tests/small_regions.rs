@@ -1,0 +1,151 @@
+//! Small regions stored as objects (manager `--small-regions`), through real processes: files
+//! written through one mount live as objects in a daemon's object store (`.regions/pools`
+//! counts them; no chunk of a pool is used), read back on another host, change size within
+//! their object, move to chunks when they outgrow it or are mapped, and free their object
+//! when removed. Compaction under them keeps every byte.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use regions_tests::{Cluster, MountProcess};
+
+/// Objects and the memory the object store holds on the mount's host (`.regions/pools`).
+fn objects(mount: &MountProcess) -> u64 {
+    let text = std::fs::read_to_string(mount.path(".regions/pools")).unwrap();
+    text.lines()
+        .skip_while(|l| !l.starts_with("class_slot"))
+        .skip(1)
+        .map(|l| l.split('\t').nth(2).unwrap().parse::<u64>().unwrap())
+        .sum()
+}
+
+/// Pool bytes in use across the cluster (`.regions/pools`, the pool table).
+fn pool_used(mount: &MountProcess) -> u64 {
+    let text = std::fs::read_to_string(mount.path(".regions/pools")).unwrap();
+    text.lines()
+        .skip(1)
+        .take_while(|l| !l.starts_with('#'))
+        .map(|l| l.split('\t').nth(3).unwrap().parse::<u64>().unwrap())
+        .sum()
+}
+
+fn content(i: usize, len: usize) -> Vec<u8> {
+    (0..len).map(|j| (i * 7 + j * 13) as u8).collect()
+}
+
+fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn read_all(path: &Path) -> Vec<u8> {
+    let mut out = Vec::new();
+    File::open(path).unwrap().read_to_end(&mut out).unwrap();
+    out
+}
+
+#[test]
+fn small_files_live_as_objects_and_move_to_chunks_when_they_grow() {
+    let cluster = Cluster::start_with(2, "256M", &["--small-regions", "4K"]).unwrap();
+    let one = cluster.mount(1).unwrap();
+    let two = cluster.mount(2).unwrap();
+    let dir = one.path("small");
+    std::fs::create_dir(&dir).unwrap();
+
+    let sizes = [1usize, 100, 1000, 4000];
+    for (i, len) in sizes.iter().enumerate() {
+        std::fs::write(dir.join(format!("f{i}")), content(i, *len)).unwrap();
+    }
+    assert_eq!(
+        objects(&one),
+        sizes.len() as u64,
+        "every small file is an object"
+    );
+    assert_eq!(pool_used(&one), 0, "and no chunk of any pool holds one");
+    // Read on the other host (its daemon holds no object: requests go to host 1's).
+    for (i, len) in sizes.iter().enumerate() {
+        let path = two.path(&format!("small/f{i}"));
+        assert_eq!(read_all(&path), content(i, *len), "f{i} on host 2");
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), *len as u64);
+    }
+
+    // Overwrite and shrink on host 2, then a regrowth reads zeros past the old end.
+    let f0 = two.path("small/f2");
+    {
+        let f = OpenOptions::new().write(true).open(&f0).unwrap();
+        f.write_all_at(b"HOST2", 10).unwrap();
+        f.set_len(50).unwrap();
+    }
+    let mut want = content(2, 50);
+    want[10..15].copy_from_slice(b"HOST2");
+    assert_eq!(read_all(&dir.join("f2")), want);
+    {
+        let f = OpenOptions::new().write(true).open(dir.join("f2")).unwrap();
+        f.set_len(300).unwrap();
+    }
+    want.resize(300, 0);
+    assert_eq!(
+        read_all(&two.path("small/f2")),
+        want,
+        "zeros past the old end"
+    );
+    assert_eq!(objects(&one), sizes.len() as u64);
+
+    // Outgrowing the object: appended on host 2 past 4 KiB, it moves to chunks.
+    {
+        let mut f = OpenOptions::new()
+            .append(true)
+            .open(two.path("small/f3"))
+            .unwrap();
+        f.write_all(&content(9, 20_000)).unwrap();
+    }
+    let mut grown = content(3, 4000);
+    grown.extend_from_slice(&content(9, 20_000));
+    assert_eq!(read_all(&dir.join("f3")), grown);
+    wait_for("the grown file's object to be freed", || {
+        objects(&one) == sizes.len() as u64 - 1
+    });
+    assert!(pool_used(&one) > 0, "the grown file holds chunks now");
+
+    // Mapping one moves it to chunks too; the mapping sees its bytes and writes through.
+    {
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(dir.join("f1"))
+            .unwrap();
+        // SAFETY: the file is this test's own and nothing else changes its length while the
+        // mapping lives (dropped at the end of this block).
+        let mut map = unsafe { memmap2::MmapMut::map_mut(&f) }.unwrap();
+        assert_eq!(&map[..], &content(1, 100)[..]);
+        map[0..4].copy_from_slice(b"MMAP");
+        map.flush().unwrap();
+    }
+    let mut mapped = content(1, 100);
+    mapped[0..4].copy_from_slice(b"MMAP");
+    assert_eq!(read_all(&two.path("small/f1")), mapped);
+
+    // Removed: its object is freed.
+    let before = objects(&one);
+    std::fs::remove_file(dir.join("f0")).unwrap();
+    wait_for("a removed file's object to be freed", || {
+        objects(&one) == before - 1
+    });
+
+    // A file written in pieces that stays small remains an object.
+    {
+        let mut f = File::create(dir.join("pieces")).unwrap();
+        for k in 0..4 {
+            f.write_all(&content(k, 256)).unwrap();
+        }
+        f.seek(SeekFrom::Start(0)).unwrap();
+    }
+    let pieces: Vec<u8> = (0..4).flat_map(|k| content(k, 256)).collect();
+    assert_eq!(read_all(&two.path("small/pieces")), pieces);
+}
