@@ -63,8 +63,8 @@ impl State {
             .chain(self.objects_on(host))
             .filter(|ino| self.inodes.contains_key(ino) && self.lost_reason(*ino).is_none())
             .collect();
-        hit.dedup();
         hit.sort_unstable();
+        hit.dedup();
         for ino in &hit {
             if let Ok(inode) = self.inode_mut(*ino) {
                 inode

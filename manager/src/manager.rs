@@ -279,17 +279,7 @@ impl Manager {
 
     /// The client of daemons' object stores ([`Manager::serve_objects`]).
     pub(crate) fn objects_client(&self) -> Option<&Arc<crate::word_client::WordClient>> {
-        self.objects_client
-            .get()
-            .filter(|_| self.config.small_regions > 0)
-    }
-
-    /// Applies a change without waiting for it to be durable: it is stored with the next
-    /// batch, in order, so any later durable change stores it too (a small region's object
-    /// placed at its create: until its size is published nothing depends on it).
-    pub(crate) fn write_unwaited<T>(&self, f: impl FnOnce(&mut State) -> Result<T>) -> Result<T> {
-        self.refuse_if_stalled(Need::Change)?;
-        self.apply(f)?.0
+        self.objects_client.get()
     }
 
     /// Changes what the manager keeps in memory only (nothing stored, nothing waited for).
@@ -600,6 +590,8 @@ impl Manager {
     }
 
     async fn settle_destructive_of(&self, ino: Option<u64>) {
+        // Small regions' objects: zeroed and moved before too.
+        self.object_work_of(ino).await;
         let mut applied = self.events_applied.subscribe();
         let deadline = tokio::time::Instant::now() + SETTLE_TIMEOUT;
         loop {
@@ -1235,17 +1227,26 @@ impl Manager {
         write: bool,
     ) -> Result<v1::RegionInfo> {
         let guard = self.recall(&caller, &[Lease::Names(parent)]).await;
-        let objects = self.objects_client().is_some();
-        let (mut info, as_object) = self
+        // A writer's space up front may be an object, allocated for the inode number the
+        // create will take and recorded in the create's own change.
+        let object = if write && preallocate > 0 {
+            self.object_for_create(&caller).await
+        } else {
+            None
+        };
+        let created = self
             .write_allocating(|s| {
                 let parent_before = s.inode(parent)?.clone();
-                let inode = s.create_entry(&caller, parent, &name, mode, overrides.as_ref())?;
+                s.objects.preset_ino = object.map(|(ino, _)| ino);
+                let inode = s.create_entry(&caller, parent, &name, mode, overrides.as_ref());
+                s.objects.preset_ino = None;
+                let inode = inode?;
                 guard.also(Lease::Attrs(inode.ino));
                 let ino = inode.ino;
-                // A writer's space up front may be an object (placed once this is durable).
                 let small = s.small_object_bytes();
-                let as_object =
-                    objects && write && preallocate > 0 && s.object_host(ino, small).is_some();
+                let as_object = object.is_some_and(|(preset, placement)| {
+                    preset == ino && s.place_object(ino, placement, small)
+                });
                 let preallocate = if as_object { 0 } else { preallocate };
                 let opened = if preallocate > 0 || inode.attrs.fixvaddr {
                     s.resize(ino, None, preallocate, false)
@@ -1265,17 +1266,18 @@ impl Manager {
                 }
                 let mut info = s.region_info(ino, None)?;
                 info.handle = handle.id;
-                Ok((info, as_object))
+                Ok(info)
             })
-            .await?;
-        if as_object && let Some(ino) = info.attr.as_ref().map(|a| a.ino) {
-            let small = self.peek(State::small_object_bytes).unwrap_or(0);
-            self.place_small_object(&caller, ino, small, false).await;
-            if let Some(Ok(placed)) = self.peek(|s| s.region_info(ino, None)) {
-                info.object = placed.object;
-                info.map_version = placed.map_version;
+            .await;
+        if let Some((ino, placement)) = object {
+            let taken = created
+                .as_ref()
+                .is_ok_and(|i| i.object.is_some() && i.attr.as_ref().is_some_and(|a| a.ino == ino));
+            if !taken {
+                self.free_unplaced(ino, placement).await;
             }
         }
+        let mut info = created?;
         if let Some(attr) = info.attr.as_mut() {
             self.grant_own(&guard, &caller, parent, attr);
         }
@@ -1327,12 +1329,22 @@ impl Manager {
         }
         let info = self
             .write_allocating(move |s| {
-                s.check_write_or_handle(&caller, ino, "extend this region")?;
-                let size = grow.size.max(s.region(ino)?.size);
-                if grow.chunks {
-                    s.resize_object(ino, size, size.max(grow.capacity), true)?;
+                let only_move = grow.chunks && grow.size == 0 && grow.capacity == 0 && !grow.touch;
+                if only_move {
+                    // Moving a small region to chunks changes no byte: a reader may ask (to
+                    // map it).
+                    s.check_path(&caller, ino)?;
+                    crate::access::check(
+                        &caller,
+                        s.region(ino)?,
+                        crate::access::READ,
+                        "move this region to chunks",
+                    )?;
+                } else {
+                    s.check_write_or_handle(&caller, ino, "extend this region")?;
                 }
-                s.resize(ino, Some(size), size.max(grow.capacity), false)?;
+                let size = grow.size.max(s.region(ino)?.size);
+                s.resize_to(ino, size, size.max(grow.capacity), false, grow.chunks)?;
                 if grow.capacity > size {
                     s.note_reserved(ino);
                 }
@@ -1426,7 +1438,9 @@ impl Manager {
         let freed = self
             .write_handles(|s| s.close_handle(caller, handle, wrote_within_size))
             .await;
-        self.object_work().await;
+        if let Some(ino) = written {
+            self.object_work_of(Some(ino)).await;
+        }
         freed
     }
 

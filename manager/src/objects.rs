@@ -55,6 +55,28 @@ pub struct ObjectPlacement {
     pub capacity: u32,
     /// The region is moving to chunks.
     pub moving: bool,
+    /// While moving: the bytes of the object the move copies (all it holds, unpublished
+    /// writes included, but what a shrink during the move cut off).
+    pub keep: u32,
+}
+
+/// A move to chunks: the object, its daemon, and where its bytes go (the first chunk and
+/// its daemon; none when nothing is kept).
+struct MovePlan {
+    object: ObjectPlacement,
+    object_addr: String,
+    copy: Option<(MapEntry, String)>,
+}
+
+/// What [`State::resize_object`] decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ObjectResize {
+    /// The change fits in the object and is made.
+    Done,
+    /// The region must move from this object to chunks.
+    Move(ObjectPlacement),
+    /// The region's memory is chunks (no object, or one already moving).
+    Chunks,
 }
 
 impl ObjectPlacement {
@@ -94,6 +116,34 @@ pub struct ObjectState {
     pub small_regions: u64,
     /// Work for daemons, taken by [`Manager::object_work`].
     pub jobs: Vec<ObjectJob>,
+    /// Regions whose object work is under way, and how many jobs of each.
+    pub in_flight: HashMap<u64, u32>,
+    /// The inode number a create takes ([`State::next_ino`]): the one its object was
+    /// allocated for ([`Manager::object_for_create`]).
+    pub preset_ino: Option<u64>,
+}
+
+impl ObjectState {
+    /// One job of region `ino` ended.
+    fn done(&mut self, ino: u64) {
+        if let Some(n) = self.in_flight.get_mut(&ino) {
+            *n -= 1;
+            if *n == 0 {
+                self.in_flight.remove(&ino);
+            }
+        }
+    }
+}
+
+impl ObjectJob {
+    /// The region the job is for.
+    pub fn ino(&self) -> u64 {
+        match *self {
+            ObjectJob::Free { ino, .. } | ObjectJob::Zero { ino, .. } | ObjectJob::Move { ino } => {
+                ino
+            }
+        }
+    }
 }
 
 impl Inode {
@@ -161,30 +211,35 @@ impl State {
         }
     }
 
-    /// The object part of [`State::resize`]: `Ok(true)` when the region is an object and the
-    /// change fits in it (done: the size only); `Ok(false)` for a region without one, or one
-    /// that is moving or must move (then marked moving, its move queued, and the caller
-    /// allocates its chunks).
+    /// The object part of [`State::resize`] (`shrink`: a truncate). [`ObjectResize::Done`]
+    /// when the region is an object and the change fits in it (the size only, and zeroing
+    /// what a shrink or a growing truncate exposes); [`ObjectResize::Move`] when it must move
+    /// to chunks (the caller allocates them, then [`State::start_move`]); else
+    /// [`ObjectResize::Chunks`] (no object, or one already moving).
     pub fn resize_object(
         &mut self,
         ino: u64,
         new_size: u64,
         capacity: u64,
+        shrink: bool,
         to_chunks: bool,
-    ) -> Result<bool> {
+    ) -> Result<ObjectResize> {
         let inode = self.region(ino)?;
-        let Some(object) = inode.object().filter(|o| !o.moving) else {
-            return Ok(false);
+        let Some(object) = inode.object() else {
+            return Ok(ObjectResize::Chunks);
         };
         let old_size = inode.size;
+        if object.moving {
+            // The copy must not bring back what a shrink during the move cut off.
+            if new_size < u64::from(object.keep) {
+                let keep = new_size as u32;
+                self.inode_mut(ino)?
+                    .set_object(Some(ObjectPlacement { keep, ..object }));
+            }
+            return Ok(ObjectResize::Chunks);
+        }
         if to_chunks || new_size.max(capacity) > u64::from(object.capacity) {
-            let inode = self.inode_mut(ino)?;
-            inode.set_object(Some(ObjectPlacement {
-                moving: true,
-                ..object
-            }));
-            self.objects.jobs.push(ObjectJob::Move { ino });
-            return Ok(false);
+            return Ok(ObjectResize::Move(object));
         }
         let now = crate::model::Time::now();
         let inode = self.inode_mut(ino)?;
@@ -196,18 +251,48 @@ impl State {
         if new_size < old_size {
             self.revoke_capabilities(ino);
             self.zero_object_tail(ino);
+        } else if shrink && new_size > old_size {
+            // A growing truncate: its new bytes read as zeros, whatever a writer left there.
+            self.zero_object_from(ino, old_size);
         }
-        Ok(true)
+        Ok(ObjectResize::Done)
+    }
+
+    /// Marks region `ino`'s `object` moving (its chunks are allocated in the same change) and
+    /// queues the move: everything it holds is copied, but what a shrink cut off.
+    pub fn start_move(&mut self, ino: u64, object: ObjectPlacement, new_size: u64) {
+        let size = self.region(ino).map_or(0, |i| i.size);
+        let capacity = u64::from(object.capacity);
+        let keep = if new_size < size {
+            new_size.min(capacity)
+        } else {
+            capacity
+        };
+        if let Ok(inode) = self.inode_mut(ino) {
+            inode.set_object(Some(ObjectPlacement {
+                moving: true,
+                keep: keep as u32,
+                ..object
+            }));
+            inode.map_version += 1;
+            self.objects.jobs.push(ObjectJob::Move { ino });
+        }
     }
 
     /// Queues the zeroing of region `ino`'s object past its size (a shrink, or a writer that
     /// may have written there without making it part of the size).
     pub fn zero_object_tail(&mut self, ino: u64) {
+        let size = self.region(ino).map_or(0, |i| i.size);
+        self.zero_object_from(ino, size);
+    }
+
+    /// Queues the zeroing of region `ino`'s object from byte `from` to its end.
+    fn zero_object_from(&mut self, ino: u64, from: u64) {
         let Ok(inode) = self.region(ino) else {
             return;
         };
         if let Some(o) = inode.object().filter(|o| !o.moving) {
-            let from = u32::try_from(inode.size).unwrap_or(u32::MAX);
+            let from = u32::try_from(from).unwrap_or(u32::MAX);
             if from < o.capacity {
                 self.objects.jobs.push(ObjectJob::Zero {
                     host: o.host,
@@ -271,16 +356,29 @@ impl State {
         })
     }
 
-    /// What moving region `ino` needs: its object, the bytes to copy, and where the first
-    /// chunk is (pool, pool offset, its daemon's address) and the object's daemon's address.
-    fn move_plan(&self, ino: u64) -> Option<(ObjectPlacement, u32, MapEntry, String, String)> {
+    /// What moving region `ino` needs, or `None` when it is not moving (gone, lost, or moved
+    /// already).
+    fn move_plan(&self, ino: u64) -> Option<MovePlan> {
         let inode = self.region(ino).ok()?;
         let object = inode.object().filter(|o| o.moving)?;
-        let entry = MapEntry::decode(*self.maps.get(&ino)?.first()?)?;
-        let chunk_host = self.pool_host(entry.gid)?;
+        if self.lost_reason(ino).is_some() {
+            return None;
+        }
         let addr = |h: u32| self.hosts.get(&h).map(|h| h.transport_addr.clone());
-        let len = inode.size.min(u64::from(object.capacity)) as u32;
-        Some((object, len, entry, addr(chunk_host)?, addr(object.host)?))
+        // A region cut to nothing during the move has no chunk to copy into, nor anything to
+        // copy.
+        let copy = match self.maps.get(&ino).and_then(|m| m.first()) {
+            Some(&e) if object.keep > 0 => {
+                let entry = MapEntry::decode(e)?;
+                Some((entry, addr(self.pool_host(entry.gid)?)?))
+            }
+            _ => None,
+        };
+        Some(MovePlan {
+            object,
+            object_addr: addr(object.host)?,
+            copy,
+        })
     }
 
     /// Records that region `ino` moved from `object` to its chunks.
@@ -295,6 +393,9 @@ impl State {
         }
     }
 }
+
+/// How long a reply waits for object work another caller is doing for its region.
+const SETTLE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// How often queued object work is looked for (frees after unlinks, moves to retry).
 const WORK_TICK: std::time::Duration = std::time::Duration::from_millis(200);
@@ -323,34 +424,56 @@ impl Manager {
         size: u64,
         capacity: u64,
     ) -> Result<()> {
-        self.place_small_object(caller, ino, size.max(capacity), true)
+        self.place_small_object(caller, ino, size.max(capacity))
             .await;
         Ok(())
     }
 
-    /// Allocates an object of `bytes` bytes for region `ino` and records it, if the region may
-    /// be one; `durable`: returns once that is durable, else it is stored with the next batch
-    /// (a new region's: nothing depends on it until its size is published). An object that
-    /// cannot be had leaves the region to chunks.
-    pub(crate) async fn place_small_object(
-        &self,
-        caller: &Caller,
-        ino: u64,
-        bytes: u64,
-        durable: bool,
-    ) {
-        let Some(client) = self.object_client() else {
-            return;
-        };
+    /// Allocates an object of `bytes` bytes for region `ino` and records it (durably), if
+    /// the region may be one. An object that cannot be had leaves the region to chunks.
+    pub(crate) async fn place_small_object(&self, caller: &Caller, ino: u64, bytes: u64) {
         let wanted = self.peek(|s| {
             s.check_write_or_handle(caller, ino, "extend this region")
                 .ok()
                 .and_then(|()| s.object_host(ino, bytes))
-                .and_then(|h| s.hosts.get(&h).map(|r| (h, r.transport_addr.clone())))
         });
-        let Some(Some((host, addr))) = wanted else {
+        let Some(Some(host)) = wanted else {
             return;
         };
+        let Some(object) = self.alloc_object(host, ino, bytes).await else {
+            return;
+        };
+        let place = move |s: &mut State| Ok(s.place_object(ino, object, bytes));
+        if !self.write(place).await.unwrap_or(false) {
+            self.free_unplaced(ino, object).await;
+        }
+    }
+
+    /// For a writer's create: an inode number taken for the new region and an object of the
+    /// small-region size allocated for it on the caller's host, when that host keeps an
+    /// object store (the create records it if the new region may be an object, see
+    /// [`State::object_host`]; else the caller frees it with [`Manager::free_unplaced`]).
+    pub(crate) async fn object_for_create(
+        &self,
+        caller: &Caller,
+    ) -> Option<(u64, ObjectPlacement)> {
+        self.object_client()?;
+        let (host, bytes) = self
+            .peek(|s| {
+                let bytes = s.small_object_bytes();
+                (bytes > 0 && s.objects.hosts.get(&caller.host_id).is_some_and(|b| *b > 0))
+                    .then_some((caller.host_id, bytes))
+            })
+            .flatten()?;
+        let ino = self.in_memory(State::next_ino)?;
+        let object = self.alloc_object(host, ino, bytes).await?;
+        Some((ino, object))
+    }
+
+    /// An object of `bytes` bytes for region `ino` at `host`'s daemon.
+    async fn alloc_object(&self, host: u32, ino: u64, bytes: u64) -> Option<ObjectPlacement> {
+        let client = self.object_client()?;
+        let addr = self.host_addr(host)?;
         let len = u32::try_from(bytes).unwrap_or(u32::MAX);
         let reply = match client
             .call(&addr, &Request::ObjAlloc { ino, len }, OBJECT_REF_LEN + 4)
@@ -359,93 +482,124 @@ impl Manager {
             Ok(r) => r,
             Err(e) => {
                 tracing::debug!(ino, host, error = %e, "no object for a small region");
-                return;
+                return None;
             }
         };
-        let Ok((at, rest)) = ObjectRef::decode(regions_proto::frame::Op::ObjAlloc, &reply) else {
-            return;
-        };
+        let (at, rest) = ObjectRef::decode(regions_proto::frame::Op::ObjAlloc, &reply).ok()?;
         let capacity = rest
             .try_into()
             .map(u32::from_le_bytes)
             .unwrap_or(len)
             .max(len);
-        let object = ObjectPlacement {
+        Some(ObjectPlacement {
             host,
             address: at.address,
             slot: at.slot,
             id: at.id,
             capacity,
             moving: false,
+            keep: 0,
+        })
+    }
+
+    /// Frees an object allocated for region `ino` that no region took.
+    pub(crate) async fn free_unplaced(&self, ino: u64, object: ObjectPlacement) {
+        let (Some(client), Some(addr)) = (self.object_client(), self.host_addr(object.host)) else {
+            return;
         };
-        let place = move |s: &mut State| Ok(s.place_object(ino, object, bytes));
-        let placed = if durable {
-            self.write(place).await
-        } else {
-            self.write_unwaited(place)
+        let free = Request::ObjFree {
+            ino,
+            at: object.at(),
         };
-        if !placed.unwrap_or(false) {
-            let free = Request::ObjFree { ino, at };
-            if let Err(e) = client.call(&addr, &free, 0).await {
-                tracing::warn!(ino, host, error = %e, "cannot free an object no region took");
+        if let Err(e) = client.call(&addr, &free, 0).await {
+            tracing::warn!(ino, host = object.host, error = %e, "cannot free an object no region took");
+        }
+    }
+
+    /// Does all object work queued (frees, zeroing, moves to chunks); the loop calls it, and
+    /// a move or zeroing that fails is queued again.
+    pub async fn object_work(&self) {
+        self.object_work_of(None).await;
+    }
+
+    /// Does the object work queued for region `ino` (all with `None`), and waits (bounded)
+    /// for what another caller is doing for it: a reply that hands out the region's map goes
+    /// out after its object was zeroed or moved ([`Manager::settle_destructive_for`]).
+    pub(crate) async fn object_work_of(&self, ino: Option<u64>) {
+        let Some(client) = self.object_client() else {
+            return;
+        };
+        let mine = |job: &ObjectJob| ino.is_none_or(|i| job.ino() == i);
+        let jobs = self
+            .in_memory(|s| {
+                let (take, keep) = std::mem::take(&mut s.objects.jobs)
+                    .into_iter()
+                    .partition(|j| mine(j));
+                s.objects.jobs = keep;
+                for j in &take {
+                    *s.objects.in_flight.entry(j.ino()).or_default() += 1;
+                }
+                take
+            })
+            .unwrap_or_default();
+        for job in jobs {
+            if let Err(e) = self.do_job(&client, job).await {
+                tracing::warn!(?job, error = %e, "object work on a daemon failed");
+                if matches!(job, ObjectJob::Move { .. } | ObjectJob::Zero { .. }) {
+                    self.in_memory(|s| s.objects.jobs.push(job));
+                }
+            }
+            self.in_memory(|s| s.objects.done(job.ino()));
+        }
+        if let Some(ino) = ino {
+            let deadline = std::time::Instant::now() + SETTLE_WAIT;
+            while self.peek(|s| s.objects.in_flight.contains_key(&ino)) == Some(true)
+                && std::time::Instant::now() < deadline
+            {
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
             }
         }
     }
 
-    /// Does the object work changes queued (frees, zeroing, moves to chunks). Called after
-    /// changes that may queue some, and from the lease loop; a move that fails is tried again
-    /// there.
-    pub async fn object_work(&self) {
-        let Some(client) = self.object_client() else {
-            return;
-        };
-        let jobs = self
-            .in_memory(|s| std::mem::take(&mut s.objects.jobs))
-            .unwrap_or_default();
-        for job in jobs {
-            let outcome = match job {
-                ObjectJob::Free { host, ino, at } => match self.host_addr(host) {
-                    Some(addr) => client
-                        .call(&addr, &Request::ObjFree { ino, at }, 0)
-                        .await
-                        .map(drop)
-                        .map_err(|e| e.to_string()),
-                    None => Ok(()),
-                },
-                ObjectJob::Zero {
-                    host,
+    async fn do_job(&self, client: &WordClient, job: ObjectJob) -> std::result::Result<(), String> {
+        match job {
+            ObjectJob::Free { host, ino, at } => match self.host_addr(host) {
+                Some(addr) => client
+                    .call(&addr, &Request::ObjFree { ino, at }, 0)
+                    .await
+                    .map(drop)
+                    .map_err(|e| e.to_string()),
+                None => Ok(()),
+            },
+            ObjectJob::Zero {
+                host,
+                ino,
+                at,
+                from,
+                to,
+            } => {
+                // Only while the region still has that object (it may have moved or gone).
+                let current = self
+                    .peek(|s| s.region(ino).ok().and_then(Inode::object))
+                    .flatten()
+                    .is_some_and(|o| o.at() == at && !o.moving);
+                let Some(addr) = self.host_addr(host).filter(|_| current) else {
+                    return Ok(());
+                };
+                let zeros = vec![0u8; to.saturating_sub(from) as usize];
+                let write = Request::ObjWrite {
                     ino,
                     at,
-                    from,
-                    to,
-                } => match self.host_addr(host) {
-                    Some(addr) => {
-                        let zeros = vec![0u8; to.saturating_sub(from) as usize];
-                        let write = Request::ObjWrite {
-                            ino,
-                            at,
-                            offset: from,
-                            data: zeros.into(),
-                        };
-                        client
-                            .call(&addr, &write, OBJECT_REF_LEN)
-                            .await
-                            .map(drop)
-                            .map_err(|e| e.to_string())
-                    }
-                    None => Ok(()),
-                },
-                ObjectJob::Move { ino } => {
-                    let moved = self.move_to_chunks(&client, ino).await;
-                    if moved.is_err() {
-                        self.in_memory(|s| s.objects.jobs.push(job));
-                    }
-                    moved
-                }
-            };
-            if let Err(e) = outcome {
-                tracing::warn!(?job, error = %e, "object work on a daemon failed");
+                    offset: from,
+                    data: zeros.into(),
+                };
+                client
+                    .call(&addr, &write, OBJECT_REF_LEN)
+                    .await
+                    .map(drop)
+                    .map_err(|e| e.to_string())
             }
+            ObjectJob::Move { ino } => self.move_to_chunks(client, ino).await,
         }
     }
 
@@ -456,33 +610,46 @@ impl Manager {
         client: &WordClient,
         ino: u64,
     ) -> std::result::Result<(), String> {
-        let Some(Some((object, len, entry, chunk_addr, object_addr))) =
-            self.peek(|s| s.move_plan(ino))
-        else {
-            return Ok(()); // gone, or moved already
+        // Only once the moving mark is durable: a frozen object whose region does not say it
+        // moves would refuse its writers for good after a crash.
+        let plan = self
+            .read(|s| Ok(s.move_plan(ino)))
+            .await
+            .map_err(|e| e.to_string())?;
+        let Some(plan) = plan else {
+            return Ok(()); // gone, lost, or moved already
         };
+        let object = plan.object;
         let at = object.at();
         let freeze = Request::ObjFreeze { ino, at };
         client
-            .call(&object_addr, &freeze, 0)
+            .call(&plan.object_addr, &freeze, 0)
             .await
             .map_err(|e| format!("freezing region {ino}'s object: {e}"))?;
-        if len > 0 {
-            let read = Request::ObjRead {
-                ino,
-                at,
-                offset: 0,
-                len,
-            };
-            let reply = client
-                .call(&object_addr, &read, OBJECT_REF_LEN + len as usize)
-                .await
-                .map_err(|e| format!("reading region {ino}'s object: {e}"))?;
-            let bytes = reply.get(OBJECT_REF_LEN..).unwrap_or_default().to_vec();
-            client
-                .write_region(&chunk_addr, ino, entry, &bytes)
-                .await
-                .map_err(|e| format!("copying region {ino}'s object to its chunk: {e}"))?;
+        if let Some((entry, chunk_addr)) = &plan.copy {
+            // Everything the object holds (writes whose size is not published yet too), but
+            // what a shrink during the move cut off, read again now that it is frozen.
+            let keep = self
+                .peek(|s| s.region(ino).ok().and_then(Inode::object))
+                .flatten()
+                .map_or(object.keep, |o| o.keep.min(object.keep));
+            if keep > 0 {
+                let read = Request::ObjRead {
+                    ino,
+                    at,
+                    offset: 0,
+                    len: keep,
+                };
+                let reply = client
+                    .call(&plan.object_addr, &read, OBJECT_REF_LEN + keep as usize)
+                    .await
+                    .map_err(|e| format!("reading region {ino}'s object: {e}"))?;
+                let bytes = reply.get(OBJECT_REF_LEN..).unwrap_or_default().to_vec();
+                client
+                    .write_region(chunk_addr, ino, *entry, &bytes)
+                    .await
+                    .map_err(|e| format!("copying region {ino}'s object to its chunk: {e}"))?;
+            }
         }
         let recorded = self
             .write(move |s| Ok(s.finish_move(ino, object)))
@@ -490,16 +657,12 @@ impl Manager {
             .map_err(|e| format!("recording region {ino}'s move to chunks: {e}"))?;
         if recorded
             && let Err(e) = client
-                .call(&object_addr, &Request::ObjFree { ino, at }, 0)
+                .call(&plan.object_addr, &Request::ObjFree { ino, at }, 0)
                 .await
         {
             tracing::warn!(ino, error = %e, "cannot free the object of a region that moved");
         }
-        tracing::debug!(
-            ino,
-            bytes = len,
-            "small region moved from its object to chunks"
-        );
+        tracing::debug!(ino, "small region moved from its object to chunks");
         Ok(())
     }
 
@@ -533,6 +696,7 @@ mod tests {
             id: 0xabc,
             capacity: 200,
             moving: false,
+            keep: 0,
         };
         inode.set_object(Some(o));
         assert_eq!(inode.object(), Some(o));

@@ -91,8 +91,21 @@ impl State {
             // that never became part of it) is freed and allocated afresh.
             self.trim_reserved(ino, true);
         }
-        self.check_not_lost(ino)?;
         let new_size = size.unwrap_or(self.region(ino)?.size);
+        self.resize_to(ino, new_size, capacity, shrink, false)
+    }
+
+    /// [`State::resize`] with the size decided; `to_chunks`: a small region stored as an
+    /// object moves to chunks even if the change fits in it.
+    pub fn resize_to(
+        &mut self,
+        ino: u64,
+        new_size: u64,
+        capacity: u64,
+        shrink: bool,
+        to_chunks: bool,
+    ) -> Result<()> {
+        self.check_not_lost(ino)?;
         if new_size > MAX_REGION_SIZE || capacity > MAX_REGION_SIZE {
             return Err(ManagerError::TooBig(format!(
                 "{} bytes is over the region limit of {MAX_REGION_SIZE} bytes",
@@ -100,13 +113,19 @@ impl State {
             )));
         }
         // A small region's object takes what fits in it; past that it moves to chunks.
-        if self.resize_object(ino, new_size, capacity, false)? {
-            return Ok(());
-        }
+        let moving = match self.resize_object(ino, new_size, capacity, shrink, to_chunks)? {
+            crate::objects::ObjectResize::Done => return Ok(()),
+            crate::objects::ObjectResize::Move(object) => Some(object),
+            crate::objects::ObjectResize::Chunks => None,
+        };
         let inode = self.region(ino)?.clone();
         let map = self.maps.get(&ino).cloned().unwrap_or_default();
         let have = map.len() as u64;
         let mut target = chunks_for(new_size).max(chunks_for(capacity));
+        if moving.is_some() {
+            // The object's bytes go to the first chunk.
+            target = target.max(1);
+        }
         if !shrink {
             target = target.max(have);
         }
@@ -167,6 +186,9 @@ impl State {
             next.ctime = now;
         }
         self.put_inode(next);
+        if let Some(object) = moving {
+            self.start_move(ino, object, new_size);
+        }
         Ok(())
     }
 

@@ -360,6 +360,10 @@ impl State {
 
     /// Allocates an inode number.
     pub fn next_ino(&mut self) -> u64 {
+        if let Some(ino) = self.objects.preset_ino.take() {
+            // Taken already for the object a create allocated first (crate::objects).
+            return ino;
+        }
         let ino = self.counters.next_ino;
         self.counters.next_ino += 1;
         self.dirty.counters = true;
@@ -486,7 +490,8 @@ impl State {
         let allocated = self
             .maps
             .get(&inode.ino)
-            .map_or(0, |m| m.len() as u64 * CHUNK_SIZE);
+            .map_or(0, |m| m.len() as u64 * CHUNK_SIZE)
+            + inode.object().map_or(0, |o| u64::from(o.capacity));
         v1::Attr {
             ino: inode.ino,
             kind: inode.kind.to_proto() as i32,

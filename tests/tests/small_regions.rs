@@ -10,6 +10,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use regions::{Client, ClientConfig};
 use regions_tests::{Cluster, MountProcess};
 
 /// Objects and the memory the object store holds on the mount's host (`.regions/pools`).
@@ -113,7 +114,8 @@ fn small_files_live_as_objects_and_move_to_chunks_when_they_grow() {
     });
     assert!(pool_used(&one) > 0, "the grown file holds chunks now");
 
-    // Mapping one moves it to chunks too; the mapping sees its bytes and writes through.
+    // A shared mapping through the mount (the page cache: the object stays an object) sees
+    // its bytes and writes through.
     {
         let f = OpenOptions::new()
             .read(true)
@@ -130,6 +132,53 @@ fn small_files_live_as_objects_and_move_to_chunks_when_they_grow() {
     let mut mapped = content(1, 100);
     mapped[0..4].copy_from_slice(b"MMAP");
     assert_eq!(read_all(&two.path("small/f1")), mapped);
+
+    // Through the library: reads and writes of an object; asking for a chunk (what a
+    // mapping, a segment or an atomic does) moves it to chunks first, keeping its bytes.
+    let lib = Client::connect(ClientConfig::new(
+        &cluster.manager_url(),
+        cluster.secret.clone(),
+        2,
+    ))
+    .unwrap();
+    let region = lib.open_path("/small/f2", true).unwrap();
+    assert!(region.is_object());
+    region.write_at(0, b"LIB").unwrap();
+    let mut head = [0u8; 3];
+    assert_eq!(region.read_at(0, &mut head).unwrap(), 3);
+    assert_eq!(&head, b"LIB");
+    let held = objects(&one);
+    region.chunk(0).unwrap();
+    assert!(!region.is_object(), "asking for a chunk moved it");
+    wait_for("the mapped file's object to be freed", || {
+        objects(&one) == held - 1
+    });
+    let mut moved = want.clone();
+    moved[..3].copy_from_slice(b"LIB");
+    let mut back = vec![0u8; moved.len()];
+    assert_eq!(region.read_at(0, &mut back).unwrap(), moved.len());
+    assert_eq!(back, moved);
+    region.close().unwrap();
+    assert_eq!(read_all(&two.path("small/f2")), moved);
+
+    // Bytes written lazily (their size not published yet) move with the object when a
+    // later write outgrows it.
+    File::create(dir.join("lazy")).unwrap();
+    let lazy = lib
+        .open_path("/small/lazy", true)
+        .unwrap()
+        .with_size_policy(regions::SizePolicy::Lazy);
+    assert!(lazy.is_object());
+    lazy.write_at(0, &content(5, 3000)).unwrap();
+    lazy.write_at(3000, &content(6, 3000)).unwrap();
+    assert!(!lazy.is_object(), "outgrown");
+    lazy.close().unwrap();
+    let mut both = content(5, 3000);
+    both.extend_from_slice(&content(6, 3000));
+    assert!(
+        read_all(&two.path("small/lazy")) == both,
+        "bytes written before the move were lost"
+    );
 
     // Removed: its object is freed.
     let before = objects(&one);

@@ -150,8 +150,21 @@ impl Region {
             return None;
         }
         let s = self.state.read().ok()?;
-        if s.unpublished {
+        if s.unpublished || s.object.as_ref().is_some_and(|o| o.moving) {
             return None;
+        }
+        if let Some(o) = &s.object {
+            // A small region stored as an object: its object is its placement.
+            return Some(v1::RegionInfo {
+                attr: Some(v1::Attr {
+                    size: s.size,
+                    ..self.opened.clone()
+                }),
+                map_version: s.version,
+                map_included: true,
+                object: Some(o.clone()),
+                ..v1::RegionInfo::default()
+            });
         }
         let chunks = usize::try_from(s.size.div_ceil(CHUNK_SIZE)).ok()?;
         let map: Vec<u64> = s.entries.iter().take(chunks).copied().collect();
@@ -564,8 +577,12 @@ impl Region {
             }
             let n = (size - offset).min(buf.len() as u64) as usize;
             if let Some(o) = self.object()? {
-                self.object_read(&o, offset, &mut buf[..n])?;
-                return Ok(n);
+                if !o.moving || offset + n as u64 <= u64::from(o.capacity) {
+                    self.object_read(&o, offset, &mut buf[..n])?;
+                    return Ok(n);
+                }
+                // Grown past the object while it moves: the bytes will be in the chunks.
+                self.wait_moved()?;
             }
             self.ensure_local(offset + n as u64);
             self.renew_if_due_for(offset, n as u64, false)?;

@@ -103,6 +103,10 @@ impl Region {
         }
         buf.copy_from_slice(bytes);
         self.note_object_slot(now);
+        crate::transport::TransportStats::add(
+            &self.authority.stats().remote_bytes_read,
+            buf.len() as u64,
+        );
         Ok(())
     }
 
@@ -128,6 +132,10 @@ impl Region {
         if let Ok((now, _)) = ObjectRef::decode(Op::ObjWrite, &reply) {
             self.note_object_slot(now);
         }
+        crate::transport::TransportStats::add(
+            &self.authority.stats().remote_bytes_written,
+            data.len() as u64,
+        );
         Ok(())
     }
 
