@@ -155,6 +155,11 @@ struct UpArgs {
     /// RDMA device to use (default: the first one).
     #[arg(long, env = "REGIONS_RDMA_DEVICE")]
     rdma_device: Option<String>,
+    /// Regions that stay at most this many bytes (at most 8160) are stored as objects in the
+    /// daemon's object store instead of whole 128 KiB chunks (the manager's flag of the same
+    /// name); 0 stores none.
+    #[arg(long, env = "REGIONS_SMALL_REGIONS", default_value = "0", value_parser = regions_proto::config::parse_size)]
+    small_regions: u64,
     #[command(flatten)]
     fs: FsArgs,
     #[command(flatten)]
@@ -249,6 +254,7 @@ fn run_up(args: UpArgs) -> anyhow::Result<()> {
         share_writable_segments: args.share_writable_segments,
         transport: args.transport,
         rdma_device: args.rdma_device.clone(),
+        small_regions: args.small_regions,
     })?;
     let signals = Signals::install(cluster.runtime())?;
     let client = Client::connect(cluster.client_config()).with_context(|| {

@@ -84,6 +84,9 @@ pub struct UpConfig {
     /// `--rdma-device`).
     pub transport: regions_proto::transport_choice::TransportChoice,
     pub rdma_device: Option<String>,
+    /// Regions of at most this many bytes are stored as objects (the manager's
+    /// `--small-regions`; 0: none).
+    pub small_regions: u64,
 }
 
 /// Reads the secret at `path`, generating a random one (mode 0600) when
@@ -148,7 +151,11 @@ impl Cluster {
                 what: "cannot start the async runtime".into(),
                 cause,
             })?;
-        let manager = Manager::open(&dir.join("manager"), ManagerConfig::default())
+        let manager_config = ManagerConfig {
+            small_regions: config.small_regions,
+            ..ManagerConfig::default()
+        };
+        let manager = Manager::open(&dir.join("manager"), manager_config)
             .map_err(|e| UpError::Store(e.to_string()))?;
         let std_listener =
             std::net::TcpListener::bind(config.listen).map_err(|cause| UpError::ManagerPort {

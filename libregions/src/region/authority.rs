@@ -255,6 +255,16 @@ impl Authority {
         }
     }
 
+    /// Whether this authority's data may go over tcp (not with `--transport rdma`, which
+    /// asks for RDMA only).
+    pub(crate) fn tcp_allowed(&self) -> bool {
+        let choice = match self {
+            Authority::Cluster { conn, .. } => conn.config.transport,
+            Authority::Agent(s) => s.choice,
+        };
+        choice != TransportChoice::Rdma
+    }
+
     /// The tcp transport to the daemon at `addr` (object requests go over tcp).
     pub(crate) fn tcp_transport(&self, addr: &str) -> Result<Arc<TcpTransport>> {
         match self {

@@ -20,8 +20,20 @@ const MOVE_WAIT: Duration = Duration::from_secs(5);
 const MOVE_POLL: Duration = Duration::from_millis(2);
 
 impl Region {
-    /// The region's object, when it is a small region stored as one.
+    /// The region's object, when it is a small region stored as one and reached as such:
+    /// a session that asks for RDMA only moves it to chunks first (objects are reached over
+    /// tcp).
     pub(crate) fn object(&self) -> Result<Option<v1::ObjectPlacement>> {
+        let object = self.placed_object()?;
+        if object.is_some() && !self.authority.tcp_allowed() {
+            self.ensure_chunks()?;
+            return self.placed_object();
+        }
+        Ok(object)
+    }
+
+    /// The region's object as its map says.
+    fn placed_object(&self) -> Result<Option<v1::ObjectPlacement>> {
         Ok(self
             .state
             .read()
@@ -32,13 +44,13 @@ impl Region {
 
     /// Whether the region is a small region stored as an object.
     pub fn is_object(&self) -> bool {
-        self.object().is_ok_and(|o| o.is_some())
+        self.placed_object().is_ok_and(|o| o.is_some())
     }
 
     /// Waits (at most [`MOVE_WAIT`]) while the region moves from its object to chunks.
     pub(crate) fn wait_moved(&self) -> Result<()> {
         let deadline = Instant::now() + MOVE_WAIT;
-        while self.object()?.is_some_and(|o| o.moving) {
+        while self.placed_object()?.is_some_and(|o| o.moving) {
             if Instant::now() >= deadline {
                 return Err(RegionsError::Daemon {
                     addr: self.authority.peer().to_owned(),
@@ -60,7 +72,7 @@ impl Region {
     /// Moves a small region stored as an object to chunks (for what needs region memory);
     /// nothing to do for any other region.
     pub(crate) fn ensure_chunks(&self) -> Result<()> {
-        if self.object()?.is_none() {
+        if self.placed_object()?.is_none() {
             return Ok(());
         }
         let info = self.authority.to_chunks(self.ino)?;

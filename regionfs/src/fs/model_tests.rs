@@ -543,6 +543,17 @@ fn cases() -> u32 {
 
 #[test]
 fn random_operations_match_a_model_of_the_semantics() {
+    run_model(0);
+}
+
+/// The same with small regions stored as objects (4 KiB at most: files move to chunks as
+/// writes and truncates take them past it).
+#[test]
+fn random_operations_on_small_regions_stored_as_objects_match_the_model() {
+    run_model(4096);
+}
+
+fn run_model(small_regions: u64) {
     let dir = tempfile::tempdir().expect("a data directory");
     let cluster = Cluster::start(&UpConfig {
         data_dir: dir.path().to_owned(),
@@ -552,6 +563,7 @@ fn random_operations_match_a_model_of_the_semantics() {
         share_writable_segments: false,
         transport: regions_proto::transport_choice::TransportChoice::Tcp,
         rdma_device: None,
+        small_regions,
     })
     .expect("an in-process cluster");
     let client = Client::connect(cluster.client_config()).expect("a client");

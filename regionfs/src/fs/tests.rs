@@ -67,6 +67,7 @@ fn env_with(options: FsOptions) -> Env {
         share_writable_segments: false,
         transport: regions_proto::transport_choice::TransportChoice::Tcp,
         rdma_device: None,
+        small_regions: 0,
     })
     .unwrap();
     let client = Client::connect(cluster.client_config()).unwrap();
