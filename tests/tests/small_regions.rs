@@ -198,3 +198,57 @@ fn small_files_live_as_objects_and_move_to_chunks_when_they_grow() {
     let pieces: Vec<u8> = (0..4).flat_map(|k| content(k, 256)).collect();
     assert_eq!(read_all(&two.path("small/pieces")), pieces);
 }
+
+#[test]
+fn small_regions_survive_a_manager_restart_and_a_move_after_it() {
+    let mut cluster = Cluster::start_with(2, "256M", &["--small-regions", "4K"]).unwrap();
+    let one = cluster.mount(1).unwrap();
+    let two = cluster.mount(2).unwrap();
+    for i in 0..20 {
+        std::fs::write(one.path(&format!("r{i}")), content(i, 100 + i * 50)).unwrap();
+    }
+    assert_eq!(objects(&one), 20);
+
+    // Every acknowledged create and closed write is durable: after a SIGKILL and a restart,
+    // each file reads back from its object.
+    let addr = cluster.manager.addr.to_string();
+    cluster.manager.sigkill().unwrap();
+    let data_dir = cluster.dir.path().join("manager");
+    cluster.manager = regions_tests::ManagerProcess::start_in(
+        &[],
+        &addr,
+        &data_dir,
+        &cluster.secret_file,
+        &["--small-regions", "4K"],
+    )
+    .unwrap();
+    for i in 0..20 {
+        let path = two.path(&format!("r{i}"));
+        let mut back = None;
+        // The mount reconnects to the restarted manager.
+        wait_for("a file read back after the restart", || {
+            back = std::fs::read(&path).ok();
+            back.is_some()
+        });
+        assert!(
+            back.unwrap() == content(i, 100 + i * 50),
+            "r{i} after the restart"
+        );
+    }
+    assert_eq!(objects(&one), 20, "no object lost or leaked");
+
+    // A move after the restart, and the files that stay objects.
+    {
+        let mut f = OpenOptions::new()
+            .append(true)
+            .open(two.path("r3"))
+            .unwrap();
+        f.write_all(&content(77, 10_000)).unwrap();
+    }
+    let mut grown = content(3, 250);
+    grown.extend_from_slice(&content(77, 10_000));
+    assert!(read_all(&one.path("r3")) == grown, "r3 after its move");
+    wait_for("the moved file's object to be freed", || {
+        objects(&one) == 19
+    });
+}
