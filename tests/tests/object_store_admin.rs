@@ -51,14 +51,20 @@ fn object_section(text: &str) -> (u64, Vec<ClassRow>) {
     (held, rows)
 }
 
-fn compact(cluster: &Cluster, args: &[&str]) -> std::process::Output {
+/// `regionfs compact` for `cluster` with the secret in `secret_file`.
+fn compact_command(cluster: &Cluster, secret_file: &std::path::Path) -> Command {
     let mut cmd = Command::new(bin_path("regionfs").unwrap());
     cmd.arg("compact")
         .arg("--manager")
         .arg(cluster.manager_url())
         .arg("--secret-file")
-        .arg(&cluster.secret_file)
-        .args(args);
+        .arg(secret_file);
+    cmd
+}
+
+fn compact(cluster: &Cluster, args: &[&str]) -> std::process::Output {
+    let mut cmd = compact_command(cluster, &cluster.secret_file);
+    cmd.args(args);
     output_within(&mut cmd, Duration::from_secs(30)).unwrap()
 }
 
@@ -174,14 +180,8 @@ fn compact_without_the_cluster_secret_is_refused() {
     use std::os::unix::process::CommandExt;
     let cluster = Cluster::start(1, "64M").unwrap();
     // As nobody: the secret file (0600, root's) cannot be read.
-    let mut cmd = Command::new(bin_path("regionfs").unwrap());
-    cmd.arg("compact")
-        .arg("--manager")
-        .arg(cluster.manager_url())
-        .arg("--secret-file")
-        .arg(&cluster.secret_file)
-        .uid(65534)
-        .gid(65534);
+    let mut cmd = compact_command(&cluster, &cluster.secret_file);
+    cmd.uid(65534).gid(65534);
     let out = output_within(&mut cmd, Duration::from_secs(30)).unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
@@ -192,14 +192,8 @@ fn compact_without_the_cluster_secret_is_refused() {
         .unwrap()
         .write_file(&forged)
         .unwrap();
-    let mut cmd = Command::new(bin_path("regionfs").unwrap());
-    cmd.arg("compact")
-        .arg("--manager")
-        .arg(cluster.manager_url())
-        .arg("--secret-file")
-        .arg(&forged)
-        .arg("--timeout-ms")
-        .arg("3000");
+    let mut cmd = compact_command(&cluster, &forged);
+    cmd.arg("--timeout-ms").arg("3000");
     let out = output_within(&mut cmd, Duration::from_secs(30)).unwrap();
     assert!(!out.status.success());
     assert!(!String::from_utf8_lossy(&out.stdout).contains("freed"));

@@ -709,6 +709,13 @@ fn still_open(stream: &TcpStream) -> bool {
 }
 
 fn read_atomic_reply(stream: &mut TcpStream, id: u64, addr: &str) -> Result<u64, Failure> {
+    let reply = recv_ok_header(stream, id, addr)?;
+    read_word(stream, &reply)
+}
+
+/// The header of the reply to request `id`; a daemon's refusal (its message read) is
+/// [`RegionsError::Daemon`], a reply to another request a broken stream.
+fn recv_ok_header(stream: &mut TcpStream, id: u64, addr: &str) -> Result<Header, Failure> {
     let reply = recv_header(stream)?;
     if reply.request_id != id {
         return Err(Failure::Retry(format!(
@@ -720,7 +727,7 @@ fn read_atomic_reply(stream: &mut TcpStream, id: u64, addr: &str) -> Result<u64,
         let msg = recv_message(stream, &reply)?;
         return Err(Failure::Final(daemon_error(addr, reply.status, &msg)));
     }
-    read_word(stream, &reply)
+    Ok(reply)
 }
 
 impl TcpTransport {
@@ -767,17 +774,7 @@ impl TcpTransport {
 
     /// The payload of the reply to request `id`, read from `stream`.
     fn reply_payload(&self, stream: &mut TcpStream, id: u64) -> Result<Vec<u8>, Failure> {
-        let reply = recv_header(stream)?;
-        if reply.request_id != id {
-            return Err(Failure::Retry(format!(
-                "reply to request {} while waiting for {id}",
-                reply.request_id
-            )));
-        }
-        if reply.status != 0 {
-            let msg = recv_message(stream, &reply)?;
-            return Err(Failure::Final(daemon_error(&self.addr, reply.status, &msg)));
-        }
+        let reply = recv_ok_header(stream, id, &self.addr)?;
         let most = regions_proto::frame::Limits::default().max_payload;
         if reply.payload_len > most {
             return Err(Failure::Final(RegionsError::Invalid(format!(
