@@ -1327,8 +1327,15 @@ impl Manager {
             self.place_small(&caller, ino, grow.size, grow.capacity)
                 .await?;
         }
+        // A writer publishing its size: its object (placed for the limit) fitted to it.
+        let fit = if grow.capacity == 0 && !grow.chunks {
+            self.fit_object(&caller, ino, grow.size).await
+        } else {
+            None
+        };
+        let fitted = std::sync::atomic::AtomicBool::new(false);
         let info = self
-            .write_allocating(move |s| {
+            .write_allocating(|s| {
                 let only_move = grow.chunks && grow.size == 0 && grow.capacity == 0 && !grow.touch;
                 if only_move {
                     // Moving a small region to chunks changes no byte: a reader may ask (to
@@ -1343,6 +1350,10 @@ impl Manager {
                 } else {
                     s.check_write_or_handle(&caller, ino, "extend this region")?;
                 }
+                if let Some(fit) = fit {
+                    let swapped = s.swap_object(ino, fit);
+                    fitted.fetch_or(swapped, std::sync::atomic::Ordering::Relaxed);
+                }
                 let size = grow.size.max(s.region(ino)?.size);
                 s.resize_to(ino, size, size.max(grow.capacity), false, grow.chunks)?;
                 if grow.capacity > size {
@@ -1353,8 +1364,12 @@ impl Manager {
                 }
                 s.region_info(ino, None)
             })
-            .await?;
-        let info = self.after_object_change(ino, info).await?;
+            .await;
+        if let Some(fit) = fit {
+            let taken = fitted.load(std::sync::atomic::Ordering::Relaxed);
+            self.end_fit(ino, fit, taken).await;
+        }
+        let info = self.after_object_change(ino, info?).await?;
         self.settle_destructive_for(ino).await;
         Ok(info)
     }
@@ -1362,7 +1377,7 @@ impl Manager {
     /// Does the object work a change queued; when it moved region `ino` to chunks, the
     /// region's info after the move instead of `info`.
     async fn after_object_change(&self, ino: u64, info: v1::RegionInfo) -> Result<v1::RegionInfo> {
-        self.object_work().await;
+        self.object_work_of(Some(ino)).await;
         if info.object.as_ref().is_some_and(|o| o.moving) {
             return self.read(|s| s.region_info(ino, None)).await;
         }

@@ -58,6 +58,9 @@ pub struct ObjectPlacement {
     /// While moving: the bytes of the object the move copies (all it holds, unpublished
     /// writes included, but what a shrink during the move cut off).
     pub keep: u32,
+    /// Sized to its region (placed for a known size, or fitted when its size was published):
+    /// not fitted again.
+    pub fitted: bool,
 }
 
 /// A move to chunks: the object, its daemon, and where its bytes go (the first chunk and
@@ -66,6 +69,14 @@ struct MovePlan {
     object: ObjectPlacement,
     object_addr: String,
     copy: Option<(MapEntry, String)>,
+}
+
+/// A region's object and the one fitted to its published size (`None`: it is of that
+/// size's class already).
+#[derive(Clone, Copy, Debug)]
+pub struct Fit {
+    pub old: ObjectPlacement,
+    pub new: Option<ObjectPlacement>,
 }
 
 /// What [`State::resize_object`] decided.
@@ -381,6 +392,25 @@ impl State {
         })
     }
 
+    /// Records `fit` (see [`Manager::fit_object`]) if the region still has its old object;
+    /// whether it did.
+    pub fn swap_object(&mut self, ino: u64, fit: Fit) -> bool {
+        match self.inode_mut(ino) {
+            Ok(inode) if inode.object() == Some(fit.old) => {
+                let now = fit.new.unwrap_or(ObjectPlacement {
+                    fitted: true,
+                    ..fit.old
+                });
+                inode.set_object(Some(now));
+                if fit.new.is_some() {
+                    inode.map_version += 1;
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Records that region `ino` moved from `object` to its chunks.
     fn finish_move(&mut self, ino: u64, object: ObjectPlacement) -> bool {
         match self.inode_mut(ino) {
@@ -443,6 +473,10 @@ impl Manager {
         let Some(object) = self.alloc_object(host, ino, bytes).await else {
             return;
         };
+        let object = ObjectPlacement {
+            fitted: true,
+            ..object
+        };
         let place = move |s: &mut State| Ok(s.place_object(ino, object, bytes));
         if !self.write(place).await.unwrap_or(false) {
             self.free_unplaced(ino, object).await;
@@ -499,6 +533,7 @@ impl Manager {
             capacity,
             moving: false,
             keep: 0,
+            fitted: false,
         })
     }
 
@@ -513,6 +548,124 @@ impl Manager {
         };
         if let Err(e) = client.call(&addr, &free, 0).await {
             tracing::warn!(ino, host = object.host, error = %e, "cannot free an object no region took");
+        }
+    }
+
+    /// Before a writer publishes the size of a region whose object was placed for the
+    /// small-region limit (a writer's create), when it is the region's only writer: an object
+    /// of the published size, holding the region's bytes, with the old one frozen. The
+    /// publish's change records it ([`State::swap_object`]); [`Manager::end_fit`] then frees
+    /// whichever object lost. `None`: nothing to fit (or the region does not fit one).
+    pub(crate) async fn fit_object(&self, caller: &Caller, ino: u64, size: u64) -> Option<Fit> {
+        let client = self.object_client()?;
+        let (old, size, addr) = self
+            .peek(|s| {
+                s.check_write_or_handle(caller, ino, "publish this region's size")
+                    .ok()?;
+                let inode = s.region(ino).ok()?;
+                let old = inode.object().filter(|o| !o.moving && !o.fitted)?;
+                let size = size.max(inode.size);
+                (size > 0 && size <= u64::from(old.capacity) && s.writers(ino) <= 1)
+                    .then(|| {
+                        s.hosts
+                            .get(&old.host)
+                            .map(|h| (old, size, h.transport_addr.clone()))
+                    })
+                    .flatten()
+            })
+            .flatten()?;
+        let new = ObjectPlacement {
+            fitted: true,
+            ..self.alloc_object(old.host, ino, size).await?
+        };
+        if new.capacity >= old.capacity {
+            // Its class already: only remember that.
+            self.free_unplaced(ino, new).await;
+            return Some(Fit { old, new: None });
+        }
+        let at = old.at();
+        let copied: std::result::Result<(), String> = async {
+            client
+                .call(&addr, &Request::ObjFreeze { ino, at }, 0)
+                .await
+                .map_err(|e| e.to_string())?;
+            let read = Request::ObjRead {
+                ino,
+                at,
+                offset: 0,
+                len: old.capacity,
+            };
+            let reply = client
+                .call(&addr, &read, OBJECT_REF_LEN + old.capacity as usize)
+                .await
+                .map_err(|e| e.to_string())?;
+            let bytes = reply.get(OBJECT_REF_LEN..).unwrap_or_default();
+            let (kept, past) = bytes.split_at(bytes.len().min(new.capacity as usize));
+            if past.iter().any(|b| *b != 0) {
+                return Err("bytes lie past the fitted object (another writer's)".into());
+            }
+            let write = Request::ObjWrite {
+                ino,
+                at: new.at(),
+                offset: 0,
+                data: bytes::Bytes::copy_from_slice(kept),
+            };
+            client
+                .call(&addr, &write, OBJECT_REF_LEN)
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string())
+        }
+        .await;
+        match copied {
+            Ok(()) => Some(Fit {
+                old,
+                new: Some(new),
+            }),
+            Err(e) => {
+                tracing::debug!(ino, error = %e, "region's object not fitted to its size");
+                self.end_fit(
+                    ino,
+                    Fit {
+                        old,
+                        new: Some(new),
+                    },
+                    false,
+                )
+                .await;
+                None
+            }
+        }
+    }
+
+    /// After the publish that recorded `fit` (`taken`) or did not: frees the object that
+    /// lost, and lets the old one take writes again when it stays.
+    pub(crate) async fn end_fit(&self, ino: u64, fit: Fit, taken: bool) {
+        let Some(new) = fit.new else {
+            return;
+        };
+        let (Some(client), Some(addr)) = (self.object_client(), self.host_addr(fit.old.host))
+        else {
+            return;
+        };
+        let (gone, kept) = if taken {
+            (fit.old, new)
+        } else {
+            (new, fit.old)
+        };
+        if let Err(e) = client
+            .call(&addr, &Request::ObjFree { ino, at: gone.at() }, 0)
+            .await
+        {
+            tracing::warn!(ino, error = %e, "cannot free a region's former object");
+        }
+        if !taken
+            && let Err(e) = client
+                .call(&addr, &Request::ObjThaw { ino, at: kept.at() }, 0)
+                .await
+        {
+            // The freeze lapses by itself within seconds.
+            tracing::debug!(ino, error = %e, "cannot thaw a region's object");
         }
     }
 
@@ -697,6 +850,7 @@ mod tests {
             capacity: 200,
             moving: false,
             keep: 0,
+            fitted: false,
         };
         inode.set_object(Some(o));
         assert_eq!(inode.object(), Some(o));

@@ -353,7 +353,7 @@ impl State {
         }
     }
 
-    fn writers(&self, ino: u64) -> usize {
+    pub(crate) fn writers(&self, ino: u64) -> usize {
         self.handles_of(ino).filter(|h| h.write).count()
     }
 

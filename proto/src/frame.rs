@@ -85,7 +85,7 @@ pub enum FrameError {
     )]
     UnsupportedVersion(u8),
     /// The op byte names no known [`Op`].
-    #[error("unknown frame op {0} (known ops are 1..=19)")]
+    #[error("unknown frame op {0} (known ops are 1..=20)")]
     UnknownOp(u8),
     /// Flag bits other than [`FLAG_REPLY`] and [`FLAG_DELTAS`] are set.
     #[error("unknown frame flags {0:#06x} (only 0x0001 = reply and 0x0002 = deltas are defined)")]
@@ -203,6 +203,9 @@ pub enum Op {
     /// to chunks (cluster secret only): writes to it are refused with `ESTALE` from then on,
     /// reads still served; no reply payload.
     ObjFreeze = 19,
+    /// Takes writes to a frozen object again (a move given up; cluster secret only);
+    /// payload = its [`ObjectRef`], no reply payload. A freeze also lapses by itself.
+    ObjThaw = 20,
 }
 
 /// Encoded size of an [`ObjectCompaction`].
@@ -374,6 +377,7 @@ impl TryFrom<u8> for Op {
             17 => Op::ObjWrite,
             18 => Op::ObjCompact,
             19 => Op::ObjFreeze,
+            20 => Op::ObjThaw,
             other => return Err(FrameError::UnknownOp(other)),
         })
     }
@@ -402,6 +406,7 @@ impl Op {
             Op::ObjWrite => "object-write",
             Op::ObjCompact => "object-compact",
             Op::ObjFreeze => "object-freeze",
+            Op::ObjThaw => "object-thaw",
         }
     }
 }
@@ -846,8 +851,10 @@ pub enum Request {
     },
     /// Compact the daemon's object store.
     ObjCompact,
-    /// Refuse writes to region `ino`'s object `at` from now on (it moves to chunks).
+    /// Refuse writes to region `ino`'s object `at` from now on (it moves).
     ObjFreeze { ino: u64, at: ObjectRef },
+    /// Take writes to region `ino`'s object `at` again.
+    ObjThaw { ino: u64, at: ObjectRef },
 }
 
 impl Request {
@@ -873,6 +880,7 @@ impl Request {
             Request::ObjWrite { .. } => Op::ObjWrite,
             Request::ObjCompact => Op::ObjCompact,
             Request::ObjFreeze { .. } => Op::ObjFreeze,
+            Request::ObjThaw { .. } => Op::ObjThaw,
         }
     }
 
@@ -1021,9 +1029,12 @@ impl Request {
                     write: op == Op::RdmaWriteKeys,
                 }
             }
-            Op::ObjAlloc | Op::ObjFree | Op::ObjRead | Op::ObjWrite | Op::ObjFreeze => {
-                parse_object(h, payload)?
-            }
+            Op::ObjAlloc
+            | Op::ObjFree
+            | Op::ObjRead
+            | Op::ObjWrite
+            | Op::ObjFreeze
+            | Op::ObjThaw => parse_object(h, payload)?,
             Op::ObjCompact => {
                 expect_len(op, "payload length", 0, plen)?;
                 Request::ObjCompact
@@ -1113,7 +1124,9 @@ impl Request {
                 (h.object_id, h.length) = (ino, u64::from(len));
                 Bytes::new()
             }
-            &Request::ObjFree { ino, at } | &Request::ObjFreeze { ino, at } => {
+            &Request::ObjFree { ino, at }
+            | &Request::ObjFreeze { ino, at }
+            | &Request::ObjThaw { ino, at } => {
                 h.object_id = ino;
                 at.encode(&mut buf);
                 buf.freeze()
@@ -1175,13 +1188,13 @@ fn parse_object(h: &Header, payload: &Bytes) -> Result<Request, FrameError> {
                 len: small("length field (at most)", h.length)?,
             }
         }
-        Op::ObjFree | Op::ObjFreeze => {
+        Op::ObjFree | Op::ObjFreeze | Op::ObjThaw => {
             expect_len(op, "payload length", OBJECT_REF_LEN as u64, plen)?;
             let (at, _) = ObjectRef::decode(op, payload)?;
-            if op == Op::ObjFree {
-                Request::ObjFree { ino, at }
-            } else {
-                Request::ObjFreeze { ino, at }
+            match op {
+                Op::ObjFree => Request::ObjFree { ino, at },
+                Op::ObjFreeze => Request::ObjFreeze { ino, at },
+                _ => Request::ObjThaw { ino, at },
             }
         }
         Op::ObjRead => {
@@ -1746,8 +1759,8 @@ mod tests {
             Err(FrameError::UnknownOp(0))
         );
         assert_eq!(
-            with_bytes(&ping, |b| b[3] = 20),
-            Err(FrameError::UnknownOp(20))
+            with_bytes(&ping, |b| b[3] = 21),
+            Err(FrameError::UnknownOp(21))
         );
         assert_eq!(
             with_bytes(&ping, |b| b[0] = 0),
@@ -1999,7 +2012,7 @@ mod tests {
     fn plausible_stream() -> impl Strategy<Value = Vec<u8>> {
         let plen = prop_oneof![Just(0u32), Just(8), Just(16), Just(24), Just(56), 0u32..300];
         let flags = prop_oneof![3 => Just(0u16), 1 => 0u16..3];
-        let header = (1u8..=19, flags, any::<[u64; 4]>(), any::<bool>(), plen);
+        let header = (1u8..=20, flags, any::<[u64; 4]>(), any::<bool>(), plen);
         let frame = header.prop_flat_map(|(op, flags, [id, offset, length, pool], tame, plen)| {
             let op = Op::try_from(op).unwrap_or(Op::Ping);
             let header = Header {

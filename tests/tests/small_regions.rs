@@ -23,6 +23,17 @@ fn objects(mount: &MountProcess) -> u64 {
         .sum()
 }
 
+/// The slot sizes of the size classes holding objects on the mount's host.
+fn classes(mount: &MountProcess) -> Vec<u64> {
+    let text = std::fs::read_to_string(mount.path(".regions/pools")).unwrap();
+    text.lines()
+        .skip_while(|l| !l.starts_with("class_slot"))
+        .skip(1)
+        .filter(|l| l.split('\t').nth(2) != Some("0"))
+        .map(|l| l.split('\t').next().unwrap().parse::<u64>().unwrap())
+        .collect()
+}
+
 /// Pool bytes in use across the cluster (`.regions/pools`, the pool table).
 fn pool_used(mount: &MountProcess) -> u64 {
     let text = std::fs::read_to_string(mount.path(".regions/pools")).unwrap();
@@ -69,6 +80,10 @@ fn small_files_live_as_objects_and_move_to_chunks_when_they_grow() {
         "every small file is an object"
     );
     assert_eq!(pool_used(&one), 0, "and no chunk of any pool holds one");
+    // Each took an object of the limit at its create, fitted to its size at its close.
+    let slots = classes(&one);
+    assert_eq!(slots.len(), sizes.len(), "one size class each: {slots:?}");
+    assert!(slots.iter().min() < Some(&100), "{slots:?}");
     // Read on the other host (its daemon holds no object: requests go to host 1's).
     for (i, len) in sizes.iter().enumerate() {
         let path = two.path(&format!("small/f{i}"));

@@ -48,6 +48,9 @@ const GENERATION_AT: u32 = 16;
 const LEN_AT: u32 = 24;
 /// A class is compacted once more than this share of its slots is free.
 const FRAGMENTATION_THRESHOLD: f64 = 0.2;
+/// How long a freeze holds ([`ObjectStore::freeze`]): a move copies at most 8 KiB and is
+/// recorded in one durable change, far sooner.
+pub const FREEZE_TERM: std::time::Duration = std::time::Duration::from_secs(10);
 /// Merges one compaction of a class makes at most (bounds how long it holds the store).
 const MERGES_PER_PASS: usize = 64;
 
@@ -144,8 +147,11 @@ struct Inner {
     next_file_block: u32,
     /// File blocks the memory budget allows.
     max_blocks: u32,
-    /// Regions whose object is moving to chunks: writes to it are refused.
-    frozen: HashSet<u64>,
+    /// Regions whose object is moving (to chunks or to another object), and until when:
+    /// writes to it are refused meanwhile. A freeze lapses by itself after [`FREEZE_TERM`],
+    /// so an object whose move was abandoned (its manager died) takes writes again.
+    /// Keyed by region and object id (an object keeps its id when compaction moves it).
+    frozen: HashMap<(u64, u32), std::time::Instant>,
     classes: Vec<ClassState>,
 }
 
@@ -176,7 +182,7 @@ impl ObjectStore {
                 free_file_blocks: Vec::new(),
                 next_file_block: 0,
                 max_blocks,
-                frozen: HashSet::new(),
+                frozen: HashMap::new(),
                 classes: slot_sizes().iter().map(|_| ClassState::default()).collect(),
             }),
             auto_compact: std::sync::atomic::AtomicBool::new(true),
@@ -302,7 +308,7 @@ impl ObjectStore {
                 .write(address, at + 8, &[0u8; HEADER as usize - 8])
         };
         inner.forget_pointer(&self.memory, file_block, ptr.id);
-        inner.frozen.remove(&owner.ino);
+        inner.frozen.remove(&(owner.ino, ptr.id));
         let block = inner
             .blocks
             .get_mut(&file_block)
@@ -396,7 +402,11 @@ impl ObjectStore {
     ) -> Result<Option<ObjectRef>> {
         let inner = self.read_inner();
         let (address, at, corrected) = self.locate(&inner, owner, ptr, offset, src.len(), true)?;
-        if inner.frozen.contains(&owner.ino) {
+        if inner
+            .frozen
+            .get(&(owner.ino, ptr.id))
+            .is_some_and(|until| std::time::Instant::now() < *until)
+        {
             return Err(DaemonError::Stale(format!(
                 "region {} is moving from its object to chunks: refresh its map and write there",
                 owner.ino
@@ -481,7 +491,19 @@ impl ObjectStore {
         let (file_block, slot) = inner.resolve(ptr)?;
         let block = &inner.blocks[&file_block];
         self.check_owner(block.address, slot * slot_size(block.class), owner)?;
-        inner.frozen.insert(owner.ino);
+        inner
+            .frozen
+            .insert((owner.ino, ptr.id), std::time::Instant::now() + FREEZE_TERM);
+        Ok(())
+    }
+
+    /// Takes writes to `owner`'s object `ptr` again (a move that was given up).
+    pub fn thaw(&self, owner: Owner, ptr: ObjectRef) -> Result<()> {
+        let mut inner = self.write_inner();
+        let (file_block, slot) = inner.resolve(ptr)?;
+        let block = &inner.blocks[&file_block];
+        self.check_owner(block.address, slot * slot_size(block.class), owner)?;
+        inner.frozen.remove(&(owner.ino, ptr.id));
         Ok(())
     }
 

@@ -114,6 +114,7 @@ fn writes(op: Op) -> bool {
             | Op::ObjFree
             | Op::ObjWrite
             | Op::ObjFreeze
+            | Op::ObjThaw
     )
 }
 

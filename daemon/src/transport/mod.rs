@@ -772,7 +772,8 @@ impl Conn {
             | Request::ObjRead { .. }
             | Request::ObjWrite { .. }
             | Request::ObjCompact
-            | Request::ObjFreeze { .. }) => {
+            | Request::ObjFreeze { .. }
+            | Request::ObjThaw { .. }) => {
                 let served = match self.shared.objects.get() {
                     Some(store) => objects::serve(store, self.auth.proved_secret(), reach, request),
                     None => Err(DaemonError::NoObjects(

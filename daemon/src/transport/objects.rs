@@ -97,6 +97,11 @@ pub fn serve(store: &ObjectStore, secret: bool, reach: Reach, request: Request) 
             store.freeze(owner(ino), at)?;
             Ok(Bytes::new())
         }
+        Request::ObjThaw { ino, at } => {
+            node_only(secret, "thawing an object")?;
+            store.thaw(owner(ino), at)?;
+            Ok(Bytes::new())
+        }
         Request::ObjCompact => {
             node_only(secret, "compacting the object store")?;
             let done = store.compact(None)?;
