@@ -58,6 +58,9 @@ pub enum DaemonError {
     /// This daemon serves no RDMA (none configured or found, or built without it).
     #[error("{0}")]
     NoRdma(String),
+    /// The object is in use in a way that forbids the change (`EBUSY`).
+    #[error("{0}")]
+    Busy(String),
     /// This daemon keeps no object store (`EOPNOTSUPP`).
     #[error("{0}")]
     NoObjects(String),
@@ -186,6 +189,7 @@ impl DaemonError {
             DaemonError::Rdma(_) => libc::EIO,
             DaemonError::AtomicOutcomeUnknown(_) => libc::ETIMEDOUT,
             DaemonError::NoRdma(_) | DaemonError::NoObjects(_) => libc::EOPNOTSUPP,
+            DaemonError::Busy(_) => libc::EBUSY,
         }
     }
 

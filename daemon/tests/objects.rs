@@ -283,3 +283,56 @@ fn a_daemon_without_an_object_store_says_so() {
     assert_eq!(status(&reply), libc::EOPNOTSUPP);
     assert!(reply.error_message().unwrap().contains("object store"));
 }
+
+#[test]
+fn a_refit_copies_into_a_smaller_object_or_changes_nothing() {
+    let store = Arc::new(ObjectStore::new(4 << 20).unwrap());
+    let srv = serving_objects(&store);
+    let mut node = Client::authenticated(srv.local_addr(), TOKEN);
+    let big = alloc(&mut node, 20, 4000);
+    assert_eq!(status(&node.call(&write(20, big, 0, b"keep me"))), 0);
+    assert_eq!(status(&node.call(&write(20, big, 3000, b"far"))), 0);
+    // A byte in use past the new size: refused, and the object takes writes as before.
+    let refused = node.call(&Request::ObjRefit {
+        ino: 20,
+        at: big,
+        len: 100,
+    });
+    assert_eq!(
+        status(&refused),
+        libc::EBUSY,
+        "{:?}",
+        refused.error_message()
+    );
+    assert_eq!(status(&node.call(&write(20, big, 3000, b"\0\0\0"))), 0);
+    // Now it fits: the new object holds the bytes, the old one is frozen.
+    let reply = node.call(&Request::ObjRefit {
+        ino: 20,
+        at: big,
+        len: 100,
+    });
+    assert_eq!(status(&reply), 0, "{:?}", reply.error_message());
+    let (small, rest) = ObjectRef::decode(Op::ObjRefit, &reply.payload).unwrap();
+    assert!(u32::from_le_bytes(rest.try_into().unwrap()) < 4000);
+    let (_, bytes) = bytes_of(&node.call(&read(20, small, 0, 7)));
+    assert_eq!(&bytes, b"keep me");
+    let late = node.call(&write(20, big, 0, b"late"));
+    assert_eq!(status(&late), libc::ESTALE, "{:?}", late.error_message());
+    assert_eq!(status(&node.call(&write(20, small, 0, b"new!"))), 0);
+    // A capability holder may not refit.
+    let mut app = Client::connect(srv.local_addr());
+    let ok = call(
+        &mut app,
+        &Request::Hello {
+            token: token(20, RIGHT_READ | RIGHT_WRITE, (0, u64::MAX)),
+        },
+        5,
+    );
+    assert_eq!(status(&ok), 0);
+    let refit = Request::ObjRefit {
+        ino: 20,
+        at: small,
+        len: 10,
+    };
+    assert_eq!(status(&call(&mut app, &refit, 5)), libc::EACCES);
+}

@@ -574,95 +574,77 @@ impl Manager {
                     .flatten()
             })
             .flatten()?;
-        let new = ObjectPlacement {
-            fitted: true,
-            ..self.alloc_object(old.host, ino, size).await?
-        };
-        if new.capacity >= old.capacity {
-            // Its class already: only remember that.
-            self.free_unplaced(ino, new).await;
-            return Some(Fit { old, new: None });
-        }
         let at = old.at();
-        let copied: std::result::Result<(), String> = async {
-            client
-                .call(&addr, &Request::ObjFreeze { ino, at }, 0)
-                .await
-                .map_err(|e| e.to_string())?;
-            let read = Request::ObjRead {
-                ino,
-                at,
-                offset: 0,
-                len: old.capacity,
-            };
-            let reply = client
-                .call(&addr, &read, OBJECT_REF_LEN + old.capacity as usize)
-                .await
-                .map_err(|e| e.to_string())?;
-            let bytes = reply.get(OBJECT_REF_LEN..).unwrap_or_default();
-            let (kept, past) = bytes.split_at(bytes.len().min(new.capacity as usize));
-            if past.iter().any(|b| *b != 0) {
-                return Err("bytes lie past the fitted object (another writer's)".into());
-            }
-            let write = Request::ObjWrite {
-                ino,
-                at: new.at(),
-                offset: 0,
-                data: bytes::Bytes::copy_from_slice(kept),
-            };
-            client
-                .call(&addr, &write, OBJECT_REF_LEN)
-                .await
-                .map(drop)
-                .map_err(|e| e.to_string())
-        }
-        .await;
-        match copied {
-            Ok(()) => Some(Fit {
-                old,
-                new: Some(new),
-            }),
+        let len = u32::try_from(size).unwrap_or(u32::MAX);
+        // One request: the daemon allocates the fitted object, freezes the old one and copies
+        // it (or refuses, changing nothing, when a byte lies past the new one).
+        let reply = match client
+            .call(
+                &addr,
+                &Request::ObjRefit { ino, at, len },
+                OBJECT_REF_LEN + 4,
+            )
+            .await
+        {
+            Ok(r) => r,
             Err(e) => {
                 tracing::debug!(ino, error = %e, "region's object not fitted to its size");
-                self.end_fit(
-                    ino,
-                    Fit {
-                        old,
-                        new: Some(new),
-                    },
-                    false,
-                )
-                .await;
-                None
+                return None;
             }
-        }
+        };
+        let (new_at, rest) = ObjectRef::decode(regions_proto::frame::Op::ObjRefit, &reply).ok()?;
+        let capacity = rest.try_into().map(u32::from_le_bytes).unwrap_or(len);
+        let new = ObjectPlacement {
+            address: new_at.address,
+            slot: new_at.slot,
+            id: new_at.id,
+            capacity,
+            fitted: true,
+            ..old
+        };
+        Some(Fit {
+            old,
+            new: Some(new),
+        })
     }
 
     /// After the publish that recorded `fit` (`taken`) or did not: frees the object that
-    /// lost, and lets the old one take writes again when it stays.
+    /// lost (the old one off the reply's path, by the work loop), and lets the old one take
+    /// writes again when it stays.
     pub(crate) async fn end_fit(&self, ino: u64, fit: Fit, taken: bool) {
         let Some(new) = fit.new else {
             return;
         };
-        let (Some(client), Some(addr)) = (self.object_client(), self.host_addr(fit.old.host))
-        else {
+        if taken {
+            let old = fit.old;
+            self.in_memory(|s| {
+                s.objects.jobs.push(ObjectJob::Free {
+                    host: old.host,
+                    ino,
+                    at: old.at(),
+                })
+            });
+            return;
+        }
+        let (Some(client), Some(addr)) = (self.object_client(), self.host_addr(new.host)) else {
             return;
         };
-        let (gone, kept) = if taken {
-            (fit.old, new)
-        } else {
-            (new, fit.old)
-        };
         if let Err(e) = client
-            .call(&addr, &Request::ObjFree { ino, at: gone.at() }, 0)
+            .call(&addr, &Request::ObjFree { ino, at: new.at() }, 0)
             .await
         {
-            tracing::warn!(ino, error = %e, "cannot free a region's former object");
+            tracing::warn!(ino, error = %e, "cannot free an object no region took");
         }
-        if !taken
-            && let Err(e) = client
-                .call(&addr, &Request::ObjThaw { ino, at: kept.at() }, 0)
-                .await
+        if let Err(e) = client
+            .call(
+                &addr,
+                &Request::ObjThaw {
+                    ino,
+                    at: fit.old.at(),
+                },
+                0,
+            )
+            .await
         {
             // The freeze lapses by itself within seconds.
             tracing::debug!(ino, error = %e, "cannot thaw a region's object");
@@ -698,9 +680,7 @@ impl Manager {
         for job in jobs {
             if let Err(e) = self.do_job(&client, job).await {
                 tracing::warn!(?job, error = %e, "object work on a daemon failed");
-                if matches!(job, ObjectJob::Move { .. } | ObjectJob::Zero { .. }) {
-                    self.in_memory(|s| s.objects.jobs.push(job));
-                }
+                self.in_memory(|s| s.objects.jobs.push(job));
             }
             self.in_memory(|s| s.objects.done(job.ino()));
         }
@@ -717,11 +697,12 @@ impl Manager {
     async fn do_job(&self, client: &WordClient, job: ObjectJob) -> std::result::Result<(), String> {
         match job {
             ObjectJob::Free { host, ino, at } => match self.host_addr(host) {
-                Some(addr) => client
-                    .call(&addr, &Request::ObjFree { ino, at }, 0)
-                    .await
-                    .map(drop)
-                    .map_err(|e| e.to_string()),
+                // A daemon that refuses knows no such object (it restarted, or freed it):
+                // nothing left to free. One out of reach is tried again.
+                Some(addr) => match client.call(&addr, &Request::ObjFree { ino, at }, 0).await {
+                    Ok(_) | Err(crate::word_client::WordError::Refused { .. }) => Ok(()),
+                    Err(e) => Err(e.to_string()),
+                },
                 None => Ok(()),
             },
             ObjectJob::Zero {

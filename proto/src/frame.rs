@@ -85,7 +85,7 @@ pub enum FrameError {
     )]
     UnsupportedVersion(u8),
     /// The op byte names no known [`Op`].
-    #[error("unknown frame op {0} (known ops are 1..=20)")]
+    #[error("unknown frame op {0} (known ops are 1..=21)")]
     UnknownOp(u8),
     /// Flag bits other than [`FLAG_REPLY`] and [`FLAG_DELTAS`] are set.
     #[error("unknown frame flags {0:#06x} (only 0x0001 = reply and 0x0002 = deltas are defined)")]
@@ -206,6 +206,10 @@ pub enum Op {
     /// Takes writes to a frozen object again (a move given up; cluster secret only);
     /// payload = its [`ObjectRef`], no reply payload. A freeze also lapses by itself.
     ObjThaw = 20,
+    /// A new object of `length` bytes holding the region `object_id`'s object named by the
+    /// payload ([`ObjectRef`]), which is frozen (cluster secret only; `EBUSY` when a byte
+    /// past the new object's capacity is in use); reply payload as [`Op::ObjAlloc`]'s.
+    ObjRefit = 21,
 }
 
 /// Encoded size of an [`ObjectCompaction`].
@@ -378,6 +382,7 @@ impl TryFrom<u8> for Op {
             18 => Op::ObjCompact,
             19 => Op::ObjFreeze,
             20 => Op::ObjThaw,
+            21 => Op::ObjRefit,
             other => return Err(FrameError::UnknownOp(other)),
         })
     }
@@ -407,6 +412,7 @@ impl Op {
             Op::ObjCompact => "object-compact",
             Op::ObjFreeze => "object-freeze",
             Op::ObjThaw => "object-thaw",
+            Op::ObjRefit => "object-refit",
         }
     }
 }
@@ -855,6 +861,8 @@ pub enum Request {
     ObjFreeze { ino: u64, at: ObjectRef },
     /// Take writes to region `ino`'s object `at` again.
     ObjThaw { ino: u64, at: ObjectRef },
+    /// A new object of `len` bytes with region `ino`'s object `at`'s bytes; `at` frozen.
+    ObjRefit { ino: u64, at: ObjectRef, len: u32 },
 }
 
 impl Request {
@@ -881,6 +889,7 @@ impl Request {
             Request::ObjCompact => Op::ObjCompact,
             Request::ObjFreeze { .. } => Op::ObjFreeze,
             Request::ObjThaw { .. } => Op::ObjThaw,
+            Request::ObjRefit { .. } => Op::ObjRefit,
         }
     }
 
@@ -1034,7 +1043,8 @@ impl Request {
             | Op::ObjRead
             | Op::ObjWrite
             | Op::ObjFreeze
-            | Op::ObjThaw => parse_object(h, payload)?,
+            | Op::ObjThaw
+            | Op::ObjRefit => parse_object(h, payload)?,
             Op::ObjCompact => {
                 expect_len(op, "payload length", 0, plen)?;
                 Request::ObjCompact
@@ -1124,6 +1134,11 @@ impl Request {
                 (h.object_id, h.length) = (ino, u64::from(len));
                 Bytes::new()
             }
+            &Request::ObjRefit { ino, at, len } => {
+                (h.object_id, h.length) = (ino, u64::from(len));
+                at.encode(&mut buf);
+                buf.freeze()
+            }
             &Request::ObjFree { ino, at }
             | &Request::ObjFreeze { ino, at }
             | &Request::ObjThaw { ino, at } => {
@@ -1185,6 +1200,15 @@ fn parse_object(h: &Header, payload: &Bytes) -> Result<Request, FrameError> {
             expect_len(op, "payload length", 0, plen)?;
             Request::ObjAlloc {
                 ino,
+                len: small("length field (at most)", h.length)?,
+            }
+        }
+        Op::ObjRefit => {
+            expect_len(op, "payload length", OBJECT_REF_LEN as u64, plen)?;
+            let (at, _) = ObjectRef::decode(op, payload)?;
+            Request::ObjRefit {
+                ino,
+                at,
                 len: small("length field (at most)", h.length)?,
             }
         }
@@ -1439,6 +1463,15 @@ mod tests {
                 data: Bytes::from_static(b"small region"),
             },
             Request::ObjCompact,
+            Request::ObjRefit {
+                ino: 7,
+                at: ObjectRef {
+                    address: 1,
+                    slot: 2,
+                    id: 3,
+                },
+                len: 100,
+            },
             Request::ObjFreeze {
                 ino: 7,
                 at: ObjectRef {
@@ -1759,8 +1792,8 @@ mod tests {
             Err(FrameError::UnknownOp(0))
         );
         assert_eq!(
-            with_bytes(&ping, |b| b[3] = 21),
-            Err(FrameError::UnknownOp(21))
+            with_bytes(&ping, |b| b[3] = 22),
+            Err(FrameError::UnknownOp(22))
         );
         assert_eq!(
             with_bytes(&ping, |b| b[0] = 0),
@@ -2012,7 +2045,7 @@ mod tests {
     fn plausible_stream() -> impl Strategy<Value = Vec<u8>> {
         let plen = prop_oneof![Just(0u32), Just(8), Just(16), Just(24), Just(56), 0u32..300];
         let flags = prop_oneof![3 => Just(0u16), 1 => 0u16..3];
-        let header = (1u8..=20, flags, any::<[u64; 4]>(), any::<bool>(), plen);
+        let header = (1u8..=21, flags, any::<[u64; 4]>(), any::<bool>(), plen);
         let frame = header.prop_flat_map(|(op, flags, [id, offset, length, pool], tame, plen)| {
             let op = Op::try_from(op).unwrap_or(Op::Ping);
             let header = Header {

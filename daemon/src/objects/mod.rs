@@ -497,6 +497,36 @@ impl ObjectStore {
         Ok(())
     }
 
+    /// A new object of `len` bytes for `owner` holding the bytes of its object `ptr`, which
+    /// is frozen from then on (its region is fitted to a smaller size class). Refused with
+    /// `EBUSY` (and nothing changed) when a byte past `len`'s object is in use.
+    pub fn refit(&self, owner: Owner, ptr: ObjectRef, len: u32) -> Result<(ObjectRef, u32)> {
+        let old_capacity = {
+            let inner = self.read_inner();
+            let (file_block, _) = inner.resolve(ptr)?;
+            slot_size(inner.blocks[&file_block].class) - HEADER as u32
+        };
+        let (new, capacity) = self.alloc_with_capacity(owner, len)?;
+        self.freeze(owner, ptr)?;
+        let mut bytes = vec![0u8; old_capacity as usize];
+        let copied = self.read(owner, ptr, 0, &mut bytes).and_then(|_| {
+            let (kept, past) = bytes.split_at(bytes.len().min(capacity as usize));
+            if past.iter().any(|b| *b != 0) {
+                return Err(DaemonError::Busy(format!(
+                    "region {}'s object holds bytes past {capacity}: not fitted",
+                    owner.ino
+                )));
+            }
+            self.write(owner, new, 0, kept)
+        });
+        if let Err(e) = copied {
+            let _ = self.free(owner, new);
+            let _ = self.thaw(owner, ptr);
+            return Err(e);
+        }
+        Ok((new, capacity))
+    }
+
     /// Takes writes to `owner`'s object `ptr` again (a move that was given up).
     pub fn thaw(&self, owner: Owner, ptr: ObjectRef) -> Result<()> {
         let mut inner = self.write_inner();

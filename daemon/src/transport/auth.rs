@@ -115,6 +115,7 @@ fn writes(op: Op) -> bool {
             | Op::ObjWrite
             | Op::ObjFreeze
             | Op::ObjThaw
+            | Op::ObjRefit
     )
 }
 

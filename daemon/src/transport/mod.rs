@@ -773,7 +773,8 @@ impl Conn {
             | Request::ObjWrite { .. }
             | Request::ObjCompact
             | Request::ObjFreeze { .. }
-            | Request::ObjThaw { .. }) => {
+            | Request::ObjThaw { .. }
+            | Request::ObjRefit { .. }) => {
                 let served = match self.shared.objects.get() {
                     Some(store) => objects::serve(store, self.auth.proved_secret(), reach, request),
                     None => Err(DaemonError::NoObjects(

@@ -97,6 +97,13 @@ pub fn serve(store: &ObjectStore, secret: bool, reach: Reach, request: Request) 
             store.freeze(owner(ino), at)?;
             Ok(Bytes::new())
         }
+        Request::ObjRefit { ino, at, len } => {
+            node_only(secret, "fitting an object")?;
+            let (new, capacity) = store.refit(owner(ino), at, len)?;
+            let mut out = with_ref(new, 4);
+            out.put_u32_le(capacity);
+            Ok(out.freeze())
+        }
         Request::ObjThaw { ino, at } => {
             node_only(secret, "thawing an object")?;
             store.thaw(owner(ino), at)?;
