@@ -74,7 +74,7 @@ impl Default for Config {
             capability_ttl: crate::revocations::DEFAULT_TTL,
             deferred_commit: DEFERRED_COMMIT,
             cache_lease_term: crate::cache_leases::DEFAULT_TERM,
-            small_regions: 0,
+            small_regions: crate::objects::DEFAULT_SMALL_REGIONS,
         }
     }
 }

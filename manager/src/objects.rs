@@ -38,6 +38,9 @@ use crate::model::{Inode, decode, encode};
 use crate::state::State;
 use crate::word_client::WordClient;
 
+/// Regions up to this many bytes are stored as objects unless configured otherwise.
+pub const DEFAULT_SMALL_REGIONS: u64 = 4096;
+
 /// Attribute-map key of a region's object placement.
 pub const OBJECT_KEY: &str = "regions.object";
 

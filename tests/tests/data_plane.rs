@@ -319,7 +319,8 @@ fn an_unreachable_daemon_gives_eio_within_the_retry_bound() {
 /// A two-host cluster, a client on each host (host 2's first), and region `a`, created by host
 /// 2 and held by host 1: the set-up of the stale-map tests.
 fn two_hosts_and_a_region_on_host_1() -> (Cluster, Client, Client, v1::Attr) {
-    let cluster = Cluster::start(2, "64M").unwrap();
+    // Regions in chunks (these tests move chunks between regions), none stored as objects.
+    let cluster = Cluster::start_with(2, "64M", &["--small-regions", "0"]).unwrap();
     let host2 = client(&cluster, 2, false);
     let host1 = client(&cluster, 1, false);
     let a = host2
