@@ -244,8 +244,9 @@ impl State {
         };
         let old_size = inode.size;
         if object.moving {
-            // The copy must not bring back what a shrink during the move cut off.
-            if new_size < u64::from(object.keep) {
+            // The copy must not bring back what a shrink during the move cut off (a resize
+            // that does not shrink keeps all: a writer's unpublished bytes go with it).
+            if new_size < old_size && new_size < u64::from(object.keep) {
                 let keep = new_size as u32;
                 self.inode_mut(ino)?
                     .set_object(Some(ObjectPlacement { keep, ..object }));
@@ -265,8 +266,9 @@ impl State {
         if new_size < old_size {
             self.revoke_capabilities(ino);
             self.zero_object_tail(ino);
-        } else if shrink && new_size > old_size {
-            // A growing truncate: its new bytes read as zeros, whatever a writer left there.
+        } else if shrink && new_size > old_size && self.writers(ino) == 0 {
+            // A growing truncate with no writer: its new bytes read as zeros (a writer's own
+            // bytes past the published size stay, as in a chunk).
             self.zero_object_from(ino, old_size);
         }
         Ok(ObjectResize::Done)
@@ -407,6 +409,12 @@ impl State {
                 inode.set_object(Some(now));
                 if fit.new.is_some() {
                     inode.map_version += 1;
+                    // The old object goes with the change that let it go.
+                    self.objects.jobs.push(ObjectJob::Free {
+                        host: fit.old.host,
+                        ino,
+                        at: fit.old.at(),
+                    });
                 }
                 true
             }
@@ -414,12 +422,22 @@ impl State {
         }
     }
 
-    /// Records that region `ino` moved from `object` to its chunks.
+    /// Records that region `ino` moved from `object` to its chunks (the same object, moving:
+    /// its `keep` may have changed meanwhile), and queues the object's free.
     fn finish_move(&mut self, ino: u64, object: ObjectPlacement) -> bool {
         match self.inode_mut(ino) {
-            Ok(inode) if inode.object() == Some(object) => {
+            Ok(inode)
+                if inode
+                    .object()
+                    .is_some_and(|o| o.moving && o.at() == object.at()) =>
+            {
                 inode.set_object(None);
                 inode.map_version += 1;
+                self.objects.jobs.push(ObjectJob::Free {
+                    host: object.host,
+                    ino,
+                    at: object.at(),
+                });
                 true
             }
             _ => false,
@@ -619,14 +637,7 @@ impl Manager {
             return;
         };
         if taken {
-            let old = fit.old;
-            self.in_memory(|s| {
-                s.objects.jobs.push(ObjectJob::Free {
-                    host: old.host,
-                    ino,
-                    at: old.at(),
-                })
-            });
+            // Its change queued the old object's free.
             return;
         }
         let (Some(client), Some(addr)) = (self.object_client(), self.host_addr(new.host)) else {
@@ -680,6 +691,20 @@ impl Manager {
                 take
             })
             .unwrap_or_default();
+        if !jobs.is_empty() {
+            // Only once the changes that queued them are durable: an object freed, zeroed
+            // or moved must never be one a crash could give back to its region.
+            if let Err(e) = self.read(|_| Ok(())).await {
+                tracing::warn!(error = %e, "object work waits for the store");
+                self.in_memory(|s| {
+                    for job in &jobs {
+                        s.objects.done(job.ino());
+                    }
+                    s.objects.jobs.extend(jobs.iter().copied());
+                });
+                return;
+            }
+        }
         for job in jobs {
             if let Err(e) = self.do_job(&client, job).await {
                 tracing::warn!(?job, error = %e, "object work on a daemon failed");
@@ -687,13 +712,14 @@ impl Manager {
             }
             self.in_memory(|s| s.objects.done(job.ino()));
         }
-        if let Some(ino) = ino {
-            let deadline = std::time::Instant::now() + SETTLE_WAIT;
-            while self.peek(|s| s.objects.in_flight.contains_key(&ino)) == Some(true)
-                && std::time::Instant::now() < deadline
-            {
-                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
-            }
+        // What another caller is doing (for this region, or for any with `None`).
+        let deadline = std::time::Instant::now() + SETTLE_WAIT;
+        let busy = |s: &State| match ino {
+            Some(ino) => s.objects.in_flight.contains_key(&ino),
+            None => !s.objects.in_flight.is_empty(),
+        };
+        while self.peek(busy) == Some(true) && std::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
         }
     }
 
@@ -788,17 +814,9 @@ impl Manager {
                     .map_err(|e| format!("copying region {ino}'s object to its chunk: {e}"))?;
             }
         }
-        let recorded = self
-            .write(move |s| Ok(s.finish_move(ino, object)))
+        self.write(move |s| Ok(s.finish_move(ino, object)))
             .await
             .map_err(|e| format!("recording region {ino}'s move to chunks: {e}"))?;
-        if recorded
-            && let Err(e) = client
-                .call(&plan.object_addr, &Request::ObjFree { ino, at }, 0)
-                .await
-        {
-            tracing::warn!(ino, error = %e, "cannot free the object of a region that moved");
-        }
         tracing::debug!(ino, "small region moved from its object to chunks");
         Ok(())
     }

@@ -98,10 +98,7 @@ impl Region {
             offset,
             len,
         };
-        let reply = self
-            .authority
-            .tcp_transport(&o.transport_addr)?
-            .request(&request, true)?;
+        let reply = self.object_request(o, &request)?;
         let (now, bytes) = ObjectRef::decode(Op::ObjRead, &reply).map_err(|e| {
             RegionsError::Invalid(format!("object read reply of region {}: {e}", self.ino))
         })?;
@@ -137,10 +134,7 @@ impl Region {
             offset,
             data: bytes::Bytes::copy_from_slice(data),
         };
-        let reply = self
-            .authority
-            .tcp_transport(&o.transport_addr)?
-            .request(&request, true)?;
+        let reply = self.object_request(o, &request)?;
         if let Ok((now, _)) = ObjectRef::decode(Op::ObjWrite, &reply) {
             self.note_object_slot(now);
         }
@@ -149,6 +143,33 @@ impl Region {
             data.len() as u64,
         );
         Ok(())
+    }
+
+    /// Sends an object request for `o`. A refusal as stale while the map still names `o` (the
+    /// manager is moving or fitting it and has not recorded where yet) is waited out (at most
+    /// [`MOVE_WAIT`]); once the map names something else the refusal goes to the caller, whose
+    /// refresh then finds the new place.
+    fn object_request(&self, o: &v1::ObjectPlacement, request: &Request) -> Result<Vec<u8>> {
+        let deadline = Instant::now() + MOVE_WAIT;
+        loop {
+            let sent = self
+                .authority
+                .tcp_transport(&o.transport_addr)?
+                .request(request, true);
+            match sent {
+                Err(e) if e.errno() == libc::ESTALE && Instant::now() < deadline => {
+                    std::thread::sleep(MOVE_POLL);
+                    self.refresh()?;
+                    let same = self
+                        .placed_object()?
+                        .is_some_and(|now| now.address == o.address && now.id == o.id);
+                    if !same {
+                        return Err(e);
+                    }
+                }
+                other => return other,
+            }
+        }
     }
 
     /// Remembers the slot a compaction moved the object to (the daemon said where it is now).
