@@ -76,12 +76,11 @@ struct MovePlan {
     copy: Option<(MapEntry, String)>,
 }
 
-/// A region's object and the one fitted to its published size (`None`: it is of that
-/// size's class already).
+/// A region's object and the one fitted to its published size.
 #[derive(Clone, Copy, Debug)]
 pub struct Fit {
     pub old: ObjectPlacement,
-    pub new: Option<ObjectPlacement>,
+    pub new: ObjectPlacement,
 }
 
 /// What [`State::resize_object`] decided.
@@ -404,20 +403,14 @@ impl State {
     pub fn swap_object(&mut self, ino: u64, fit: Fit) -> bool {
         match self.inode_mut(ino) {
             Ok(inode) if inode.object() == Some(fit.old) => {
-                let now = fit.new.unwrap_or(ObjectPlacement {
-                    fitted: true,
-                    ..fit.old
+                inode.set_object(Some(fit.new));
+                inode.map_version += 1;
+                // The old object goes with the change that let it go.
+                self.objects.jobs.push(ObjectJob::Free {
+                    host: fit.old.host,
+                    ino,
+                    at: fit.old.at(),
                 });
-                inode.set_object(Some(now));
-                if fit.new.is_some() {
-                    inode.map_version += 1;
-                    // The old object goes with the change that let it go.
-                    self.objects.jobs.push(ObjectJob::Free {
-                        host: fit.old.host,
-                        ino,
-                        at: fit.old.at(),
-                    });
-                }
                 true
             }
             _ => false,
@@ -625,32 +618,22 @@ impl Manager {
             fitted: true,
             ..old
         };
-        Some(Fit {
-            old,
-            new: Some(new),
-        })
+        Some(Fit { old, new })
     }
 
     /// After the publish that recorded `fit` (`taken`) or did not: frees the object that
     /// lost (the old one off the reply's path, by the work loop), and lets the old one take
     /// writes again when it stays.
     pub(crate) async fn end_fit(&self, ino: u64, fit: Fit, taken: bool) {
-        let Some(new) = fit.new else {
-            return;
-        };
         if taken {
             // Its change queued the old object's free.
             return;
         }
-        let (Some(client), Some(addr)) = (self.object_client(), self.host_addr(new.host)) else {
+        self.free_unplaced(ino, fit.new).await;
+        let (Some(client), Some(addr)) = (self.object_client(), self.host_addr(fit.old.host))
+        else {
             return;
         };
-        if let Err(e) = client
-            .call(&addr, &Request::ObjFree { ino, at: new.at() }, 0)
-            .await
-        {
-            tracing::warn!(ino, error = %e, "cannot free an object no region took");
-        }
         if let Err(e) = client
             .call(
                 &addr,
