@@ -549,13 +549,7 @@ impl RegionFs {
         let _hold = match self.hold_fills(ino) {
             Ok(h) => h,
             Err(e) => {
-                // The kernel keeps the old size; so must this mount's record of it, so that the
-                // next reply showing the growth pushes it again (and a fill stays under it).
-                if let Some(st) = self.lock_inodes().get_mut(&ino)
-                    && st.kernel_size == size
-                {
-                    st.kernel_size = old;
-                }
+                self.kernel_kept_size(ino, old, size);
                 tracing::debug!(ino, error = %e, "cannot raise the kernel's size of a grown region now");
                 return;
             }
@@ -567,7 +561,8 @@ impl RegionFs {
         let byte = match self.last_byte(ino, size, region) {
             Ok(b) => b,
             Err(e) => {
-                tracing::debug!(ino, error = %e, "cannot read the last byte of a grown region");
+                self.kernel_kept_size(ino, old, size);
+                tracing::warn!(ino, old, size, error = %e, "cannot read the last byte of a region grown on another host; the kernel keeps its old size until the next open or lookup");
                 return;
             }
         };
@@ -579,8 +574,20 @@ impl RegionFs {
                 "kernel size of a region grown elsewhere updated"
             ),
             Err(e) => {
-                tracing::debug!(ino, error = %e, "cannot announce a grown region to the kernel")
+                self.kernel_kept_size(ino, old, size);
+                tracing::warn!(ino, old, size, error = %e, "cannot announce a region grown on another host to the kernel; it keeps its old size until the next open or lookup")
             }
+        }
+    }
+
+    /// A push of `ino`'s size from `old` to `size` did not reach the kernel, which keeps
+    /// `old`: so must this mount's record of it (unless another push changed it since), so
+    /// that the next reply showing the growth pushes it again and a fill stays under it.
+    fn kernel_kept_size(&self, ino: u64, old: u64, size: u64) {
+        if let Some(st) = self.lock_inodes().get_mut(&ino)
+            && st.kernel_size == size
+        {
+            st.kernel_size = old;
         }
     }
 

@@ -243,6 +243,9 @@ pub fn output_within(cmd: &mut Command, timeout: Duration) -> anyhow::Result<std
     })
 }
 
+/// How many lines of a node's log a failed test prints.
+const LOG_TAIL_ON_FAILURE: usize = 40;
+
 /// A running node process (`regions-manager`, `regions-daemon`) started
 /// with a ready file.
 ///
@@ -414,6 +417,17 @@ impl NodeProcess {
 
 impl Drop for NodeProcess {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            // The test failed: what the process logged goes with the failure (its log is
+            // removed with the run directory).
+            let log = self.log();
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = lines[lines.len().saturating_sub(LOG_TAIL_ON_FAILURE)..].join("\n");
+            eprintln!(
+                "--- last lines of {} (pid {}) ---\n{tail}",
+                self.name, self.pid
+            );
+        }
         if let Some(mut child) = self.child.take() {
             // `Child::kill` sends SIGKILL to this child's PID; it fails only
             // when the child was already reaped, which `take` rules out.

@@ -18,6 +18,8 @@ enum Call {
 #[derive(Default)]
 struct FakeKernel {
     calls: Mutex<Vec<Call>>,
+    /// Stores refused from now on (as the kernel refuses one for an inode it is evicting).
+    refuse_stores: std::sync::atomic::AtomicBool,
 }
 
 impl FakeKernel {
@@ -42,6 +44,12 @@ impl KernelCache for FakeKernel {
         Ok(())
     }
     fn store(&self, ino: u64, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        if self
+            .refuse_stores
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return Err(std::io::Error::from_raw_os_error(libc::ENOENT));
+        }
         self.calls
             .lock()
             .unwrap()
@@ -410,6 +418,30 @@ fn growth_elsewhere_reaches_the_kernel_size() {
     // Known now: no second announcement.
     e.fs.getattr(&root(), a.ino).unwrap();
     assert!(e.kernel.take().is_empty());
+}
+
+#[test]
+fn a_growth_the_kernel_refused_is_announced_again() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let e = env();
+    let (a, fh) = e.create(ROOT_INO, "grow");
+    e.fs.write(fh, 0, &[1u8; 100]).unwrap();
+    e.fs.release(fh).unwrap();
+    let other = e.fs.client().open(a.ino, true).unwrap();
+    other.write_at(100, &[7u8; 20]).unwrap();
+    drop(other);
+    e.kernel.take();
+    e.kernel.refuse_stores.store(true, Relaxed);
+    assert_eq!(e.fs.getattr(&root(), a.ino).unwrap().size, 120);
+    e.kernel.refuse_stores.store(false, Relaxed);
+    e.kernel.take();
+    // The kernel still holds 100 bytes: the next open announces the growth again.
+    let o = e.fs.open(&root(), a.ino, libc::O_RDONLY).unwrap();
+    assert!(
+        e.kernel.take().contains(&Call::Store(a.ino, 119, vec![7])),
+        "the open after a refused store announces the growth again"
+    );
+    e.fs.release(o.fh).unwrap();
 }
 
 #[test]
