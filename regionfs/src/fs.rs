@@ -349,6 +349,8 @@ pub struct RegionFs {
     handles: RwLock<HashMap<u64, Arc<Handle>>>,
     next_fh: AtomicU64,
     inodes: Mutex<HashMap<u64, InodeState>>,
+    /// The kernel's lookup count of each inode: what is kept about its inode goes at zero.
+    lookups: crate::lookup_counts::LookupCounts,
     /// Directories the kernel learned through this mount.
     dirs: Mutex<HashMap<u64, DirInfo>>,
     /// Names recorded in every `DirInfo::cached` (kept under a bound: see
@@ -429,6 +431,7 @@ impl RegionFs {
             handles: RwLock::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             inodes: Mutex::new(HashMap::new()),
+            lookups: Default::default(),
             dirs: Mutex::new(HashMap::new()),
             cached_names: std::sync::atomic::AtomicUsize::new(0),
             cached_swept: Mutex::new(Instant::now()),
@@ -522,6 +525,12 @@ impl RegionFs {
                 ..InodeState::default()
             });
             st.attr = Some((attr.clone(), Instant::now()));
+            tracing::trace!(
+                ino = attr.ino,
+                size = attr.size,
+                kernel_size = st.kernel_size,
+                "reply"
+            );
             if self.writeback() && attr.size > st.kernel_size {
                 let old = st.kernel_size;
                 st.kernel_size = attr.size;

@@ -161,6 +161,7 @@ impl FuseFs {
     /// kernel.
     fn reply_entry(&self, reply: ReplyEntry, parent: u64, name: &OsStr, a: &v1::Attr) {
         let (attr_ttl, entry_ttl) = self.entry_ttls(parent, name, a);
+        self.core.handing(a.ino);
         reply.entry_with_ttls(
             &attr_ttl,
             &entry_ttl,
@@ -367,9 +368,9 @@ impl Filesystem for FuseFs {
         }
     }
 
-    fn forget(&self, _req: &Request, ino: INodeNo, _nlookup: u64) {
+    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
         let _timed = Timed::start("forget");
-        self.core.forget(ino.0);
+        self.core.forget(ino.0, nlookup);
     }
 
     fn getattr(&self, req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
@@ -695,6 +696,12 @@ impl Filesystem for FuseFs {
                     let (attr_ttl, entry_ttl) =
                         self.entry_ttls(ino.0, &e.name, e.attr.as_ref().unwrap_or(&granted));
                     let ttl = attr_ttl.min(entry_ttl);
+                    // The kernel counts a lookup of every entry it links but `.` and `..`;
+                    // counted before it can be forgotten, taken back if it did not fit.
+                    let counted = e.name != "." && e.name != ".." && e.ino != 0;
+                    if counted {
+                        self.core.handing(e.ino);
+                    }
                     if reply.add(
                         INodeNo(e.ino),
                         e.cookie,
@@ -703,6 +710,9 @@ impl Filesystem for FuseFs {
                         &attr,
                         Generation(self.core.generation(e.ino)),
                     ) {
+                        if counted {
+                            self.core.forget(e.ino, 1);
+                        }
                         break;
                     }
                 }
@@ -808,6 +818,7 @@ impl Filesystem for FuseFs {
                 }
                 // One TTL for the entry and its attributes: the shorter.
                 let (attr_ttl, entry_ttl) = self.entry_ttls(parent.0, name, &a);
+                self.core.handing(a.ino);
                 reply.created(
                     &attr_ttl.min(entry_ttl),
                     &file_attr(&a),

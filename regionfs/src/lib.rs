@@ -30,6 +30,7 @@ pub mod fs;
 pub mod fuse;
 pub mod identity;
 pub mod ioctl;
+pub mod lookup_counts;
 pub mod mount;
 pub mod names;
 pub mod owners;

@@ -41,7 +41,7 @@ impl RegionFs {
             f.wait_stopped(ino)?;
         }
         // Close-to-open: keep the cached pages only if nothing changed.
-        let (keep, grown_from) = {
+        let (keep, grown_from, known) = {
             let mut inodes = self.lock_inodes();
             let st = inodes.entry(ino).or_insert_with(|| InodeState {
                 kernel_size: attr.size,
@@ -50,6 +50,7 @@ impl RegionFs {
             // A leased open's placement is what the kernel's cache holds: nothing changed
             // the region since (but this mount, whose writes are in that cache).
             let keep = st.seen == Some(now) || leased.is_some();
+            let known = st.kernel_size;
             st.seen = Some(now);
             let grown = if self.writeback() && attr.size > st.kernel_size {
                 let old = st.kernel_size;
@@ -58,7 +59,7 @@ impl RegionFs {
             } else {
                 None
             };
-            (keep, grown)
+            (keep, grown, known)
         };
         if !keep && let Some(k) = self.kernel.get() {
             // Attributes only: the open without keep_cache drops the pages.
@@ -84,7 +85,16 @@ impl RegionFs {
             let _ = self.release(fh);
             return Err(e);
         }
-        tracing::trace!(ino, fh, write, keep, io = io.name(), "open");
+        tracing::trace!(
+            ino,
+            fh,
+            write,
+            keep,
+            size = attr.size,
+            kernel_size = known,
+            io = io.name(),
+            "open"
+        );
         Ok(Opened {
             fh,
             keep_cache: keep && io == IoMode::Cached,

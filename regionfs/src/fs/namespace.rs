@@ -913,9 +913,22 @@ impl RegionFs {
         Ok(self.manager().access(&self.caller(ctx), ino, mask)?)
     }
 
-    /// The kernel forgot `ino`.
-    pub fn forget(&self, ino: u64) {
+    /// A reply is about to hand inode `ino` to the kernel (an entry of a lookup, create,
+    /// mkdir, mknod, symlink, link or readdirplus): one more lookup it will forget.
+    pub fn handing(&self, ino: u64) {
+        if !pseudo::is_pseudo(ino) {
+            self.lookups.handed(ino);
+        }
+    }
+
+    /// The kernel forgot `nlookup` of its lookups of `ino` (`crate::lookup_counts`).
+    pub fn forget(&self, ino: u64, nlookup: u64) {
         if pseudo::is_pseudo(ino) {
+            return;
+        }
+        if !self.lookups.forgot(ino, nlookup) {
+            // A late forget of an inode the kernel evicted: the one it holds now was handed
+            // out since, and what is kept about it stays.
             return;
         }
         // The kernel dropped the inode, and every entry naming it with it.

@@ -421,6 +421,40 @@ fn growth_elsewhere_reaches_the_kernel_size() {
 }
 
 #[test]
+fn a_late_forget_keeps_what_the_kernel_holds_now() {
+    let e = env();
+    let (a, fh) = e.create(ROOT_INO, "late");
+    e.fs.write(fh, 0, &[1u8; 100]).unwrap();
+    e.fs.release(fh).unwrap();
+    // Handed out by the create, evicted by the kernel (its forget of 1 still queued), then
+    // handed out again by a new lookup before that forget arrives.
+    e.fs.handing(a.ino);
+    e.fs.handing(a.ino);
+    e.fs.forget(a.ino, 1);
+    let other = e.fs.client().open(a.ino, true).unwrap();
+    other.write_at(100, &[5u8; 20]).unwrap();
+    drop(other);
+    e.kernel.take();
+    assert_eq!(e.fs.getattr(&root(), a.ino).unwrap().size, 120);
+    assert!(
+        e.kernel.take().contains(&Call::Store(a.ino, 119, vec![5])),
+        "the kernel's inode (100 bytes) learns the growth: the late forget did not drop what \
+         this mount knew of it"
+    );
+    // Its last lookup forgotten, the next one is a new inode, which takes the size it is given.
+    e.fs.forget(a.ino, 1);
+    let other = e.fs.client().open(a.ino, true).unwrap();
+    other.write_at(120, &[6u8; 10]).unwrap();
+    drop(other);
+    e.kernel.take();
+    assert_eq!(e.fs.getattr(&root(), a.ino).unwrap().size, 130);
+    assert!(
+        e.kernel.take().is_empty(),
+        "a new inode needs no announcement"
+    );
+}
+
+#[test]
 fn a_growth_the_kernel_refused_is_announced_again() {
     use std::sync::atomic::Ordering::Relaxed;
     let e = env();
@@ -830,7 +864,7 @@ fn cached_entry_records_are_swept() {
         assert!(cached.contains_key(OsStr::new(&format!("m{}", recorded - 1))));
         assert!(!cached.contains_key(OsStr::new(&format!("m{recorded}"))));
     }
-    e.fs.forget(d.ino);
+    e.fs.forget(d.ino, 1);
     assert_eq!(held(), 0, "the forgotten directory's records are gone");
     // A directory this mount does not know records nothing (its mode is unknown).
     assert!(e.fs.entry_cacheable_noting(999_999, os("x"), Duration::from_secs(1)));
