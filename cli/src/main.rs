@@ -158,7 +158,7 @@ struct UpArgs {
     /// Regions that stay at most this many bytes (at most 8160) are stored as objects in the
     /// daemon's object store instead of whole 128 KiB chunks (the manager's flag of the same
     /// name); 0 stores none.
-    #[arg(long, env = "REGIONS_SMALL_REGIONS", default_value = "0", value_parser = regions_proto::config::parse_size)]
+    #[arg(long, env = "REGIONS_SMALL_REGIONS", default_value = "4K", value_parser = regions_proto::config::parse_size)]
     small_regions: u64,
     #[command(flatten)]
     fs: FsArgs,

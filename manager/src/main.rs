@@ -49,7 +49,7 @@ struct Args {
     /// Regions that stay at most this many bytes (K suffix; at most 8160) are stored as
     /// objects packed into the daemons' object stores instead of whole 128 KiB chunks, and
     /// move to chunks when they grow past it or are mapped; 0 stores none.
-    #[arg(long, env = "REGIONS_SMALL_REGIONS", default_value = "0", value_parser = regions_proto::config::parse_size)]
+    #[arg(long, env = "REGIONS_SMALL_REGIONS", default_value = "4K", value_parser = regions_proto::config::parse_size)]
     small_regions: u64,
     /// Bytes of the write-ahead log, written out in full when created: changes are durable
     /// there first, and it keeps them while the data directory is full.

@@ -38,10 +38,9 @@ use crate::model::{Inode, decode, encode};
 use crate::state::State;
 use crate::word_client::WordClient;
 
-/// Regions up to this many bytes are stored as objects unless configured otherwise: none
-/// yet (`--small-regions 4K` turns them on; docs/ARCHITECTURE.md, "Not built yet", says what
-/// keeps them off by default).
-pub const DEFAULT_SMALL_REGIONS: u64 = 0;
+/// Regions up to this many bytes are stored as objects unless configured otherwise
+/// (`--small-regions`; 0 stores none).
+pub const DEFAULT_SMALL_REGIONS: u64 = 4096;
 
 /// Attribute-map key of a region's object placement.
 pub const OBJECT_KEY: &str = "regions.object";
