@@ -14,10 +14,10 @@
 #      compacts a class when a free leaves it more than a fifth free), runs `regionfs compact`
 #      and reads them again;
 #   4. reads every survivor back and checks its bytes.
-# It prints the memory the object store holds (its memfd's allocated pages) beside the ideal (the survivors'
-# bytes plus a 32-byte header each) and beside one segment per region (at least one page per
-# region, the layout without small regions), as ratios; target after compaction <= 1.15x the
-# ideal. Also the rates of create, unlink and read per second.
+# It prints the memory the object store holds (its memfd's allocated pages) beside the ideal
+# (the survivors' bytes plus a 32-byte header each) and beside one segment per region (at
+# least one page per region, the layout without small regions), as ratios; target after
+# compaction <= 1.15x the ideal. Also the rates of create, unlink and read per second.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

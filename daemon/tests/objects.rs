@@ -37,6 +37,20 @@ fn call(c: &mut Client, req: &Request, cap: u64) -> Frame {
     c.recv().expect("the server closed the connection")
 }
 
+/// A connection to `addr` holding a capability to read and write all of region `ino`.
+fn holding_capability(addr: std::net::SocketAddr, ino: u64) -> Client {
+    let mut app = Client::connect(addr);
+    let ok = call(
+        &mut app,
+        &Request::Hello {
+            token: token(ino, RIGHT_READ | RIGHT_WRITE, (0, u64::MAX)),
+        },
+        5,
+    );
+    assert_eq!(status(&ok), 0);
+    app
+}
+
 fn alloc(node: &mut Client, ino: u64, len: u32) -> ObjectRef {
     let reply = node.call(&Request::ObjAlloc { ino, len });
     assert_eq!(status(&reply), 0, "{:?}", reply.error_message());
@@ -93,15 +107,7 @@ fn a_capability_reaches_its_own_regions_object_only() {
         0
     );
 
-    let mut app = Client::connect(srv.local_addr());
-    let ok = call(
-        &mut app,
-        &Request::Hello {
-            token: token(10, RIGHT_READ | RIGHT_WRITE, (0, u64::MAX)),
-        },
-        5,
-    );
-    assert_eq!(status(&ok), 0);
+    let mut app = holding_capability(srv.local_addr(), 10);
     assert_eq!(
         status(&call(&mut app, &write(10, mine, 100, b"hello object"), 5)),
         0
@@ -320,15 +326,7 @@ fn a_refit_copies_into_a_smaller_object_or_changes_nothing() {
     assert_eq!(status(&late), libc::ESTALE, "{:?}", late.error_message());
     assert_eq!(status(&node.call(&write(20, small, 0, b"new!"))), 0);
     // A capability holder may not refit.
-    let mut app = Client::connect(srv.local_addr());
-    let ok = call(
-        &mut app,
-        &Request::Hello {
-            token: token(20, RIGHT_READ | RIGHT_WRITE, (0, u64::MAX)),
-        },
-        5,
-    );
-    assert_eq!(status(&ok), 0);
+    let mut app = holding_capability(srv.local_addr(), 20);
     let refit = Request::ObjRefit {
         ino: 20,
         at: small,
