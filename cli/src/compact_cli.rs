@@ -30,8 +30,8 @@ pub struct CompactArgs {
 /// One host's answer, as printed.
 fn describe(host: u32, done: &ObjectCompaction) -> String {
     format!(
-        "host {host}: freed {} bytes ({} blocks merged into others; {} objects copied, {} of \
-         them to another slot)",
+        "host {host}: freed {} bytes ({} blocks merged or emptied into others; {} objects \
+         copied, {} of them to another slot or block)",
         done.bytes_freed, done.blocks_freed, done.objects_merged, done.objects_moved
     )
 }
@@ -115,8 +115,8 @@ mod tests {
         };
         assert_eq!(
             describe(7, &done),
-            "host 7: freed 98304 bytes (3 blocks merged into others; 40 objects copied, 2 of \
-             them to another slot)"
+            "host 7: freed 98304 bytes (3 blocks merged or emptied into others; 40 objects \
+             copied, 2 of them to another slot or block)"
         );
     }
 }

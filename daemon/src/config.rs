@@ -47,6 +47,15 @@ pub struct Args {
     /// sparse (`false`: only when the store is full and on `regionfs compact`).
     #[arg(long, env = "REGIONS_OBJECT_AUTO_COMPACTION", default_value_t = true, action = clap::ArgAction::Set)]
     pub object_auto_compaction: bool,
+    /// How long, in milliseconds, an object's old pointer keeps reaching it after the manager
+    /// recorded the pointer compaction moved it to (requests already under way with the old
+    /// one finish; then its block address is reused).
+    #[arg(
+        long,
+        env = "REGIONS_OBJECT_CORRECTION_GRACE_MS",
+        default_value_t = 30_000
+    )]
+    pub object_correction_grace_ms: u64,
     /// Path of the host-agent Unix socket (its directory must exist).
     #[arg(
         long,
@@ -154,6 +163,8 @@ pub struct Config {
     pub object_memory: u64,
     /// Whether frees that leave a size class sparse compact it.
     pub object_auto_compaction: bool,
+    /// How long a corrected object pointer keeps working.
+    pub object_correction_grace: Duration,
     /// Host-agent socket path.
     pub socket: PathBuf,
     /// The cluster secret.
@@ -195,6 +206,7 @@ impl Config {
             memory,
             object_memory: DEFAULT_OBJECT_MEMORY,
             object_auto_compaction: true,
+            object_correction_grace: crate::objects::CORRECTION_GRACE,
             socket,
             secret,
             ready_file: None,
@@ -220,6 +232,7 @@ impl Config {
             memory: args.memory,
             object_memory: args.object_memory,
             object_auto_compaction: args.object_auto_compaction,
+            object_correction_grace: Duration::from_millis(args.object_correction_grace_ms),
             socket: args.socket.clone(),
             secret,
             ready_file: args.ready_file.clone(),

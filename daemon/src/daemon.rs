@@ -72,6 +72,7 @@ impl Daemon {
             bytes => {
                 let store = crate::objects::ObjectStore::new(bytes)?;
                 store.set_auto_compaction(config.object_auto_compaction);
+                store.set_correction_grace(config.object_correction_grace);
                 Some(Arc::new(store))
             }
         };

@@ -90,6 +90,7 @@ impl Stats {
                     fragmentation: c.fragmentation,
                     compactions: c.compactions,
                     moved_objects: c.moved_objects,
+                    indirect: c.indirect,
                 })
                 .collect()
         });

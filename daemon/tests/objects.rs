@@ -333,4 +333,18 @@ fn a_refit_copies_into_a_smaller_object_or_changes_nothing() {
         len: 10,
     };
     assert_eq!(status(&call(&mut app, &refit, 5)), libc::EACCES);
+    // Nor list moved objects (other regions' among them) or correct a pointer.
+    let list = Request::ObjIndirect { max: 10 };
+    assert_eq!(status(&call(&mut app, &list, 6)), libc::EACCES);
+    let correct = Request::ObjCorrect { ino: 20, at: small };
+    assert_eq!(status(&call(&mut app, &correct, 7)), libc::EACCES);
+    // The node may: nothing moved here, so nothing is listed, and its own block's pointer
+    // is already the one a correction gives.
+    let listed = node.call(&list);
+    assert_eq!(status(&listed), 0);
+    assert!(listed.payload.is_empty());
+    let corrected = node.call(&correct);
+    assert_eq!(status(&corrected), 0, "{:?}", corrected.error_message());
+    let (now, _) = ObjectRef::decode(Op::ObjCorrect, &corrected.payload).unwrap();
+    assert_eq!((now.address, now.id), (small.address, small.id));
 }

@@ -1114,9 +1114,12 @@ impl Manager {
     pub async fn statfs(&self) -> Result<v1::StatFsReply> {
         self.read(|s| {
             let stats = s.stats();
+            // The object stores of small regions count too: their memory, less what the
+            // regions stored there take.
+            let (objects_total, objects_used) = s.object_space();
             Ok(v1::StatFsReply {
-                total_bytes: stats.total_bytes,
-                free_bytes: stats.free_bytes,
+                total_bytes: stats.total_bytes + objects_total,
+                free_bytes: stats.free_bytes + objects_total.saturating_sub(objects_used),
                 inodes: s.inodes.len() as u64,
                 free_inodes: u64::from(u32::MAX).saturating_sub(s.inodes.len() as u64),
                 block_size: regions_proto::layout::CHUNK_SIZE as u32,
@@ -1229,7 +1232,13 @@ impl Manager {
         let guard = self.recall(&caller, &[Lease::Names(parent)]).await;
         // A writer's space up front may be an object, allocated for the inode number the
         // create will take and recorded in the create's own change.
-        let object = if write && preallocate > 0 {
+        // Only for a create that may succeed: a refused one (no right to the directory, the
+        // name taken) costs the daemon no object.
+        let may_create = || {
+            self.peek(|s| s.check_new_entry(&caller, parent, &name).is_ok())
+                .unwrap_or(false)
+        };
+        let object = if write && preallocate > 0 && may_create() {
             self.object_for_create(&caller).await
         } else {
             None
@@ -1327,11 +1336,15 @@ impl Manager {
             self.place_small(&caller, ino, grow.size, grow.capacity)
                 .await?;
         }
-        // A writer publishing its size: its object (placed for the limit) fitted to it.
-        let fit = if grow.capacity == 0 && !grow.chunks {
+        // A writer publishing its size: its object (placed for the limit) fitted to it; a
+        // write that outgrows its object within the limit: an object of the limit.
+        let fit = if grow.chunks {
+            None
+        } else if grow.capacity == 0 {
             self.fit_object(&caller, ino, grow.size).await
         } else {
-            None
+            self.grow_object(&caller, ino, grow.size.max(grow.capacity))
+                .await
         };
         let fitted = std::sync::atomic::AtomicBool::new(false);
         let info = self

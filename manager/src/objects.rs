@@ -10,8 +10,11 @@
 //!   map under [`OBJECT_KEY`], a key outside the `user.` namespace that no client can name, so
 //!   stores written before objects still load (as the lost mark is).
 //! - *Growing within the object* changes the size only. Shrinking (a truncate, or the last
-//!   writer leaving bytes past the size) zeroes the object past the size.
-//! - *Moving to chunks.* A region that outgrows its object, or that something needs as memory
+//!   writer leaving bytes past the size) zeroes the object past the size; a region its last
+//!   writer leaves empty gives its object back ([`State::drop_empty_object`]).
+//! - *Growing into a larger object.* A write that outgrows its object within the limit gets an
+//!   object of the limit holding its bytes, as a fit does ([`Manager::grow_object`]).
+//! - *Moving to chunks.* A region that outgrows the limit, or that something needs as memory
 //!   (`ExtendRequest.chunks`: a mapping, a segment, words for atomics), gets chunks in the same
 //!   change that marks its object *moving* (durably). The manager then freezes the object
 //!   (the daemon refuses writes to it from then on: writers refresh their map), copies its
@@ -21,12 +24,20 @@
 //! - *Freeing.* Freeing the region frees its object (after the change; a manager crash in
 //!   between leaves the object behind, which nothing names: the daemon keeps it until it
 //!   restarts).
+//! - *Correcting pointers.* A daemon's compaction moves objects between blocks; it keeps
+//!   finding each by the pointer the manager recorded, and lists those pointers as indirect.
+//!   About once a second the manager asks each object store for them, records each region's
+//!   pointer at its object's own block in one change (not while the region moves or has
+//!   object work under way: those wait for the next round), and then tells the daemon, which
+//!   lets the old address go after a grace period (CoRM §3.2-3.3).
 //! - *Losing.* An object on a host whose daemon restarted is gone: its region is marked lost.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use regions_proto::frame::{OBJECT_REF_LEN, ObjectRef, Request};
+use regions_proto::frame::{
+    INDIRECT_OBJECT_LEN, IndirectObject, OBJECT_REF_LEN, ObjectRef, Request,
+};
 use regions_proto::layout::MapEntry;
 use regions_proto::v1;
 use serde::{Deserialize, Serialize};
@@ -183,6 +194,25 @@ impl State {
         self.objects.small_regions.min(MAX_OBJECT_BYTES)
     }
 
+    /// Bytes of the live hosts' object stores, and the bytes the objects recorded in them
+    /// take (each its capacity and a 32-byte header; the stores round up to size classes).
+    pub fn object_space(&self) -> (u64, u64) {
+        let total = self
+            .objects
+            .hosts
+            .iter()
+            .filter(|(h, _)| self.is_live(**h))
+            .map(|(_, bytes)| *bytes)
+            .sum();
+        let used = self
+            .inodes
+            .values()
+            .filter_map(Inode::object)
+            .map(|o| u64::from(o.capacity) + 32)
+            .sum();
+        (total, used)
+    }
+
     /// The host a new object of `bytes` bytes for region `ino` goes to, when the region may
     /// become one: no memory yet, small enough, neither MULTIHOSTED nor FIXVADDR, and a host
     /// with an object store where its chunks would go.
@@ -293,6 +323,30 @@ impl State {
             inode.map_version += 1;
             self.objects.jobs.push(ObjectJob::Move { ino });
         }
+    }
+
+    /// Frees region `ino`'s object when its last writer left it empty (a file created and
+    /// closed unwritten, or truncated to nothing): an empty region holds no memory, and a
+    /// later write places an object again.
+    pub fn drop_empty_object(&mut self, ino: u64) {
+        let Some(o) = self
+            .region(ino)
+            .ok()
+            .filter(|i| i.size == 0)
+            .and_then(Inode::object)
+            .filter(|o| !o.moving)
+        else {
+            return;
+        };
+        if let Ok(inode) = self.inode_mut(ino) {
+            inode.set_object(None);
+            inode.map_version += 1;
+        }
+        self.objects.jobs.push(ObjectJob::Free {
+            host: o.host,
+            ino,
+            at: o.at(),
+        });
     }
 
     /// Queues the zeroing of region `ino`'s object past its size (a shrink, or a writer that
@@ -439,6 +493,84 @@ impl State {
     }
 }
 
+impl State {
+    /// Records, for the objects of `host` listed in `moved`, each region's pointer at its
+    /// object's own block, where the region still names the object by its old pointer and
+    /// neither moves nor has object work under way (queued work follows the new pointer).
+    /// Returns the pointers the daemon may now correct: those recorded, and those a region
+    /// already names (recorded before a restart of the manager).
+    pub fn correct_objects(
+        &mut self,
+        host: u32,
+        moved: &[IndirectObject],
+    ) -> Vec<(u64, ObjectRef)> {
+        let mut out = Vec::new();
+        for m in moved {
+            if self.objects.in_flight.contains_key(&m.ino) {
+                continue;
+            }
+            let Some(mut o) = self.region(m.ino).ok().and_then(Inode::object) else {
+                continue;
+            };
+            if o.host != host || o.id != m.old.id || o.moving {
+                continue;
+            }
+            if o.address == m.new.address {
+                out.push((m.ino, m.new));
+                continue;
+            }
+            if o.address != m.old.address {
+                continue;
+            }
+            (o.address, o.slot) = (m.new.address, m.new.slot);
+            if let Ok(inode) = self.inode_mut(m.ino) {
+                inode.set_object(Some(o));
+                inode.map_version += 1;
+            }
+            let named = |at: &ObjectRef| at.address == m.old.address && at.id == m.old.id;
+            for job in &mut self.objects.jobs {
+                match job {
+                    ObjectJob::Free { host: h, ino, at }
+                    | ObjectJob::Zero {
+                        host: h, ino, at, ..
+                    } if *h == host && *ino == m.ino && named(at) => *at = m.new,
+                    _ => {}
+                }
+            }
+            out.push((m.ino, m.new));
+        }
+        out
+    }
+}
+
+/// Object work taken from the queue and not done yet: back to the queue when dropped (the
+/// request doing it was cancelled), so that no free, zeroing or move is lost.
+struct TakenWork<'a> {
+    manager: &'a Manager,
+    jobs: std::collections::VecDeque<ObjectJob>,
+}
+
+impl Drop for TakenWork<'_> {
+    fn drop(&mut self) {
+        if self.jobs.is_empty() {
+            return;
+        }
+        let left: Vec<ObjectJob> = self.jobs.drain(..).collect();
+        tracing::debug!(jobs = left.len(), "object work given back to the queue");
+        self.manager.in_memory(|s| {
+            for job in left {
+                s.objects.done(job.ino());
+                s.objects.jobs.push(job);
+            }
+        });
+    }
+}
+
+/// How often (in work ticks) the manager asks object stores for pointers to correct.
+const CORRECTION_TICKS: u32 = 5;
+/// Pointers asked for from one object store per round.
+const CORRECTIONS_PER_ROUND: u32 = 1024;
+
 /// How long a reply waits for object work another caller is doing for its region.
 const SETTLE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -450,12 +582,17 @@ const WORK_TICK: std::time::Duration = std::time::Duration::from_millis(200);
 /// that failed).
 pub async fn run_object_work(manager: Arc<Manager>) {
     let mut closing = manager.closing();
+    let mut ticks = 0u32;
     loop {
         tokio::select! {
             () = tokio::time::sleep(WORK_TICK) => {}
             _ = closing.wait_for(|c| *c) => return,
         }
         manager.object_work().await;
+        ticks += 1;
+        if ticks.is_multiple_of(CORRECTION_TICKS) {
+            manager.correct_object_pointers().await;
+        }
     }
 }
 
@@ -589,21 +726,32 @@ impl Manager {
                     .flatten()
             })
             .flatten()?;
-        let at = old.at();
         let len = u32::try_from(size).unwrap_or(u32::MAX);
-        // One request: the daemon allocates the fitted object, freezes the old one and copies
-        // it (or refuses, changing nothing, when a byte lies past the new one).
-        let reply = match client
-            .call(
-                &addr,
-                &Request::ObjRefit { ino, at, len },
-                OBJECT_REF_LEN + 4,
-            )
-            .await
-        {
+        self.refit(&client, &addr, ino, old, len, true).await
+    }
+
+    /// One request to `old`'s daemon at `addr`: it allocates an object of `len` bytes for
+    /// region `ino`, freezes `old` and copies it (or refuses, changing nothing, when a byte
+    /// lies past the new one). The pair for the change that records it; `fitted`: the new
+    /// object is sized to its region.
+    async fn refit(
+        &self,
+        client: &WordClient,
+        addr: &str,
+        ino: u64,
+        old: ObjectPlacement,
+        len: u32,
+        fitted: bool,
+    ) -> Option<Fit> {
+        let request = Request::ObjRefit {
+            ino,
+            at: old.at(),
+            len,
+        };
+        let reply = match client.call(addr, &request, OBJECT_REF_LEN + 4).await {
             Ok(r) => r,
             Err(e) => {
-                tracing::debug!(ino, error = %e, "region's object not fitted to its size");
+                tracing::debug!(ino, len, error = %e, "region's object not moved to one of another size");
                 return None;
             }
         };
@@ -614,10 +762,37 @@ impl Manager {
             slot: new_at.slot,
             id: new_at.id,
             capacity,
-            fitted: true,
+            fitted,
             ..old
         };
         Some(Fit { old, new })
+    }
+
+    /// For a write that outgrows region `ino`'s object within the small-region limit (it
+    /// needs `bytes` bytes): an object of the limit holding the region's bytes, with the old
+    /// one frozen, recorded by the extend's change like a fit ([`State::swap_object`]), so the
+    /// region stays an object (and its writer's close fits it to its size again). `None`: the
+    /// region is no object, moves, fits already, or would outgrow the limit (it moves to
+    /// chunks).
+    pub(crate) async fn grow_object(&self, caller: &Caller, ino: u64, bytes: u64) -> Option<Fit> {
+        let client = self.object_client()?;
+        let (old, limit, addr) = self
+            .peek(|s| {
+                s.check_write_or_handle(caller, ino, "extend this region")
+                    .ok()?;
+                let old = s.region(ino).ok()?.object().filter(|o| !o.moving)?;
+                let limit = s.small_object_bytes();
+                (bytes > u64::from(old.capacity) && bytes <= limit)
+                    .then(|| {
+                        s.hosts
+                            .get(&old.host)
+                            .map(|h| (old, limit, h.transport_addr.clone()))
+                    })
+                    .flatten()
+            })
+            .flatten()?;
+        let len = u32::try_from(limit).unwrap_or(u32::MAX);
+        self.refit(&client, &addr, ino, old, len, false).await
     }
 
     /// After the publish that recorded `fit` (`taken`) or did not: frees the object that
@@ -689,11 +864,18 @@ impl Manager {
                 return;
             }
         }
-        for job in jobs {
+        // Taken work goes back to the queue if this future is dropped part-way (the client
+        // whose request does it went away): every job is safe to do again.
+        let mut taken = TakenWork {
+            manager: self,
+            jobs: jobs.into(),
+        };
+        while let Some(&job) = taken.jobs.front() {
             if let Err(e) = self.do_job(&client, job).await {
                 tracing::warn!(?job, error = %e, "object work on a daemon failed");
                 self.in_memory(|s| s.objects.jobs.push(job));
             }
+            taken.jobs.pop_front();
             self.in_memory(|s| s.objects.done(job.ino()));
         }
         // What another caller is doing (for this region, or for any with `None`).
@@ -805,6 +987,69 @@ impl Manager {
         Ok(())
     }
 
+    /// Corrects the pointers that compaction made indirect in every object store (see the
+    /// module's "Correcting pointers"); a store out of reach is tried at the next round.
+    pub async fn correct_object_pointers(&self) {
+        let Some(client) = self.object_client() else {
+            return;
+        };
+        let stores = self
+            .peek(|s| {
+                s.objects
+                    .hosts
+                    .iter()
+                    .filter(|(_, bytes)| **bytes > 0)
+                    .filter_map(|(h, _)| s.hosts.get(h).map(|x| (*h, x.transport_addr.clone())))
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default();
+        for (host, addr) in stores {
+            if let Err(e) = self.correct_pointers_on(&client, host, &addr).await {
+                tracing::debug!(host, error = %e, "object pointers not corrected this round");
+            }
+        }
+    }
+
+    async fn correct_pointers_on(
+        &self,
+        client: &WordClient,
+        host: u32,
+        addr: &str,
+    ) -> std::result::Result<(), String> {
+        let ask = Request::ObjIndirect {
+            max: CORRECTIONS_PER_ROUND,
+        };
+        let reply = client
+            .call(
+                addr,
+                &ask,
+                CORRECTIONS_PER_ROUND as usize * INDIRECT_OBJECT_LEN,
+            )
+            .await
+            .map_err(|e| format!("asking for moved objects: {e}"))?;
+        let moved = IndirectObject::decode_all(&reply).map_err(|e| e.to_string())?;
+        if moved.is_empty() {
+            return Ok(());
+        }
+        let recorded = self
+            .write(move |s| Ok(s.correct_objects(host, &moved)))
+            .await
+            .map_err(|e| format!("recording moved objects: {e}"))?;
+        let n = recorded.len();
+        for (ino, at) in recorded {
+            client
+                .call(addr, &Request::ObjCorrect { ino, at }, OBJECT_REF_LEN)
+                .await
+                .map_err(|e| format!("correcting region {ino}'s object pointer: {e}"))?;
+        }
+        tracing::debug!(
+            host,
+            corrected = n,
+            "object pointers corrected after compaction"
+        );
+        Ok(())
+    }
+
     fn host_addr(&self, host: u32) -> Option<String> {
         self.peek(|s| s.hosts.get(&host).map(|h| h.transport_addr.clone()))
             .flatten()
@@ -820,6 +1065,54 @@ impl Manager {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Object work taken by a request that is cancelled part-way (its client went away) goes
+    /// back to the queue, to be done by the work loop, and counts as under way no more.
+    #[tokio::test]
+    async fn work_of_a_cancelled_request_goes_back_to_the_queue() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = Manager::open(dir.path(), crate::Config::default()).unwrap();
+        m.serve_objects(regions_proto::auth::Secret::new("object-work-test").unwrap());
+        // A daemon that takes the connection and never answers.
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = silent.local_addr().unwrap().to_string();
+        m.register_host(&crate::cluster::HostRegistration {
+            host_id: 1,
+            transport_addr: addr,
+            agent_socket: String::new(),
+            memory_offered: 0,
+            incarnation: 1,
+            transports: String::new(),
+            object_memory: 1 << 20,
+        })
+        .await
+        .unwrap();
+        let job = ObjectJob::Free {
+            host: 1,
+            ino: 77,
+            at: ObjectRef {
+                address: 1,
+                slot: 2,
+                id: 3,
+            },
+        };
+        m.in_memory(|s| s.objects.jobs.push(job));
+        let cut = tokio::time::timeout(
+            std::time::Duration::from_millis(300),
+            m.object_work_of(Some(77)),
+        )
+        .await;
+        assert!(
+            cut.is_err(),
+            "the silent daemon holds the request until it is dropped"
+        );
+        let (queued, under_way) = m
+            .peek(|s| (s.objects.jobs.clone(), s.objects.in_flight.clone()))
+            .unwrap();
+        assert_eq!(queued, vec![job], "the free is queued again");
+        assert!(under_way.is_empty(), "{under_way:?}");
+        drop(silent);
+    }
 
     #[test]
     fn placements_live_in_the_attribute_map_and_round_trip() {

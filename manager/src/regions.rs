@@ -408,6 +408,7 @@ impl State {
                 if zero_tail {
                     self.zero_object_tail(handle.ino);
                 }
+                self.drop_empty_object(handle.ino);
             }
         }
         let last = match self.open.get_mut(&handle.ino) {

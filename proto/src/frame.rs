@@ -210,6 +210,62 @@ pub enum Op {
     /// payload ([`ObjectRef`]), which is frozen (cluster secret only; `EBUSY` when a byte
     /// past the new object's capacity is in use); reply payload as [`Op::ObjAlloc`]'s.
     ObjRefit = 21,
+    /// At most `length` (at most [`MAX_INDIRECT`]) objects whose pointers compaction made
+    /// indirect (cluster secret only: the manager corrects them); reply payload = that many
+    /// [`IndirectObject`]s.
+    ObjIndirect = 22,
+    /// Makes the pointer to the region `object_id`'s object at its block's own address its one
+    /// pointer, once the manager recorded it (cluster secret only); payload = the object's
+    /// [`ObjectRef`] (old or new), reply payload = the new [`ObjectRef`]. The old pointer keeps
+    /// working for a grace period.
+    ObjCorrect = 23,
+}
+
+/// The most [`IndirectObject`]s one [`Op::ObjIndirect`] asks for.
+pub const MAX_INDIRECT: u32 = 4096;
+/// Encoded size of an [`IndirectObject`].
+pub const INDIRECT_OBJECT_LEN: usize = 8 + 2 * OBJECT_REF_LEN;
+
+/// An object whose pointer names another block's address than its own ([`Op::ObjIndirect`]'s
+/// reply): its region, the pointer as handed out, and the pointer at its block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct IndirectObject {
+    /// The region it belongs to.
+    pub ino: u64,
+    /// The pointer the region's map holds.
+    pub old: ObjectRef,
+    /// The pointer at the object's own block.
+    pub new: ObjectRef,
+}
+
+impl IndirectObject {
+    /// Appends the encoding.
+    pub fn encode(&self, buf: &mut BytesMut) {
+        buf.put_u64_le(self.ino);
+        self.old.encode(buf);
+        self.new.encode(buf);
+    }
+
+    /// Decodes a whole [`Op::ObjIndirect`] reply payload.
+    pub fn decode_all(payload: &[u8]) -> Result<Vec<IndirectObject>, FrameError> {
+        if !payload.len().is_multiple_of(INDIRECT_OBJECT_LEN) {
+            return Err(bad_length(
+                Op::ObjIndirect,
+                "reply payload length (a multiple of 32)",
+                (payload.len() / INDIRECT_OBJECT_LEN * INDIRECT_OBJECT_LEN) as u64,
+                payload.len() as u64,
+            ));
+        }
+        payload
+            .chunks_exact(INDIRECT_OBJECT_LEN)
+            .map(|mut c| {
+                let ino = c.get_u64_le();
+                let (old, rest) = ObjectRef::decode(Op::ObjIndirect, c)?;
+                let (new, _) = ObjectRef::decode(Op::ObjIndirect, rest)?;
+                Ok(IndirectObject { ino, old, new })
+            })
+            .collect()
+    }
 }
 
 /// Encoded size of an [`ObjectCompaction`].
@@ -383,6 +439,8 @@ impl TryFrom<u8> for Op {
             19 => Op::ObjFreeze,
             20 => Op::ObjThaw,
             21 => Op::ObjRefit,
+            22 => Op::ObjIndirect,
+            23 => Op::ObjCorrect,
             other => return Err(FrameError::UnknownOp(other)),
         })
     }
@@ -413,6 +471,8 @@ impl Op {
             Op::ObjFreeze => "object-freeze",
             Op::ObjThaw => "object-thaw",
             Op::ObjRefit => "object-refit",
+            Op::ObjIndirect => "object-indirect",
+            Op::ObjCorrect => "object-correct",
         }
     }
 }
@@ -863,6 +923,10 @@ pub enum Request {
     ObjThaw { ino: u64, at: ObjectRef },
     /// A new object of `len` bytes with region `ino`'s object `at`'s bytes; `at` frozen.
     ObjRefit { ino: u64, at: ObjectRef, len: u32 },
+    /// At most `max` objects whose pointers are indirect.
+    ObjIndirect { max: u32 },
+    /// Make region `ino`'s object `at`'s pointer the one at its own block.
+    ObjCorrect { ino: u64, at: ObjectRef },
 }
 
 impl Request {
@@ -890,6 +954,8 @@ impl Request {
             Request::ObjFreeze { .. } => Op::ObjFreeze,
             Request::ObjThaw { .. } => Op::ObjThaw,
             Request::ObjRefit { .. } => Op::ObjRefit,
+            Request::ObjIndirect { .. } => Op::ObjIndirect,
+            Request::ObjCorrect { .. } => Op::ObjCorrect,
         }
     }
 
@@ -1044,10 +1110,24 @@ impl Request {
             | Op::ObjWrite
             | Op::ObjFreeze
             | Op::ObjThaw
+            | Op::ObjCorrect
             | Op::ObjRefit => parse_object(h, payload)?,
             Op::ObjCompact => {
                 expect_len(op, "payload length", 0, plen)?;
                 Request::ObjCompact
+            }
+            Op::ObjIndirect => {
+                expect_len(op, "payload length", 0, plen)?;
+                let max = u32::try_from(h.length)
+                    .ok()
+                    .filter(|m| *m <= MAX_INDIRECT)
+                    .ok_or(bad_length(
+                        op,
+                        "length field (at most)",
+                        u64::from(MAX_INDIRECT),
+                        h.length,
+                    ))?;
+                Request::ObjIndirect { max }
             }
         })
     }
@@ -1141,7 +1221,8 @@ impl Request {
             }
             &Request::ObjFree { ino, at }
             | &Request::ObjFreeze { ino, at }
-            | &Request::ObjThaw { ino, at } => {
+            | &Request::ObjThaw { ino, at }
+            | &Request::ObjCorrect { ino, at } => {
                 h.object_id = ino;
                 at.encode(&mut buf);
                 buf.freeze()
@@ -1169,6 +1250,10 @@ impl Request {
                 buf.freeze()
             }
             Request::ObjCompact => Bytes::new(),
+            &Request::ObjIndirect { max } => {
+                h.length = u64::from(max);
+                Bytes::new()
+            }
         };
         h.payload_len = u32::try_from(payload.len()).unwrap_or(u32::MAX);
         Frame { header: h, payload }
@@ -1212,12 +1297,13 @@ fn parse_object(h: &Header, payload: &Bytes) -> Result<Request, FrameError> {
                 len: small("length field (at most)", h.length)?,
             }
         }
-        Op::ObjFree | Op::ObjFreeze | Op::ObjThaw => {
+        Op::ObjFree | Op::ObjFreeze | Op::ObjThaw | Op::ObjCorrect => {
             expect_len(op, "payload length", OBJECT_REF_LEN as u64, plen)?;
             let (at, _) = ObjectRef::decode(op, payload)?;
             match op {
                 Op::ObjFree => Request::ObjFree { ino, at },
                 Op::ObjFreeze => Request::ObjFreeze { ino, at },
+                Op::ObjCorrect => Request::ObjCorrect { ino, at },
                 _ => Request::ObjThaw { ino, at },
             }
         }
@@ -1463,6 +1549,15 @@ mod tests {
                 data: Bytes::from_static(b"small region"),
             },
             Request::ObjCompact,
+            Request::ObjIndirect { max: 100 },
+            Request::ObjCorrect {
+                ino: 7,
+                at: ObjectRef {
+                    address: 4,
+                    slot: 5,
+                    id: 6,
+                },
+            },
             Request::ObjRefit {
                 ino: 7,
                 at: ObjectRef {
@@ -1792,8 +1887,8 @@ mod tests {
             Err(FrameError::UnknownOp(0))
         );
         assert_eq!(
-            with_bytes(&ping, |b| b[3] = 22),
-            Err(FrameError::UnknownOp(22))
+            with_bytes(&ping, |b| b[3] = 24),
+            Err(FrameError::UnknownOp(24))
         );
         assert_eq!(
             with_bytes(&ping, |b| b[0] = 0),
@@ -2030,6 +2125,13 @@ mod tests {
                     }
                 }),
             Just(Request::ObjCompact),
+            (0..=MAX_INDIRECT).prop_map(|max| Request::ObjIndirect { max }),
+            (1..u64::MAX, any::<[u32; 3]>()).prop_map(|(ino, [address, slot, id])| {
+                Request::ObjCorrect {
+                    ino,
+                    at: ObjectRef { address, slot, id },
+                }
+            }),
             (1..u64::MAX, any::<[u32; 3]>()).prop_map(|(ino, [address, slot, id])| {
                 Request::ObjFreeze {
                     ino,

@@ -171,12 +171,12 @@ pub fn render_pools(
         d.object_bytes, d.object_memory
     );
     out.push_str(
-        "class_slot\tblocks\tobjects\tlive_bytes\tblock_bytes\tfragmentation\tcompactions\tmoved_objects\n",
+        "class_slot\tblocks\tobjects\tlive_bytes\tblock_bytes\tfragmentation\tcompactions\tmoved_objects\tindirect\n",
     );
     for c in &d.object_classes {
         let _ = writeln!(
             out,
-            "{}\t{}\t{}\t{}\t{}\t{:.3}\t{}\t{}",
+            "{}\t{}\t{}\t{}\t{}\t{:.3}\t{}\t{}\t{}",
             c.slot_size,
             c.blocks,
             c.objects,
@@ -184,7 +184,8 @@ pub fn render_pools(
             c.block_bytes,
             c.fragmentation,
             c.compactions,
-            c.moved_objects
+            c.moved_objects,
+            c.indirect
         );
     }
     out
@@ -497,13 +498,17 @@ mod tests {
                 fragmentation: 0.25,
                 compactions: 2,
                 moved_objects: 1,
+                indirect: 4,
             }],
             ..v1::DaemonStats::default()
         };
         let p = render_pools(std::slice::from_ref(&pool), 1, Ok(&daemon));
         assert_eq!(p.lines().nth(1), Some("2\t1\t100\t60\t40"));
         assert!(p.contains("8192 bytes of memory held"), "{p}");
-        assert_eq!(p.lines().last(), Some("96\t1\t3\t200\t32768\t0.250\t2\t1"));
+        assert_eq!(
+            p.lines().last(),
+            Some("96\t1\t3\t200\t32768\t0.250\t2\t1\t4")
+        );
         let none = render_pools(&[pool], 1, Err("agent down"));
         assert!(none.ends_with("unknown: agent down\n"), "{none}");
         let procs = render_procs(

@@ -40,7 +40,7 @@ fn object_section(text: &str) -> (u64, Vec<ClassRow>) {
         .skip(1)
         .map(|l| {
             let f: Vec<&str> = l.split('\t').collect();
-            assert_eq!(f.len(), 8, "{l}");
+            assert_eq!(f.len(), 9, "{l}");
             ClassRow {
                 objects: f[2].parse().unwrap(),
                 fragmentation: f[5].parse().unwrap(),

@@ -251,6 +251,17 @@ fn permissions_xattrs_onewriter_and_statfs() {
         free_before - free_after >= 32 << 20,
         "free went from {free_before} to {free_after}"
     );
+    // Small files (objects in the daemons' object stores, no pool chunk) count as well.
+    std::fs::create_dir(t.a.path("smalls")).unwrap();
+    for i in 0..300 {
+        std::fs::write(t.a.path(&format!("smalls/{i}")), vec![2u8; 3000]).unwrap();
+    }
+    let (_, free_small) = statvfs(&t.b.mountpoint);
+    assert!(
+        free_after - free_small >= 300 * 3000,
+        "300 files of 3,000 bytes took {} bytes of the free space",
+        free_after - free_small
+    );
 }
 
 #[test]

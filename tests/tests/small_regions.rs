@@ -8,6 +8,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use regions::{Client, ClientConfig};
@@ -113,6 +114,50 @@ fn small_files_live_as_objects_and_move_to_chunks_when_they_grow() {
     );
     assert_eq!(objects(&one), sizes.len() as u64);
 
+    // Growing past its fitted object within the limit: appended on host 2 from 100 bytes to
+    // 3,000, it takes a larger object (and is fitted again at its close), holding no chunk.
+    std::fs::write(dir.join("g"), content(7, 100)).unwrap();
+    let small_slot = *classes(&one).iter().min().unwrap();
+    {
+        let mut f = OpenOptions::new()
+            .append(true)
+            .open(two.path("small/g"))
+            .unwrap();
+        for k in 0..29 {
+            f.write_all(&content(70 + k, 100)).unwrap();
+        }
+    }
+    let mut long: Vec<u8> = content(7, 100);
+    (0..29).for_each(|k| long.extend_from_slice(&content(70 + k, 100)));
+    assert_eq!(read_all(&dir.join("g")), long);
+    assert_eq!(objects(&one), sizes.len() as u64 + 1, "still an object");
+    assert_eq!(pool_used(&one), 0, "no chunk for a small region that grew");
+    assert!(
+        classes(&one).iter().any(|c| *c > 3000 && *c <= 3200),
+        "fitted to its 3,000 bytes at its close: {:?} (it began in {small_slot})",
+        classes(&one)
+    );
+    std::fs::remove_file(dir.join("g")).unwrap();
+    wait_for("the grown file's object to be freed", || {
+        objects(&one) == sizes.len() as u64
+    });
+
+    // A file created and closed empty holds no object (nor memory); written later, it takes
+    // one again.
+    File::create(dir.join("empty")).unwrap();
+    wait_for("the empty file's object to be freed", || {
+        objects(&one) == sizes.len() as u64
+    });
+    assert_eq!(std::fs::metadata(two.path("small/empty")).unwrap().len(), 0);
+    std::fs::write(dir.join("empty"), b"now").unwrap();
+    assert_eq!(read_all(&two.path("small/empty")), b"now");
+    assert_eq!(objects(&one), sizes.len() as u64 + 1);
+    assert_eq!(pool_used(&one), 0);
+    std::fs::remove_file(dir.join("empty")).unwrap();
+    wait_for("the removed file's object to be freed", || {
+        objects(&one) == sizes.len() as u64
+    });
+
     // Outgrowing the object: appended on host 2 past 4 KiB, it moves to chunks.
     {
         let mut f = OpenOptions::new()
@@ -183,8 +228,9 @@ fn small_files_live_as_objects_and_move_to_chunks_when_they_grow() {
         .open_path("/small/lazy", true)
         .unwrap()
         .with_size_policy(regions::SizePolicy::Lazy);
-    assert!(lazy.is_object());
+    assert!(!lazy.is_object(), "created empty: no object yet");
     lazy.write_at(0, &content(5, 3000)).unwrap();
+    assert!(lazy.is_object());
     lazy.write_at(3000, &content(6, 3000)).unwrap();
     assert!(!lazy.is_object(), "outgrown");
     lazy.close().unwrap();
@@ -266,4 +312,186 @@ fn small_regions_survive_a_manager_restart_and_a_move_after_it() {
     wait_for("the moved file's object to be freed", || {
         objects(&one) == 19
     });
+}
+
+/// The size classes' objects, moved objects and indirect pointers on the mount's host
+/// (`.regions/pools`).
+fn moved_and_indirect(mount: &MountProcess) -> (u64, u64) {
+    let text = std::fs::read_to_string(mount.path(".regions/pools")).unwrap();
+    text.lines()
+        .skip_while(|l| !l.starts_with("class_slot"))
+        .skip(1)
+        .map(|l| {
+            let f: Vec<&str> = l.split('\t').collect();
+            (f[7].parse::<u64>().unwrap(), f[8].parse::<u64>().unwrap())
+        })
+        .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+}
+
+/// Blocks three quarters full cannot be merged, so compaction empties some into the free
+/// slots of several others, moving small files' objects to other blocks. Every file reads
+/// back its bytes on another host, through the library's handles opened before the
+/// compaction too; the manager records each moved object's pointer at its new block (the
+/// daemon shows no indirect pointer within seconds); and once the old pointers' grace period
+/// is over, new files reuse their addresses while every old file still reads right.
+#[test]
+fn objects_moved_by_compaction_have_their_pointers_corrected() {
+    let cluster = Cluster::start_with_daemon_args(
+        2,
+        "256M",
+        &["--small-regions", "4K"],
+        &[
+            "--object-auto-compaction",
+            "false",
+            "--object-correction-grace-ms",
+            "500",
+        ],
+    )
+    .unwrap();
+    let one = cluster.mount(1).unwrap();
+    let two = cluster.mount(2).unwrap();
+    let dir = one.path("moved");
+    std::fs::create_dir(&dir).unwrap();
+    // 300 files of one size class (960-byte slots, 34 a block): 9 blocks.
+    let len = |i: usize| 900 + i % 8;
+    for i in 0..300 {
+        std::fs::write(dir.join(format!("f{i}")), content(i, len(i))).unwrap();
+    }
+    // Every fourth removed: each block is left three quarters full.
+    for i in (0..300).step_by(4) {
+        std::fs::remove_file(dir.join(format!("f{i}"))).unwrap();
+    }
+    let kept: Vec<usize> = (0..300).filter(|i| i % 4 != 0).collect();
+    wait_for("the removed files' objects to be freed", || {
+        objects(&one) == kept.len() as u64
+    });
+    // Handles opened (and read) on host 2 before the compaction keep the old pointers.
+    let lib = Client::connect(ClientConfig::new(
+        &cluster.manager_url(),
+        cluster.secret.clone(),
+        2,
+    ))
+    .unwrap();
+    let early: Vec<(usize, regions::Region)> = kept
+        .iter()
+        .take(60)
+        .map(|&i| {
+            let r = lib.open_path(&format!("/moved/f{i}"), false).unwrap();
+            assert!(r.is_object());
+            let mut buf = vec![0u8; len(i)];
+            assert_eq!(r.read_at(0, &mut buf).unwrap(), len(i));
+            (i, r)
+        })
+        .collect();
+
+    let out = Command::new(regions_tests::bin_path("regionfs").unwrap())
+        .args([
+            "compact",
+            "--host",
+            "1",
+            "--manager",
+            &cluster.manager_url(),
+        ])
+        .arg("--secret-file")
+        .arg(&cluster.secret_file)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (moved, _) = moved_and_indirect(&one);
+    assert!(moved > 0, "compaction moved no object: {said}");
+    wait_for(
+        "the manager to correct every moved object's pointer",
+        || moved_and_indirect(&one).1 == 0,
+    );
+    // Past the grace period: the old pointers no longer reach anything.
+    std::thread::sleep(Duration::from_millis(1500));
+    for i in 300..400 {
+        std::fs::write(dir.join(format!("f{i}")), content(i, len(i))).unwrap();
+    }
+    for &i in kept.iter().chain(&(300..400).collect::<Vec<_>>()) {
+        assert_eq!(
+            read_all(&two.path(&format!("moved/f{i}"))),
+            content(i, len(i)),
+            "file {i} on host 2"
+        );
+    }
+    for (i, r) in &early {
+        let mut buf = vec![0u8; len(*i)];
+        assert_eq!(r.read_at(0, &mut buf).unwrap(), len(*i));
+        assert_eq!(
+            buf,
+            content(*i, len(*i)),
+            "file {i} through a handle opened before"
+        );
+    }
+    drop(early);
+    drop((one, two));
+}
+
+/// An unprivileged user's creates in a directory it may not write (regionfs mounts without
+/// `default_permissions`, so each reaches the manager) are refused before an object is
+/// allocated for them: spamming them costs
+/// the daemon nothing (its count of object allocations does not move), while a create that
+/// may succeed takes its object as before.
+#[test]
+fn refused_creates_allocate_no_object() {
+    use regions_tests::metrics_page::{free_addr, sample, scrape};
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let addr = free_addr();
+    let cluster = Cluster::start_with_daemon_args(
+        1,
+        "64M",
+        &["--small-regions", "4K"],
+        &["--metrics-listen", &addr],
+    )
+    .unwrap();
+    let mount = cluster.mount(1).unwrap();
+    let allocs = || {
+        let page = scrape(&addr).unwrap();
+        sample(
+            &page,
+            "regions_daemon_transport_requests_total",
+            &[("op", "object-alloc")],
+        )
+    };
+    let locked = mount.path("locked");
+    std::fs::create_dir(&locked).unwrap();
+    std::fs::set_permissions(&locked, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let open = mount.path("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    std::fs::write(mount.path("roots"), b"root's").unwrap();
+    let before = allocs();
+    assert!(before >= 1.0, "root's create took an object");
+    // As nobody: 50 creates in the locked directory, then one that succeeds.
+    let script = format!(
+        "for i in $(seq 1 50); do echo x > {l}/f$i; done 2>/dev/null; \
+         ls {l}/f1 2>/dev/null && exit 3; echo mine > {o}/nobodys",
+        l = locked.display(),
+        o = open.display()
+    );
+    let status = regions_tests::output_within(
+        Command::new("sh")
+            .arg("-c")
+            .arg(&script)
+            .uid(65534)
+            .gid(65534),
+        Duration::from_secs(60),
+    )
+    .unwrap()
+    .status;
+    assert!(status.success(), "{status:?}");
+    assert_eq!(std::fs::read(open.join("nobodys")).unwrap(), b"mine\n");
+    let after = allocs();
+    assert_eq!(
+        after,
+        before + 1.0,
+        "only the create that succeeded allocated an object"
+    );
 }

@@ -24,6 +24,10 @@ pub(super) struct Block {
     slots: Vec<u32>,
     /// The slot of each object id.
     ids: HashMap<u32, u32>,
+    /// The address each object's pointer names (its key is that address and its id), for the
+    /// objects whose pointer names another block's address (moved in by compaction); every
+    /// other object's names this block's own.
+    keys: HashMap<u32, u32>,
     /// Free slots, lowest first.
     free: BTreeSet<u32>,
 }
@@ -38,6 +42,7 @@ impl Block {
             aliases: Vec::new(),
             slots: vec![0; n as usize],
             ids: HashMap::new(),
+            keys: HashMap::new(),
             free: (0..n).collect(),
         }
     }
@@ -95,26 +100,78 @@ impl Block {
         }
     }
 
-    /// Takes a slot for object `id`: `preferred` if it is free, else the lowest free one;
-    /// `None` when the block is full.
-    pub fn take(&mut self, preferred: Option<u32>, id: u32) -> Option<u32> {
+    /// Takes a slot for object `id`, whose pointer names `key_address`: `preferred` if it is
+    /// free, else the lowest free one; `None` when the block is full.
+    pub fn take(&mut self, preferred: Option<u32>, id: u32, key_address: u32) -> Option<u32> {
         let slot = match preferred {
             Some(p) if self.free.remove(&p) => p,
             _ => self.free.pop_first()?,
         };
-        self.slots[slot as usize] = id;
-        self.ids.insert(id, slot);
+        self.put(slot, id, key_address);
         Some(slot)
     }
 
-    /// Takes `slot` for object `id` if it is free; whether it was.
-    pub fn take_exactly(&mut self, slot: u32, id: u32) -> bool {
+    /// Takes `slot` for object `id` (pointer naming `key_address`) if it is free; whether it
+    /// was.
+    pub fn take_exactly(&mut self, slot: u32, id: u32, key_address: u32) -> bool {
         if !self.free.remove(&slot) {
             return false;
         }
+        self.put(slot, id, key_address);
+        true
+    }
+
+    fn put(&mut self, slot: u32, id: u32, key_address: u32) {
         self.slots[slot as usize] = id;
         self.ids.insert(id, slot);
+        self.set_key_address(id, key_address);
+    }
+
+    /// The address object `id`'s pointer names (`None`: no such object).
+    pub fn key_address(&self, id: u32) -> Option<u32> {
+        if !self.ids.contains_key(&id) {
+            return None;
+        }
+        Some(self.keys.get(&id).copied().unwrap_or(self.address))
+    }
+
+    /// Records that object `id`'s pointer names `address` (it was corrected, or moved in).
+    pub fn set_key_address(&mut self, id: u32, address: u32) {
+        if address == self.address {
+            self.keys.remove(&id);
+        } else {
+            self.keys.insert(id, address);
+        }
+    }
+
+    /// Free slots.
+    pub fn free_slots(&self) -> u32 {
+        self.free.len() as u32
+    }
+
+    /// Moves the object in slot `from` to the free slot `to` of this block (its key stays: the
+    /// block is the same); whether it did.
+    pub fn relocate(&mut self, from: u32, to: u32) -> bool {
+        let id = self.id_at(from);
+        if id == 0 || !self.free.remove(&to) {
+            return false;
+        }
+        self.slots[from as usize] = 0;
+        self.free.insert(from);
+        self.slots[to as usize] = id;
+        self.ids.insert(id, to);
         true
+    }
+
+    /// The lowest free slot, and the highest taken one.
+    pub fn ends(&self) -> (Option<u32>, Option<u32>) {
+        let last = self.slots.iter().rposition(|id| *id != 0).map(|s| s as u32);
+        (self.free.first().copied(), last)
+    }
+
+    /// Whether object `id` is in the block.
+    pub fn holds(&self, id: u32) -> bool {
+        self.ids.contains_key(&id)
     }
 
     /// Frees `slot`; returns the id that was there (0 if it was free).
@@ -124,6 +181,7 @@ impl Block {
         };
         self.slots[slot as usize] = 0;
         self.ids.remove(&id);
+        self.keys.remove(&id);
         self.free.insert(slot);
         id
     }
@@ -156,7 +214,7 @@ mod tests {
         // 64-byte slots: 64 to a page.
         let mut b = Block::new(0, 0);
         for id in 1..=130 {
-            b.take(None, id).unwrap();
+            b.take(None, id, 0).unwrap();
         }
         b.release(70);
         let (from, to) = b.free_pages_around(70);
@@ -169,7 +227,7 @@ mod tests {
         let c = super::super::classes::class_for(3072 - 32).unwrap();
         let mut b = Block::new(c, 0);
         for id in 1..=4 {
-            b.take(None, id).unwrap();
+            b.take(None, id, 0).unwrap();
         }
         b.release(1); // bytes 3072..6144: page 0 and 1 hold slots 0 and 2
         let (from, to) = b.free_pages_around(1);
@@ -186,34 +244,43 @@ mod tests {
         let mut a = Block::new(last, 0);
         assert_eq!(a.objects().len(), 0);
         let id = a.fresh_id(&mut rng);
-        assert_eq!(a.take(Some(3), id), Some(3));
+        assert_eq!(a.take(Some(3), id, 0), Some(3));
         assert_eq!(a.slot_of(id), Some(3));
         assert_eq!(a.id_at(3), id);
         // The preferred slot is taken: the lowest free one instead.
         let id2 = a.fresh_id(&mut rng);
         assert_ne!(id2, id);
-        assert_eq!(a.take(Some(3), id2), Some(0));
-        assert!(!a.take_exactly(0, 77), "slot 0 is taken");
-        assert!(!a.take_exactly(99, 77), "no slot 99");
+        assert_eq!(a.take(Some(3), id2, 0), Some(0));
+        assert!(!a.take_exactly(0, 77, 0), "slot 0 is taken");
+        assert!(!a.take_exactly(99, 77, 0), "no slot 99");
         assert_eq!(a.live(), 2);
         let mut b = Block::new(last, 1);
-        b.take(Some(3), 999).unwrap();
+        b.take(Some(3), 999, 1).unwrap();
         assert!(a.can_absorb(&b));
         // The same id in both: not mergeable.
-        b.take(None, id).unwrap();
+        b.take(None, id, 1).unwrap();
         assert!(!a.can_absorb(&b));
         assert_eq!(a.release(3), id);
         assert_eq!(a.release(3), 0);
         assert!(a.can_absorb(&b));
         assert_eq!(a.objects(), vec![(0, id2)]);
         for n in 0..7 {
-            a.take(None, 5000 + n).unwrap();
+            a.take(None, 5000 + n, 0).unwrap();
         }
         assert!(a.is_full());
-        assert_eq!(a.take(None, 7000), None);
+        assert_eq!(a.take(None, 7000, 0), None);
         // A free slot's page can go.
         assert_eq!(a.release(2), 5001);
         assert_eq!(a.free_pages_around(2), (8192, 12288));
         assert!(!a.can_absorb(&b), "no room");
+        // Relocating within the block: the id follows, the old slot is free.
+        assert_eq!(a.ends(), (Some(2), Some(7)));
+        let id7 = a.id_at(7);
+        assert!(a.relocate(7, 2));
+        assert_eq!(a.slot_of(id7), Some(2));
+        assert_eq!(a.id_at(7), 0);
+        assert_eq!(a.ends(), (Some(7), Some(6)));
+        assert!(!a.relocate(7, 0), "slot 7 is free now");
+        assert!(!a.relocate(6, 0), "slot 0 is taken");
     }
 }

@@ -12,14 +12,24 @@
 //! | 24..28 | bytes in use (the largest end written) |
 //! | 28..32 | zero |
 //!
-//! A pointer to an object ([`ObjectRef`]) is (block address, slot hint, object id). When sparse
-//! blocks of a class are merged, the source's objects are copied into the destination, in the
-//! same slot where it is free and in another free slot where not (keeping their ids), the
-//! source's block address is remapped onto the destination's memory, and the source's memory
-//! is punched out of the block file. A pointer whose slot no longer holds its id is corrected
-//! by id ([`ObjectStore::read`] and [`ObjectStore::write`] return the corrected pointer;
-//! [`ObjectStore::correct`] moves a pointer to the object's own block address), and an address
-//! no pointer names any more is unmapped and reused (CoRM §3.3).
+//! A pointer to an object ([`ObjectRef`]) is (block address, slot hint, object id); its key,
+//! (address, id), names the object for its whole life, whichever block holds it. The store
+//! keeps one pointer per object (the one the manager records) in an index from key to block.
+//! Compaction has two steps per size class:
+//! - *merging* (CoRM §3.1.2): a sparse block's objects are copied into a block with room for
+//!   them all, in the same slot where it is free and in another free slot where not (keeping
+//!   their ids); the source's block address is remapped onto the destination's memory and the
+//!   source's memory punched out of the block file;
+//! - *emptying*: while a class has a whole block's worth of free slots, its sparsest block's
+//!   objects are copied into the free slots of the fullest blocks (several of them, so blocks
+//!   more than half full pack too), and the emptied block's memory is freed.
+//!
+//! A pointer whose slot no longer holds its id is found by id; one whose address is no longer
+//! its block's own is *indirect*. The manager asks for the indirect pointers
+//! ([`ObjectStore::indirect`]) and records each object's pointer at its block's own address
+//! ([`ObjectStore::correct`], CoRM §3.2); the old pointer keeps working for a grace period
+//! (so requests already under way with it finish), then its address, once no pointer names
+//! it, is unmapped and reused (CoRM §3.3).
 //!
 //! Consistency: allocation, freeing and compaction take the store's lock exclusively, reads and
 //! writes share it, so no read or write overlaps a move. Writers of one object exclude each
@@ -51,8 +61,23 @@ const FRAGMENTATION_THRESHOLD: f64 = 0.2;
 /// How long a freeze holds ([`ObjectStore::freeze`]): a move copies at most 8 KiB and is
 /// recorded in one durable change, far sooner.
 pub const FREEZE_TERM: std::time::Duration = std::time::Duration::from_secs(10);
-/// Merges one compaction of a class makes at most (bounds how long it holds the store).
-const MERGES_PER_PASS: usize = 64;
+/// Blocks one compaction of a class after a free merges or empties at most (bounds how long it
+/// holds the store: about 50 us a block).
+const MERGES_PER_PASS: usize = 16;
+/// Blocks one step of [`ObjectStore::compact`] merges or empties at most (each step sorts the
+/// class's blocks again, so one block a step would cost most of its time sorting).
+const BLOCKS_PER_STEP: usize = 4;
+/// How many times as long as a step of [`ObjectStore::compact`] held the store it then leaves
+/// it to reads and writes.
+const COMPACTION_PAUSE: u32 = 6;
+/// The longest such pause.
+const MAX_COMPACTION_PAUSE: std::time::Duration = std::time::Duration::from_millis(5);
+/// How long a corrected pointer keeps reaching its object ([`ObjectStore::correct`]): longer
+/// than any request or move under way with it takes (a freeze lapses after [`FREEZE_TERM`]).
+pub const CORRECTION_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// An object's key: the block address its pointer names, and its id.
+type Key = (u32, u32);
 
 /// Where an object is: what a small region's map entry holds (block address, slot hint, id;
 /// the transport's wire type).
@@ -84,21 +109,26 @@ pub struct ClassStats {
     pub fragmentation: f64,
     /// Blocks merged into others.
     pub compactions: u64,
-    /// Objects that changed slot when their block was merged (their pointers are indirect).
+    /// Objects that changed slot or block in compactions.
     pub moved_objects: u64,
+    /// Objects whose pointer names another block's address (until the manager corrects it).
+    pub indirect: u64,
 }
 
 /// What a compaction did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Compaction {
-    /// Blocks merged into others (their memory freed).
+    /// Blocks merged into another or emptied into several (their memory freed).
     pub blocks_freed: u32,
     /// Objects copied into another block.
     pub objects_merged: u64,
-    /// Of those, objects that took another slot.
+    /// Of those, objects that took another slot or went to another block than their
+    /// neighbours (a block emptied into several moves all of its objects).
     pub objects_moved: u64,
     /// Memory the block file held before less after.
     pub bytes_freed: u64,
+    /// How long [`ObjectStore::compact`] held the store (its pauses between blocks left out).
+    pub held: std::time::Duration,
 }
 
 impl std::ops::AddAssign for Compaction {
@@ -107,7 +137,20 @@ impl std::ops::AddAssign for Compaction {
         self.objects_merged += o.objects_merged;
         self.objects_moved += o.objects_moved;
         self.bytes_freed += o.bytes_freed;
+        self.held += o.held;
     }
+}
+
+/// An object whose pointer is indirect ([`ObjectStore::indirect`]): where its manager's record
+/// points and where the object is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Indirect {
+    /// The region it belongs to.
+    pub owner: Owner,
+    /// Its pointer as handed out.
+    pub old: ObjectRef,
+    /// Its pointer at its block's own address.
+    pub new: ObjectRef,
 }
 
 /// The objects of one daemon: blocks in one memfd, shown through a window of block addresses.
@@ -116,6 +159,9 @@ pub struct ObjectStore {
     inner: RwLock<Inner>,
     /// Whether a free that leaves its class fragmented compacts it.
     auto_compact: std::sync::atomic::AtomicBool,
+    /// Where the next [`ObjectStore::indirect`] starts, so that pointers the manager cannot
+    /// correct (of objects no region names) never hide the others.
+    indirect_cursor: std::sync::atomic::AtomicUsize,
 }
 
 #[derive(Default)]
@@ -132,15 +178,35 @@ struct ClassState {
     frees_since_compaction: u32,
 }
 
+/// An object a pointer reaches ([`Inner::resolve`]).
+struct Found {
+    file_block: u32,
+    slot: u32,
+    /// The object's key (the pointer handed out for it).
+    key: Key,
+    /// The address the caller should name it by.
+    named: u32,
+}
+
 struct Inner {
     /// Blocks by file block.
     blocks: HashMap<u32, Block>,
     /// The file block each mapped address shows.
     by_address: HashMap<u32, u32>,
-    /// The one pointer handed out for each object, as (address, id).
-    handed: HashSet<(u32, u32)>,
-    /// Pointers handed out that name each address.
+    /// The one pointer handed out for each object, by key, and the file block holding it.
+    handed: HashMap<Key, u32>,
+    /// Keys corrected to another, which they still reach until their grace period ends.
+    retired: HashMap<Key, (Key, std::time::Instant)>,
+    /// How long a corrected key keeps reaching its object.
+    grace: std::time::Duration,
+    /// When allocations and frees next end grace periods that are over.
+    next_purge: std::time::Instant,
+    /// Keys of `handed` whose address is not their block's own.
+    indirect: HashSet<Key>,
+    /// Keys (handed or retired) that name each address.
     pointers: HashMap<u32, u64>,
+    /// Addresses of blocks gone that keys still name: unmapped, not reused until no key does.
+    reserved: HashSet<u32>,
     free_addresses: Vec<u32>,
     next_address: u32,
     free_file_blocks: Vec<u32>,
@@ -168,15 +234,21 @@ impl ObjectStore {
     pub fn new(capacity: u64) -> Result<ObjectStore> {
         let max_blocks = u32::try_from(capacity / BLOCK_SIZE)
             .map_err(|_| DaemonError::Invalid(format!("object store of {capacity} bytes")))?;
-        // Twice the blocks: merged blocks keep their addresses while pointers name them.
-        let addresses = max_blocks.saturating_mul(2).max(2);
+        // Four times the blocks: merged and emptied blocks keep their addresses while pointers
+        // name them (until the manager corrects those pointers).
+        let addresses = max_blocks.saturating_mul(4).max(4);
         Ok(ObjectStore {
             memory: BlockMemory::new(addresses)?,
             inner: RwLock::new(Inner {
                 blocks: HashMap::new(),
                 by_address: HashMap::new(),
-                handed: HashSet::new(),
+                handed: HashMap::new(),
+                retired: HashMap::new(),
+                grace: CORRECTION_GRACE,
+                next_purge: std::time::Instant::now(),
+                indirect: HashSet::new(),
                 pointers: HashMap::new(),
+                reserved: HashSet::new(),
                 free_addresses: Vec::new(),
                 next_address: 0,
                 free_file_blocks: Vec::new(),
@@ -186,6 +258,7 @@ impl ObjectStore {
                 classes: slot_sizes().iter().map(|_| ClassState::default()).collect(),
             }),
             auto_compact: std::sync::atomic::AtomicBool::new(true),
+            indirect_cursor: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 
@@ -193,6 +266,12 @@ impl ObjectStore {
     /// [`ObjectStore::compact`] and a full store compact).
     pub fn set_auto_compaction(&self, on: bool) {
         self.auto_compact.store(on, Ordering::Relaxed);
+    }
+
+    /// How long a corrected pointer keeps reaching its object ([`CORRECTION_GRACE`] unless
+    /// set; tests shorten it).
+    pub fn set_correction_grace(&self, grace: std::time::Duration) {
+        self.write_inner().grace = grace;
     }
 
     fn read_inner(&self) -> RwLockReadGuard<'_, Inner> {
@@ -221,6 +300,7 @@ impl ObjectStore {
             max: u64::from(classes::max_object()),
         })?;
         let mut inner = self.write_inner();
+        inner.purge_retired_now_and_then(&self.memory);
         let file_block = match inner.open_block(class) {
             Some(b) => b,
             None => {
@@ -236,22 +316,31 @@ impl ObjectStore {
                 }
             }
         };
-        let block = inner
-            .blocks
-            .get_mut(&file_block)
-            .ok_or_else(|| DaemonError::Invalid("open block vanished".into()))?;
-        let id = block.fresh_id(&mut rand::rng());
+        let vanished = || DaemonError::Invalid("open block vanished".into());
+        let (address, id) = {
+            let block = inner.blocks.get(&file_block).ok_or_else(vanished)?;
+            let mut rng = rand::rng();
+            // Unique in the block, and no other object's key (a retired one included).
+            let id = loop {
+                let id = block.fresh_id(&mut rng);
+                let key = (block.address, id);
+                if !inner.handed.contains_key(&key) && !inner.retired.contains_key(&key) {
+                    break id;
+                }
+            };
+            (block.address, id)
+        };
+        let block = inner.blocks.get_mut(&file_block).ok_or_else(vanished)?;
         let slot = block
-            .take(None, id)
+            .take(None, id, address)
             .ok_or_else(|| DaemonError::Invalid("open block is full".into()))?;
-        let address = block.address;
         let full = block.is_full();
         let state = &mut inner.classes[class];
         state.objects += 1;
         if full {
             state.open.remove(&file_block);
         }
-        inner.hand_out(address, id);
+        inner.hand_out((address, id), file_block);
         let size = slot_size(class);
         let at = slot * size;
         let mut head = [0u8; HEADER as usize];
@@ -295,7 +384,13 @@ impl ObjectStore {
     /// freed whatever they do).
     pub fn free(&self, owner: Owner, ptr: ObjectRef) -> Result<()> {
         let mut inner = self.write_inner();
-        let (file_block, slot) = inner.resolve(ptr)?;
+        inner.purge_retired_now_and_then(&self.memory);
+        let Found {
+            file_block,
+            slot,
+            key,
+            ..
+        } = inner.resolve(ptr)?;
         let (address, class) = {
             let b = &inner.blocks[&file_block];
             (b.address, b.class)
@@ -307,7 +402,7 @@ impl ObjectStore {
             self.memory
                 .write(address, at + 8, &[0u8; HEADER as usize - 8])
         };
-        inner.forget_pointer(&self.memory, file_block, ptr.id);
+        inner.forget_pointer(&self.memory, key);
         inner.frozen.remove(&(owner.ino, ptr.id));
         let block = inner
             .blocks
@@ -455,12 +550,19 @@ impl ObjectStore {
         n: usize,
         writing: bool,
     ) -> Result<(u32, u32, Option<ObjectRef>)> {
-        let (file_block, slot) = inner.resolve(ptr)?;
+        let Found {
+            file_block,
+            slot,
+            named,
+            ..
+        } = inner.resolve(ptr)?;
         let block = &inner.blocks[&file_block];
         let size = slot_size(block.class);
-        // Through the pointer's own address: it maps the same block.
+        // Through the block's own address (the pointer's may show another block now, or
+        // nothing).
+        let address = block.address;
         let at = slot * size;
-        self.check_owner(ptr.address, at, owner)?;
+        self.check_owner(address, at, owner)?;
         let capacity = u64::from(size) - HEADER;
         let end = u64::from(offset) + n as u64;
         if end > capacity {
@@ -476,19 +578,21 @@ impl ObjectStore {
                 max: capacity,
             });
         }
-        let corrected = (slot != ptr.slot).then_some(ObjectRef {
-            address: ptr.address,
+        let corrected = (slot != ptr.slot || named != ptr.address).then_some(ObjectRef {
+            address: named,
             slot,
             id: ptr.id,
         });
-        Ok((ptr.address, at, corrected))
+        Ok((address, at, corrected))
     }
 
     /// Refuses writes to `owner`'s object `ptr` from now on (its region moves to chunks);
     /// reads go on. Takes the store exclusively, so no write is under way when it returns.
     pub fn freeze(&self, owner: Owner, ptr: ObjectRef) -> Result<()> {
         let mut inner = self.write_inner();
-        let (file_block, slot) = inner.resolve(ptr)?;
+        let Found {
+            file_block, slot, ..
+        } = inner.resolve(ptr)?;
         let block = &inner.blocks[&file_block];
         self.check_owner(block.address, slot * slot_size(block.class), owner)?;
         inner
@@ -503,7 +607,7 @@ impl ObjectStore {
     pub fn refit(&self, owner: Owner, ptr: ObjectRef, len: u32) -> Result<(ObjectRef, u32)> {
         let old_capacity = {
             let inner = self.read_inner();
-            let (file_block, _) = inner.resolve(ptr)?;
+            let file_block = inner.resolve(ptr)?.file_block;
             slot_size(inner.blocks[&file_block].class) - HEADER as u32
         };
         let (new, capacity) = self.alloc_with_capacity(owner, len)?;
@@ -530,7 +634,9 @@ impl ObjectStore {
     /// Takes writes to `owner`'s object `ptr` again (a move that was given up).
     pub fn thaw(&self, owner: Owner, ptr: ObjectRef) -> Result<()> {
         let mut inner = self.write_inner();
-        let (file_block, slot) = inner.resolve(ptr)?;
+        let Found {
+            file_block, slot, ..
+        } = inner.resolve(ptr)?;
         let block = &inner.blocks[&file_block];
         self.check_owner(block.address, slot * slot_size(block.class), owner)?;
         inner.frozen.remove(&(owner.ino, ptr.id));
@@ -538,11 +644,18 @@ impl ObjectStore {
     }
 
     /// The pointer to `owner`'s object `ptr` at its block's own address and slot (the pointer
-    /// correction of CoRM §3.2): the old pointer must not be used afterwards. An address that
-    /// no pointer names any more is released.
+    /// correction of CoRM §3.2), which becomes the object's one pointer. The old one keeps
+    /// reaching the object for the grace period ([`CORRECTION_GRACE`]), then its address is
+    /// released once no pointer names it. Correcting again (with either) changes nothing.
     pub fn correct(&self, owner: Owner, ptr: ObjectRef) -> Result<ObjectRef> {
         let mut inner = self.write_inner();
-        let (file_block, slot) = inner.resolve(ptr)?;
+        inner.purge_retired(&self.memory);
+        let Found {
+            file_block,
+            slot,
+            key,
+            ..
+        } = inner.resolve(ptr)?;
         let block = &inner.blocks[&file_block];
         let address = block.address;
         self.check_owner(address, slot * slot_size(block.class), owner)?;
@@ -551,26 +664,113 @@ impl ObjectStore {
             slot,
             id: ptr.id,
         };
-        // The object's one pointer (whichever address it named) now names its own address.
-        if !inner.handed.contains(&(address, ptr.id)) {
-            inner.forget_pointer(&self.memory, file_block, ptr.id);
-            inner.hand_out(address, ptr.id);
+        if key.0 != address {
+            let until = std::time::Instant::now() + inner.grace;
+            // The old key stays named (it reaches the object until `until`).
+            inner.handed.remove(&key);
+            inner.indirect.remove(&key);
+            inner.retired.insert(key, ((address, ptr.id), until));
+            inner.hand_out((address, ptr.id), file_block);
+            if let Some(b) = inner.blocks.get_mut(&file_block) {
+                b.set_key_address(ptr.id, address);
+            }
+            if inner.grace.is_zero() {
+                inner.purge_retired(&self.memory);
+            }
         }
         Ok(fresh)
     }
 
-    /// Merges sparse blocks of every class (or of `class`) while any two fit in one.
-    pub fn compact(&self, class: Option<usize>) -> Result<Compaction> {
-        let mut inner = self.write_inner();
-        let before = self.memory.allocated_bytes();
-        let mut done = Compaction::default();
-        let classes = match class {
-            Some(c) if c < inner.classes.len() => c..c + 1,
-            Some(c) => return Err(DaemonError::Invalid(format!("no size class {c}"))),
-            None => 0..inner.classes.len(),
+    /// At most `max` objects whose pointers are indirect (their address is not their block's
+    /// own), for the manager to correct; successive calls start where the last one ended.
+    pub fn indirect(&self, max: usize) -> Vec<Indirect> {
+        let inner = self.read_inner();
+        let mut out = Vec::new();
+        let total = inner.indirect.len();
+        let start = match total {
+            0 => 0,
+            n => self.indirect_cursor.fetch_add(max, Ordering::Relaxed) % n,
         };
+        let keys = inner
+            .indirect
+            .iter()
+            .skip(start)
+            .chain(inner.indirect.iter().take(start));
+        for &(address, id) in keys {
+            if out.len() >= max {
+                break;
+            }
+            let Some(block) = inner
+                .handed
+                .get(&(address, id))
+                .and_then(|b| inner.blocks.get(b))
+            else {
+                continue;
+            };
+            let Some(slot) = block.slot_of(id) else {
+                continue;
+            };
+            let mut head = [0u8; 12];
+            // SAFETY: the block's own address is mapped and stable under the shared lock; the
+            // header lies inside the block.
+            unsafe {
+                self.memory.read(
+                    block.address,
+                    slot * slot_size(block.class) + INO_AT,
+                    &mut head,
+                )
+            };
+            let owner = Owner {
+                ino: u64::from_le_bytes(head[..8].try_into().unwrap_or_default()),
+                generation: u32::from_le_bytes(head[8..].try_into().unwrap_or_default()),
+            };
+            out.push(Indirect {
+                owner,
+                old: ObjectRef { address, slot, id },
+                new: ObjectRef {
+                    address: block.address,
+                    slot,
+                    id,
+                },
+            });
+        }
+        out
+    }
+
+    /// Compacts every class (or `class`): merges sparse blocks while any two fit in one, then
+    /// empties blocks into the others while a class has a whole block's worth free.
+    pub fn compact(&self, class: Option<usize>) -> Result<Compaction> {
+        let before = self.memory.allocated_bytes();
+        let classes = {
+            let mut inner = self.write_inner();
+            inner.purge_retired(&self.memory);
+            match class {
+                Some(c) if c < inner.classes.len() => c..c + 1,
+                Some(c) => return Err(DaemonError::Invalid(format!("no size class {c}"))),
+                None => 0..inner.classes.len(),
+            }
+        };
+        let mut done = Compaction::default();
         for c in classes {
-            done += inner.compact_class(&self.memory, c, usize::MAX)?;
+            // A few blocks at a time, each step under the store's lock on its own, so that
+            // reads and writes go on between them (a pass over a class would hold them off
+            // throughout).
+            loop {
+                let started = std::time::Instant::now();
+                let step = self
+                    .write_inner()
+                    .compact_class(&self.memory, c, BLOCKS_PER_STEP)?;
+                let held = started.elapsed();
+                done += step;
+                done.held += held;
+                if step.blocks_freed == 0 {
+                    break;
+                }
+                // A pause six times as long as the step held the store: the lock is not fair,
+                // so without it this thread takes it back before a waiting reader runs; with
+                // it reads and writes keep more than four fifths of their rate meanwhile.
+                std::thread::sleep((held * COMPACTION_PAUSE).min(MAX_COMPACTION_PAUSE));
+            }
         }
         done.bytes_freed = before.saturating_sub(self.memory.allocated_bytes());
         Ok(done)
@@ -602,6 +802,11 @@ impl ObjectStore {
                 let len = unsafe { self.memory.word(block.address, slot * size + LEN_AT) }
                     .map_or(0, |w| w.load(Ordering::Acquire));
                 out[block.class].live_bytes += HEADER + len;
+            }
+        }
+        for key in &inner.indirect {
+            if let Some(b) = inner.handed.get(key).and_then(|b| inner.blocks.get(b)) {
+                out[b.class].indirect += 1;
             }
         }
         out
@@ -688,44 +893,90 @@ impl Inner {
         Ok(self.next_address - 1)
     }
 
-    /// The file block and slot of the object `ptr` names.
-    fn resolve(&self, ptr: ObjectRef) -> Result<(u32, u32)> {
+    /// The object `ptr` names: its file block, its slot, its key (the pointer handed out for
+    /// it), and the address a caller should name it by from now on. `ptr` reaches it when it
+    /// is the object's key (its slot a hint), a key corrected to another within its grace
+    /// period (the address is the new key's), or the pointer at the object's own block
+    /// (recorded by the manager before the daemon heard of the correction).
+    fn resolve(&self, ptr: ObjectRef) -> Result<Found> {
         let gone = || {
             DaemonError::Stale(format!(
-                "no object {:#x} at block address {}: it was freed; refresh the region's map",
+                "no object {:#x} at block address {}: it was freed or moved; refresh the \
+                 region's map",
                 ptr.id, ptr.address
             ))
         };
-        let file_block = *self.by_address.get(&ptr.address).ok_or_else(gone)?;
+        if ptr.id == 0 {
+            return Err(gone());
+        }
+        let mut key = (ptr.address, ptr.id);
+        let mut named = ptr.address;
+        if !self.handed.contains_key(&key) {
+            if let Some((now, until)) = self.retired.get(&key)
+                && std::time::Instant::now() < *until
+            {
+                key = *now;
+                named = now.0;
+            } else if let Some(block) = self
+                .by_address
+                .get(&ptr.address)
+                .and_then(|b| self.blocks.get(b))
+                .filter(|b| b.address == ptr.address)
+                && let Some(k) = block.key_address(ptr.id)
+            {
+                key = (k, ptr.id);
+            } else {
+                return Err(gone());
+            }
+        }
+        let file_block = *self.handed.get(&key).ok_or_else(gone)?;
         let block = self.blocks.get(&file_block).ok_or_else(gone)?;
-        if ptr.id != 0 && block.id_at(ptr.slot) == ptr.id {
-            return Ok((file_block, ptr.slot));
-        }
-        let slot = block
-            .slot_of(ptr.id)
-            .filter(|_| ptr.id != 0)
-            .ok_or_else(gone)?;
-        Ok((file_block, slot))
+        let slot = if block.id_at(ptr.slot) == ptr.id {
+            ptr.slot
+        } else {
+            block.slot_of(ptr.id).ok_or_else(gone)?
+        };
+        Ok(Found {
+            file_block,
+            slot,
+            key,
+            named,
+        })
     }
 
-    /// Records the pointer handed out for object `id`, naming `address`.
-    fn hand_out(&mut self, address: u32, id: u32) {
-        if self.handed.insert((address, id)) {
-            *self.pointers.entry(address).or_default() += 1;
+    /// Records the pointer handed out for an object: its key, held in `file_block`.
+    fn hand_out(&mut self, key: Key, file_block: u32) {
+        if self.handed.insert(key, file_block).is_none() {
+            *self.pointers.entry(key.0).or_default() += 1;
         }
     }
 
-    /// Forgets the pointer handed out for object `id` of `file_block`, whichever of the block's
-    /// addresses it names; unmaps that address if it was a merged block's and no pointer names
-    /// it any more.
-    fn forget_pointer(&mut self, memory: &BlockMemory, file_block: u32, id: u32) {
-        let Some(block) = self.blocks.get(&file_block) else {
-            return;
-        };
-        let Some(address) = block.addresses().find(|a| self.handed.contains(&(*a, id))) else {
-            return;
-        };
-        self.handed.remove(&(address, id));
+    /// Records that the object of `key` is in `file_block` now, and whether its pointer is
+    /// indirect there.
+    fn moved_to(&mut self, key: Key, file_block: u32) {
+        self.handed.insert(key, file_block);
+        if self
+            .blocks
+            .get(&file_block)
+            .is_some_and(|b| b.address != key.0)
+        {
+            self.indirect.insert(key);
+        } else {
+            self.indirect.remove(&key);
+        }
+    }
+
+    /// Forgets the pointer handed out for an object (it was freed); releases its address if
+    /// no pointer names it any more.
+    fn forget_pointer(&mut self, memory: &BlockMemory, key: Key) {
+        if self.handed.remove(&key).is_some() {
+            self.indirect.remove(&key);
+            self.unname(memory, key.0);
+        }
+    }
+
+    /// One key fewer names `address`.
+    fn unname(&mut self, memory: &BlockMemory, address: u32) {
         let left = match self.pointers.get_mut(&address) {
             Some(n) => {
                 *n = n.saturating_sub(1);
@@ -735,14 +986,47 @@ impl Inner {
         };
         if left == 0 {
             self.pointers.remove(&address);
-            self.release_alias(memory, address);
+            self.release_address(memory, address);
         }
     }
 
-    /// Unmaps `address` if it is an alias no pointer names. (An unmap that fails leaves the
+    /// [`Inner::purge_retired`], at most once a second (allocations and frees call it, so
+    /// that addresses of corrected pointers are reused without a compaction).
+    fn purge_retired_now_and_then(&mut self, memory: &BlockMemory) {
+        let now = std::time::Instant::now();
+        if !self.retired.is_empty() && now >= self.next_purge {
+            self.next_purge = now + std::time::Duration::from_secs(1);
+            self.purge_retired(memory);
+        }
+    }
+
+    /// Ends the grace period of corrected keys whose time is up.
+    fn purge_retired(&mut self, memory: &BlockMemory) {
+        if self.retired.is_empty() {
+            return;
+        }
+        let now = std::time::Instant::now();
+        let ended: Vec<Key> = self
+            .retired
+            .iter()
+            .filter(|(_, (_, until))| *until <= now)
+            .map(|(k, _)| *k)
+            .collect();
+        for key in ended {
+            self.retired.remove(&key);
+            self.unname(memory, key.0);
+        }
+    }
+
+    /// Lets `address` be reused if no key names it and it is not a live block's own: an
+    /// alias is unmapped, a gone block's kept address freed. (An unmap that fails leaves the
     /// address showing the block until a new block is mapped over it: harmless.)
-    fn release_alias(&mut self, memory: &BlockMemory, address: u32) {
+    fn release_address(&mut self, memory: &BlockMemory, address: u32) {
         if self.pointers.get(&address).is_some_and(|n| *n > 0) {
+            return;
+        }
+        if self.reserved.remove(&address) {
+            self.free_addresses.push(address);
             return;
         }
         let Some(file_block) = self.by_address.get(&address).copied() else {
@@ -763,9 +1047,9 @@ impl Inner {
         self.free_addresses.push(address);
     }
 
-    /// Frees an empty block: its memory, its addresses and its file block. (An unmap or punch
-    /// that fails is logged: the address or file block is reused all the same, as a new map
-    /// replaces whatever was there.)
+    /// Frees an empty block: its memory, its addresses (kept, unmapped, while keys name
+    /// them) and its file block. (An unmap or punch that fails is logged: the address or
+    /// file block is reused all the same, as a new map replaces whatever was there.)
     fn free_block(&mut self, memory: &BlockMemory, file_block: u32) {
         let Some(block) = self.blocks.remove(&file_block) else {
             return;
@@ -778,13 +1062,16 @@ impl Inner {
         }
         for address in block.addresses() {
             self.by_address.remove(&address);
-            self.pointers.remove(&address);
-            // SAFETY: the block is empty, so no pointer names its addresses, and this thread
+            // SAFETY: the block is empty, so no access reaches its addresses, and this thread
             // holds the store exclusively.
             if let Err(e) = unsafe { memory.unmap(address) } {
                 tracing::warn!(address, error = %e, "cannot unmap a freed block's address");
             }
-            self.free_addresses.push(address);
+            if self.pointers.get(&address).is_some_and(|n| *n > 0) {
+                self.reserved.insert(address);
+            } else {
+                self.free_addresses.push(address);
+            }
         }
         if let Err(e) = memory.punch(file_block) {
             tracing::warn!(file_block, error = %e, "cannot free an empty block's memory");
@@ -803,8 +1090,9 @@ impl Inner {
         }
     }
 
-    /// Merges blocks of `class`, sparsest first into the fullest that can take them, at most
-    /// `limit` times, until no two fit in one.
+    /// Merges blocks of `class`, sparsest first into the fullest that can take them, until no
+    /// two fit in one; then empties the sparsest into the others while the class has a whole
+    /// block's worth of free slots; at most `limit` blocks freed in all.
     fn compact_class(
         &mut self,
         memory: &BlockMemory,
@@ -839,6 +1127,7 @@ impl Inner {
             }
             let Some((i, j)) = pair else { break };
             let ((_, src), (_, dst)) = (open[i], open[j]);
+
             done += self.merge(memory, src, dst)?;
             // Both leave their places (i < j); the destination comes back with its new count
             // if it still has room.
@@ -852,7 +1141,76 @@ impl Inner {
                 open.insert(k, at);
             }
         }
+        // Then, while the class has a whole block's worth of free slots, its sparsest block
+        // is emptied into the others.
+        while (done.blocks_freed as usize) < limit {
+            let state = &self.classes[class];
+            let free = u64::from(state.blocks) * u64::from(slots) - state.objects;
+            if free < u64::from(slots) {
+                break;
+            }
+            let Some(src) = state
+                .open
+                .iter()
+                .copied()
+                .min_by_key(|b| self.blocks.get(b).map_or(u32::MAX, Block::live))
+            else {
+                break;
+            };
+            match self.empty_block(memory, src)? {
+                Some(d) => done += d,
+                None => break,
+            }
+        }
+        // Nothing more to free in whole blocks: each block left with room gets its objects
+        // packed into its lowest slots, so that the pages after them go back to the kernel.
+        if (done.blocks_freed as usize) < limit {
+            let open: Vec<u32> = self.classes[class].open.iter().copied().collect();
+            for b in open {
+                let moved = self.pack(memory, b);
+                done.objects_moved += moved;
+                self.classes[class].moved += moved;
+            }
+        }
         Ok(done)
+    }
+
+    /// Moves the objects of block `file_block` into its lowest free slots (keeping their keys:
+    /// the block is the same) and gives back the pages after the last one; the objects moved.
+    fn pack(&mut self, memory: &BlockMemory, file_block: u32) -> u64 {
+        let Some(block) = self.blocks.get(&file_block) else {
+            return 0;
+        };
+        let (address, size) = (block.address, slot_size(block.class));
+        let mut buf = vec![0u8; size as usize];
+        let mut moved = 0;
+        let last = loop {
+            let Some(block) = self.blocks.get_mut(&file_block) else {
+                return moved;
+            };
+            match block.ends() {
+                (Some(low), Some(high)) if low < high => {
+                    if !block.relocate(high, low) {
+                        return moved;
+                    }
+                    // SAFETY: the block's own address is mapped and, under the exclusive
+                    // lock, nobody else accesses it; both slots lie inside the block, and the
+                    // destination was free.
+                    unsafe {
+                        memory.read(address, high * size, &mut buf);
+                        memory.write(address, low * size, &buf);
+                    }
+                    moved += 1;
+                }
+                (_, high) => break high,
+            }
+        };
+        let end = last.map_or(0, |s| (s + 1) * size);
+        let from = end.div_ceil(4096) * 4096;
+        if let Err(e) = memory.punch_range(file_block, from, BLOCK_SIZE as u32) {
+            tracing::warn!(file_block, error = %e, "cannot give back a packed block's free pages");
+        }
+        moved
     }
 
     /// Copies the objects of block `src` into block `dst` (same slot where free, else another,
@@ -876,15 +1234,16 @@ impl Inner {
         let objects = from.objects();
         let mut placed: Vec<(u32, u32)> = Vec::with_capacity(objects.len());
         let mut moving = Vec::new();
+        let key_of = |id: u32| (from.key_address(id).unwrap_or(from.address), id);
         for &(slot, id) in &objects {
-            if into.take_exactly(slot, id) {
+            if into.take_exactly(slot, id, key_of(id).0) {
                 placed.push((slot, slot));
             } else {
                 moving.push((slot, id));
             }
         }
         for (slot, id) in moving {
-            let Some(to) = into.take(None, id) else {
+            let Some(to) = into.take(None, id, key_of(id).0) else {
                 return Err(DaemonError::Invalid(
                     "compaction chose a destination without room".into(),
                 ));
@@ -924,12 +1283,16 @@ impl Inner {
             }
         }
         // Every address shows the destination: the books follow.
+        let keys: Vec<Key> = objects.iter().map(|&(_, id)| key_of(id)).collect();
         let full = into.is_full();
         into.aliases.extend_from_slice(&addresses);
         self.blocks.insert(dst, into);
         self.blocks.remove(&src);
         for &address in &addresses {
             self.by_address.insert(address, dst);
+        }
+        for key in keys {
+            self.moved_to(key, dst);
         }
         if let Err(e) = memory.punch(src) {
             tracing::warn!(file_block = src, error = %e, "cannot free a merged block's memory");
@@ -948,9 +1311,81 @@ impl Inner {
         state.moved += done.objects_moved;
         // Addresses of the source that no pointer names are released at once.
         for address in addresses {
-            self.release_alias(memory, address);
+            self.release_address(memory, address);
         }
         Ok(done)
+    }
+
+    /// Empties block `src` into the free slots of the other blocks of its class, fullest
+    /// first, and frees it; `None` (nothing changed) when they have no room for all of its
+    /// objects (or only blocks that hold one of its ids).
+    fn empty_block(&mut self, memory: &BlockMemory, src: u32) -> Result<Option<Compaction>> {
+        let missing = || DaemonError::Invalid("compaction of a missing block".into());
+        let from = self.blocks.get(&src).ok_or_else(missing)?;
+        let (class, from_address) = (from.class, from.address);
+        let size = slot_size(class);
+        let objects: Vec<(u32, Key)> = from
+            .objects()
+            .into_iter()
+            .map(|(slot, id)| (slot, (from.key_address(id).unwrap_or(from_address), id)))
+            .collect();
+        let mut into: Vec<(u32, u32)> = self.classes[class]
+            .open
+            .iter()
+            .filter(|b| **b != src)
+            .filter_map(|b| self.blocks.get(b).map(|x| (x.free_slots(), *b)))
+            .collect();
+        into.sort_unstable();
+        // Each object's destination: the fullest block with room that lacks its id.
+        let mut plan = Vec::with_capacity(objects.len());
+        let mut first = 0;
+        for &(slot, key) in &objects {
+            let Some(j) = (first..into.len())
+                .find(|&j| into[j].0 > 0 && !self.blocks[&into[j].1].holds(key.1))
+            else {
+                return Ok(None);
+            };
+            into[j].0 -= 1;
+            while first < into.len() && into[first].0 == 0 {
+                first += 1;
+            }
+            plan.push((slot, key, into[j].1));
+        }
+        let mut buf = vec![0u8; size as usize];
+        let mut done = Compaction::default();
+        for (slot, key, dst) in plan {
+            let to = self
+                .blocks
+                .get_mut(&dst)
+                .and_then(|b| b.take(None, key.1, key.0))
+                .ok_or_else(|| {
+                    DaemonError::Invalid("compaction chose a destination without room".into())
+                })?;
+            let dst_address = self.blocks[&dst].address;
+            // SAFETY: both blocks' own addresses are mapped and, under the exclusive lock,
+            // nobody else accesses them; both slots lie inside their blocks, and the
+            // destination slot was free.
+            unsafe {
+                memory.read(from_address, slot * size, &mut buf);
+                memory.write(dst_address, to * size, &buf);
+            }
+            // The object is in `dst` from now on (so a failure later leaves the books right).
+            if let Some(b) = self.blocks.get_mut(&src) {
+                b.release(slot);
+            }
+            self.moved_to(key, dst);
+            if self.blocks[&dst].is_full() {
+                self.classes[class].open.remove(&dst);
+            }
+            done.objects_merged += 1;
+            done.objects_moved += 1;
+        }
+        self.free_block(memory, src);
+        done.blocks_freed = 1;
+        let state = &mut self.classes[class];
+        state.compactions += 1;
+        state.moved += done.objects_moved;
+        Ok(Some(done))
     }
 }
 

@@ -94,6 +94,7 @@ fn another_region_and_freed_objects_are_refused() {
 fn compaction_merges_sparse_blocks_and_keeps_every_object() {
     let store = ObjectStore::new(64 << 20).unwrap();
     store.set_auto_compaction(false);
+    store.set_correction_grace(std::time::Duration::ZERO);
     let class = class_for(1000).unwrap();
     let per_block = slots_per_block(class) as usize;
     let n = per_block * 10;
@@ -356,6 +357,7 @@ fn a_full_store_compacts_then_refuses() {
 fn pointers_through_merged_addresses_stay_counted() {
     let store = ObjectStore::new(16 << 20).unwrap();
     store.set_auto_compaction(false);
+    store.set_correction_grace(std::time::Duration::ZERO);
     let class = class_for(4000).unwrap();
     let per = slots_per_block(class) as usize;
     // Two blocks, each left with two objects: mergeable.
@@ -393,7 +395,7 @@ fn pointers_through_merged_addresses_stay_counted() {
         let f = store.correct(o, p).unwrap();
         if f.address != p.address && alias.is_none() {
             assert_eq!(
-                store.correct(o, p).unwrap(),
+                store.correct(o, f).unwrap(),
                 f,
                 "a second correction changes nothing"
             );
@@ -462,5 +464,267 @@ fn a_large_class_compacts_fully() {
     for (o, p, v) in kept {
         store.read(o, p, 0, &mut buf).unwrap();
         assert_eq!(u64::from_le_bytes(buf), v);
+    }
+}
+
+/// Blocks three quarters full cannot merge (no two fit in one), so compaction empties the
+/// sparsest into the free slots of several others: the class ends with as many blocks as its
+/// objects need, every object reads back through the pointer it had, the manager's view of
+/// the moved ones (`indirect`) lists exactly them, and correcting them makes them direct.
+#[test]
+fn blocks_more_than_half_full_are_emptied_into_several() {
+    let store = ObjectStore::new(16 << 20).unwrap();
+    store.set_auto_compaction(false);
+    store.set_correction_grace(std::time::Duration::ZERO);
+    // Slots of about 1 KiB: a freed one leaves its pages in use by its neighbours.
+    let len = 1000;
+    let class = class_for(len).unwrap();
+    let per = slots_per_block(class) as usize;
+    let blocks = 4;
+    let mut all: Vec<(Owner, ObjectRef, u8)> = (0..per * blocks)
+        .map(|i| {
+            let o = owner(i);
+            let p = store.alloc(o, len).unwrap();
+            store.write(o, p, 0, &vec![i as u8; len as usize]).unwrap();
+            (o, p, i as u8)
+        })
+        .collect();
+    // Every fourth object freed: each block is three quarters full.
+    let mut kept = Vec::new();
+    for (i, x) in all.drain(..).enumerate() {
+        if i % 4 == 0 {
+            store.free(x.0, x.1).unwrap();
+        } else {
+            kept.push(x);
+        }
+    }
+    assert_eq!(store.stats()[class].blocks, blocks as u32);
+    let before = store.allocated_bytes();
+    let done = store.compact(Some(class)).unwrap();
+    let need = kept.len().div_ceil(per);
+    let stats = store.stats()[class].clone();
+    assert_eq!(stats.blocks as usize, need, "{done:?}");
+    assert_eq!(done.blocks_freed as usize, blocks - need);
+    assert!(store.allocated_bytes() < before);
+    // The emptied block's objects are indirect: listed for the manager, with their owners.
+    let indirect = store.indirect(usize::MAX);
+    assert_eq!(indirect.len() as u64, stats.indirect);
+    assert!(indirect.len() as u64 <= done.objects_moved, "{done:?}");
+    assert!(!indirect.is_empty());
+    for x in &indirect {
+        let (o, p, _) = kept.iter().find(|k| k.1.id == x.old.id).unwrap();
+        assert_eq!(*o, x.owner);
+        assert_eq!(p.address, x.old.address);
+        assert_ne!(x.new.address, x.old.address);
+        // The pointer at its own block reaches it before the correction (the manager records
+        // the new pointer first): its reply names that address.
+        let mut b = [0u8; 1];
+        let now = store.read(x.owner, x.new, 0, &mut b).unwrap();
+        assert!(now.is_none_or(|n| n.address == x.new.address));
+    }
+    // Correcting through the new pointer works as through the old.
+    let first = indirect[0];
+    assert_eq!(store.correct(first.owner, first.new).unwrap(), first.new);
+    let (_, p, _) = kept.iter_mut().find(|k| k.1.id == first.old.id).unwrap();
+    *p = first.new;
+    let mut buf = vec![0u8; len as usize];
+    for (o, p, v) in &mut kept {
+        store.read(*o, *p, 0, &mut buf).unwrap();
+        assert!(buf.iter().all(|b| b == v), "object {v} after emptying");
+        // Writes through the old pointer land in the moved object.
+        store.write(*o, *p, 0, &[*v ^ 0xff]).unwrap();
+        *p = store.correct(*o, *p).unwrap();
+        assert_eq!(store.read(*o, *p, 0, &mut buf).unwrap(), None, "direct now");
+        assert_eq!(buf[0], *v ^ 0xff);
+        assert!(buf[1..].iter().all(|b| b == v));
+    }
+    assert!(store.indirect(usize::MAX).is_empty());
+    assert_eq!(store.stats()[class].indirect, 0);
+    assert_eq!(
+        store.addresses_in_use(),
+        need,
+        "the emptied block's address is released once corrected"
+    );
+    for (o, p, _) in kept {
+        store.free(o, p).unwrap();
+    }
+    assert_eq!(store.allocated_bytes(), 0);
+}
+
+/// A corrected pointer keeps reaching its object for the grace period, so requests under way
+/// with it finish; after it, the old pointer is refused as stale and its address reused.
+#[test]
+fn a_corrected_pointer_works_until_its_grace_ends() {
+    let store = ObjectStore::new(16 << 20).unwrap();
+    store.set_auto_compaction(false);
+    store.set_correction_grace(std::time::Duration::from_millis(300));
+    let class = class_for(4000).unwrap();
+    let per = slots_per_block(class) as usize;
+    let all: Vec<_> = (0..4 * per)
+        .map(|i| (owner(i), store.alloc(owner(i), 4000).unwrap()))
+        .collect();
+    let mut kept = Vec::new();
+    for (i, (o, p)) in all.into_iter().enumerate() {
+        if i % per < per / 4 {
+            store.free(o, p).unwrap();
+        } else {
+            kept.push((o, p));
+        }
+    }
+    store.compact(Some(class)).unwrap();
+    let moved = store.indirect(usize::MAX);
+    assert!(!moved.is_empty());
+    let x = moved[0];
+    let new = store.correct(x.owner, x.old).unwrap();
+    assert_eq!(new, x.new);
+    assert_eq!(
+        store.correct(x.owner, x.old).unwrap(),
+        new,
+        "again: the same"
+    );
+    store.write(x.owner, x.old, 0, b"old").unwrap();
+    let mut buf = [0u8; 3];
+    // The old pointer's reply names the new one.
+    assert_eq!(store.read(x.owner, x.old, 0, &mut buf).unwrap(), Some(new));
+    assert_eq!(&buf, b"old");
+    std::thread::sleep(std::time::Duration::from_millis(350));
+    store.compact(None).unwrap();
+    let e = store.read(x.owner, x.old, 0, &mut buf).unwrap_err();
+    assert_eq!(e.errno(), libc::ESTALE);
+    assert_eq!(store.read(x.owner, new, 0, &mut buf).unwrap(), None);
+    assert_eq!(&buf, b"old");
+    // Freeing through the new pointer frees it; the rest are freed through their old ones.
+    store.free(x.owner, new).unwrap();
+    for (o, p) in kept {
+        if p.id != x.old.id {
+            store.free(o, p).unwrap();
+        }
+    }
+    assert_eq!(store.allocated_bytes(), 0);
+    assert_eq!(store.addresses_in_use(), 0);
+}
+
+/// One step of [`the_store_matches_a_model`].
+#[derive(Clone, Debug)]
+enum Step {
+    Alloc { len: u32 },
+    Write { pick: usize, offset: u32, len: u32 },
+    Refit { pick: usize },
+    Free { pick: usize },
+    Compact,
+    Correct,
+}
+
+fn arb_step() -> impl proptest::strategy::Strategy<Value = Step> {
+    use proptest::prelude::*;
+    prop_oneof![
+        // Two narrow ranges of sizes, so that classes fill several blocks in a short run.
+        4 => prop_oneof![900u32..940, 3000u32..3040].prop_map(|len| Step::Alloc { len }),
+        3 => (any::<usize>(), 0u32..2000, 1u32..300)
+            .prop_map(|(pick, offset, len)| Step::Write { pick, offset, len }),
+        1 => any::<usize>().prop_map(|pick| Step::Refit { pick }),
+        3 => any::<usize>().prop_map(|pick| Step::Free { pick }),
+        1 => Just(Step::Compact),
+        1 => Just(Step::Correct),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+    /// Random allocations, writes (growing an object's bytes in use), refits to a smaller
+    /// class, frees, compactions (auto on as well) and corrections against a model of every
+    /// object's bytes: every live object reads back exactly its bytes (so no two overlap),
+    /// a compacted class holds no more blocks than its objects need plus one for an id clash
+    /// and no more memory than its objects' slots and a page a block, and freeing everything
+    /// gives every page and address back.
+    #[test]
+    fn the_store_matches_a_model(steps in proptest::collection::vec(arb_step(), 1..400)) {
+        let store = ObjectStore::new(8 << 20).unwrap();
+        store.set_correction_grace(std::time::Duration::ZERO);
+        // (owner, pointer, bytes as written, capacity)
+        let mut live: Vec<(Owner, ObjectRef, Vec<u8>, u32)> = Vec::new();
+        let mut next = 0usize;
+        let mut fill = 1u8;
+        for step in steps {
+            match step {
+                Step::Alloc { len } => {
+                    let o = owner(next);
+                    next += 1;
+                    let (p, capacity) = store.alloc_with_capacity(o, len).unwrap();
+                    live.push((o, p, vec![0; len as usize], capacity));
+                }
+                Step::Write { pick, offset, len } if !live.is_empty() => {
+                    let n = live.len();
+                    let (o, p, bytes, capacity) = &mut live[pick % n];
+                    let offset = offset % *capacity;
+                    let len = len.min(*capacity - offset);
+                    fill = fill.wrapping_add(1).max(1);
+                    let data = vec![fill; len as usize];
+                    if let Some(now) = store.write(*o, *p, offset, &data).unwrap() {
+                        *p = now;
+                    }
+                    let end = (offset + len) as usize;
+                    if bytes.len() < end {
+                        bytes.resize(end, 0);
+                    }
+                    bytes[offset as usize..end].copy_from_slice(&data);
+                }
+                Step::Refit { pick } if !live.is_empty() => {
+                    let i = pick % live.len();
+                    let (o, p, bytes, _) = live[i].clone();
+                    let len = (bytes.len() as u32).max(1);
+                    let (new, capacity) = store.refit(o, p, len).unwrap();
+                    proptest::prop_assert!(capacity >= len);
+                    store.free(o, p).unwrap();
+                    live[i] = (o, new, bytes, capacity);
+                }
+                Step::Free { pick } if !live.is_empty() => {
+                    let (o, p, _, _) = live.swap_remove(pick % live.len());
+                    store.free(o, p).unwrap();
+                }
+                Step::Compact => {
+                    store.compact(None).unwrap();
+                    // Packed: each block holds its objects' slots and at most a page more.
+                    let bound: u64 = store
+                        .stats()
+                        .iter()
+                        .map(|s| s.objects * u64::from(s.slot_size) + u64::from(s.blocks) * 4096)
+                        .sum();
+                    proptest::prop_assert!(
+                        store.allocated_bytes() <= bound,
+                        "{} bytes held, at most {bound} expected", store.allocated_bytes()
+                    );
+                    for (c, s) in store.stats().iter().enumerate() {
+                        let need = s.objects.div_ceil(u64::from(slots_per_block(c)));
+                        proptest::prop_assert!(
+                            u64::from(s.blocks) <= need + 1,
+                            "class {c}: {} blocks for {} objects", s.blocks, s.objects
+                        );
+                    }
+                }
+                Step::Correct => {
+                    for x in store.indirect(usize::MAX) {
+                        let fixed = store.correct(x.owner, x.old).unwrap();
+                        if let Some(l) = live.iter_mut().find(|l| l.0 == x.owner) {
+                            l.1 = fixed;
+                        }
+                    }
+                }
+                _ => {}
+            }
+            for (o, p, bytes, capacity) in &live {
+                let mut buf = vec![0xeeu8; *capacity as usize];
+                store.read(*o, *p, 0, &mut buf).unwrap();
+                proptest::prop_assert_eq!(&buf[..bytes.len()], &bytes[..]);
+                proptest::prop_assert!(buf[bytes.len()..].iter().all(|b| *b == 0));
+            }
+        }
+        for (o, p, _, _) in live {
+            store.free(o, p).unwrap();
+        }
+        proptest::prop_assert_eq!(store.allocated_bytes(), 0);
+        proptest::prop_assert_eq!(store.addresses_in_use(), 0);
+        proptest::prop_assert!(store.indirect(usize::MAX).is_empty());
     }
 }

@@ -116,6 +116,7 @@ fn writes(op: Op) -> bool {
             | Op::ObjFreeze
             | Op::ObjThaw
             | Op::ObjRefit
+            | Op::ObjCorrect
     )
 }
 

@@ -774,7 +774,9 @@ impl Conn {
             | Request::ObjCompact
             | Request::ObjFreeze { .. }
             | Request::ObjThaw { .. }
-            | Request::ObjRefit { .. }) => {
+            | Request::ObjRefit { .. }
+            | Request::ObjIndirect { .. }
+            | Request::ObjCorrect { .. }) => {
                 let served = match self.shared.objects.get() {
                     Some(store) => objects::serve(store, self.auth.proved_secret(), reach, request),
                     None => Err(DaemonError::NoObjects(

@@ -3,15 +3,18 @@
 //! "Small regions as objects"), reached only through the daemon, never through shared memory.
 //!
 //! Who may do what:
-//! - allocating and freeing objects is the manager's, compacting on demand the
-//!   administrator's (`regionfs compact`): connections that proved the cluster secret;
+//! - allocating, freeing, moving objects and correcting their pointers is the manager's,
+//!   compacting on demand the administrator's (`regionfs compact`): connections that proved
+//!   the cluster secret;
 //! - reads and writes need the region named by the request: a node component (cluster secret)
 //!   names it in the header, an application's capability must be for that region and cover
 //!   the bytes. The store then checks that the object belongs to that region (`ESTALE` when
 //!   it does not: the caller's map is stale).
 
 use bytes::{BufMut, Bytes, BytesMut};
-use regions_proto::frame::{OBJECT_REF_LEN, ObjectCompaction, ObjectRef, Request};
+use regions_proto::frame::{
+    INDIRECT_OBJECT_LEN, IndirectObject, OBJECT_REF_LEN, ObjectCompaction, ObjectRef, Request,
+};
 
 use crate::error::{DaemonError, Result};
 use crate::objects::{ObjectStore, Owner};
@@ -108,6 +111,25 @@ pub fn serve(store: &ObjectStore, secret: bool, reach: Reach, request: Request) 
             node_only(secret, "thawing an object")?;
             store.thaw(owner(ino), at)?;
             Ok(Bytes::new())
+        }
+        Request::ObjIndirect { max } => {
+            node_only(secret, "listing moved objects")?;
+            let found = store.indirect(max as usize);
+            let mut out = BytesMut::with_capacity(found.len() * INDIRECT_OBJECT_LEN);
+            for x in found {
+                IndirectObject {
+                    ino: x.owner.ino,
+                    old: x.old,
+                    new: x.new,
+                }
+                .encode(&mut out);
+            }
+            Ok(out.freeze())
+        }
+        Request::ObjCorrect { ino, at } => {
+            node_only(secret, "correcting an object's pointer")?;
+            let new = store.correct(owner(ino), at)?;
+            Ok(with_ref(new, 0).freeze())
         }
         Request::ObjCompact => {
             node_only(secret, "compacting the object store")?;

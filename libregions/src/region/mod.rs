@@ -46,6 +46,9 @@ const PARALLEL_MIN: usize = 256 << 10;
 const RESERVE_MIN: u64 = CHUNK_SIZE;
 /// The largest single reservation step.
 const RESERVE_MAX: u64 = 1 << 30;
+/// The most a small region's object can grow to (a daemon's largest slot; the manager's
+/// small-region limit decides below it).
+const MAX_OBJECT_BYTES: u64 = regions_proto::frame::MAX_OBJECT as u64;
 
 /// When a writer's growth of the size reaches the manager.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -657,17 +660,26 @@ impl Region {
     /// only the chunks, reserved ahead by doubling (at least `end`).
     fn reserve(&self, end: u64) -> Result<()> {
         let _one = self.reserving.lock().map_err(|_| Self::poisoned())?;
-        let (size, capacity) = {
+        let (size, capacity, object) = {
             let s = self.state.read().map_err(|_| Self::poisoned())?;
-            (s.size, s.capacity())
+            (
+                s.size,
+                s.capacity(),
+                s.object.as_ref().is_some_and(|o| !o.moving),
+            )
         };
         let eager = self.policy == SizePolicy::Eager;
         if end <= capacity && (!eager || end <= size) {
             return Ok(());
         }
-        let ahead = if end <= capacity || (capacity == 0 && end <= CHUNK_SIZE) {
+        let ahead = if end <= capacity
+            || (capacity == 0 && end <= CHUNK_SIZE)
+            || (object && end <= MAX_OBJECT_BYTES)
+        {
             // A new region's first chunk is asked for as what it needs: a small one may be
             // stored as an object (the manager's choice), a larger one gets the chunk anyway.
+            // A small region outgrowing its object asks for what it needs too: the manager
+            // gives it a larger object while it stays under the small-region limit.
             end
         } else {
             let step = capacity.clamp(RESERVE_MIN, RESERVE_MAX);

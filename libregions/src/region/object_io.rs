@@ -172,14 +172,14 @@ impl Region {
         }
     }
 
-    /// Remembers the slot a compaction moved the object to (the daemon said where it is now).
+    /// Remembers where a compaction moved the object (the daemon said where it is now: another
+    /// slot, or, once the manager recorded its pointer at another block, that block).
     fn note_object_slot(&self, now: ObjectRef) {
         if let Ok(mut s) = self.state.write()
             && let Some(o) = s.object.as_mut()
-            && o.address == now.address
             && o.id == now.id
         {
-            o.slot = now.slot;
+            (o.address, o.slot) = (now.address, now.slot);
         }
     }
 }
