@@ -35,6 +35,15 @@ fn mib(bytes: u64) -> f64 {
     bytes as f64 / f64::from(1u32 << 20)
 }
 
+/// Prints one memory figure: its label, MiB, and its ratio to `ideal` (with `note` after it).
+fn row(label: &str, bytes: u64, ideal: u64, note: &str) {
+    println!(
+        "  {label:<42}{:8.1} MiB  {:.2}x ideal{note}",
+        mib(bytes),
+        bytes as f64 / ideal as f64
+    );
+}
+
 /// An object the bench keeps: its owner, pointer and length.
 type Survivor = (Owner, ObjectRef, u32);
 
@@ -112,18 +121,16 @@ fn corm_trace(n: usize) -> anyhow::Result<()> {
     check(&store, &all)?;
     println!("CoRM's trace: {n} objects of 32 B, a random 75% freed:");
     println!(
-        "  ideal (live bytes + {HEADER} B headers)   {:8.1} MiB",
+        "  {:<42}{:8.1} MiB",
+        format!("ideal (live bytes + {HEADER} B headers)"),
         mib(ideal)
     );
-    println!(
-        "  blocks, no compaction                     {:8.1} MiB  {:.2}x ideal",
-        mib(without),
-        without as f64 / ideal as f64
-    );
-    println!(
-        "  blocks, after compaction                  {:8.1} MiB  {:.2}x ideal  (target <= 1.15)",
-        mib(after),
-        after as f64 / ideal as f64
+    row("blocks, no compaction", without, ideal, "");
+    row(
+        "blocks, after compaction",
+        after,
+        ideal,
+        "  (target <= 1.15)",
     );
     println!(
         "  compaction: {} blocks freed, {} objects moved, in {:.1} ms, holding the store \
@@ -291,28 +298,23 @@ fn sizes_mixed(full: bool) -> anyhow::Result<()> {
     let with_policy = auto.allocated_bytes();
 
     println!(
-        "  ideal (live bytes + {HEADER} B headers)   {:8.1} MiB",
+        "  {:<42}{:8.1} MiB",
+        format!("ideal (live bytes + {HEADER} B headers)"),
         mib(ideal)
     );
-    println!(
-        "  one segment per region (whole pages)      {:8.1} MiB  {:.2}x ideal",
-        mib(segments),
-        segments as f64 / ideal as f64
+    row("one segment per region (whole pages)", segments, ideal, "");
+    row("blocks, no compaction", without, ideal, "");
+    row(
+        "blocks, after compaction",
+        after,
+        ideal,
+        "  (target <= 1.15)",
     );
-    println!(
-        "  blocks, no compaction                     {:8.1} MiB  {:.2}x ideal",
-        mib(without),
-        without as f64 / ideal as f64
-    );
-    println!(
-        "  blocks, after compaction                  {:8.1} MiB  {:.2}x ideal  (target <= 1.15)",
-        mib(after),
-        after as f64 / ideal as f64
-    );
-    println!(
-        "  blocks, compacting on free (default)      {:8.1} MiB  {:.2}x ideal",
-        mib(with_policy),
-        with_policy as f64 / ideal as f64
+    row(
+        "blocks, compacting on free (default)",
+        with_policy,
+        ideal,
+        "",
     );
     println!(
         "  compaction: {} blocks merged or emptied, {} objects copied, {} moved to another \
