@@ -108,16 +108,29 @@ fn check(store: &ObjectStore, survivors: &[Survivor]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Compacts the whole store: the memory it held before, what the compaction did, how long
+/// it took, and the memory held after.
+fn compact_timed(
+    store: &ObjectStore,
+) -> anyhow::Result<(
+    u64,
+    regions_daemon::objects::Compaction,
+    std::time::Duration,
+    u64,
+)> {
+    let without = store.allocated_bytes();
+    let start = Instant::now();
+    let done = store.compact(None)?;
+    let took = start.elapsed();
+    Ok((without, done, took, store.allocated_bytes()))
+}
+
 /// CoRM's trace: `n` objects of 32 B, a random 75% freed; prints memory without and after
 /// compaction against the ideal.
 fn corm_trace(n: usize) -> anyhow::Result<()> {
     let (store, all, _, _) = populate_sized(n, false, 3, |_| 32)?;
     let ideal = all.len() as u64 * (32 + HEADER);
-    let without = store.allocated_bytes();
-    let start = Instant::now();
-    let done = store.compact(None)?;
-    let took = start.elapsed();
-    let after = store.allocated_bytes();
+    let (without, done, took, after) = compact_timed(&store)?;
     check(&store, &all)?;
     println!("CoRM's trace: {n} objects of 32 B, a random 75% freed:");
     println!(
@@ -278,11 +291,7 @@ fn sizes_mixed(full: bool) -> anyhow::Result<()> {
         .iter()
         .map(|(_, _, l)| u64::from(*l).div_ceil(PAGE) * PAGE)
         .sum();
-    let without = store.allocated_bytes();
-    let start = Instant::now();
-    let done = store.compact(None)?;
-    let took = start.elapsed();
-    let after = store.allocated_bytes();
+    let (without, done, took, after) = compact_timed(&store)?;
     check(&store, &survivors)?;
     let stats = store.stats();
     let moved: u64 = stats.iter().map(|c| c.moved_objects).sum();

@@ -193,6 +193,23 @@ impl Block {
         v
     }
 
+    /// (slot, key) of every object, by slot: its key is the address its pointer names and
+    /// its id.
+    pub fn keyed_objects(&self) -> Vec<(u32, (u32, u32))> {
+        let mut v: Vec<_> = self
+            .ids
+            .iter()
+            .map(|(id, s)| {
+                (
+                    *s,
+                    (self.keys.get(id).copied().unwrap_or(self.address), *id),
+                )
+            })
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
     /// Whether the objects of `other` fit in this block's free slots and no id is in both.
     pub fn can_absorb(&self, other: &Block) -> bool {
         other.live() <= self.free.len() as u32

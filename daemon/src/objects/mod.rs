@@ -1231,19 +1231,18 @@ impl Inner {
         let mut buf = vec![0u8; size as usize];
         // Objects whose slot is free in the destination keep it; then the others take what
         // is left (so none takes a slot another could have kept).
-        let objects = from.objects();
+        let objects = from.keyed_objects();
         let mut placed: Vec<(u32, u32)> = Vec::with_capacity(objects.len());
         let mut moving = Vec::new();
-        let key_of = |id: u32| (from.key_address(id).unwrap_or(from.address), id);
-        for &(slot, id) in &objects {
-            if into.take_exactly(slot, id, key_of(id).0) {
+        for &(slot, (key_address, id)) in &objects {
+            if into.take_exactly(slot, id, key_address) {
                 placed.push((slot, slot));
             } else {
-                moving.push((slot, id));
+                moving.push((slot, key_address, id));
             }
         }
-        for (slot, id) in moving {
-            let Some(to) = into.take(None, id, key_of(id).0) else {
+        for (slot, key_address, id) in moving {
+            let Some(to) = into.take(None, id, key_address) else {
                 return Err(DaemonError::Invalid(
                     "compaction chose a destination without room".into(),
                 ));
@@ -1283,7 +1282,7 @@ impl Inner {
             }
         }
         // Every address shows the destination: the books follow.
-        let keys: Vec<Key> = objects.iter().map(|&(_, id)| key_of(id)).collect();
+        let keys: Vec<Key> = objects.iter().map(|&(_, key)| key).collect();
         let full = into.is_full();
         into.aliases.extend_from_slice(&addresses);
         self.blocks.insert(dst, into);
@@ -1324,11 +1323,7 @@ impl Inner {
         let from = self.blocks.get(&src).ok_or_else(missing)?;
         let (class, from_address) = (from.class, from.address);
         let size = slot_size(class);
-        let objects: Vec<(u32, Key)> = from
-            .objects()
-            .into_iter()
-            .map(|(slot, id)| (slot, (from.key_address(id).unwrap_or(from_address), id)))
-            .collect();
+        let objects = from.keyed_objects();
         let mut into: Vec<(u32, u32)> = self.classes[class]
             .open
             .iter()
