@@ -13,7 +13,7 @@ use bytes::{Bytes, BytesMut};
 use common::{Client, TOKEN, server, status};
 use proptest::prelude::*;
 use regions_daemon::pools::Pools;
-use regions_proto::frame::{Header, MAX_POOL, ObjectRef, Op, Range, Request};
+use regions_proto::frame::{Header, MAX_POOL, ObjectRef, Op, Range, Request, Settle};
 use regions_proto::layout::CHUNK_SIZE;
 
 const C: u64 = CHUNK_SIZE;
@@ -130,7 +130,19 @@ fn arb_object_request() -> impl Strategy<Value = Request> {
     });
     let offset = prop_oneof![0u32..9000, any::<u32>()];
     prop_oneof![
-        (ino.clone(), 0u32..10_000).prop_map(|(ino, len)| Request::ObjAlloc { ino, len }),
+        (ino.clone(), 0u32..10_000, 0u64..3)
+            .prop_map(|(ino, len, manager)| { Request::ObjAlloc { ino, len, manager } }),
+        (0u64..3, 0u32..100).prop_map(|(manager, max)| Request::ObjInherited { manager, max }),
+        (ino.clone(), at.clone(), 0u64..3, 0u32..3).prop_map(|(ino, at, manager, action)| {
+            Request::ObjSettle {
+                manager,
+                objects: vec![regions_proto::frame::SettleObject {
+                    ino,
+                    at,
+                    settle: [Settle::Keep, Settle::KeepAndThaw, Settle::Free][action as usize],
+                }],
+            }
+        }),
         (ino.clone(), at.clone()).prop_map(|(ino, at)| Request::ObjFree { ino, at }),
         (ino.clone(), at.clone(), offset.clone(), 0u32..9000).prop_map(|(ino, at, offset, len)| {
             Request::ObjRead {

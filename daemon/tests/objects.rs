@@ -15,7 +15,9 @@ use regions_daemon::objects::ObjectStore;
 use regions_daemon::pools::Pools;
 use regions_proto::auth::Secret;
 use regions_proto::capability::{Capability, CapabilityKey, RIGHT_READ, RIGHT_WRITE, now_ms};
-use regions_proto::frame::{Frame, OBJECT_REF_LEN, ObjectRef, Op, Request};
+use regions_proto::frame::{
+    Frame, HeldObject, OBJECT_REF_LEN, ObjectRef, Op, Request, Settle, SettleObject,
+};
 
 fn token(ino: u64, rights: u8, range: (u64, u64)) -> Bytes {
     let key = CapabilityKey::from_secret(&Secret::new(TOKEN).unwrap());
@@ -52,7 +54,11 @@ fn holding_capability(addr: std::net::SocketAddr, ino: u64) -> Client {
 }
 
 fn alloc(node: &mut Client, ino: u64, len: u32) -> ObjectRef {
-    let reply = node.call(&Request::ObjAlloc { ino, len });
+    let reply = node.call(&Request::ObjAlloc {
+        ino,
+        len,
+        manager: 1,
+    });
     assert_eq!(status(&reply), 0, "{:?}", reply.error_message());
     let (at, rest) = ObjectRef::decode(Op::ObjAlloc, &reply.payload).unwrap();
     let capacity = u32::from_le_bytes(rest.try_into().unwrap());
@@ -133,7 +139,15 @@ fn a_capability_reaches_its_own_regions_object_only() {
         status(&call(&mut app, &write(11, theirs, 0, b"overwrite"), 5)),
         libc::EACCES
     );
-    let grab = call(&mut app, &Request::ObjAlloc { ino: 10, len: 10 }, 5);
+    let grab = call(
+        &mut app,
+        &Request::ObjAlloc {
+            ino: 10,
+            len: 10,
+            manager: 1,
+        },
+        5,
+    );
     assert_eq!(status(&grab), libc::EACCES);
     assert!(grab.error_message().unwrap().contains("manager"));
     let compact = call(&mut app, &Request::ObjCompact, 5);
@@ -181,7 +195,11 @@ fn a_capability_reaches_its_own_regions_object_only() {
 
     // Moving to chunks: the manager freezes the object; writes are refused (ESTALE, the
     // writer refreshes its map), reads still served. Only the manager may freeze.
-    let freeze = Request::ObjFreeze { ino: 10, at: mine };
+    let freeze = Request::ObjFreeze {
+        ino: 10,
+        at: mine,
+        manager: 1,
+    };
     assert_eq!(status(&call(&mut app, &freeze, 5)), libc::EACCES);
     assert_eq!(status(&node.call(&freeze)), 0);
     let late = call(&mut app, &write(10, mine, 0, b"late"), 5);
@@ -285,7 +303,11 @@ fn objects_keep_their_bytes_across_compaction_and_old_pointers_are_corrected() {
 fn a_daemon_without_an_object_store_says_so() {
     let (srv, _) = server(Arc::new(Pools::new()), Duration::from_millis(50));
     let mut node = Client::authenticated(srv.local_addr(), TOKEN);
-    let reply = node.call(&Request::ObjAlloc { ino: 3, len: 10 });
+    let reply = node.call(&Request::ObjAlloc {
+        ino: 3,
+        len: 10,
+        manager: 1,
+    });
     assert_eq!(status(&reply), libc::EOPNOTSUPP);
     assert!(reply.error_message().unwrap().contains("object store"));
 }
@@ -303,6 +325,7 @@ fn a_refit_copies_into_a_smaller_object_or_changes_nothing() {
         ino: 20,
         at: big,
         len: 100,
+        manager: 1,
     });
     assert_eq!(
         status(&refused),
@@ -316,6 +339,7 @@ fn a_refit_copies_into_a_smaller_object_or_changes_nothing() {
         ino: 20,
         at: big,
         len: 100,
+        manager: 1,
     });
     assert_eq!(status(&reply), 0, "{:?}", reply.error_message());
     let (small, rest) = ObjectRef::decode(Op::ObjRefit, &reply.payload).unwrap();
@@ -331,6 +355,7 @@ fn a_refit_copies_into_a_smaller_object_or_changes_nothing() {
         ino: 20,
         at: small,
         len: 10,
+        manager: 1,
     };
     assert_eq!(status(&call(&mut app, &refit, 5)), libc::EACCES);
     // Nor list moved objects (other regions' among them) or correct a pointer.
@@ -338,6 +363,21 @@ fn a_refit_copies_into_a_smaller_object_or_changes_nothing() {
     assert_eq!(status(&call(&mut app, &list, 6)), libc::EACCES);
     let correct = Request::ObjCorrect { ino: 20, at: small };
     assert_eq!(status(&call(&mut app, &correct, 7)), libc::EACCES);
+    // Nor list or settle the objects an earlier manager left.
+    let inherited = Request::ObjInherited {
+        manager: 2,
+        max: 10,
+    };
+    assert_eq!(status(&call(&mut app, &inherited, 8)), libc::EACCES);
+    let settle = Request::ObjSettle {
+        manager: 2,
+        objects: vec![SettleObject {
+            ino: 20,
+            at: small,
+            settle: Settle::Free,
+        }],
+    };
+    assert_eq!(status(&call(&mut app, &settle, 9)), libc::EACCES);
     // The node may: nothing moved here, so nothing is listed, and its own block's pointer
     // is already the one a correction gives.
     let listed = node.call(&list);
@@ -347,4 +387,118 @@ fn a_refit_copies_into_a_smaller_object_or_changes_nothing() {
     assert_eq!(status(&corrected), 0, "{:?}", corrected.error_message());
     let (now, _) = ObjectRef::decode(Op::ObjCorrect, &corrected.payload).unwrap();
     assert_eq!((now.address, now.id), (small.address, small.id));
+}
+
+/// After a manager restarts, the store lists the objects its predecessor allocated (and which
+/// it froze); the new manager keeps those its regions name, ending the freeze it left, and
+/// frees the others. What the new manager allocates is its own, and a settled object is not
+/// settled again.
+#[test]
+fn a_new_manager_settles_the_objects_its_predecessor_left() {
+    let store = Arc::new(ObjectStore::new(4 << 20).unwrap());
+    let srv = serving_objects(&store);
+    let mut node = Client::authenticated(srv.local_addr(), TOKEN);
+    // Manager 1 places two regions' objects and freezes the first (a fit under way).
+    let named = alloc(&mut node, 30, 100);
+    let orphan = alloc(&mut node, 31, 100);
+    assert_eq!(status(&node.call(&write(31, orphan, 0, b"lost"))), 0);
+    let freeze = Request::ObjFreeze {
+        ino: 30,
+        at: named,
+        manager: 1,
+    };
+    assert_eq!(status(&node.call(&freeze)), 0);
+    // It dies. Manager 2 allocates before it asks: its own object is not inherited.
+    let fresh = node.call(&Request::ObjAlloc {
+        ino: 32,
+        len: 50,
+        manager: 2,
+    });
+    assert_eq!(status(&fresh), 0);
+    let (fresh, _) = ObjectRef::decode(Op::ObjAlloc, &fresh.payload).unwrap();
+    let ask = Request::ObjInherited {
+        manager: 2,
+        max: 100,
+    };
+    let listed = node.call(&ask);
+    assert_eq!(status(&listed), 0, "{:?}", listed.error_message());
+    let mut held = HeldObject::decode_all(&listed.payload).unwrap();
+    held.sort_by_key(|h| h.ino);
+    assert_eq!(held.len(), 2, "{held:?}");
+    assert_eq!(
+        (held[0].ino, held[0].key, held[0].frozen),
+        (30, named, true)
+    );
+    assert_eq!(
+        (held[1].ino, held[1].key, held[1].frozen),
+        (31, orphan, false)
+    );
+    // Still frozen until settled: a freeze does not lapse.
+    let late = node.call(&write(30, named, 0, b"x"));
+    assert_eq!(status(&late), libc::ESTALE);
+    let settle = Request::ObjSettle {
+        manager: 2,
+        objects: vec![
+            SettleObject {
+                ino: 30,
+                at: named,
+                settle: Settle::KeepAndThaw,
+            },
+            SettleObject {
+                ino: 31,
+                at: orphan,
+                settle: Settle::Free,
+            },
+            // Not inherited: left alone.
+            SettleObject {
+                ino: 32,
+                at: fresh,
+                settle: Settle::Free,
+            },
+        ],
+    };
+    let reply = node.call(&settle);
+    assert_eq!(status(&reply), 0, "{:?}", reply.error_message());
+    assert_eq!(
+        &reply.payload[..],
+        &[1, 0, 0, 0, 1, 0, 0, 0],
+        "kept 1, freed 1"
+    );
+    assert_eq!(status(&node.call(&write(30, named, 0, b"mine"))), 0);
+    assert_eq!(status(&node.call(&read(31, orphan, 0, 4))), libc::ESTALE);
+    assert_eq!(status(&node.call(&read(32, fresh, 0, 4))), 0);
+    // Settled objects are listed no more; settling again changes nothing.
+    let listed = node.call(&ask);
+    assert!(listed.payload.is_empty(), "{:?}", listed.payload);
+    let reply = node.call(&settle);
+    assert_eq!(&reply.payload[..], &[0; 8]);
+    // A freeze by the manager served is its own: a keep does not end it.
+    let freeze = Request::ObjFreeze {
+        ino: 30,
+        at: named,
+        manager: 2,
+    };
+    assert_eq!(status(&node.call(&freeze)), 0);
+    let third = Request::ObjInherited {
+        manager: 3,
+        max: 100,
+    };
+    let listed = HeldObject::decode_all(&node.call(&third).payload).unwrap();
+    let frozen: Vec<_> = listed.iter().filter(|h| h.frozen).map(|h| h.ino).collect();
+    assert_eq!(frozen, vec![30], "manager 3 inherits manager 2's freeze");
+    let keep_by_2 = Request::ObjSettle {
+        manager: 3,
+        objects: vec![SettleObject {
+            ino: 30,
+            at: named,
+            settle: Settle::Keep,
+        }],
+    };
+    assert_eq!(status(&node.call(&keep_by_2)), 0);
+    let still = node.call(&write(30, named, 0, b"x"));
+    assert_eq!(
+        status(&still),
+        libc::ESTALE,
+        "a keep without thaw leaves it frozen"
+    );
 }

@@ -184,6 +184,10 @@ pub struct Manager {
     cache_leases: Arc<CacheLeases>,
     /// Object requests to daemons (small regions), once the server gave the secret.
     objects_client: std::sync::OnceLock<Arc<crate::word_client::WordClient>>,
+    /// This run's incarnation, random: object stores take every object allocated before a
+    /// new one asks them as inherited, until this manager settles it
+    /// (`Manager::settle_inherited_objects`).
+    incarnation: u64,
     config: Config,
 }
 
@@ -261,6 +265,7 @@ impl Manager {
             data_dir: data_dir.to_path_buf(),
             cache_leases: Arc::new(CacheLeases::new(data_dir, config.cache_lease_term)),
             objects_client: std::sync::OnceLock::new(),
+            incarnation: rand::random::<u64>() | 1,
             config,
         }))
     }
@@ -275,6 +280,11 @@ impl Manager {
         let _ = self
             .objects_client
             .set(Arc::new(crate::word_client::WordClient::new(secret)));
+    }
+
+    /// This run's incarnation, as object requests name it.
+    pub(crate) fn incarnation(&self) -> u64 {
+        self.incarnation
     }
 
     /// The client of daemons' object stores ([`Manager::serve_objects`]).

@@ -22,8 +22,16 @@
 //!   frees the object. A manager that restarts finishes the moves it finds marked. This copy
 //!   of at most [`MAX_OBJECT_BYTES`] is the only region data the manager ever moves.
 //! - *Freeing.* Freeing the region frees its object (after the change; a manager crash in
-//!   between leaves the object behind, which nothing names: the daemon keeps it until it
-//!   restarts).
+//!   between leaves the object behind, which nothing names, until the next manager settles
+//!   it).
+//! - *Settling.* Every object request that allocates, fits or freezes names the manager's
+//!   incarnation (random per run). A store that sees a new one takes every object it holds
+//!   as *inherited*; about once a second the manager lists them
+//!   ([`regions_proto::frame::Op::ObjInherited`]), keeps those its regions name (ending the
+//!   freezes its predecessor left on objects whose region does not move) and frees the
+//!   others: objects allocated, fitted or moved by a manager that crashed before recording
+//!   or freeing them. A freeze lasts until a manager ends it, so a writer holding an old map
+//!   never writes to an object its region gave up.
 //! - *Correcting pointers.* A daemon's compaction moves objects between blocks; it keeps
 //!   finding each by the pointer the manager recorded, and lists those pointers as indirect.
 //!   About once a second the manager asks each object store for them, records each region's
@@ -36,7 +44,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use regions_proto::frame::{
-    INDIRECT_OBJECT_LEN, IndirectObject, OBJECT_REF_LEN, ObjectRef, Request,
+    HELD_OBJECT_LEN, HeldObject, INDIRECT_OBJECT_LEN, IndirectObject, MAX_INDIRECT, OBJECT_REF_LEN,
+    ObjectRef, Request, Settle, SettleObject,
 };
 use regions_proto::layout::MapEntry;
 use regions_proto::v1;
@@ -130,6 +139,9 @@ pub enum ObjectJob {
     },
     /// Finish moving a region from its object to its chunks.
     Move { ino: u64 },
+    /// Let a region's object take writes again (a fit given up whose thaw did not reach the
+    /// daemon: a freeze lasts until it is ended).
+    Thaw { host: u32, ino: u64, at: ObjectRef },
 }
 
 /// What the manager knows of objects (not stored but the placements in the inodes).
@@ -164,9 +176,10 @@ impl ObjectJob {
     /// The region the job is for.
     pub fn ino(&self) -> u64 {
         match *self {
-            ObjectJob::Free { ino, .. } | ObjectJob::Zero { ino, .. } | ObjectJob::Move { ino } => {
-                ino
-            }
+            ObjectJob::Free { ino, .. }
+            | ObjectJob::Zero { ino, .. }
+            | ObjectJob::Move { ino }
+            | ObjectJob::Thaw { ino, .. } => ino,
         }
     }
 }
@@ -541,6 +554,38 @@ impl State {
         }
         out
     }
+
+    /// What to do with the objects of `host` that an earlier manager allocated (`held`): keep
+    /// those a region names (by either pointer), thawing those whose region does not move;
+    /// free the others. Objects of regions with object work queued or under way wait for a
+    /// later round (the work names them, or frees them itself).
+    pub fn settle_inherited(&self, host: u32, held: &[HeldObject]) -> Vec<SettleObject> {
+        let busy = |ino: u64| {
+            self.objects.in_flight.contains_key(&ino)
+                || self.objects.jobs.iter().any(|j| j.ino() == ino)
+        };
+        held.iter()
+            .filter(|h| !busy(h.ino))
+            .map(|h| {
+                let names = |o: &ObjectPlacement| {
+                    o.host == host
+                        && [h.key, h.own]
+                            .iter()
+                            .any(|p| p.address == o.address && p.id == o.id)
+                };
+                let settle = match self.region(h.ino).ok().and_then(Inode::object) {
+                    Some(o) if names(&o) && o.moving => Settle::Keep,
+                    Some(o) if names(&o) => Settle::KeepAndThaw,
+                    _ => Settle::Free,
+                };
+                SettleObject {
+                    ino: h.ino,
+                    at: h.key,
+                    settle,
+                }
+            })
+            .collect()
+    }
 }
 
 /// Object work taken from the queue and not done yet: back to the queue when dropped (the
@@ -571,6 +616,9 @@ const CORRECTION_TICKS: u32 = 5;
 /// Pointers asked for from one object store per round.
 const CORRECTIONS_PER_ROUND: u32 = 1024;
 
+/// Pages of inherited objects ([`MAX_INDIRECT`] each) one store settles per round at most.
+const SETTLE_PAGES_PER_ROUND: u32 = 64;
+
 /// How long a reply waits for object work another caller is doing for its region.
 const SETTLE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -591,6 +639,7 @@ pub async fn run_object_work(manager: Arc<Manager>) {
         manager.object_work().await;
         ticks += 1;
         if ticks.is_multiple_of(CORRECTION_TICKS) {
+            manager.settle_inherited_objects().await;
             manager.correct_object_pointers().await;
         }
     }
@@ -662,7 +711,15 @@ impl Manager {
         let addr = self.host_addr(host)?;
         let len = u32::try_from(bytes).unwrap_or(u32::MAX);
         let reply = match client
-            .call(&addr, &Request::ObjAlloc { ino, len }, OBJECT_REF_LEN + 4)
+            .call(
+                &addr,
+                &Request::ObjAlloc {
+                    ino,
+                    len,
+                    manager: self.incarnation(),
+                },
+                OBJECT_REF_LEN + 4,
+            )
             .await
         {
             Ok(r) => r,
@@ -747,6 +804,7 @@ impl Manager {
             ino,
             at: old.at(),
             len,
+            manager: self.incarnation(),
         };
         let reply = match client.call(addr, &request, OBJECT_REF_LEN + 4).await {
             Ok(r) => r,
@@ -804,23 +862,19 @@ impl Manager {
             return;
         }
         self.free_unplaced(ino, fit.new).await;
-        let (Some(client), Some(addr)) = (self.object_client(), self.host_addr(fit.old.host))
-        else {
-            return;
+        let thaw = ObjectJob::Thaw {
+            host: fit.old.host,
+            ino,
+            at: fit.old.at(),
         };
-        if let Err(e) = client
-            .call(
-                &addr,
-                &Request::ObjThaw {
-                    ino,
-                    at: fit.old.at(),
-                },
-                0,
-            )
-            .await
-        {
-            // The freeze lapses by itself within seconds.
-            tracing::debug!(ino, error = %e, "cannot thaw a region's object");
+        let done = match self.object_client() {
+            Some(client) => self.do_job(&client, thaw).await,
+            None => Ok(()),
+        };
+        if let Err(e) = done {
+            // A freeze lasts until it is ended: the work loop tries again.
+            tracing::debug!(ino, error = %e, "cannot thaw a region's object yet");
+            self.in_memory(|s| s.objects.jobs.push(thaw));
         }
     }
 
@@ -929,6 +983,20 @@ impl Manager {
                     .map_err(|e| e.to_string())
             }
             ObjectJob::Move { ino } => self.move_to_chunks(client, ino).await,
+            ObjectJob::Thaw { host, ino, at } => {
+                // Only while the region still has that object and does not move.
+                let current = self
+                    .peek(|s| s.region(ino).ok().and_then(Inode::object))
+                    .flatten()
+                    .is_some_and(|o| o.host == host && o.at() == at && !o.moving);
+                let Some(addr) = self.host_addr(host).filter(|_| current) else {
+                    return Ok(());
+                };
+                match client.call(&addr, &Request::ObjThaw { ino, at }, 0).await {
+                    Ok(_) | Err(crate::word_client::WordError::Refused { .. }) => Ok(()),
+                    Err(e) => Err(e.to_string()),
+                }
+            }
         }
     }
 
@@ -950,7 +1018,11 @@ impl Manager {
         };
         let object = plan.object;
         let at = object.at();
-        let freeze = Request::ObjFreeze { ino, at };
+        let freeze = Request::ObjFreeze {
+            ino,
+            at,
+            manager: self.incarnation(),
+        };
         client
             .call(&plan.object_addr, &freeze, 0)
             .await
@@ -987,23 +1059,93 @@ impl Manager {
         Ok(())
     }
 
+    /// Settles, in every object store, the objects earlier managers allocated (see the
+    /// module's "Settling"); a store out of reach is tried at the next round.
+    pub async fn settle_inherited_objects(&self) {
+        let Some(client) = self.object_client() else {
+            return;
+        };
+        for (host, addr) in self.object_stores() {
+            if let Err(e) = self.settle_inherited_on(&client, host, &addr).await {
+                tracing::debug!(host, error = %e, "inherited objects not settled this round");
+            }
+        }
+    }
+
+    async fn settle_inherited_on(
+        &self,
+        client: &WordClient,
+        host: u32,
+        addr: &str,
+    ) -> std::result::Result<(), String> {
+        let manager = self.incarnation();
+        for _ in 0..SETTLE_PAGES_PER_ROUND {
+            let ask = Request::ObjInherited {
+                manager,
+                max: MAX_INDIRECT,
+            };
+            let reply = client
+                .call(addr, &ask, MAX_INDIRECT as usize * HELD_OBJECT_LEN)
+                .await
+                .map_err(|e| format!("asking for inherited objects: {e}"))?;
+            let held = HeldObject::decode_all(&reply).map_err(|e| e.to_string())?;
+            // Decided only once the changes that placed, moved or freed objects are durable:
+            // what a crash could undo must not decide what is freed.
+            let objects = self
+                .read(|s| Ok(s.settle_inherited(host, &held)))
+                .await
+                .map_err(|e| format!("deciding inherited objects: {e}"))?;
+            if objects.is_empty() {
+                return Ok(());
+            }
+            let page = objects.len();
+            let settle = Request::ObjSettle { manager, objects };
+            let reply = client
+                .call(addr, &settle, 8)
+                .await
+                .map_err(|e| format!("settling inherited objects: {e}"))?;
+            let count = |at: usize| {
+                reply
+                    .get(at..at + 4)
+                    .and_then(|b| b.try_into().ok())
+                    .map_or(0, u32::from_le_bytes)
+            };
+            let (kept, freed) = (count(0), count(4));
+            if freed > 0 {
+                tracing::info!(
+                    host,
+                    kept,
+                    freed,
+                    "objects an earlier manager left unnamed freed"
+                );
+            }
+            if page < MAX_INDIRECT as usize {
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
+
+    /// The hosts with an object store, and their transport addresses.
+    fn object_stores(&self) -> Vec<(u32, String)> {
+        self.peek(|s| {
+            s.objects
+                .hosts
+                .iter()
+                .filter(|(_, bytes)| **bytes > 0)
+                .filter_map(|(h, _)| s.hosts.get(h).map(|x| (*h, x.transport_addr.clone())))
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default()
+    }
+
     /// Corrects the pointers that compaction made indirect in every object store (see the
     /// module's "Correcting pointers"); a store out of reach is tried at the next round.
     pub async fn correct_object_pointers(&self) {
         let Some(client) = self.object_client() else {
             return;
         };
-        let stores = self
-            .peek(|s| {
-                s.objects
-                    .hosts
-                    .iter()
-                    .filter(|(_, bytes)| **bytes > 0)
-                    .filter_map(|(h, _)| s.hosts.get(h).map(|x| (*h, x.transport_addr.clone())))
-                    .collect::<Vec<_>>()
-            })
-            .unwrap_or_default();
-        for (host, addr) in stores {
+        for (host, addr) in self.object_stores() {
             if let Err(e) = self.correct_pointers_on(&client, host, &addr).await {
                 tracing::debug!(host, error = %e, "object pointers not corrected this round");
             }
@@ -1112,6 +1254,86 @@ mod tests {
         assert_eq!(queued, vec![job], "the free is queued again");
         assert!(under_way.is_empty(), "{under_way:?}");
         drop(silent);
+    }
+
+    /// A restarted manager keeps the inherited objects its regions name (by the pointer it
+    /// recorded or the one at the object's block), thaws those that do not move, frees the
+    /// rest, and leaves those with object work queued to a later round.
+    #[test]
+    fn inherited_objects_are_kept_when_named_and_freed_otherwise() {
+        let mut state = crate::state::State::new(std::time::Duration::from_secs(1), 0o755);
+        let mut region = |ino: u64, object: Option<ObjectPlacement>| {
+            let mut inode = state.inodes[&crate::model::ROOT_INO].clone();
+            (inode.ino, inode.kind) = (ino, crate::model::Kind::Region);
+            inode.set_object(object);
+            state.inodes.insert(ino, inode);
+        };
+        let placed = |address: u32, id: u32, moving: bool| ObjectPlacement {
+            host: 1,
+            address,
+            slot: 0,
+            id,
+            capacity: 100,
+            moving,
+            keep: 0,
+            fitted: true,
+        };
+        region(10, Some(placed(1, 0xa, false)));
+        region(11, Some(placed(2, 0xb, true)));
+        region(12, Some(placed(7, 0xc, false)));
+        region(13, None);
+        region(14, Some(placed(4, 0xe, false)));
+        let at = |address: u32, id: u32| ObjectRef {
+            address,
+            slot: 3,
+            id,
+        };
+        let held = |ino: u64, key: ObjectRef, own: ObjectRef| HeldObject {
+            ino,
+            key,
+            own,
+            frozen: true,
+        };
+        let listed = [
+            held(10, at(1, 0xa), at(1, 0xa)),
+            held(11, at(2, 0xb), at(2, 0xb)),
+            // Recorded at its own block before the daemon heard of the correction.
+            held(12, at(5, 0xc), at(7, 0xc)),
+            // Its region names no object, or another one, or it is gone.
+            held(13, at(3, 0xd), at(3, 0xd)),
+            held(10, at(1, 0xf), at(1, 0xf)),
+            held(99, at(6, 0x9), at(6, 0x9)),
+            // A fit's free is queued for it: the work frees it.
+            held(14, at(8, 0x8), at(8, 0x8)),
+        ];
+        state.objects.jobs.push(ObjectJob::Free {
+            host: 1,
+            ino: 14,
+            at: at(8, 0x8),
+        });
+        let settled: Vec<(u64, u32, Settle)> = state
+            .settle_inherited(1, &listed)
+            .iter()
+            .map(|o| (o.ino, o.at.id, o.settle))
+            .collect();
+        assert_eq!(
+            settled,
+            vec![
+                (10, 0xa, Settle::KeepAndThaw),
+                (11, 0xb, Settle::Keep),
+                (12, 0xc, Settle::KeepAndThaw),
+                (13, 0xd, Settle::Free),
+                (10, 0xf, Settle::Free),
+                (99, 0x9, Settle::Free),
+            ]
+        );
+        // Another host's store: none of its objects is named.
+        assert!(
+            state
+                .settle_inherited(2, &listed[..1])
+                .iter()
+                .all(|o| o.settle == Settle::Free)
+        );
     }
 
     #[test]

@@ -183,8 +183,9 @@ pub enum Op {
     /// see; no payload, reply payload = the word's value.
     Wake = 13,
     /// A new object of `length` bytes (zeros) for the region `object_id` in the daemon's
-    /// object store (cluster secret only: the manager places small regions); reply payload =
-    /// the [`ObjectRef`] then its capacity as a u32.
+    /// object store (cluster secret only: the manager places small regions); `offset` = the
+    /// asking manager's incarnation ([`Op::ObjInherited`]); reply payload = the [`ObjectRef`]
+    /// then its capacity as a u32.
     ObjAlloc = 14,
     /// Frees the object named by the payload ([`ObjectRef`]) of the region `object_id`
     /// (cluster secret only); no reply payload.
@@ -200,15 +201,17 @@ pub enum Op {
     /// reply payload = [`ObjectCompaction`].
     ObjCompact = 18,
     /// Marks the region `object_id`'s object named by the payload ([`ObjectRef`]) as moving
-    /// to chunks (cluster secret only): writes to it are refused with `ESTALE` from then on,
-    /// reads still served; no reply payload.
+    /// to chunks (cluster secret only; `offset` = the manager's incarnation): writes to it
+    /// are refused with `ESTALE` from then on, reads still served; no reply payload. Only a
+    /// thaw, a free or a later manager's [`Op::ObjSettle`] ends a freeze.
     ObjFreeze = 19,
     /// Takes writes to a frozen object again (a move given up; cluster secret only);
-    /// payload = its [`ObjectRef`], no reply payload. A freeze also lapses by itself.
+    /// payload = its [`ObjectRef`], no reply payload.
     ObjThaw = 20,
     /// A new object of `length` bytes holding the region `object_id`'s object named by the
-    /// payload ([`ObjectRef`]), which is frozen (cluster secret only; `EBUSY` when a byte
-    /// past the new object's capacity is in use); reply payload as [`Op::ObjAlloc`]'s.
+    /// payload ([`ObjectRef`]), which is frozen (cluster secret only; `offset` = the manager's
+    /// incarnation; `EBUSY` when a byte past the new object's capacity is in use); reply
+    /// payload as [`Op::ObjAlloc`]'s.
     ObjRefit = 21,
     /// At most `length` (at most [`MAX_INDIRECT`]) objects whose pointers compaction made
     /// indirect (cluster secret only: the manager corrects them); reply payload = that many
@@ -219,9 +222,140 @@ pub enum Op {
     /// [`ObjectRef`] (old or new), reply payload = the new [`ObjectRef`]. The old pointer keeps
     /// working for a grace period.
     ObjCorrect = 23,
+    /// At most `length` (at most [`MAX_INDIRECT`]) objects that managers before the one of
+    /// incarnation `offset` allocated and that no manager settled since (cluster secret
+    /// only): after a manager restarts, the objects its predecessor may have left unnamed or
+    /// frozen. The first request of a new incarnation (this or an allocation, fit or freeze)
+    /// makes every object the store holds such an object. Reply payload = that many
+    /// [`HeldObject`]s; successive calls start where the last one ended.
+    ObjInherited = 24,
+    /// Settles objects [`Op::ObjInherited`] listed (cluster secret only; `offset` = the
+    /// manager's incarnation): payload = [`SettleObject`]s, each kept (and thawed) or freed,
+    /// and only while it is still inherited (an object freed or re-allocated meanwhile is
+    /// left alone); reply payload = how many were kept and freed (two u32).
+    ObjSettle = 25,
 }
 
-/// The most [`IndirectObject`]s one [`Op::ObjIndirect`] asks for.
+/// Encoded size of a [`HeldObject`].
+pub const HELD_OBJECT_LEN: usize = 8 + 2 * OBJECT_REF_LEN + 4;
+/// Encoded size of a [`SettleObject`].
+pub const SETTLE_OBJECT_LEN: usize = 8 + OBJECT_REF_LEN + 4;
+
+/// An object an earlier manager allocated ([`Op::ObjInherited`]'s reply).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct HeldObject {
+    /// The region it belongs to.
+    pub ino: u64,
+    /// The pointer handed out for it.
+    pub key: ObjectRef,
+    /// The pointer at its own block (the same as `key` unless compaction moved it).
+    pub own: ObjectRef,
+    /// An earlier manager froze it and no one thawed it.
+    pub frozen: bool,
+}
+
+impl HeldObject {
+    /// Appends the encoding.
+    pub fn encode(&self, buf: &mut BytesMut) {
+        buf.put_u64_le(self.ino);
+        self.key.encode(buf);
+        self.own.encode(buf);
+        buf.put_u32_le(u32::from(self.frozen));
+    }
+
+    /// Decodes a whole [`Op::ObjInherited`] reply payload.
+    pub fn decode_all(payload: &[u8]) -> Result<Vec<HeldObject>, FrameError> {
+        let op = Op::ObjInherited;
+        whole_records(op, payload, HELD_OBJECT_LEN)?;
+        payload
+            .chunks_exact(HELD_OBJECT_LEN)
+            .map(|mut c| {
+                let ino = c.get_u64_le();
+                let (key, rest) = ObjectRef::decode(op, c)?;
+                let (own, mut rest) = ObjectRef::decode(op, rest)?;
+                let frozen = rest.get_u32_le() != 0;
+                Ok(HeldObject {
+                    ino,
+                    key,
+                    own,
+                    frozen,
+                })
+            })
+            .collect()
+    }
+}
+
+/// What [`Op::ObjSettle`] does with an inherited object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Settle {
+    /// Its region names it: it is the new manager's like any other (frozen or not).
+    Keep,
+    /// Its region names it and does not move: kept, and takes writes again.
+    KeepAndThaw,
+    /// No region names it: freed.
+    Free,
+}
+
+/// One object of an [`Op::ObjSettle`] request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SettleObject {
+    /// The region it belongs to.
+    pub ino: u64,
+    /// Its pointer, as [`HeldObject::key`].
+    pub at: ObjectRef,
+    pub settle: Settle,
+}
+
+impl SettleObject {
+    /// Appends the encoding.
+    pub fn encode(&self, buf: &mut BytesMut) {
+        buf.put_u64_le(self.ino);
+        self.at.encode(buf);
+        buf.put_u32_le(match self.settle {
+            Settle::Keep => 0,
+            Settle::KeepAndThaw => 1,
+            Settle::Free => 2,
+        });
+    }
+
+    /// Decodes a whole [`Op::ObjSettle`] request payload.
+    pub fn decode_all(payload: &[u8]) -> Result<Vec<SettleObject>, FrameError> {
+        let op = Op::ObjSettle;
+        whole_records(op, payload, SETTLE_OBJECT_LEN)?;
+        payload
+            .chunks_exact(SETTLE_OBJECT_LEN)
+            .map(|mut c| {
+                let ino = c.get_u64_le();
+                let (at, mut rest) = ObjectRef::decode(op, c)?;
+                let settle = match rest.get_u32_le() {
+                    0 => Settle::Keep,
+                    1 => Settle::KeepAndThaw,
+                    2 => Settle::Free,
+                    other => {
+                        return Err(bad_length(op, "settle action (0, 1 or 2)", 2, other.into()));
+                    }
+                };
+                Ok(SettleObject { ino, at, settle })
+            })
+            .collect()
+    }
+}
+
+/// Checks that `payload` is whole records of `len` bytes.
+fn whole_records(op: Op, payload: &[u8], len: usize) -> Result<(), FrameError> {
+    if payload.len().is_multiple_of(len) {
+        return Ok(());
+    }
+    Err(bad_length(
+        op,
+        "payload length (whole records)",
+        (payload.len() / len * len) as u64,
+        payload.len() as u64,
+    ))
+}
+
+/// The most [`IndirectObject`]s one [`Op::ObjIndirect`] asks for (and [`HeldObject`]s one
+/// [`Op::ObjInherited`] asks for, [`SettleObject`]s one [`Op::ObjSettle`] carries).
 pub const MAX_INDIRECT: u32 = 4096;
 /// Encoded size of an [`IndirectObject`].
 pub const INDIRECT_OBJECT_LEN: usize = 8 + 2 * OBJECT_REF_LEN;
@@ -441,6 +575,8 @@ impl TryFrom<u8> for Op {
             21 => Op::ObjRefit,
             22 => Op::ObjIndirect,
             23 => Op::ObjCorrect,
+            24 => Op::ObjInherited,
+            25 => Op::ObjSettle,
             other => return Err(FrameError::UnknownOp(other)),
         })
     }
@@ -473,6 +609,8 @@ impl Op {
             Op::ObjRefit => "object-refit",
             Op::ObjIndirect => "object-indirect",
             Op::ObjCorrect => "object-correct",
+            Op::ObjInherited => "object-inherited",
+            Op::ObjSettle => "object-settle",
         }
     }
 }
@@ -897,8 +1035,9 @@ pub enum Request {
         len: u64,
         write: bool,
     },
-    /// A new object of `len` bytes for region `ino`.
-    ObjAlloc { ino: u64, len: u32 },
+    /// A new object of `len` bytes for region `ino`, asked by the manager of incarnation
+    /// `manager`.
+    ObjAlloc { ino: u64, len: u32, manager: u64 },
     /// Free region `ino`'s object `at`.
     ObjFree { ino: u64, at: ObjectRef },
     /// Read `len` bytes at `offset` of region `ino`'s object `at`.
@@ -918,15 +1057,31 @@ pub enum Request {
     /// Compact the daemon's object store.
     ObjCompact,
     /// Refuse writes to region `ino`'s object `at` from now on (it moves).
-    ObjFreeze { ino: u64, at: ObjectRef },
+    ObjFreeze {
+        ino: u64,
+        at: ObjectRef,
+        manager: u64,
+    },
     /// Take writes to region `ino`'s object `at` again.
     ObjThaw { ino: u64, at: ObjectRef },
     /// A new object of `len` bytes with region `ino`'s object `at`'s bytes; `at` frozen.
-    ObjRefit { ino: u64, at: ObjectRef, len: u32 },
+    ObjRefit {
+        ino: u64,
+        at: ObjectRef,
+        len: u32,
+        manager: u64,
+    },
     /// At most `max` objects whose pointers are indirect.
     ObjIndirect { max: u32 },
     /// Make region `ino`'s object `at`'s pointer the one at its own block.
     ObjCorrect { ino: u64, at: ObjectRef },
+    /// At most `max` objects managers before incarnation `manager` left.
+    ObjInherited { manager: u64, max: u32 },
+    /// Keep or free objects [`Request::ObjInherited`] listed.
+    ObjSettle {
+        manager: u64,
+        objects: Vec<SettleObject>,
+    },
 }
 
 impl Request {
@@ -956,6 +1111,8 @@ impl Request {
             Request::ObjRefit { .. } => Op::ObjRefit,
             Request::ObjIndirect { .. } => Op::ObjIndirect,
             Request::ObjCorrect { .. } => Op::ObjCorrect,
+            Request::ObjInherited { .. } => Op::ObjInherited,
+            Request::ObjSettle { .. } => Op::ObjSettle,
         }
     }
 
@@ -1129,6 +1286,32 @@ impl Request {
                     ))?;
                 Request::ObjIndirect { max }
             }
+            Op::ObjInherited => {
+                expect_len(op, "payload length", 0, plen)?;
+                let max = u32::try_from(h.length)
+                    .ok()
+                    .filter(|m| *m <= MAX_INDIRECT)
+                    .ok_or(bad_length(
+                        op,
+                        "length field (at most)",
+                        u64::from(MAX_INDIRECT),
+                        h.length,
+                    ))?;
+                Request::ObjInherited {
+                    manager: h.offset,
+                    max,
+                }
+            }
+            Op::ObjSettle => {
+                let most = (MAX_INDIRECT as usize * SETTLE_OBJECT_LEN) as u64;
+                if plen > most {
+                    return Err(bad_length(op, "payload length (at most)", most, plen));
+                }
+                Request::ObjSettle {
+                    manager: h.offset,
+                    objects: SettleObject::decode_all(payload)?,
+                }
+            }
         })
     }
 
@@ -1210,17 +1393,26 @@ impl Request {
                 (h.pool, h.offset, h.length) = (pool, offset, len);
                 Bytes::new()
             }
-            &Request::ObjAlloc { ino, len } => {
-                (h.object_id, h.length) = (ino, u64::from(len));
+            &Request::ObjAlloc { ino, len, manager } => {
+                (h.object_id, h.offset, h.length) = (ino, manager, u64::from(len));
                 Bytes::new()
             }
-            &Request::ObjRefit { ino, at, len } => {
-                (h.object_id, h.length) = (ino, u64::from(len));
+            &Request::ObjRefit {
+                ino,
+                at,
+                len,
+                manager,
+            } => {
+                (h.object_id, h.offset, h.length) = (ino, manager, u64::from(len));
+                at.encode(&mut buf);
+                buf.freeze()
+            }
+            &Request::ObjFreeze { ino, at, manager } => {
+                (h.object_id, h.offset) = (ino, manager);
                 at.encode(&mut buf);
                 buf.freeze()
             }
             &Request::ObjFree { ino, at }
-            | &Request::ObjFreeze { ino, at }
             | &Request::ObjThaw { ino, at }
             | &Request::ObjCorrect { ino, at } => {
                 h.object_id = ino;
@@ -1254,6 +1446,18 @@ impl Request {
                 h.length = u64::from(max);
                 Bytes::new()
             }
+            &Request::ObjInherited { manager, max } => {
+                (h.offset, h.length) = (manager, u64::from(max));
+                Bytes::new()
+            }
+            Request::ObjSettle { manager, objects } => {
+                h.offset = *manager;
+                buf.reserve(objects.len() * SETTLE_OBJECT_LEN);
+                for o in objects {
+                    o.encode(&mut buf);
+                }
+                buf.freeze()
+            }
         };
         h.payload_len = u32::try_from(payload.len()).unwrap_or(u32::MAX);
         Frame { header: h, payload }
@@ -1286,6 +1490,7 @@ fn parse_object(h: &Header, payload: &Bytes) -> Result<Request, FrameError> {
             Request::ObjAlloc {
                 ino,
                 len: small("length field (at most)", h.length)?,
+                manager: h.offset,
             }
         }
         Op::ObjRefit => {
@@ -1295,6 +1500,7 @@ fn parse_object(h: &Header, payload: &Bytes) -> Result<Request, FrameError> {
                 ino,
                 at,
                 len: small("length field (at most)", h.length)?,
+                manager: h.offset,
             }
         }
         Op::ObjFree | Op::ObjFreeze | Op::ObjThaw | Op::ObjCorrect => {
@@ -1302,7 +1508,11 @@ fn parse_object(h: &Header, payload: &Bytes) -> Result<Request, FrameError> {
             let (at, _) = ObjectRef::decode(op, payload)?;
             match op {
                 Op::ObjFree => Request::ObjFree { ino, at },
-                Op::ObjFreeze => Request::ObjFreeze { ino, at },
+                Op::ObjFreeze => Request::ObjFreeze {
+                    ino,
+                    at,
+                    manager: h.offset,
+                },
                 Op::ObjCorrect => Request::ObjCorrect { ino, at },
                 _ => Request::ObjThaw { ino, at },
             }
@@ -1519,7 +1729,47 @@ mod tests {
                 len: 1,
                 write: true,
             },
-            Request::ObjAlloc { ino: 7, len: 100 },
+            Request::ObjAlloc {
+                ino: 7,
+                len: 100,
+                manager: 0x5eed,
+            },
+            Request::ObjInherited {
+                manager: 0x5eed,
+                max: 100,
+            },
+            Request::ObjSettle {
+                manager: 9,
+                objects: vec![
+                    SettleObject {
+                        ino: 7,
+                        at: ObjectRef {
+                            address: 1,
+                            slot: 2,
+                            id: 3,
+                        },
+                        settle: Settle::Keep,
+                    },
+                    SettleObject {
+                        ino: 8,
+                        at: ObjectRef {
+                            address: 4,
+                            slot: 5,
+                            id: 6,
+                        },
+                        settle: Settle::KeepAndThaw,
+                    },
+                    SettleObject {
+                        ino: 9,
+                        at: ObjectRef {
+                            address: 7,
+                            slot: 8,
+                            id: 9,
+                        },
+                        settle: Settle::Free,
+                    },
+                ],
+            },
             Request::ObjFree {
                 ino: 7,
                 at: ObjectRef {
@@ -1566,6 +1816,7 @@ mod tests {
                     id: 3,
                 },
                 len: 100,
+                manager: 1,
             },
             Request::ObjFreeze {
                 ino: 7,
@@ -1574,6 +1825,7 @@ mod tests {
                     slot: 9,
                     id: 0xdead,
                 },
+                manager: u64::MAX,
             },
         ]
     }
@@ -1597,6 +1849,7 @@ mod tests {
         let huge = Request::ObjAlloc {
             ino: 5,
             len: MAX_OBJECT + 1,
+            manager: 1,
         }
         .to_frame(1, 0);
         assert!(Request::parse(&huge, &limits).is_err());
@@ -1887,8 +2140,8 @@ mod tests {
             Err(FrameError::UnknownOp(0))
         );
         assert_eq!(
-            with_bytes(&ping, |b| b[3] = 24),
-            Err(FrameError::UnknownOp(24))
+            with_bytes(&ping, |b| b[3] = 26),
+            Err(FrameError::UnknownOp(26))
         );
         assert_eq!(
             with_bytes(&ping, |b| b[0] = 0),
@@ -2091,7 +2344,26 @@ mod tests {
                     write,
                 }
             ),
-            (1..u64::MAX, 0..=MAX_OBJECT).prop_map(|(ino, len)| Request::ObjAlloc { ino, len }),
+            (1..u64::MAX, 0..=MAX_OBJECT, any::<u64>())
+                .prop_map(|(ino, len, manager)| Request::ObjAlloc { ino, len, manager }),
+            (any::<u64>(), 0..=MAX_INDIRECT)
+                .prop_map(|(manager, max)| Request::ObjInherited { manager, max }),
+            (
+                any::<u64>(),
+                proptest::collection::vec((1..u64::MAX, any::<[u32; 3]>(), 0..3u32), 0..20)
+            )
+                .prop_map(|(manager, objects)| Request::ObjSettle {
+                    manager,
+                    objects: objects
+                        .into_iter()
+                        .map(|(ino, [address, slot, id], action)| SettleObject {
+                            ino,
+                            at: ObjectRef { address, slot, id },
+                            settle: [Settle::Keep, Settle::KeepAndThaw, Settle::Free]
+                                [action as usize],
+                        })
+                        .collect(),
+                }),
             (1..u64::MAX, any::<[u32; 3]>()).prop_map(|(ino, [address, slot, id])| {
                 Request::ObjFree {
                     ino,
@@ -2132,12 +2404,13 @@ mod tests {
                     at: ObjectRef { address, slot, id },
                 }
             }),
-            (1..u64::MAX, any::<[u32; 3]>()).prop_map(|(ino, [address, slot, id])| {
-                Request::ObjFreeze {
+            (1..u64::MAX, any::<[u32; 3]>(), any::<u64>()).prop_map(
+                |(ino, [address, slot, id], manager)| Request::ObjFreeze {
                     ino,
                     at: ObjectRef { address, slot, id },
+                    manager,
                 }
-            }),
+            ),
         ]
     }
 

@@ -1,10 +1,9 @@
 //! The object stores of small regions as an administrator sees them, through real processes:
 //! `.regions/pools` shows each size class of this host's daemon (blocks, objects, live and
 //! active bytes, fragmentation, compactions, moved objects), and `regionfs compact` compacts
-//! one host or every live host and prints what each gave back. Objects are placed as the
-//! manager places them, over the daemon's transport with the cluster secret, and every one
-//! left reads back its bytes after the compaction. Without the secret, `regionfs compact`
-//! is refused.
+//! one host or every live host and prints what each gave back. Small files written through a
+//! mount are the objects, and every one left reads back its bytes through another host's
+//! mount after the compaction. Without the secret, `regionfs compact` is refused.
 
 use std::process::Command;
 use std::sync::Arc;
@@ -13,7 +12,7 @@ use std::time::Duration;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use regions::transport::tcp::{RetryPolicy, TcpTransport};
-use regions_proto::frame::{ObjectRef, Op, Request};
+use regions_proto::frame::Request;
 use regions_tests::{Cluster, bin_path, output_within};
 
 /// One size class row of `.regions/pools`.
@@ -68,8 +67,8 @@ fn compact(cluster: &Cluster, args: &[&str]) -> std::process::Output {
     output_within(&mut cmd, Duration::from_secs(30)).unwrap()
 }
 
-fn content(ino: u64, len: usize) -> Vec<u8> {
-    (0..len).map(|i| (ino as usize * 31 + i) as u8).collect()
+fn content(file: u64, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (file as usize * 31 + i) as u8).collect()
 }
 
 #[test]
@@ -78,41 +77,34 @@ fn pools_show_the_size_classes_and_compact_gives_memory_back() {
         Cluster::start_with_daemon_args(2, "256M", &[], &["--object-auto-compaction", "false"])
             .unwrap();
     let mount = cluster.mount(1).unwrap();
-    let node = TcpTransport::new(
-        &cluster.daemon(1).unwrap().addr,
-        &cluster.secret,
-        RetryPolicy::default(),
-        Arc::default(),
-    );
+    std::fs::create_dir(mount.path("small")).unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(15);
-    let mut objects: Vec<(u64, usize, ObjectRef)> = (0..1200u64)
+    let mut files: Vec<(u64, usize)> = (0..1200u64)
         .map(|i| {
-            let ino = 1_000_000 + i;
             let len = rng.random_range(64..=1024usize);
-            let reply = node
-                .request(
-                    &Request::ObjAlloc {
-                        ino,
-                        len: len as u32,
-                    },
-                    false,
-                )
-                .unwrap();
-            let (at, _) = ObjectRef::decode(Op::ObjAlloc, &reply).unwrap();
-            let write = Request::ObjWrite {
-                ino,
-                at,
-                offset: 0,
-                data: content(ino, len).into(),
-            };
-            node.request(&write, false).unwrap();
-            (ino, len, at)
+            std::fs::write(mount.path(&format!("small/{i}")), content(i, len)).unwrap();
+            (i, len)
         })
         .collect();
-    objects.shuffle(&mut rng);
-    let kept = objects.split_off(objects.len() * 3 / 4);
-    for (ino, _, at) in objects {
-        node.request(&Request::ObjFree { ino, at }, false).unwrap();
+    files.shuffle(&mut rng);
+    let kept = files.split_off(files.len() * 3 / 4);
+    for (i, _) in files {
+        std::fs::remove_file(mount.path(&format!("small/{i}"))).unwrap();
+    }
+    // The manager frees the removed files' objects in the background.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let text = std::fs::read_to_string(mount.path(".regions/pools")).unwrap();
+        let live: u64 = object_section(&text).1.iter().map(|r| r.objects).sum();
+        if live == kept.len() as u64 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{live} objects, {} files:\n{text}",
+            kept.len()
+        );
+        std::thread::sleep(Duration::from_millis(100));
     }
 
     let before = std::fs::read_to_string(mount.path(".regions/pools")).unwrap();
@@ -146,16 +138,12 @@ fn pools_show_the_size_classes_and_compact_gives_memory_back() {
         rows.iter().map(|r| r.compactions).sum::<u64>() > 0,
         "{after}"
     );
-    for (ino, len, at) in &kept {
-        let read = Request::ObjRead {
-            ino: *ino,
-            at: *at,
-            offset: 0,
-            len: *len as u32,
-        };
-        let reply = node.request(&read, true).unwrap();
-        let (_, bytes) = ObjectRef::decode(Op::ObjRead, &reply).unwrap();
-        assert_eq!(bytes, &content(*ino, *len)[..], "region {ino}");
+    // Read back through the other host's mount (no page cache of its own): every byte comes
+    // from the compacted store.
+    let other = cluster.mount(2).unwrap();
+    for (i, len) in &kept {
+        let bytes = std::fs::read(other.path(&format!("small/{i}"))).unwrap();
+        assert_eq!(bytes, content(*i, *len), "file {i}");
     }
 
     // Every live host: host 1 has nothing more to merge, host 2 holds no object.
@@ -172,6 +160,7 @@ fn pools_show_the_size_classes_and_compact_gives_memory_back() {
     let unknown = compact(&cluster, &["--host", "9"]);
     assert!(!unknown.status.success());
     assert!(String::from_utf8_lossy(&unknown.stderr).contains("no host 9"));
+    drop(other);
     drop(mount);
 }
 

@@ -58,9 +58,6 @@ const GENERATION_AT: u32 = 16;
 const LEN_AT: u32 = 24;
 /// A class is compacted once more than this share of its slots is free.
 const FRAGMENTATION_THRESHOLD: f64 = 0.2;
-/// How long a freeze holds ([`ObjectStore::freeze`]): a move copies at most 8 KiB and is
-/// recorded in one durable change, far sooner.
-pub const FREEZE_TERM: std::time::Duration = std::time::Duration::from_secs(10);
 /// Blocks one compaction of a class after a free merges or empties at most (bounds how long it
 /// holds the store: about 50 us a block).
 const MERGES_PER_PASS: usize = 16;
@@ -73,15 +70,33 @@ const COMPACTION_PAUSE: u32 = 6;
 /// The longest such pause.
 const MAX_COMPACTION_PAUSE: std::time::Duration = std::time::Duration::from_millis(5);
 /// How long a corrected pointer keeps reaching its object ([`ObjectStore::correct`]): longer
-/// than any request or move under way with it takes (a freeze lapses after [`FREEZE_TERM`]).
+/// than any request or move under way with it takes (a move copies at most 8 KiB and is
+/// recorded in one durable change).
 pub const CORRECTION_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// An object's key: the block address its pointer names, and its id.
 type Key = (u32, u32);
 
+/// The keys of `set`, starting at a place that moves on by `max` each call (`cursor`), so
+/// that successive calls asking for `max` see every key even when callers skip some.
+fn rotated<'a>(
+    set: &'a HashSet<Key>,
+    cursor: &std::sync::atomic::AtomicUsize,
+    max: usize,
+) -> impl Iterator<Item = Key> + 'a {
+    let start = match set.len() {
+        0 => 0,
+        n => cursor.fetch_add(max, Ordering::Relaxed) % n,
+    };
+    set.iter()
+        .skip(start)
+        .chain(set.iter().take(start))
+        .copied()
+}
+
 /// Where an object is: what a small region's map entry holds (block address, slot hint, id;
 /// the transport's wire type).
-pub use regions_proto::frame::ObjectRef;
+pub use regions_proto::frame::{ObjectRef, Settle};
 
 /// The region an object belongs to; every access names it and is refused for another.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -153,6 +168,15 @@ pub struct Indirect {
     pub new: ObjectRef,
 }
 
+/// An object an earlier manager allocated ([`ObjectStore::inherited`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Inherited {
+    /// Its region, pointer as handed out (`old`) and pointer at its block (`new`).
+    pub object: Indirect,
+    /// An earlier manager froze it.
+    pub frozen: bool,
+}
+
 /// The objects of one daemon: blocks in one memfd, shown through a window of block addresses.
 pub struct ObjectStore {
     memory: BlockMemory,
@@ -162,6 +186,8 @@ pub struct ObjectStore {
     /// Where the next [`ObjectStore::indirect`] starts, so that pointers the manager cannot
     /// correct (of objects no region names) never hide the others.
     indirect_cursor: std::sync::atomic::AtomicUsize,
+    /// Where the next [`ObjectStore::inherited`] starts.
+    inherited_cursor: std::sync::atomic::AtomicUsize,
 }
 
 #[derive(Default)]
@@ -213,11 +239,19 @@ struct Inner {
     next_file_block: u32,
     /// File blocks the memory budget allows.
     max_blocks: u32,
-    /// Regions whose object is moving (to chunks or to another object), and until when:
-    /// writes to it are refused meanwhile. A freeze lapses by itself after [`FREEZE_TERM`],
-    /// so an object whose move was abandoned (its manager died) takes writes again.
-    /// Keyed by region and object id (an object keeps its id when compaction moves it).
-    frozen: HashMap<(u64, u32), std::time::Instant>,
+    /// Regions whose object is moving (to chunks or to another object), and the incarnation
+    /// of the manager that froze it: writes to it are refused meanwhile. Only a thaw, a free
+    /// or a later manager ([`ObjectStore::settle`]) ends a freeze: a freeze that lapsed by
+    /// itself after its manager died would let a writer with an old map write to an object
+    /// its region no longer names. Keyed by region and object id (an object keeps its id
+    /// when compaction moves it).
+    frozen: HashMap<(u64, u32), u64>,
+    /// The incarnation of the manager the store serves (the last one that allocated, fitted,
+    /// froze or asked for [`ObjectStore::inherited`]).
+    manager: u64,
+    /// Keys of objects that earlier managers allocated and the one served has not settled
+    /// yet: after a manager restarts, objects its predecessor may have left unnamed.
+    inherited: HashSet<Key>,
     classes: Vec<ClassState>,
 }
 
@@ -255,10 +289,13 @@ impl ObjectStore {
                 next_file_block: 0,
                 max_blocks,
                 frozen: HashMap::new(),
+                manager: 0,
+                inherited: HashSet::new(),
                 classes: slot_sizes().iter().map(|_| ClassState::default()).collect(),
             }),
             auto_compact: std::sync::atomic::AtomicBool::new(true),
             indirect_cursor: std::sync::atomic::AtomicUsize::new(0),
+            inherited_cursor: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 
@@ -384,6 +421,11 @@ impl ObjectStore {
     /// freed whatever they do).
     pub fn free(&self, owner: Owner, ptr: ObjectRef) -> Result<()> {
         let mut inner = self.write_inner();
+        self.free_in(&mut inner, owner, ptr)
+    }
+
+    /// [`ObjectStore::free`], with the store held.
+    fn free_in(&self, inner: &mut Inner, owner: Owner, ptr: ObjectRef) -> Result<()> {
         inner.purge_retired_now_and_then(&self.memory);
         let Found {
             file_block,
@@ -404,6 +446,7 @@ impl ObjectStore {
         };
         inner.forget_pointer(&self.memory, key);
         inner.frozen.remove(&(owner.ino, ptr.id));
+        inner.inherited.remove(&key);
         let block = inner
             .blocks
             .get_mut(&file_block)
@@ -497,11 +540,7 @@ impl ObjectStore {
     ) -> Result<Option<ObjectRef>> {
         let inner = self.read_inner();
         let (address, at, corrected) = self.locate(&inner, owner, ptr, offset, src.len(), true)?;
-        if inner
-            .frozen
-            .get(&(owner.ino, ptr.id))
-            .is_some_and(|until| std::time::Instant::now() < *until)
-        {
+        if inner.frozen.contains_key(&(owner.ino, ptr.id)) {
             return Err(DaemonError::Stale(format!(
                 "region {} is moving from its object to chunks: refresh its map and write there",
                 owner.ino
@@ -595,9 +634,8 @@ impl ObjectStore {
         } = inner.resolve(ptr)?;
         let block = &inner.blocks[&file_block];
         self.check_owner(block.address, slot * slot_size(block.class), owner)?;
-        inner
-            .frozen
-            .insert((owner.ino, ptr.id), std::time::Instant::now() + FREEZE_TERM);
+        let manager = inner.manager;
+        inner.frozen.insert((owner.ino, ptr.id), manager);
         Ok(())
     }
 
@@ -671,6 +709,9 @@ impl ObjectStore {
             inner.indirect.remove(&key);
             inner.retired.insert(key, ((address, ptr.id), until));
             inner.hand_out((address, ptr.id), file_block);
+            if inner.inherited.remove(&key) {
+                inner.inherited.insert((address, ptr.id));
+            }
             if let Some(b) = inner.blocks.get_mut(&file_block) {
                 b.set_key_address(ptr.id, address);
             }
@@ -685,56 +726,117 @@ impl ObjectStore {
     /// own), for the manager to correct; successive calls start where the last one ended.
     pub fn indirect(&self, max: usize) -> Vec<Indirect> {
         let inner = self.read_inner();
-        let mut out = Vec::new();
-        let total = inner.indirect.len();
-        let start = match total {
-            0 => 0,
-            n => self.indirect_cursor.fetch_add(max, Ordering::Relaxed) % n,
-        };
-        let keys = inner
-            .indirect
-            .iter()
-            .skip(start)
-            .chain(inner.indirect.iter().take(start));
-        for &(address, id) in keys {
-            if out.len() >= max {
-                break;
-            }
-            let Some(block) = inner
-                .handed
-                .get(&(address, id))
-                .and_then(|b| inner.blocks.get(b))
-            else {
-                continue;
-            };
-            let Some(slot) = block.slot_of(id) else {
-                continue;
-            };
-            let mut head = [0u8; 12];
-            // SAFETY: the block's own address is mapped and stable under the shared lock; the
-            // header lies inside the block.
-            unsafe {
-                self.memory.read(
-                    block.address,
-                    slot * slot_size(block.class) + INO_AT,
-                    &mut head,
-                )
-            };
-            let owner = Owner {
-                ino: u64::from_le_bytes(head[..8].try_into().unwrap_or_default()),
-                generation: u32::from_le_bytes(head[8..].try_into().unwrap_or_default()),
-            };
-            out.push(Indirect {
-                owner,
-                old: ObjectRef { address, slot, id },
-                new: ObjectRef {
-                    address: block.address,
-                    slot,
-                    id,
-                },
-            });
+        let keys = rotated(&inner.indirect, &self.indirect_cursor, max);
+        keys.filter_map(|key| self.pointers_of(&inner, key))
+            .take(max)
+            .collect()
+    }
+
+    /// Starts serving the manager of incarnation `manager`: when it is a new one, every
+    /// object the store holds becomes inherited ([`ObjectStore::inherited`]) until that
+    /// manager settles it. Objects it allocates from then on are its own.
+    pub fn serve_manager(&self, manager: u64) {
+        if self.read_inner().manager == manager {
+            return;
         }
-        out
+        let mut inner = self.write_inner();
+        if inner.manager != manager {
+            inner.manager = manager;
+            inner.inherited = inner.handed.keys().copied().collect();
+            tracing::info!(
+                manager,
+                objects = inner.inherited.len(),
+                "a new manager: the objects held wait for it to settle them"
+            );
+        }
+    }
+
+    /// At most `max` objects earlier managers allocated that the one served (incarnation
+    /// `manager`, served from now on) has not settled: it keeps those its regions name and
+    /// frees the others ([`ObjectStore::settle`]). Successive calls start where the last one
+    /// ended.
+    pub fn inherited(&self, manager: u64, max: usize) -> Vec<Inherited> {
+        self.serve_manager(manager);
+        let inner = self.read_inner();
+        let keys = rotated(&inner.inherited, &self.inherited_cursor, max);
+        keys.filter_map(|key| {
+            let object = self.pointers_of(&inner, key)?;
+            let frozen = inner
+                .frozen
+                .get(&(object.owner.ino, key.1))
+                .is_some_and(|by| *by != inner.manager);
+            Some(Inherited { object, frozen })
+        })
+        .take(max)
+        .collect()
+    }
+
+    /// Settles `owner`'s inherited object `ptr` for the manager of incarnation `manager`:
+    /// keeps it (`thaw`: and ends a freeze an earlier manager left), or frees it. `false`
+    /// (and nothing done) when it is no longer inherited.
+    pub fn settle(
+        &self,
+        manager: u64,
+        owner: Owner,
+        ptr: ObjectRef,
+        settle: Settle,
+    ) -> Result<bool> {
+        self.serve_manager(manager);
+        let mut inner = self.write_inner();
+        let Found {
+            file_block,
+            slot,
+            key,
+            ..
+        } = inner.resolve(ptr)?;
+        if !inner.inherited.contains(&key) {
+            return Ok(false);
+        }
+        let block = &inner.blocks[&file_block];
+        self.check_owner(block.address, slot * slot_size(block.class), owner)?;
+        match settle {
+            Settle::Free => self.free_in(&mut inner, owner, ptr)?,
+            Settle::Keep | Settle::KeepAndThaw => {
+                inner.inherited.remove(&key);
+                let frozen = (owner.ino, ptr.id);
+                if settle == Settle::KeepAndThaw
+                    && inner.frozen.get(&frozen).is_some_and(|by| *by != manager)
+                {
+                    inner.frozen.remove(&frozen);
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// The object of `key`: its region and its pointers (as handed out, and at its block).
+    fn pointers_of(&self, inner: &Inner, key: Key) -> Option<Indirect> {
+        let (address, id) = key;
+        let block = inner.handed.get(&key).and_then(|b| inner.blocks.get(b))?;
+        let slot = block.slot_of(id)?;
+        let mut head = [0u8; 12];
+        // SAFETY: the block's own address is mapped and stable while the caller holds the
+        // store (`inner`); the header lies inside the block.
+        unsafe {
+            self.memory.read(
+                block.address,
+                slot * slot_size(block.class) + INO_AT,
+                &mut head,
+            )
+        };
+        let owner = Owner {
+            ino: u64::from_le_bytes(head[..8].try_into().unwrap_or_default()),
+            generation: u32::from_le_bytes(head[8..].try_into().unwrap_or_default()),
+        };
+        Some(Indirect {
+            owner,
+            old: ObjectRef { address, slot, id },
+            new: ObjectRef {
+                address: block.address,
+                slot,
+                id,
+            },
+        })
     }
 
     /// Compacts every class (or `class`): merges sparse blocks while any two fit in one, then

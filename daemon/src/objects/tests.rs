@@ -553,6 +553,68 @@ fn blocks_more_than_half_full_are_emptied_into_several() {
 
 /// A corrected pointer keeps reaching its object for the grace period, so requests under way
 /// with it finish; after it, the old pointer is refused as stale and its address reused.
+/// Objects an earlier manager allocated stay listed as inherited (under the pointer they are
+/// reached by) through compaction and pointer correction, until the new manager keeps or
+/// frees them; freeing them all gives every block back.
+#[test]
+fn inherited_objects_are_listed_until_settled_through_compaction() {
+    let store = ObjectStore::new(16 << 20).unwrap();
+    store.set_auto_compaction(false);
+    let class = class_for(4000).unwrap();
+    let per = slots_per_block(class) as usize;
+    store.serve_manager(1);
+    let all: Vec<_> = (0..4 * per)
+        .map(|i| (owner(i), store.alloc(owner(i), 4000).unwrap()))
+        .collect();
+    for (i, (o, p)) in all.iter().enumerate() {
+        if i % per < per / 4 {
+            store.free(*o, *p).unwrap();
+        }
+    }
+    let live = all.len() - 4 * (per / 4);
+    store.compact(Some(class)).unwrap();
+    let moved = store.indirect(usize::MAX);
+    assert!(!moved.is_empty());
+    // Manager 2 takes over; one moved object is corrected (its key changes) first.
+    assert!(store.inherited(2, usize::MAX).len() == live);
+    let x = moved[0];
+    let fresh = store.correct(x.owner, x.old).unwrap();
+    let mine = store.alloc(owner(9999), 100).unwrap();
+    let listed = store.inherited(2, usize::MAX);
+    assert_eq!(
+        listed.len(),
+        live,
+        "the new manager's own object is not listed"
+    );
+    let corrected = listed
+        .iter()
+        .find(|h| h.object.owner == x.owner)
+        .expect("the corrected object is still listed");
+    assert_eq!(corrected.object.old, fresh, "under its corrected pointer");
+    assert!(listed.iter().all(|h| !h.frozen));
+    // Paged: a few at a time, each page starting where the last ended, cover them all.
+    let mut seen = HashSet::new();
+    for _ in 0..live.div_ceil(7) + 1 {
+        seen.extend(store.inherited(2, 7).iter().map(|h| h.object.old));
+    }
+    assert_eq!(seen.len(), live);
+    for h in &listed {
+        assert!(
+            store
+                .settle(2, h.object.owner, h.object.old, Settle::Free)
+                .unwrap()
+        );
+    }
+    assert!(store.inherited(2, usize::MAX).is_empty());
+    assert!(
+        !store.settle(2, owner(9999), mine, Settle::Free).unwrap(),
+        "not inherited: left alone"
+    );
+    store.free(owner(9999), mine).unwrap();
+    store.compact(None).unwrap();
+    assert_eq!(store.allocated_bytes(), 0);
+}
+
 #[test]
 fn a_corrected_pointer_works_until_its_grace_ends() {
     let store = ObjectStore::new(16 << 20).unwrap();

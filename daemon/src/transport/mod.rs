@@ -776,7 +776,9 @@ impl Conn {
             | Request::ObjThaw { .. }
             | Request::ObjRefit { .. }
             | Request::ObjIndirect { .. }
-            | Request::ObjCorrect { .. }) => {
+            | Request::ObjCorrect { .. }
+            | Request::ObjInherited { .. }
+            | Request::ObjSettle { .. }) => {
                 let served = match self.shared.objects.get() {
                     Some(store) => objects::serve(store, self.auth.proved_secret(), reach, request),
                     None => Err(DaemonError::NoObjects(

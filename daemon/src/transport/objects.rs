@@ -3,7 +3,8 @@
 //! "Small regions as objects"), reached only through the daemon, never through shared memory.
 //!
 //! Who may do what:
-//! - allocating, freeing, moving objects and correcting their pointers is the manager's,
+//! - allocating, freeing, moving objects, correcting their pointers and settling the objects
+//!   an earlier manager left is the manager's,
 //!   compacting on demand the administrator's (`regionfs compact`): connections that proved
 //!   the cluster secret;
 //! - reads and writes need the region named by the request: a node component (cluster secret)
@@ -13,7 +14,8 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 use regions_proto::frame::{
-    INDIRECT_OBJECT_LEN, IndirectObject, OBJECT_REF_LEN, ObjectCompaction, ObjectRef, Request,
+    HELD_OBJECT_LEN, HeldObject, INDIRECT_OBJECT_LEN, IndirectObject, OBJECT_REF_LEN,
+    ObjectCompaction, ObjectRef, Request, Settle,
 };
 
 use crate::error::{DaemonError, Result};
@@ -58,8 +60,9 @@ fn with_ref(at: ObjectRef, extra: usize) -> BytesMut {
 /// Serves one object request; the reply payload, or the refusal.
 pub fn serve(store: &ObjectStore, secret: bool, reach: Reach, request: Request) -> Result<Bytes> {
     match request {
-        Request::ObjAlloc { ino, len } => {
+        Request::ObjAlloc { ino, len, manager } => {
             node_only(secret, "allocating an object")?;
+            store.serve_manager(manager);
             let (at, capacity) = store.alloc_with_capacity(owner(ino), len)?;
             let mut out = with_ref(at, 4);
             out.put_u32_le(capacity);
@@ -95,13 +98,20 @@ pub fn serve(store: &ObjectStore, secret: bool, reach: Reach, request: Request) 
             let now = store.write(owner(ino), at, offset, &data)?.unwrap_or(at);
             Ok(with_ref(now, 0).freeze())
         }
-        Request::ObjFreeze { ino, at } => {
+        Request::ObjFreeze { ino, at, manager } => {
             node_only(secret, "freezing an object")?;
+            store.serve_manager(manager);
             store.freeze(owner(ino), at)?;
             Ok(Bytes::new())
         }
-        Request::ObjRefit { ino, at, len } => {
+        Request::ObjRefit {
+            ino,
+            at,
+            len,
+            manager,
+        } => {
             node_only(secret, "fitting an object")?;
+            store.serve_manager(manager);
             let (new, capacity) = store.refit(owner(ino), at, len)?;
             let mut out = with_ref(new, 4);
             out.put_u32_le(capacity);
@@ -130,6 +140,47 @@ pub fn serve(store: &ObjectStore, secret: bool, reach: Reach, request: Request) 
             node_only(secret, "correcting an object's pointer")?;
             let new = store.correct(owner(ino), at)?;
             Ok(with_ref(new, 0).freeze())
+        }
+        Request::ObjInherited { manager, max } => {
+            node_only(secret, "listing inherited objects")?;
+            let found = store.inherited(manager, max as usize);
+            let mut out = BytesMut::with_capacity(found.len() * HELD_OBJECT_LEN);
+            for x in found {
+                HeldObject {
+                    ino: x.object.owner.ino,
+                    key: x.object.old,
+                    own: x.object.new,
+                    frozen: x.frozen,
+                }
+                .encode(&mut out);
+            }
+            Ok(out.freeze())
+        }
+        Request::ObjSettle { manager, objects } => {
+            node_only(secret, "settling inherited objects")?;
+            let (mut kept, mut freed) = (0u32, 0u32);
+            for o in objects {
+                // One that went meanwhile (freed by its region's own work) is not counted.
+                match store.settle(manager, owner(o.ino), o.at, o.settle) {
+                    Ok(true) if o.settle == Settle::Free => freed += 1,
+                    Ok(true) => kept += 1,
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::debug!(ino = o.ino, error = %e, "inherited object not settled")
+                    }
+                }
+            }
+            if freed > 0 {
+                tracing::info!(
+                    kept,
+                    freed,
+                    "objects no region names freed for a new manager"
+                );
+            }
+            let mut out = BytesMut::with_capacity(8);
+            out.put_u32_le(kept);
+            out.put_u32_le(freed);
+            Ok(out.freeze())
         }
         Request::ObjCompact => {
             node_only(secret, "compacting the object store")?;
@@ -180,7 +231,11 @@ mod tests {
     #[test]
     fn only_node_components_allocate_and_free_and_reads_stay_in_their_region() {
         let store = ObjectStore::new(1 << 20).unwrap();
-        let alloc = Request::ObjAlloc { ino: 5, len: 100 };
+        let alloc = Request::ObjAlloc {
+            ino: 5,
+            len: 100,
+            manager: 1,
+        };
         let refused = serve(&store, false, cap(5, 0, WHOLE_REGION), alloc.clone());
         assert_eq!(refused.unwrap_err().errno(), libc::EACCES);
         let reply = serve(&store, true, Reach::Named(5), alloc).unwrap();
@@ -190,7 +245,11 @@ mod tests {
             &store,
             true,
             Reach::Named(6),
-            Request::ObjAlloc { ino: 6, len: 10 },
+            Request::ObjAlloc {
+                ino: 6,
+                len: 10,
+                manager: 1,
+            },
         );
         let (theirs, _) =
             ObjectRef::decode(regions_proto::frame::Op::ObjAlloc, &other.unwrap()).unwrap();
