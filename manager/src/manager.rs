@@ -1399,10 +1399,21 @@ impl Manager {
 
     /// Does the object work a change queued; when it moved region `ino` to chunks, the
     /// region's info after the move instead of `info`.
+    /// A move its chunks' daemon refused for want of room fails the request with `ENOSPC`
+    /// (the move is tried again, and the region's writers wait for it meanwhile).
     async fn after_object_change(&self, ino: u64, info: v1::RegionInfo) -> Result<v1::RegionInfo> {
         self.object_work_of(Some(ino)).await;
         if info.object.as_ref().is_some_and(|o| o.moving) {
-            return self.read(|s| s.region_info(ino, None)).await;
+            let info = self.read(|s| s.region_info(ino, None)).await?;
+            if info.object.as_ref().is_some_and(|o| o.moving)
+                && let Some(Some(why)) = self.peek(|s| s.objects.move_refusals.get(&ino).cloned())
+            {
+                return Err(ManagerError::NoSpace(format!(
+                    "region {ino} must move from its object to chunks, and the host refused \
+                     them ({why}): free memory or open files there, or delete regions"
+                )));
+            }
+            return Ok(info);
         }
         Ok(info)
     }

@@ -158,6 +158,10 @@ pub struct ObjectState {
     /// The inode number a create takes ([`State::next_ino`]): the one its object was
     /// allocated for ([`Manager::object_for_create`]).
     pub preset_ino: Option<u64>,
+    /// Regions whose move to chunks the chunks' daemon refused for want of room (memory or
+    /// open files), and what it said: the requests that wait for the move fail with `ENOSPC`
+    /// until a retry succeeds.
+    pub move_refusals: HashMap<u64, String>,
 }
 
 impl ObjectState {
@@ -982,7 +986,13 @@ impl Manager {
                     .map(drop)
                     .map_err(|e| e.to_string())
             }
-            ObjectJob::Move { ino } => self.move_to_chunks(client, ino).await,
+            ObjectJob::Move { ino } => {
+                let moved = self.move_to_chunks(client, ino).await;
+                if moved.is_ok() {
+                    self.in_memory(|s| s.objects.move_refusals.remove(&ino));
+                }
+                moved
+            }
             ObjectJob::Thaw { host, ino, at } => {
                 // Only while the region still has that object and does not move.
                 let current = self
@@ -1046,10 +1056,17 @@ impl Manager {
                     .await
                     .map_err(|e| format!("reading region {ino}'s object: {e}"))?;
                 let bytes = reply.get(OBJECT_REF_LEN..).unwrap_or_default().to_vec();
-                client
-                    .write_region(chunk_addr, ino, *entry, &bytes)
-                    .await
-                    .map_err(|e| format!("copying region {ino}'s object to its chunk: {e}"))?;
+                if let Err(e) = client.write_region(chunk_addr, ino, *entry, &bytes).await {
+                    let said = format!("copying region {ino}'s object to its chunk: {e}");
+                    if let crate::word_client::WordError::Refused { errno, .. } = e
+                        && [libc::ENOSPC, libc::EMFILE, libc::ENFILE, libc::ENOMEM]
+                            .contains(&(errno as i32))
+                    {
+                        let kept = said.clone();
+                        self.in_memory(|s| s.objects.move_refusals.insert(ino, kept));
+                    }
+                    return Err(said);
+                }
             }
         }
         self.write(move |s| Ok(s.finish_move(ino, object)))

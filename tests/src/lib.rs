@@ -952,6 +952,7 @@ pub fn has_errno(status: &tonic::Status) -> bool {
 
 pub mod bench_transport;
 pub mod heap_runs;
+pub mod many_regions;
 pub mod memory_cgroup;
 pub mod metrics_page;
 pub mod netns;

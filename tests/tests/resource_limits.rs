@@ -14,42 +14,18 @@ use std::time::Duration;
 
 use regions::agent::AgentClient;
 use regions_tests::Cluster;
+use regions_tests::many_regions::{self, open_file_limit, set_open_file_limit};
 
 fn limits(pid: u32) -> (u64, u64) {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("limits");
-    let line = text
-        .lines()
-        .find(|l| l.starts_with("Max open files"))
-        .expect("an open-files line");
-    let nums: Vec<u64> = line
-        .split_whitespace()
-        .filter_map(|w| w.parse().ok())
-        .collect();
-    (nums[0], nums[1])
+    open_file_limit(pid).expect("the open-file limit")
 }
 
 fn open_fds(pid: u32) -> u64 {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .expect("fd directory")
-        .count() as u64
+    many_regions::open_fds(pid).expect("the open descriptors")
 }
 
 fn set_limit(pid: u32, soft: u64, hard: u64) {
-    let lim = libc::rlimit {
-        rlim_cur: soft,
-        rlim_max: hard,
-    };
-    // SAFETY: prlimit reads one rlimit we own and changes the limit of process `pid` (a daemon
-    // this test started); the old value is not asked for.
-    let r = unsafe {
-        libc::prlimit(
-            pid as libc::pid_t,
-            libc::RLIMIT_NOFILE,
-            &lim,
-            std::ptr::null_mut(),
-        )
-    };
-    assert_eq!(r, 0, "prlimit: {}", std::io::Error::last_os_error());
+    set_open_file_limit(pid, soft, hard).expect("prlimit");
 }
 
 /// Creates `path` with `data`: the error of the first call that fails.

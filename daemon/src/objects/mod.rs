@@ -772,8 +772,8 @@ impl ObjectStore {
     }
 
     /// Settles `owner`'s inherited object `ptr` for the manager of incarnation `manager`:
-    /// keeps it (`thaw`: and ends a freeze an earlier manager left), or frees it. `false`
-    /// (and nothing done) when it is no longer inherited.
+    /// keeps it ([`Settle::KeepAndThaw`]: and ends a freeze an earlier manager left), or
+    /// frees it. `false` (and nothing done) when it is no longer inherited.
     pub fn settle(
         &self,
         manager: u64,
