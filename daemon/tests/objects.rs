@@ -423,16 +423,11 @@ fn a_new_manager_settles_the_objects_its_predecessor_left() {
     let listed = node.call(&ask);
     assert_eq!(status(&listed), 0, "{:?}", listed.error_message());
     let mut held = HeldObject::decode_all(&listed.payload).unwrap();
-    held.sort_by_key(|h| h.ino);
+    held.sort_by_key(|h| h.object.ino);
     assert_eq!(held.len(), 2, "{held:?}");
-    assert_eq!(
-        (held[0].ino, held[0].key, held[0].frozen),
-        (30, named, true)
-    );
-    assert_eq!(
-        (held[1].ino, held[1].key, held[1].frozen),
-        (31, orphan, false)
-    );
+    let seen = |h: &HeldObject| (h.object.ino, h.object.old, h.frozen);
+    assert_eq!(seen(&held[0]), (30, named, true));
+    assert_eq!(seen(&held[1]), (31, orphan, false));
     // Still frozen until settled: a freeze does not lapse.
     let late = node.call(&write(30, named, 0, b"x"));
     assert_eq!(status(&late), libc::ESTALE);
@@ -484,7 +479,11 @@ fn a_new_manager_settles_the_objects_its_predecessor_left() {
         max: 100,
     };
     let listed = HeldObject::decode_all(&node.call(&third).payload).unwrap();
-    let frozen: Vec<_> = listed.iter().filter(|h| h.frozen).map(|h| h.ino).collect();
+    let frozen: Vec<_> = listed
+        .iter()
+        .filter(|h| h.frozen)
+        .map(|h| h.object.ino)
+        .collect();
     assert_eq!(frozen, vec![30], "manager 3 inherits manager 2's freeze");
     let keep_by_2 = Request::ObjSettle {
         manager: 3,

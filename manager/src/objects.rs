@@ -569,11 +569,12 @@ impl State {
                 || self.objects.jobs.iter().any(|j| j.ino() == ino)
         };
         held.iter()
+            .map(|h| h.object)
             .filter(|h| !busy(h.ino))
             .map(|h| {
                 let names = |o: &ObjectPlacement| {
                     o.host == host
-                        && [h.key, h.own]
+                        && [h.old, h.new]
                             .iter()
                             .any(|p| p.address == o.address && p.id == o.id)
                 };
@@ -584,7 +585,7 @@ impl State {
                 };
                 SettleObject {
                     ino: h.ino,
-                    at: h.key,
+                    at: h.old,
                     settle,
                 }
             })
@@ -1305,10 +1306,8 @@ mod tests {
             slot: 3,
             id,
         };
-        let held = |ino: u64, key: ObjectRef, own: ObjectRef| HeldObject {
-            ino,
-            key,
-            own,
+        let held = |ino: u64, old: ObjectRef, new: ObjectRef| HeldObject {
+            object: IndirectObject { ino, old, new },
             frozen: true,
         };
         let listed = [

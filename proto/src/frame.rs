@@ -244,12 +244,9 @@ pub const SETTLE_OBJECT_LEN: usize = 8 + OBJECT_REF_LEN + 4;
 /// An object an earlier manager allocated ([`Op::ObjInherited`]'s reply).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct HeldObject {
-    /// The region it belongs to.
-    pub ino: u64,
-    /// The pointer handed out for it.
-    pub key: ObjectRef,
-    /// The pointer at its own block (the same as `key` unless compaction moved it).
-    pub own: ObjectRef,
+    /// Its region, the pointer handed out for it (`old`) and the pointer at its own block
+    /// (`new`: the same unless compaction moved it).
+    pub object: IndirectObject,
     /// An earlier manager froze it and no one thawed it.
     pub frozen: bool,
 }
@@ -257,9 +254,7 @@ pub struct HeldObject {
 impl HeldObject {
     /// Appends the encoding.
     pub fn encode(&self, buf: &mut BytesMut) {
-        buf.put_u64_le(self.ino);
-        self.key.encode(buf);
-        self.own.encode(buf);
+        self.object.encode(buf);
         buf.put_u32_le(u32::from(self.frozen));
     }
 
@@ -269,16 +264,11 @@ impl HeldObject {
         whole_records(op, payload, HELD_OBJECT_LEN)?;
         payload
             .chunks_exact(HELD_OBJECT_LEN)
-            .map(|mut c| {
-                let ino = c.get_u64_le();
-                let (key, rest) = ObjectRef::decode(op, c)?;
-                let (own, mut rest) = ObjectRef::decode(op, rest)?;
-                let frozen = rest.get_u32_le() != 0;
+            .map(|c| {
+                let (object, mut rest) = IndirectObject::decode(op, c)?;
                 Ok(HeldObject {
-                    ino,
-                    key,
-                    own,
-                    frozen,
+                    object,
+                    frozen: rest.get_u32_le() != 0,
                 })
             })
             .collect()
@@ -382,23 +372,28 @@ impl IndirectObject {
 
     /// Decodes a whole [`Op::ObjIndirect`] reply payload.
     pub fn decode_all(payload: &[u8]) -> Result<Vec<IndirectObject>, FrameError> {
-        if !payload.len().is_multiple_of(INDIRECT_OBJECT_LEN) {
+        let op = Op::ObjIndirect;
+        whole_records(op, payload, INDIRECT_OBJECT_LEN)?;
+        payload
+            .chunks_exact(INDIRECT_OBJECT_LEN)
+            .map(|c| Ok(IndirectObject::decode(op, c)?.0))
+            .collect()
+    }
+
+    /// The one at the start of `payload` (of an `op` reply), and the bytes after it.
+    fn decode(op: Op, mut payload: &[u8]) -> Result<(IndirectObject, &[u8]), FrameError> {
+        if payload.len() < INDIRECT_OBJECT_LEN {
             return Err(bad_length(
-                Op::ObjIndirect,
-                "reply payload length (a multiple of 32)",
-                (payload.len() / INDIRECT_OBJECT_LEN * INDIRECT_OBJECT_LEN) as u64,
+                op,
+                "record length",
+                INDIRECT_OBJECT_LEN as u64,
                 payload.len() as u64,
             ));
         }
-        payload
-            .chunks_exact(INDIRECT_OBJECT_LEN)
-            .map(|mut c| {
-                let ino = c.get_u64_le();
-                let (old, rest) = ObjectRef::decode(Op::ObjIndirect, c)?;
-                let (new, _) = ObjectRef::decode(Op::ObjIndirect, rest)?;
-                Ok(IndirectObject { ino, old, new })
-            })
-            .collect()
+        let ino = payload.get_u64_le();
+        let (old, rest) = ObjectRef::decode(op, payload)?;
+        let (new, rest) = ObjectRef::decode(op, rest)?;
+        Ok((IndirectObject { ino, old, new }, rest))
     }
 }
 
@@ -1273,7 +1268,7 @@ impl Request {
                 expect_len(op, "payload length", 0, plen)?;
                 Request::ObjCompact
             }
-            Op::ObjIndirect => {
+            Op::ObjIndirect | Op::ObjInherited => {
                 expect_len(op, "payload length", 0, plen)?;
                 let max = u32::try_from(h.length)
                     .ok()
@@ -1284,22 +1279,12 @@ impl Request {
                         u64::from(MAX_INDIRECT),
                         h.length,
                     ))?;
-                Request::ObjIndirect { max }
-            }
-            Op::ObjInherited => {
-                expect_len(op, "payload length", 0, plen)?;
-                let max = u32::try_from(h.length)
-                    .ok()
-                    .filter(|m| *m <= MAX_INDIRECT)
-                    .ok_or(bad_length(
-                        op,
-                        "length field (at most)",
-                        u64::from(MAX_INDIRECT),
-                        h.length,
-                    ))?;
-                Request::ObjInherited {
-                    manager: h.offset,
-                    max,
+                match op {
+                    Op::ObjIndirect => Request::ObjIndirect { max },
+                    _ => Request::ObjInherited {
+                        manager: h.offset,
+                        max,
+                    },
                 }
             }
             Op::ObjSettle => {

@@ -147,9 +147,11 @@ pub fn serve(store: &ObjectStore, secret: bool, reach: Reach, request: Request) 
             let mut out = BytesMut::with_capacity(found.len() * HELD_OBJECT_LEN);
             for x in found {
                 HeldObject {
-                    ino: x.object.owner.ino,
-                    key: x.object.old,
-                    own: x.object.new,
+                    object: IndirectObject {
+                        ino: x.object.owner.ino,
+                        old: x.object.old,
+                        new: x.object.new,
+                    },
                     frozen: x.frozen,
                 }
                 .encode(&mut out);
