@@ -454,10 +454,12 @@ impl Report {
                 self.store_bytes as f64 / self.region_bytes.max(1) as f64
             ),
             format!(
-                "daemon: {} descriptors before, {} with every region; RSS {:.0} MiB; manager RSS {:.0} MiB ({:.0} bytes a region)",
+                "daemon: {} descriptors before, {} with every region; RSS {:.0} MiB, {:.0} bytes an object beyond the store's memory; manager RSS {:.0} MiB ({:.0} bytes a region)",
                 self.daemon_fds.0,
                 self.daemon_fds.1,
                 mib(self.daemon_rss),
+                self.daemon_rss.saturating_sub(self.store_bytes) as f64
+                    / self.objects.max(1) as f64,
                 mib(self.manager_rss),
                 self.manager_rss as f64 / (scale.library + scale.mount).max(1) as f64
             ),
